@@ -1,0 +1,111 @@
+"""Value checks on paged/packed attention metadata.
+
+The batch builder always runs them; the ops run them when ``PAGEDPACK_VALIDATE=1`` (they need
+the metadata's values, i.e. a device sync, so they stay off the hot path by default).
+Every failure is a ``ValueError`` naming the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def validation_enabled() -> bool:
+    """True when ``PAGEDPACK_VALIDATE=1`` asks the ops to check metadata values."""
+    return os.environ.get("PAGEDPACK_VALIDATE", "0") == "1"
+
+
+def check_cu_seqlens_q(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``cu_seqlens_q`` must start at 0, never decrease, and end at ``num_tokens``.
+
+    Returns the per-sequence query lengths ``q_lens`` (int64 ``[B]``, on the CPU).
+    """
+    cu = cu_seqlens_q.detach().to("cpu", torch.int64)
+    if cu.numel() == 0 or int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {cu.tolist()[:8]}")
+    q_lens = cu[1:] - cu[:-1]
+    if bool((q_lens < 0).any()):
+        b = int(torch.nonzero(q_lens < 0)[0])
+        raise ValueError(
+            f"cu_seqlens_q: expected a non-decreasing sequence, got cu_seqlens_q[{b}]={int(cu[b])} "
+            f"> cu_seqlens_q[{b + 1}]={int(cu[b + 1])}"
+        )
+    if int(cu[-1]) != num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q: expected the last entry to equal num_tokens={num_tokens}, got {int(cu[-1])}"
+        )
+    return q_lens
+
+
+def check_seq_lens(seq_lens: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor:
+    """``seq_lens[b] >= q_lens[b]``: the KV of this step's tokens is part of ``seq_lens``."""
+    kv = seq_lens.detach().to("cpu", torch.int64)
+    bad = torch.nonzero(kv < q_lens)
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"seq_lens: expected seq_lens[{b}] >= q_len={int(q_lens[b])} (the KV length includes this "
+            f"step's tokens), got {int(kv[b])}"
+        )
+    return kv
+
+
+def check_block_table(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Every block a sequence reads is a valid id, and each row is wide enough for its length."""
+    bt = block_table.detach().to("cpu", torch.int64)
+    kv = seq_lens.detach().to("cpu", torch.int64)
+    needed = (kv + block_size - 1) // block_size
+    if bt.shape[0] != kv.shape[0]:
+        raise ValueError(
+            f"block_table: expected {kv.shape[0]} rows (one per sequence), got shape {tuple(bt.shape)}"
+        )
+    too_narrow = torch.nonzero(needed > bt.shape[1])
+    if too_narrow.numel():
+        b = int(too_narrow[0])
+        raise ValueError(
+            f"block_table: expected at least {int(needed[b])} columns for seq_lens[{b}]={int(kv[b])} "
+            f"with block_size={block_size}, got {bt.shape[1]}"
+        )
+    for b in range(bt.shape[0]):
+        used = bt[b, : int(needed[b])]
+        bad = torch.nonzero((used < 0) | (used >= num_blocks))
+        if bad.numel():
+            j = int(bad[0])
+            raise ValueError(
+                f"block_table: expected block ids in [0, {num_blocks}), got block_table[{b}, {j}]="
+                f"{int(used[j])}"
+            )
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Slots are ``-1`` (skip) or inside the pool ``[0, num_blocks * block_size)``."""
+    slots = slot_mapping.detach().to("cpu", torch.int64)
+    num_slots = num_blocks * block_size
+    bad = torch.nonzero((slots < -1) | (slots >= num_slots))
+    if bad.numel():
+        t = int(bad[0])
+        raise ValueError(
+            f"slot_mapping: expected -1 or a slot in [0, {num_slots}) (num_blocks={num_blocks} x "
+            f"block_size={block_size}), got slot_mapping[{t}]={int(slots[t])}"
+        )
+
+
+def check_paged_metadata(
+    *,
+    num_tokens: int,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """All value checks of one step's metadata (see the module docstring)."""
+    q_lens = check_cu_seqlens_q(cu_seqlens_q, num_tokens)
+    kv = check_seq_lens(seq_lens, q_lens)
+    check_block_table(block_table, kv, num_blocks, block_size)
+    if slot_mapping is not None:
+        check_slot_mapping(slot_mapping, num_blocks, block_size)

@@ -1,0 +1,175 @@
+"""Find the attention sites of a captured graph.
+
+Two forms are recognised, as ``transformers`` emits them under ``torch.export``:
+- ``sdpa``: ``aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=,
+  enable_gqa=)``;
+- ``eager``: ``matmul(q, k^T) -> mul/div by a constant -> [add mask] -> softmax(-1) -> [casts,
+  dropout] -> matmul(., v)``.
+In both, K and V may come through ``repeat_kv`` (``unsqueeze(2) -> expand -> reshape``); the site
+records the pre-repeat tensors, which are what the paged KV cache stores.
+Structural problems are recorded as a refusal reason on the site; nothing is changed here.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
+_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.alias.default,
+                 aten.clone.default, aten.contiguous.default}
+_RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+
+
+@dataclass
+class AttentionSite:
+    """One attention computation in the graph (all tensors ``[1, heads, T, head_dim]``)."""
+
+    name: str
+    form: str
+    layer: int | None
+    output: Node
+    query: Node
+    key: Node
+    value: Node
+    key_source: Node  # K before repeat_kv: what the cache stores
+    value_source: Node
+    num_rep: int  # query heads per KV head, as repeat_kv repeats them
+    mask: Node | None
+    is_causal: bool
+    scale: float | None
+    refusal: str | None = None
+
+
+def find_attention_sites(graph: torch.fx.Graph) -> list[AttentionSite]:
+    """All attention sites of ``graph`` in graph order."""
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.scaled_dot_product_attention.default:
+            sites.append(_sdpa_site(node))
+        elif node.target in _SOFTMAX:
+            site = _eager_site(node)
+            if site is not None:
+                sites.append(site)
+    return sites
+
+
+def _sdpa_site(node: Node) -> AttentionSite:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    defaults = (None, None, None, None, 0.0, False)
+    a = {k: node.args[i] if i < len(node.args) else node.kwargs.get(k, d)
+         for i, (k, d) in enumerate(zip(names, defaults))}
+    key_src, k_rep = unrepeat_kv(a["key"])
+    value_src, v_rep = unrepeat_kv(a["value"])
+    site = AttentionSite(
+        name=node.name, form="sdpa", layer=_layer_index(node), output=node,
+        query=a["query"], key=a["key"], value=a["value"], key_source=key_src, value_source=value_src,
+        num_rep=k_rep, mask=a["attn_mask"], is_causal=bool(a["is_causal"]),
+        scale=node.kwargs.get("scale"),
+    )
+    if a["dropout_p"] != 0.0:
+        site.refusal = f"dropout_p={a['dropout_p']} (attention dropout is active; put the model in eval mode)"
+    elif k_rep != v_rep:
+        site.refusal = f"K and V are repeated differently ({k_rep} vs {v_rep})"
+    return site
+
+
+def _eager_site(softmax: Node) -> AttentionSite | None:
+    """Match ``matmul(q, k^T) * s [+ mask] -> softmax -> ... -> matmul(., v)``; None if no match."""
+    if softmax.args[1] not in (-1, 3):
+        return None
+    x, mask = softmax.args[0], None
+    if _is(x, aten.add.Tensor) and isinstance(x.args[1], Node):
+        x, mask = x.args[0], x.args[1]
+    scale = 1.0
+    if _is(x, aten.mul.Tensor, aten.mul.Scalar) and isinstance(x.args[1], (int, float)):
+        x, scale = x.args[0], float(x.args[1])
+    elif _is(x, aten.div.Tensor, aten.div.Scalar) and isinstance(x.args[1], (int, float)):
+        x, scale = x.args[0], 1.0 / float(x.args[1])
+    if not _is(x, aten.matmul.default):
+        return None
+    query, key_t = x.args
+    if not (_is(key_t, aten.transpose.int) and sorted(d % 4 for d in key_t.args[1:]) == [2, 3]):
+        return None
+    probs = _single_user_chain(softmax)
+    if probs is None:
+        return None
+    out = next(iter(probs.users)) if len(probs.users) == 1 else None
+    if out is None or not _is(out, aten.matmul.default) or out.args[0] is not probs:
+        return None
+    key, value = key_t.args[0], out.args[1]
+    key_src, k_rep = unrepeat_kv(key)
+    value_src, v_rep = unrepeat_kv(value)
+    site = AttentionSite(
+        name=out.name, form="eager", layer=_layer_index(out), output=out,
+        query=query, key=key, value=value, key_source=key_src, value_source=value_src,
+        num_rep=k_rep, mask=mask, is_causal=False, scale=scale,
+    )
+    if probs is not softmax and _has_active_dropout(softmax, probs):
+        site.refusal = "attention dropout is active (put the model in eval mode)"
+    elif k_rep != v_rep:
+        site.refusal = f"K and V are repeated differently ({k_rep} vs {v_rep})"
+    return site
+
+
+def _single_user_chain(node: Node) -> Node | None:
+    """Follow casts and inactive dropout from the softmax to the node feeding ``@ v``."""
+    while True:
+        users = [u for u in node.users if not _is(u, aten._assert_tensor_metadata.default)]
+        if len(users) != 1:
+            return node
+        user = users[0]
+        if user.target in _PASS_THROUGH or _is(user, aten.dropout.default):
+            node = user
+        else:
+            return node
+
+
+def _has_active_dropout(start: Node, end: Node) -> bool:
+    node = end
+    while node is not start:
+        if _is(node, aten.dropout.default) and node.args[1] != 0.0 and node.args[2]:
+            return True
+        node = node.args[0]
+    return False
+
+
+def unrepeat_kv(node: Node) -> tuple[Node, int]:
+    """Undo ``repeat_kv`` (``x[:, :, None].expand(b, h, n, s, d).reshape(b, h*n, s, d)``).
+
+    Returns ``(pre-repeat node, n)``; ``(node, 1)`` when ``node`` is not a repeat.
+    """
+    if _is(node, *_RESHAPES) and _is(node.args[0], aten.expand.default):
+        expand = node.args[0]
+        if _is(expand.args[0], aten.unsqueeze.default) and expand.args[0].args[1] == 2:
+            source = expand.args[0].args[0]
+            rep = expand.args[1][2]
+            if isinstance(rep, int):
+                return source, rep
+    return node, 1
+
+
+def default_scale(site: AttentionSite) -> float:
+    """The softmax scale: the explicit one, else SDPA's ``1/sqrt(head_dim)``."""
+    if site.scale is not None:
+        return float(site.scale)
+    return 1.0 / math.sqrt(site.query.meta["val"].shape[-1])
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _layer_index(node: Node) -> int | None:
+    """The decoder layer a node belongs to, from export's ``nn_module_stack`` metadata."""
+    for path, _ in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        match = re.search(r"layers[._](\d+)", str(path))
+        if match:
+            return int(match.group(1))
+    return None

@@ -1,0 +1,32 @@
+"""Runs the rewritten step graph over the paged KV caches it owns."""
+from __future__ import annotations
+
+import torch
+
+from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
+from pagedpack.runtime.batch import BatchMetadata
+
+
+class ModelRunner:
+    """The step graph plus its per-layer KV caches.
+
+    Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
+    for K and for V, with the dtype and head shape the rewrite read off the captured graph.
+    """
+
+    def __init__(self, rewritten: RewrittenModel, *, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu"):
+        rewritten.raise_if_refused()
+        self.graph_module = rewritten.graph_module
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
+        self.kv_caches: list[torch.Tensor] = []
+        for spec in rewritten.kv_cache_specs:
+            for shape in spec.cache_shapes(num_blocks, block_size):
+                self.kv_caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchMetadata) -> torch.Tensor:
+        """Run one step; returns ``logits [B, vocab]`` (one row per sequence: its last token)."""
+        inputs = batch.as_inputs()
+        return self.graph_module(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
