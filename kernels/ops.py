@@ -1,0 +1,222 @@
+"""The project's reference ops: ``torch.ops.pagedpack.reshape_and_cache`` and ``paged_attention``.
+
+Both are ``torch.library.custom_op`` definitions with a fake (meta) kernel, so a graph calling
+them traces under ``torch.export`` with symbolic ``T`` (tokens), ``B`` (sequences) and
+``max_blocks_per_seq``. The real kernels are plain PyTorch and run on any device.
+
+Shape, dtype and device checks always run, in the real and in the fake kernel (through
+``torch._check_value``, which raises ``ValueError`` on concrete sizes and records a guard on
+symbolic ones). Checks on metadata *values* need a device sync; the real kernels run them only
+when ``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`).
+"""
+import torch
+from torch import Tensor
+
+from pagedpack.kernels.validation import check_paged_metadata, check_slot_mapping, validation_enabled
+
+_CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
+
+
+def _require(cond, op: str, arg: str, expected: str, got) -> None:
+    """Raise ``ValueError("<op>: <arg>: expected <expected>, got <got>")`` unless ``cond``."""
+    torch._check_value(cond, lambda: f"{op}: {arg}: expected {expected}, got {got}")
+
+
+def _check_rank(op: str, arg: str, t: Tensor, layout: str) -> None:
+    rank = layout.count(",") + 1
+    _require(t.dim() == rank, op, arg, f"a rank-{rank} tensor {layout}", f"shape {tuple(t.shape)}")
+
+
+def _check_dtype(op: str, arg: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+    _require(t.dtype in allowed, op, arg, f"dtype {names}", str(t.dtype).removeprefix("torch."))
+
+
+def _check_same_device(op: str, **tensors: Tensor) -> None:
+    (first, ref), *rest = tensors.items()
+    for arg, t in rest:
+        _require(t.device == ref.device, op, arg, f"the device of {first} ({ref.device})", t.device)
+
+
+def _check_caches(op: str, key_cache: Tensor, value_cache: Tensor) -> None:
+    _check_rank(op, "key_cache", key_cache, _CACHE_LAYOUT)
+    _check_rank(op, "value_cache", value_cache, _CACHE_LAYOUT)
+    k, v = tuple(key_cache.shape), tuple(value_cache.shape)
+    _require(
+        k[:3] == v[:3], op, "key_cache", f"shape {_CACHE_LAYOUT} matching value_cache", f"{k} vs {v}"
+    )
+
+
+def _check_reshape_and_cache_args(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    op = "reshape_and_cache"
+    _check_same_device(
+        op, key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping
+    )
+    _check_caches(op, key_cache, value_cache)
+    for arg, t, cache in (("key", key, key_cache), ("value", value, value_cache)):
+        _check_rank(op, arg, t, "[T, num_kv_heads, head_dim]")
+        _require(
+            tuple(t.shape[1:]) == tuple(cache.shape[2:]), op, arg,
+            f"(num_kv_heads, head_dim) = {tuple(cache.shape[2:])} as in {arg}_cache",
+            f"shape {tuple(t.shape)}",
+        )
+    _check_rank(op, "slot_mapping", slot_mapping, "[T]")
+    _check_dtype(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    for arg, t in (("value", value), ("slot_mapping", slot_mapping)):
+        _require(t.shape[0] == key.shape[0], op, arg, f"T={key.shape[0]} rows like key", t.shape[0])
+
+
+def _check_paged_attention_args(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+) -> None:
+    op = "paged_attention"
+    _check_same_device(
+        op, query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+        cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+    )
+    _check_rank(op, "query", query, "[T, num_heads, head_dim]")
+    _check_caches(op, key_cache, value_cache)
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, cache_head_dim = key_cache.shape[2:]
+    _require(
+        num_heads % num_kv_heads == 0, op, "query",
+        f"num_heads divisible by the cache's num_kv_heads={num_kv_heads}", f"num_heads={num_heads}",
+    )
+    _require(
+        head_dim == cache_head_dim, op, "query",
+        f"head_dim equal to key_cache's head_dim={cache_head_dim}", f"head_dim={head_dim}",
+    )
+    _check_rank(op, "block_table", block_table, "[B, max_blocks_per_seq]")
+    _check_rank(op, "cu_seqlens_q", cu_seqlens_q, "[B + 1]")
+    _check_rank(op, "seq_lens", seq_lens, "[B]")
+    for arg, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        _check_dtype(op, arg, t, (torch.int32,))
+    num_seqs = seq_lens.shape[0]
+    _require(
+        cu_seqlens_q.shape[0] == num_seqs + 1, op, "cu_seqlens_q",
+        f"B + 1 = {num_seqs + 1} entries (seq_lens has B={num_seqs})", cu_seqlens_q.shape[0],
+    )
+    _require(
+        block_table.shape[0] == num_seqs, op, "block_table",
+        f"B = {num_seqs} rows (one per seq_lens entry)", block_table.shape[0],
+    )
+
+
+@torch.library.custom_op("pagedpack::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def reshape_and_cache(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write this step's keys and values into the paged KV cache, in place.
+
+    Semantics of vLLM's ``reshape_and_cache`` (``reshape_and_cache_flash`` layout): token ``t``
+    goes to block ``slot_mapping[t] // block_size``, offset ``slot_mapping[t] % block_size``;
+    ``slot_mapping[t] == -1`` writes nothing. Keys and values are cast to the cache dtype.
+
+    Args:
+        key: ``[T, num_kv_heads, head_dim]``, any floating dtype.
+        value: ``[T, num_kv_heads, head_dim_v]``.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), mutated.
+        value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim_v]``, mutated.
+        slot_mapping: int32 or int64 ``[T]``, slots in ``[0, num_blocks * block_size)`` or -1.
+
+    Raises:
+        ValueError: a rank, shape, dtype or device mismatch (always); a slot outside the pool
+            (only with ``PAGEDPACK_VALIDATE=1``).
+    """
+    _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    block_size = key_cache.shape[1]
+    if validation_enabled():
+        check_slot_mapping(slot_mapping, key_cache.shape[0], block_size)
+    write = slot_mapping >= 0
+    slots = slot_mapping[write].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[write].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[write].to(value_cache.dtype)
+
+
+@reshape_and_cache.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+
+
+@torch.library.custom_op("pagedpack::paged_attention", mutates_args=())
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal attention of a packed batch over a paged KV cache.
+
+    Semantics of FlashAttention's varlen kernel with ``seqused_k`` and ``causal=True`` (vLLM's
+    ``seq_lens``): the causal mask is aligned bottom-right per sequence, so query row ``i``
+    (0-based within sequence ``b``'s ``q_len`` rows) sees keys ``0 .. seq_lens[b] - q_len + i``.
+    Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    Scores, softmax and the weighted sum run in fp32; the output is cast to ``query.dtype``.
+    A sequence with ``q_len == 0`` produces no rows; a fully masked row (only possible when
+    ``seq_lens[b] < q_len``, which validation rejects) produces zeros.
+
+    Args:
+        query: ``[T, num_heads, head_dim]``, all sequences' query rows packed.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
+        value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim_v]``.
+        block_table: int32 ``[B, max_blocks_per_seq]``, physical block ids of each sequence.
+        cu_seqlens_q: int32 ``[B + 1]``, query rows of sequence ``b`` are
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
+        seq_lens: int32 ``[B]``, KV length of each sequence in tokens, including this step's
+            tokens (already written by ``reshape_and_cache``).
+        scale: multiplier of ``q @ k^T`` (usually ``head_dim ** -0.5``).
+
+    Returns:
+        ``[T, num_heads, head_dim_v]`` in ``query.dtype``.
+
+    Raises:
+        ValueError: a rank, shape, dtype or device mismatch (always); inconsistent metadata
+            values (only with ``PAGEDPACK_VALIDATE=1``, see ``check_paged_metadata``).
+    """
+    _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, head_dim_v = value_cache.shape
+    if validation_enabled():
+        check_paged_metadata(
+            num_tokens=num_tokens, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+            block_table=block_table, slot_mapping=None, num_blocks=num_blocks, block_size=block_size,
+        )
+    n_rep = num_heads // num_kv_heads
+    out = query.new_zeros(num_tokens, num_heads, head_dim_v)
+    cu, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, kv_len in enumerate(kv_lens):
+        start, end = cu[b], cu[b + 1]
+        q_len, kv_len = end - start, max(kv_len, 0)
+        if q_len <= 0:
+            continue
+        blocks = block_table[b, : -(-kv_len // block_size)].long()
+        # [kv_heads, kv_len, D]: this sequence's keys/values, in token order.
+        k = key_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
+        v = value_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
+        # [kv_heads, n_rep * q_len, D]: the n_rep query heads sharing a KV head, stacked.
+        q = query[start:end].float().mul(scale).view(q_len, num_kv_heads, n_rep, head_dim)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, n_rep * q_len, head_dim)
+        rows = torch.arange(q_len, device=query.device).unsqueeze(1)
+        visible = torch.arange(kv_len, device=query.device) <= rows + (kv_len - q_len)  # [q_len, kv_len]
+        scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, n_rep, q_len, kv_len)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).masked_fill(~visible, 0.0)
+        o = torch.bmm(probs.view(num_kv_heads, n_rep * q_len, kv_len), v)
+        out[start:end] = o.view(num_heads, q_len, head_dim_v).transpose(0, 1).to(out.dtype)
+    return out
+
+
+@paged_attention.register_fake
+def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale):
+    _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
