@@ -1,0 +1,135 @@
+"""``pagedpack`` command line: ``generate`` and ``inspect``."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from pagedpack.llm import LLM
+from pagedpack.models.loading import DEFAULT_MODEL
+from pagedpack.runtime.sampling import SamplingParams
+
+DEFAULT_PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Paged attention stores keys and values in fixed-size blocks, so",
+    "Once upon a time, in a land far away, there lived a small team of engineers who wanted to "
+    "serve language models without padding. They wrote a compiler pass that",
+    "def fibonacci(n):",
+    "Q: What is continuous batching?\nA:",
+    "In a packed batch, all tokens of all sequences form one row, and the sequence boundaries "
+    "travel as cumulative lengths. The attention kernel reads each sequence's keys and values "
+    "through its block table, and the causal mask is aligned to the bottom right, so that a "
+    "chunked prefill sees the tokens it cached in earlier steps. This means",
+    "1, 2, 3, 4,",
+]
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedpack", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with the rewritten model")
+    _model_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--num-blocks", type=int, default=None)
+    gen.add_argument("--max-num-seqs", type=int, default=256)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+    insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)")
+    _model_args(insp)
+    insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
+
+    args = parser.parse_args(argv)
+    return _generate(args) if args.command == "generate" else _inspect(args)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"local Hugging Face directory or hub id (default: built-in {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's")
+
+
+def _generate(args) -> int:
+    console = Console()
+    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), block_size=args.block_size, num_blocks=args.num_blocks,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+
+    for out in outputs:
+        console.rule(f"request {out.request_id}")
+        console.print(f"[bold]prompt:[/bold] {out.prompt!r}")
+        if out.error:
+            console.print(f"[red]error:[/red] {out.error}")
+        else:
+            completion = out.outputs[0]
+            console.print(f"[bold]completion[/bold] ({completion.finish_reason}): {completion.text!r}")
+    console.print(_summary(llm, outputs, elapsed))
+    return 1 if all(o.error for o in outputs) else 0
+
+
+def _summary(llm: LLM, outputs, elapsed: float) -> Table:
+    engine = llm.llm_engine
+    kv = engine.scheduler.kv_cache_manager
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not o.error)
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    per_token = llm.rewritten.bytes_per_token
+    used = kv.peak_used_blocks * llm.block_size * per_token
+    contiguous = len(outputs) * llm.max_model_len * per_token
+    table = Table(title="summary", show_header=False)
+    rows = [
+        ("requests", f"{len(outputs)} ({sum(bool(o.error) for o in outputs)} failed)"),
+        ("prompt tokens", str(prompt_tokens)),
+        ("generated tokens", str(generated)),
+        ("wall time", f"{elapsed:.2f} s"),
+        ("throughput", f"{generated / elapsed:.1f} generated tokens/s, "
+                       f"{(prompt_tokens + generated) / elapsed:.1f} total tokens/s"),
+        ("steps", f"{engine.stats.num_steps} ({engine.stats.num_preemptions} preemptions)"),
+        ("KV blocks", f"peak {kv.peak_used_blocks}, in use {kv.num_used_blocks}, pool {kv.num_blocks} "
+                      f"x {llm.block_size} tokens"),
+        ("KV memory", f"peak {_mib(used)} used vs {_mib(contiguous)} for a contiguous "
+                      f"{len(outputs)} x max_len={llm.max_model_len} preallocation "
+                      f"({100 * used / contiguous:.1f}%)"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.2f} MiB"
+
+
+def _inspect(args) -> int:
+    from pagedpack.models.capture import capture
+    from pagedpack.models.loading import load, max_model_len
+    from pagedpack.passes.pipeline import rewrite
+
+    model, _ = load(args.model, dtype=_DTYPES.get(args.dtype))
+    limit, note = max_model_len(model.config)
+    rewritten = rewrite(capture(model, max_num_tokens=limit))
+    if note:
+        rewritten.report.notes.append(note)
+    print(rewritten.report.format())
+    if args.graph:
+        print(rewritten.graph_module.code)
+    return 0 if rewritten.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Shared test inputs and the independent reference: the unmodified HF model, one sequence at a time."""
+import pytest
+import torch
+
+# The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
+MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
+
+
+def random_prompts(lens, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts() -> list[list[int]]:
+    return random_prompts(MIXED_PROMPT_LENS)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The unmodified model's greedy ``generate`` on ``prompt`` alone: the new tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The unmodified model's logits for the last token of ``tokens`` (one sequence, no cache)."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), use_cache=False).logits[0, -1]
