@@ -1,0 +1,114 @@
+"""One generation request: its tokens, its place in the KV cache and its life cycle."""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from pagedpack.runtime.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    def is_finished(self) -> bool:
+        """``status.is_finished()`` or, as in vLLM, ``RequestStatus.is_finished(status)``."""
+        return self in (
+            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ERROR
+        )
+
+
+class Request:
+    """A prompt being extended token by token.
+
+    Attributes:
+        request_id: caller's id, unique among live requests.
+        prompt_token_ids / output_token_ids: the prompt and the tokens generated so far.
+        num_computed_tokens: leading tokens of ``all_token_ids`` whose KV is in the cache.
+        block_ids: physical KV blocks, in order (block ``j`` holds positions
+            ``j * block_size ..``); owned by the ``KVCacheManager``.
+        status / finish_reason ("stop", "length", "error") / error (message for "error").
+        generator: the request's own ``torch.Generator`` when it has a seed (created lazily by
+            the sampler).
+        num_preemptions: how often the scheduler evicted it (its KV is then recomputed).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.generator: torch.Generator | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_prompt_tokens}"
+            f"+{self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. The list is the request's own: read it, do not modify it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def append_output(self, token_id: int, max_model_len: int) -> bool:
+        """Append a generated token; finish the request if a stop condition holds.
+
+        Stop conditions, in order: the EOS token (unless ``ignore_eos``) or a
+        ``stop_token_ids`` entry -> "stop"; ``max_tokens`` outputs or ``max_model_len`` tokens
+        in all -> "length". The stopping token stays in ``output_token_ids``.
+        Returns whether the request finished. Raises ``RuntimeError`` if it already had.
+        """
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} is already finished ({self.status.name})")
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        params = self.sampling_params
+        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+            self._finish(RequestStatus.FINISHED_STOPPED, "stop")
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            self._finish(RequestStatus.FINISHED_LENGTH, "length")
+        return self.is_finished
+
+    def fail(self, error: str) -> None:
+        """Finish the request with ``finish_reason="error"`` and the given message."""
+        self.error = error
+        self._finish(RequestStatus.FINISHED_ERROR, "error")
+
+    def _finish(self, status: RequestStatus, reason: str) -> None:
+        self.status = status
+        self.finish_reason = reason

@@ -1,0 +1,138 @@
+"""Sampling parameters and the sampler that turns one step's logits into next tokens.
+
+Semantics follow vLLM: ``temperature == 0`` is greedy (argmax), otherwise logits are divided
+by the temperature in fp32, restricted by top-k and then top-p (nucleus), and a token is drawn.
+A request with a ``seed`` draws from its own ``torch.Generator`` so its tokens do not depend on
+which other requests share the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedpack.runtime.request import Request
+
+# Temperatures below this are treated as greedy (dividing by them would overflow fp32).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request (vLLM names and defaults).
+
+    temperature: ``>= 0``; ``0`` (anything below ``GREEDY_TEMPERATURE``) means greedy.
+    top_p: nucleus mass in ``(0, 1]``; ``1`` disables it.
+    top_k: keep the ``k`` most likely tokens; ``0`` or ``-1`` disables it.
+    seed: per-request random seed, or ``None`` for the global generator.
+    max_tokens: at most this many output tokens (``>= 1``).
+    stop_token_ids: generating any of these finishes the request (the token is kept).
+    ignore_eos: keep generating past the model's EOS token.
+
+    Raises ``ValueError`` naming the field, the expectation and the value.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: expected an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: expected a list of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to ``-inf``) every token outside each row's top-k and then top-p set.
+
+    logits: float ``[N, V]``; top_k: int64 ``[N]`` (``<= 0`` disables); top_p: fp32 ``[N]``.
+    Top-p keeps the smallest set of most likely tokens whose probability (after top-k) sums to
+    at least ``top_p``; the most likely token is always kept. Ties are ordered by token id.
+    Returns a new tensor of the same shape and dtype.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    drop = rank[None, :] >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    probs = sorted_logits.float().softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop_in_vocab_order = torch.empty_like(drop).scatter_(-1, order, drop)
+    return logits.masked_fill(drop_in_vocab_order, -math.inf)
+
+
+class Sampler:
+    """``Sampler()(logits [N, V], requests) -> list[int]``: one next token per row.
+
+    Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Greedy rows take the
+    argmax; the others are sampled in fp32 as described in the module docstring. Seeded
+    requests get ``request.generator`` (created on first use, on the logits' device).
+    """
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits: expected shape [{len(requests)}, vocab] (one row per request), "
+                f"got {tuple(logits.shape)}"
+            )
+        tokens = logits.argmax(dim=-1)
+        params = [r.sampling_params for r in requests]
+        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if rows:
+            device = logits.device
+            temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+            top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
+            top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+            scaled = logits[rows].float() / temperature[:, None]
+            probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+            tokens[rows] = self._draw(probs, [requests[i] for i in rows])
+        return tokens.tolist()
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """One token per row of ``probs`` (fp32 ``[n, V]``); seeded rows use their own generator."""
+        drawn = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
+        if unseeded:
+            drawn[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(-1)
+        for i, request in enumerate(requests):
+            seed = request.sampling_params.seed
+            if seed is None:
+                continue
+            if request.generator is None:
+                request.generator = torch.Generator(device=probs.device).manual_seed(seed)
+            drawn[i] = torch.multinomial(probs[i], 1, generator=request.generator)[0]
+        return drawn

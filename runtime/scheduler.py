@@ -1,0 +1,194 @@
+"""Continuous batching with chunked prefill and recompute preemption (vLLM v1 style).
+
+There are no prefill and decode phases: every request simply has
+``num_tokens - num_computed_tokens`` tokens whose KV is not cached yet, and each step gives
+each scheduled request a chunk of them, within a token budget. A prompt longer than the budget
+is computed in several steps (chunked prefill); a request generating tokens has one new token
+per step (decode); both mix freely in one step.
+
+Priority is first come, first served. ``running`` stays in arrival order (a preempted request
+goes back to the front of ``waiting``, and waiting requests are admitted in order, never
+skipping one), so the last running request is always the latest arrived one, which is the one
+preempted when the KV pool runs out.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request`` to compute this step, starting at
+    ``request.num_computed_tokens`` (which the scheduler advances only in
+    ``update_from_output``). ``ValueError`` unless ``1 <= num_new_tokens <= `` the tokens left."""
+
+    request: Request
+    num_new_tokens: int
+    _needs_sample: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        end = self.request.num_computed_tokens + self.num_new_tokens
+        if self.num_new_tokens < 1 or end > self.request.num_tokens:
+            raise ValueError(
+                f"num_new_tokens: expected 1 .. {self.request.num_tokens - self.request.num_computed_tokens} "
+                f"for request {self.request.request_id!r} ({self.request.num_computed_tokens} of "
+                f"{self.request.num_tokens} tokens computed), got {self.num_new_tokens}"
+            )
+        self._needs_sample = end == self.request.num_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """This chunk reaches the request's last known token, so its last row is sampled
+        (``num_computed_tokens + num_new_tokens == num_tokens`` when scheduled; fixed then, so
+        it stays valid after ``update_from_output``)."""
+        return self._needs_sample
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what to compute, and who was preempted to make room."""
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    max_num_batched_tokens: token budget of one step (``T`` of the packed batch).
+    max_num_seqs: most requests running at once (``B`` of the packed batch).
+    max_model_len: most tokens (prompt + output) of one request.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        for name, value in (
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}: expected >= 1, got {value}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` could never be served by this scheduler."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {num_prompt} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        kv = self.kv_cache_manager
+        max_len = min(num_prompt + request.sampling_params.max_tokens, self.max_model_len)
+        needed = kv.num_blocks_for(max_len)
+        if needed > kv.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: up to {max_len} tokens need {needed} KV blocks of "
+                f"block_size={kv.block_size}, more than the whole pool of num_blocks={kv.num_blocks}"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Check ``request`` (``ValueError`` if it can never run) and queue it, WAITING."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running requests first, then waiting ones in order."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+
+        # As vLLM: a step that had to preempt admits nobody (the pool is under pressure).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style eviction: drop its KV and queue it first among the waiting."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Record a computed step: advance ``num_computed_tokens``, append sampled tokens.
+
+        ``sampled_token_ids`` maps ``request_id`` to the new token for exactly the scheduled
+        requests whose ``needs_sample`` is true (``ValueError`` otherwise; nothing changes then).
+        Finished requests leave ``running`` and free their blocks; they are returned.
+        """
+        sampled = [s for s in output.scheduled if s.needs_sample]
+        expected = {s.request.request_id for s in sampled}
+        if expected != sampled_token_ids.keys():
+            raise ValueError(
+                f"sampled_token_ids: expected tokens for exactly {sorted(expected)}, "
+                f"got {sorted(sampled_token_ids)}"
+            )
+        for s in output.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        finished = [
+            s.request
+            for s in sampled
+            if s.request.append_output(sampled_token_ids[s.request.request_id], self.max_model_len)
+        ]
+        if finished:
+            for request in finished:
+                self.kv_cache_manager.free(request)
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished

@@ -1,0 +1,208 @@
+"""SamplingParams validation, top-k/top-p masking against a plain reference, the Sampler."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from pagedpack.runtime.request import Request
+from pagedpack.runtime.sampling import Sampler, SamplingParams, apply_top_k_top_p
+
+
+def make_request(request_id: str = "r", **params) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(**params))
+
+
+# --- SamplingParams ---------------------------------------------------------------------------
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.stop_token_ids, p.ignore_eos) == (
+        1.0, 1.0, 0, None, 16, [], False,
+    )
+    assert SamplingParams().stop_token_ids is not p.stop_token_ids
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("seed", 1.0),
+        ("max_tokens", 0),
+        ("max_tokens", 2.0),
+        ("stop_token_ids", [1, "2"]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", 1),
+    ],
+)
+def test_invalid_params_raise_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: expected .*got {re.escape(repr(value))}$"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 5])
+def test_valid_top_k_values(top_k):
+    assert SamplingParams(top_k=top_k).top_k == top_k
+
+
+# --- apply_top_k_top_p against a per-row reference ---------------------------------------------
+
+
+def reference_kept(row: list[float], top_k: int, top_p: float) -> set[int] | None:
+    """Tokens a plain per-row computation keeps (ties ordered by token id, as documented);
+    ``None`` when a cumulative mass lies within rounding distance of ``top_p``."""
+    order = sorted(range(len(row)), key=lambda v: (-row[v], v))
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p >= 1:
+        return set(order)
+    peak = row[order[0]]
+    weights = [math.exp(row[v] - peak) for v in order]
+    total = sum(weights)
+    kept, mass = set(), 0.0
+    for v, w in zip(order, weights):
+        kept.add(v)
+        mass += w / total
+        if abs(mass - top_p) < 1e-4:
+            return None
+        if mass >= top_p:
+            break
+    return kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=12),
+            st.integers(-1, 14),
+            st.sampled_from([0.05, 0.3, 0.5, 0.75, 0.9, 0.999, 1.0]),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    vocab=st.integers(1, 12),
+)
+def test_top_k_top_p_matches_reference(rows, vocab):
+    logits = torch.tensor([(r + [0.0] * vocab)[:vocab] for r, _, _ in rows], dtype=torch.float32)
+    top_k = torch.tensor([k for _, k, _ in rows])
+    top_p = torch.tensor([p for _, _, p in rows], dtype=torch.float32)
+    expected = [reference_kept(logits[b].tolist(), k, p) for b, (_, k, p) in enumerate(rows)]
+    assume(None not in expected)
+    masked = apply_top_k_top_p(logits, top_k, top_p)
+    assert masked.dtype == logits.dtype and masked.shape == logits.shape
+    for b in range(len(rows)):
+        kept = {v for v in range(vocab) if masked[b, v] != -math.inf}
+        assert kept == expected[b]
+        assert torch.equal(masked[b, sorted(kept)], logits[b, sorted(kept)])
+
+
+def test_top_p_examples():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    for top_p, expected in [(0.5, {0}), (0.7, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})]:
+        masked = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([top_p]))
+        assert {v for v in range(4) if masked[0, v] != -math.inf} == expected, top_p
+
+
+def test_top_p_after_top_k_renormalizes():
+    # top_k=2 leaves [0.5, 0.3] -> renormalized [0.625, 0.375]; top_p=0.6 keeps only token 0.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.6]))
+    assert torch.isfinite(masked[0]).tolist() == [True, False, False, False]
+
+
+# --- Sampler ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_is_argmax(dtype):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    requests = [make_request(str(i), temperature=0.0) for i in range(5)]
+    assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_is_greedy_at_any_temperature():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    requests = [make_request(str(i), temperature=2.0, top_k=1) for i in range(4)]
+    assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_and_sampled_rows():
+    logits = torch.full((3, 10), -30.0)
+    logits[:, 7] = 0.0
+    logits[1, 2] = 5.0
+    requests = [
+        make_request("a", temperature=0.0),
+        make_request("b", temperature=1.0, top_k=1),
+        make_request("c", temperature=0.7, seed=3),
+    ]
+    assert Sampler()(logits, requests) == [7, 2, 7]
+
+
+def test_sampled_tokens_stay_in_nucleus():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(4000, 4)
+    requests = [make_request(str(i), top_p=0.7) for i in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, requests)), minlength=4)
+    assert counts[2:].sum() == 0
+    assert abs(counts[0].item() / 4000 - 0.5 / 0.8) < 0.04
+
+
+def test_temperature_scales_the_distribution():
+    base = torch.tensor([1.0, 0.0, -1.0])
+    logits = base.expand(8000, 3)
+    requests = [make_request(str(i), temperature=0.5, seed=i) for i in range(8000)]
+    freq = torch.bincount(torch.tensor(Sampler()(logits, requests)), minlength=3) / 8000
+    assert torch.allclose(freq, (base / 0.5).softmax(-1), atol=0.02)
+
+
+def test_seeded_request_is_independent_of_batch():
+    """The same seeded request draws the same tokens alone and amid other rows."""
+    vocab, steps = 64, 6
+    step_logits = [torch.randn(vocab, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+    params = dict(temperature=1.3, top_p=0.95, top_k=40, seed=1234)
+
+    alone = make_request("x", **params)
+    tokens_alone = [Sampler()(lg[None], [alone])[0] for lg in step_logits]
+
+    crowd = make_request("x", **params)
+    tokens_crowd = []
+    for s, lg in enumerate(step_logits):
+        others = [make_request(f"o{j}", temperature=1.0, seed=None if j % 2 else 99 + j) for j in range(s % 3 + 1)]
+        batch = others[: s % 2] + [crowd] + others[s % 2 :]
+        logits = torch.randn(len(batch), vocab)
+        logits[batch.index(crowd)] = lg
+        tokens_crowd.append(Sampler()(logits, batch)[batch.index(crowd)])
+
+    assert tokens_alone == tokens_crowd
+    assert alone.generator is not None and crowd.generator is not alone.generator
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    logits = torch.zeros(1, 1000)
+    a, b, c = (make_request(n, seed=s) for n, s in [("a", 7), ("b", 7), ("c", 8)])
+    draws = {r.request_id: [Sampler()(logits, [r])[0] for _ in range(5)] for r in (a, b, c)}
+    assert draws["a"] == draws["b"] != draws["c"]
+
+
+def test_masked_vocab_is_never_sampled():
+    logits = torch.full((500, 8), -math.inf)
+    logits[:, [2, 5]] = 0.0
+    requests = [make_request(str(i)) for i in range(500)]
+    assert set(Sampler()(logits, requests)) == {2, 5}
+
+
+def test_logits_shape_must_match_requests():
+    with pytest.raises(ValueError, match=r"logits: expected shape \[2, vocab\]"):
+        Sampler()(torch.zeros(3, 5), [make_request("a"), make_request("b")])
