@@ -10,6 +10,7 @@ symbolic ones). Checks on metadata *values* need a device sync; the real kernels
 when ``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`).
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pagedpack.kernels.validation import check_paged_metadata, check_slot_mapping, validation_enabled
@@ -195,25 +196,57 @@ def paged_attention(
     n_rep = num_heads // num_kv_heads
     out = query.new_zeros(num_tokens, num_heads, head_dim_v)
     cu, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    decodes = [b for b in range(len(kv_lens)) if cu[b + 1] - cu[b] == 1]
+    if decodes:
+        rows = [cu[b] for b in decodes]
+        out[rows] = _decode_attention(query[rows], key_cache, value_cache, block_table[decodes],
+                                      [kv_lens[b] for b in decodes], scale).to(out.dtype)
     for b, kv_len in enumerate(kv_lens):
         start, end = cu[b], cu[b + 1]
         q_len, kv_len = end - start, max(kv_len, 0)
-        if q_len <= 0:
+        if q_len <= 1:
             continue
         blocks = block_table[b, : -(-kv_len // block_size)].long()
         # [kv_heads, kv_len, D]: this sequence's keys/values, in token order.
         k = key_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
         v = value_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
         # [kv_heads, n_rep * q_len, D]: the n_rep query heads sharing a KV head, stacked.
-        q = query[start:end].float().mul(scale).view(q_len, num_kv_heads, n_rep, head_dim)
+        q = query[start:end].float().view(q_len, num_kv_heads, n_rep, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, n_rep * q_len, head_dim)
         rows = torch.arange(q_len, device=query.device).unsqueeze(1)
         visible = torch.arange(kv_len, device=query.device) <= rows + (kv_len - q_len)  # [q_len, kv_len]
-        scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, n_rep, q_len, kv_len)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).masked_fill(~visible, 0.0)
-        o = torch.bmm(probs.view(num_kv_heads, n_rep * q_len, kv_len), v)
+        o = _attend(q, k, v, visible.repeat(n_rep, 1), scale)
         out[start:end] = o.view(num_heads, q_len, head_dim_v).transpose(0, 1).to(out.dtype)
     return out
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """fp32 ``softmax(q k^T * scale)`` over the ``visible`` keys, times ``v``; a row with no
+    visible key gives zeros (SDPA's fused CPU kernels would give NaN or garbage there)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    return torch.where(visible.any(-1, keepdim=True), out, 0.0)
+
+
+def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                      kv_lens: list[int], scale: float) -> Tensor:
+    """Sequences with one query row each, batched: ``query [N, H, D] -> [N, H, D_v]`` (fp32).
+
+    The single row sees all ``kv_len`` keys of its sequence; keys are gathered for the longest
+    sequence and the tail of shorter ones is masked.
+    """
+    n, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, head_dim_v = value_cache.shape
+    n_rep = num_heads // num_kv_heads
+    lens = torch.tensor(kv_lens, device=query.device).clamp(min=0)
+    width = -(-max(max(kv_lens), 1) // block_size)
+    blocks = block_table[:, :width].long()
+    # [N, kv_heads, width * block_size, D]
+    k = key_cache[blocks].flatten(1, 2).transpose(1, 2).float()
+    v = value_cache[blocks].flatten(1, 2).transpose(1, 2).float()
+    # The n_rep query heads sharing a KV head play the part of SDPA's query rows.
+    q = query.float().view(n, num_kv_heads, n_rep, head_dim)
+    visible = (torch.arange(k.shape[2], device=query.device) < lens[:, None]).view(n, 1, 1, -1)
+    return _attend(q, k, v, visible, scale).view(n, num_heads, head_dim_v)
 
 
 @paged_attention.register_fake
