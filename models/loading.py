@@ -1,6 +1,8 @@
 """Load a causal LM and its tokenizer: the built-in default, a local directory or a hub id."""
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
@@ -17,6 +19,9 @@ def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: 
     """
     if model in (None, DEFAULT_MODEL):
         module, tokenizer = default_model()
+    elif not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
+        raise ValueError(f"model: expected a local Hugging Face directory or a hub id, got {model!r} "
+                         "(no such directory)")
     else:
         module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or "auto", attn_implementation="sdpa")
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
 
     args = parser.parse_args(argv)
-    return _generate(args) if args.command == "generate" else _inspect(args)
+    try:
+        return _generate(args) if args.command == "generate" else _inspect(args)
+    except (ValueError, OSError) as err:  # bad arguments, unsupported or missing model
+        print(f"pagedpack: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,51 @@
+"""The ``pagedpack`` command as a user runs it (the installed console script)."""
+import shutil
+import subprocess
+
+import pytest
+
+from pagedpack.models.tiny import tiny_model
+from pagedpack.models.tokenizer import byte_level_tokenizer
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("pagedpack")
+    assert exe, "the pagedpack console script is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_model("qwen2").save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_generate_with_no_argument_uses_the_builtin_model():
+    result = run("generate")
+    assert result.returncode == 0, result.stderr
+    for field in ("requests", "prompt tokens", "generated tokens", "tokens/s", "KV blocks", "KV memory",
+                  "contiguous"):
+        assert field in result.stdout
+    assert "8 (0 failed)" in result.stdout
+
+
+def test_generate_on_a_saved_model_directory(model_dir):
+    result = run("generate", "--model", model_dir, "--prompt", "Hello there", "--max-tokens", "5")
+    assert result.returncode == 0, result.stderr
+    assert "1 (0 failed)" in result.stdout
+
+
+def test_inspect_prints_the_pass_report(model_dir):
+    result = run("inspect", "--model", model_dir)
+    assert result.returncode == 0, result.stderr
+    assert "attention sites: 2 found, 2 rewritten, 0 refused" in result.stdout
+    assert "pagedpack.paged_attention.default" in result.stdout
+
+
+def test_a_bad_argument_is_reported_without_traceback():
+    result = run("generate", "--block-size", "0")
+    assert result.returncode != 0
+    assert "block_size: expected a positive int, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
