@@ -20,7 +20,7 @@ from pagedpack.passes.attention_sites import AttentionSite, default_scale
 aten = torch.ops.aten
 
 
-def _heads_first_to_tokens_first(graph: torch.fx.Graph, node: Node) -> Node:
+def heads_first_to_tokens_first(graph: torch.fx.Graph, node: Node) -> Node:
     """``[1, heads, T, D] -> [T, heads, D]``."""
     squeezed = graph.call_function(aten.squeeze.dim, (node, 0))
     return graph.call_function(aten.transpose.int, (squeezed, 0, 1))
@@ -30,9 +30,9 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
                  metadata: dict[str, Node]) -> Node:
     """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node."""
     with graph.inserting_before(site.output):
-        query = _heads_first_to_tokens_first(graph, site.query)
-        key = _heads_first_to_tokens_first(graph, site.key_source)
-        value = _heads_first_to_tokens_first(graph, site.value_source)
+        query = heads_first_to_tokens_first(graph, site.query)
+        key = heads_first_to_tokens_first(graph, site.key_source)
+        value = heads_first_to_tokens_first(graph, site.value_source)
         graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
                             (key, value, key_cache, value_cache, metadata["slot_mapping"]))
         attention = graph.call_function(

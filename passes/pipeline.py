@@ -24,7 +24,7 @@ from pagedpack.passes.cleanup import eliminate_dead_code, strip_export_checks
 from pagedpack.passes.logits import gather_logits
 from pagedpack.passes.paged_attention import rewrite_site
 from pagedpack.passes.report import PassReport, SiteRecord, op_counts
-from pagedpack.passes.verify import sample_values, verify_site
+from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
 
 aten = torch.ops.aten
 METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table",
@@ -94,10 +94,15 @@ def rewrite(captured: CapturedModel) -> RewrittenModel:
     sites = find_attention_sites(graph)
     placeholders = {n.target: n for n in graph.nodes if n.op == "placeholder"}
 
-    nodes = [n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)]
-    values = sample_values(gm, nodes, _VERIFY_NUM_TOKENS) if sites else {}
+    nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
+    n = _VERIFY_NUM_TOKENS
+    device = next(gm.parameters()).device
+    sample = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device)[None])
+    values = sample_values(gm, nodes.__contains__, sample) if sites else {}
     for site in sites:
-        reason = site.refusal or verify_site(site, values, _VERIFY_NUM_TOKENS)
+        kind, reason = classify_site(site, values, n) if site.refusal is None else (None, site.refusal)
+        if kind not in (None, CAUSAL):
+            reason = "bidirectional attention (no causal mask): the paged KV cache serves causal LMs"
         report.sites.append(SiteRecord(site.name, site.form, site.layer, reason is None, reason))
     if not sites:
         report.notes.append("no attention site found")

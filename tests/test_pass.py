@@ -80,7 +80,7 @@ class _Bidirectional(torch.nn.Module):
         return SimpleNamespace(logits=F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum(1))
 
 
-@pytest.mark.parametrize("windowed, reason", [(False, "bidirectional"), (True, "not the causal mask")])
+@pytest.mark.parametrize("windowed, reason", [(False, "bidirectional"), (True, "neither causal nor full")])
 def test_unsafe_sites_are_refused_and_left_unchanged(windowed, reason):
     captured = capture(_Bidirectional(windowed), max_num_tokens=64)
     before = captured.graph_module.code

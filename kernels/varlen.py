@@ -1,0 +1,78 @@
+"""``torch.ops.pagedpack.varlen_attention``: attention over a packed batch, no KV cache.
+
+Semantics of FlashAttention's ``flash_attn_varlen_func`` with ``cu_seqlens_q == cu_seqlens_k``:
+each sequence attends only to its own tokens, causally (top-left = bottom-right here, as query
+and key lengths are equal) or bidirectionally. Used by the ``torch.compile`` backend, where
+padded forward passes are packed and no cache is kept.
+"""
+import torch
+from torch import Tensor
+
+from pagedpack.kernels.ops import _attend, _check_dtype, _check_rank, _check_same_device, _require
+from pagedpack.kernels.validation import check_cu_seqlens_q, validation_enabled
+
+_OP = "varlen_attention"
+
+
+def _check_args(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -> None:
+    _check_same_device(_OP, query=query, key=key, value=value, cu_seqlens=cu_seqlens)
+    _check_rank(_OP, "query", query, "[T, num_heads, head_dim]")
+    _check_rank(_OP, "key", key, "[T, num_kv_heads, head_dim]")
+    _check_rank(_OP, "value", value, "[T, num_kv_heads, head_dim_v]")
+    _check_rank(_OP, "cu_seqlens", cu_seqlens, "[B + 1]")
+    _check_dtype(_OP, "cu_seqlens", cu_seqlens, (torch.int32,))
+    for arg, t in (("key", key), ("value", value)):
+        _require(t.shape[0] == query.shape[0], _OP, arg, f"T={query.shape[0]} rows like query", t.shape[0])
+    _require(value.shape[1] == key.shape[1], _OP, "value", f"num_kv_heads={key.shape[1]} like key", value.shape[1])
+    _require(key.shape[2] == query.shape[2], _OP, "key", f"head_dim={query.shape[2]} like query", key.shape[2])
+    _require(query.shape[1] % key.shape[1] == 0, _OP, "query",
+             f"num_heads divisible by num_kv_heads={key.shape[1]}", f"num_heads={query.shape[1]}")
+
+
+@torch.library.custom_op("pagedpack::varlen_attention", mutates_args=())
+def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
+                     causal: bool) -> Tensor:
+    """Attention of each packed sequence over its own keys.
+
+    Args:
+        query: ``[T, num_heads, head_dim]``; key ``[T, num_kv_heads, head_dim]``; value
+            ``[T, num_kv_heads, head_dim_v]`` (grouped-query: head ``h`` reads KV head
+            ``h // (num_heads // num_kv_heads)``).
+        cu_seqlens: int32 ``[B + 1]``, rows of sequence ``b`` are ``cu_seqlens[b]:cu_seqlens[b+1]``
+            (empty sequences allowed).
+        scale: multiplier of ``q @ k^T``.
+        causal: row ``i`` of a sequence sees its keys ``0..i``; else all its keys.
+
+    Returns: ``[T, num_heads, head_dim_v]`` in ``query.dtype`` (softmax in fp32).
+
+    Raises: ``ValueError`` on a rank, shape, dtype or device mismatch; on bad ``cu_seqlens``
+        values only with ``PAGEDPACK_VALIDATE=1``.
+    """
+    _check_args(query, key, value, cu_seqlens)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, head_dim_v = value.shape[1:]
+    if validation_enabled():
+        check_cu_seqlens_q(cu_seqlens, num_tokens)
+    n_rep = num_heads // num_kv_heads
+    out = query.new_empty(num_tokens, num_heads, head_dim_v)
+    cu = cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        n = end - start
+        if n <= 0:
+            continue
+        # [kv_heads, n_rep * n, D]: the query heads sharing a KV head, stacked.
+        q = query[start:end].float().view(n, num_kv_heads, n_rep, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, n_rep * n, head_dim)
+        k, v = (t[start:end].float().transpose(0, 1) for t in (key, value))
+        visible = torch.ones(n, n, dtype=torch.bool, device=query.device)
+        if causal:
+            visible = visible.tril()
+        o = _attend(q, k, v, visible.repeat(n_rep, 1), scale)
+        out[start:end] = o.view(num_heads, n, head_dim_v).transpose(0, 1).to(out.dtype)
+    return out
+
+
+@varlen_attention.register_fake
+def _(query, key, value, cu_seqlens, scale, causal):
+    _check_args(query, key, value, cu_seqlens)
+    return query.new_empty(query.shape[0], query.shape[1], value.shape[2])
