@@ -27,37 +27,37 @@ class _LogitsOnly(torch.nn.Module):
 class CapturedModel:
     """An exported causal LM as a plain positional ``GraphModule``.
 
-    ``graph_module(input_ids [1, T] int64, position_ids [1, T] int64) -> logits [1, T, V]``.
-    ``max_num_tokens`` is the upper bound the token dimension was exported with.
+    ``graph_module(input_ids [1, T] int64, position_ids [1, T] int64) -> logits [1, T, V]``,
+    for any ``T >= 1`` (export's range guards are dropped by the rewrite).
     """
 
     graph_module: torch.fx.GraphModule
-    max_num_tokens: int
     example_num_tokens: int
 
 
-def capture(model: torch.nn.Module, *, max_num_tokens: int, example_num_tokens: int = 8) -> CapturedModel:
+def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedModel:
     """Export ``model`` (a ``transformers`` causal LM in eval mode) for one sequence.
 
-    ``max_num_tokens`` bounds the dynamic token dimension (use the model's maximum position).
-    Raises ``ValueError`` if the bound is smaller than the example length.
+    The token dimension is exported dynamic (``Dim.DYNAMIC``: export may narrow its range,
+    e.g. to a position table's size; a packed step can hold more tokens than one sequence).
+    The example is ``example_num_tokens`` long, at most the model's position limit.
+    Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1).
     """
-    if max_num_tokens <= example_num_tokens:
-        raise ValueError(f"max_num_tokens: expected > {example_num_tokens}, got {max_num_tokens}")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or example_num_tokens
+    num_tokens = min(example_num_tokens, int(limit))
+    if num_tokens < 2:
+        raise ValueError(f"model: expected max_position_embeddings >= 2 to capture it, got {limit}")
     device = next(model.parameters()).device
-    input_ids = torch.zeros(1, example_num_tokens, dtype=torch.long, device=device)
-    position_ids = torch.arange(example_num_tokens, device=device)[None]
-    num_tokens = torch.export.Dim("num_tokens", min=1, max=max_num_tokens)
+    input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
+    position_ids = torch.arange(num_tokens, device=device)[None]
+    dynamic = torch.export.Dim.DYNAMIC
     with torch.no_grad():
-        exported = torch.export.export(
-            _LogitsOnly(model),
-            (input_ids, position_ids),
-            dynamic_shapes=({1: num_tokens}, {1: num_tokens}),
-        )
+        exported = torch.export.export(_LogitsOnly(model), (input_ids, position_ids),
+                                       dynamic_shapes=({1: dynamic}, {1: dynamic}))
     graph_module = exported.module()
     # Plain positional calling convention instead of export's pytree one (and its input-spec
     # check), so that passes can add inputs.
     graph_module.graph._codegen = torch.fx.graph.CodeGen()
     graph_module._forward_pre_hooks.clear()
     graph_module.recompile()
-    return CapturedModel(graph_module, max_num_tokens, example_num_tokens)
+    return CapturedModel(graph_module, num_tokens)

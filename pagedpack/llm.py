@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedpack import ascend_backend
+from pagedpack.lowering.ascend_limits import StepBounds
+from pagedpack.inputs import (check_causal_lm, check_int, check_token_ids, normalize_prompts,
+                              normalize_sampling_params, resolve_dtype)
 from pagedpack.models.capture import capture
 from pagedpack.models.loading import eos_token_ids, load, max_model_len as model_max_len
 from pagedpack.passes.pipeline import RewrittenModel, rewrite
@@ -19,6 +23,8 @@ from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import Scheduler
 
 _DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes, when neither num_blocks nor kv_cache_memory is given
+# Lowering targets and their default block size (Ascend's paged FIA takes multiples of 128).
+DEFAULT_BLOCK_SIZE = {"reference": 16, "ascend": 128}
 
 
 @dataclass
@@ -53,7 +59,10 @@ class LLM:
         model: None for the built-in tiny Llama, a local Hugging Face directory, a hub id, or a
             ``transformers`` causal LM instance (then pass ``tokenizer`` too, or use token ids).
         tokenizer: overrides the tokenizer loaded with ``model``.
-        block_size: tokens per KV block.
+        target: ``"reference"`` (the project's ops, any device) or ``"ascend"`` (torch_npu ops
+            through TorchAir on an ``npu`` device; elsewhere the lowered graph runs on their
+            emulation, see :mod:`pagedpack.ascend_backend`).
+        block_size: tokens per KV block (default: 16 for reference, 128 for ascend).
         num_blocks / kv_cache_memory: size of the KV pool, in blocks or in bytes (at most one;
             default: what fits 256 MiB, capped at ``max_num_seqs`` full-length sequences).
         max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
@@ -66,19 +75,34 @@ class LLM:
         if the pass cannot rewrite every attention site (its report says why).
     """
 
-    def __init__(self, model=None, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, model=None, *, tokenizer=None, target: str = "reference", block_size: int | None = None,
+                 num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-        _check_positive(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
-                        max_num_seqs=max_num_seqs)
+        if target not in DEFAULT_BLOCK_SIZE:
+            raise ValueError(f"target: expected one of {sorted(DEFAULT_BLOCK_SIZE)}, got {target!r}")
+        block_size = DEFAULT_BLOCK_SIZE[target] if block_size is None else block_size
+        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_seqs", max_num_seqs)):
+            check_int(name, value)
+        if kv_cache_memory is not None and not (isinstance(kv_cache_memory, (int, float))
+                                                and not isinstance(kv_cache_memory, bool)):
+            raise ValueError(f"kv_cache_memory: expected a number of bytes, got {kv_cache_memory!r}")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len)
+        dtype = resolve_dtype(dtype)
+        if target == "ascend":
+            ascend_backend.prepare_device(device)
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
         if isinstance(model, torch.nn.Module):
+            check_causal_lm(model)  # before moving it: the caller's module is converted in place
             module = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
         else:
             module, loaded_tokenizer = load(model, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
+            check_causal_lm(module)
         self.model, self.tokenizer = module, tokenizer
         limit, note = model_max_len(module.config)
         if max_model_len is not None and not 1 <= max_model_len <= limit:
@@ -91,9 +115,16 @@ class LLM:
             self.rewritten.report.notes.append(note)
         self.rewritten.raise_if_refused()
 
-        self.block_size = block_size
+        self.target, self.block_size = target, block_size
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory, max_num_seqs)
-        runner = ModelRunner(self.rewritten, num_blocks=self.num_blocks, block_size=block_size, device=device)
+        step = None
+        if target == "ascend":
+            step, note = ascend_backend.ascend_step(
+                self.rewritten, block_size=block_size, device=device,
+                bounds=StepBounds(max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
+            self.rewritten.report.notes.append(note)
+        runner = ModelRunner(self.rewritten, num_blocks=self.num_blocks, block_size=block_size, device=device,
+                             step=step)
         scheduler = Scheduler(KVCacheManager(self.num_blocks, block_size),
                               max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
@@ -108,63 +139,62 @@ class LLM:
 
     def _capture_and_rewrite(self, module) -> RewrittenModel:
         self.num_captures += 1
-        return rewrite(capture(module, max_num_tokens=self.max_model_len))
+        return rewrite(capture(module))
 
     def _num_blocks(self, num_blocks, kv_cache_memory, max_num_seqs) -> int:
         bytes_per_block = self.rewritten.bytes_per_token * self.block_size
         if num_blocks is not None:
-            _check_positive(num_blocks=num_blocks)
-            return num_blocks
+            return check_int("num_blocks", num_blocks)
         if kv_cache_memory is not None:
             if kv_cache_memory < bytes_per_block:
                 raise ValueError(f"kv_cache_memory: expected at least one block ({bytes_per_block} bytes), "
                                  f"got {kv_cache_memory}")
-            return kv_cache_memory // bytes_per_block
+            return int(kv_cache_memory // bytes_per_block)
         full = max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(full, _DEFAULT_KV_CACHE_MEMORY // bytes_per_block))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for ``prompts`` (a string, a list of strings, or a list of token-id lists),
-        all submitted together; returns one :class:`RequestOutput` per prompt, in order.
+        """Generate for ``prompts`` (a string, a list of token ids, or a list of those), all
+        submitted together; returns one :class:`RequestOutput` per prompt, in order.
 
-        A request that can never run (prompt longer than ``max_model_len``, more tokens than the
-        whole KV pool) gets ``error`` set; the others finish normally.
+        A request that can never run (token ids outside the vocabulary, prompt longer than
+        ``max_model_len``, more tokens than the whole KV pool) gets ``error`` set; the others
+        finish normally. Malformed arguments raise ``ValueError`` before anything is queued.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: expected one per prompt ({len(prompts)}), got {len(params)}")
+        prompts = normalize_prompts(prompts)
+        params = normalize_sampling_params(sampling_params, len(prompts))
+        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+            raise ValueError("prompts: got a string but the model has no tokenizer; pass token ids")
         outputs, live = [], {}
         for prompt, p in zip(prompts, params):
-            request = self._make_request(prompt, p or SamplingParams())
+            request = self._make_request(prompt, p)
             out = RequestOutput(request.request_id, prompt if isinstance(prompt, str) else None,
                                 request.prompt_token_ids)
             outputs.append(out)
             try:
+                check_token_ids(request.prompt_token_ids, self.model.config.vocab_size)
                 self.llm_engine.add_request(request)
                 live[request.request_id] = (request, out)
             except ValueError as err:
-                out.error = str(err)
+                out.error = f"request {request.request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
                 out.outputs.append(CompletionOutput(0, "", [], "error"))
-        with tqdm(total=len(live), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.llm_engine.has_unfinished():
-                for request in self.llm_engine.step():
-                    _, out = live[request.request_id]
-                    out.outputs.append(CompletionOutput(0, self._decode(request.output_token_ids),
-                                                        list(request.output_token_ids), request.finish_reason))
-                    out.error = request.error
-                    bar.update(1)
+        try:
+            with tqdm(total=len(live), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                while self.llm_engine.has_unfinished():
+                    for request in self.llm_engine.step():
+                        _, out = live[request.request_id]
+                        out.outputs.append(CompletionOutput(0, self._decode(request.output_token_ids),
+                                                            list(request.output_token_ids), request.finish_reason))
+                        out.error = request.error
+                        bar.update(1)
+        except BaseException:
+            self.llm_engine.scheduler.abort_all()  # leave the engine usable for the next call
+            raise
         return outputs
 
-    def _make_request(self, prompt, params: SamplingParams) -> Request:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompts: got a string but the model has no tokenizer; pass token ids")
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            ids = [int(t) for t in prompt]
+    def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
         eos = self._eos[0] if self._eos else None
         if len(self._eos) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *self._eos[1:]])
@@ -174,9 +204,3 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")

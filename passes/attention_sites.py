@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,20 @@ def unrepeat_kv(node: Node) -> tuple[Node, int]:
     """
     if _is(node, *_RESHAPES) and _is(node.args[0], aten.expand.default):
         expand = node.args[0]
-        if _is(expand.args[0], aten.unsqueeze.default) and expand.args[0].args[1] == 2:
-            source = expand.args[0].args[0]
+        unsqueezed = _skip_full_slices(expand.args[0])
+        if _is(unsqueezed, aten.unsqueeze.default) and unsqueezed.args[1] == 2:
+            source = unsqueezed.args[0]
             rep = expand.args[1][2]
             if isinstance(rep, int):
                 return source, rep
     return node, 1
+
+
+def _skip_full_slices(node):
+    """Step over ``x[:, :, :, :]``-style slices (``slice(x, dim, 0, INT64_MAX)``), which are no-ops."""
+    while _is(node, aten.slice.Tensor) and tuple(node.args[2:]) in ((0, sys.maxsize), (0, sys.maxsize, 1)):
+        node = node.args[0]
+    return node
 
 
 def default_scale(site: AttentionSite) -> float:

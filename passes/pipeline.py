@@ -95,7 +95,7 @@ def rewrite(captured: CapturedModel) -> RewrittenModel:
     placeholders = {n.target: n for n in graph.nodes if n.op == "placeholder"}
 
     nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
-    n = _VERIFY_NUM_TOKENS
+    n = min(_VERIFY_NUM_TOKENS, captured.example_num_tokens)
     device = next(gm.parameters()).device
     sample = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device)[None])
     values = sample_values(gm, nodes.__contains__, sample) if sites else {}

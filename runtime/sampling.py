@@ -58,13 +58,14 @@ class SamplingParams:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: expected an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: expected an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: expected a list of ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
 

@@ -158,6 +158,14 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
+    def abort_all(self) -> list[Request]:
+        """Drop every queued and running request (freeing their blocks); returns them."""
+        aborted = [*self.running, *self.waiting]
+        for request in self.running:
+            self.kv_cache_manager.free(request)
+        self.running, self.waiting = [], deque()
+        return aborted
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style eviction: drop its KV and queue it first among the waiting."""
         self.kv_cache_manager.free(request)

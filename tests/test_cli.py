@@ -47,5 +47,5 @@ def test_inspect_prints_the_pass_report(model_dir):
 def test_a_bad_argument_is_reported_without_traceback():
     result = run("generate", "--block-size", "0")
     assert result.returncode != 0
-    assert "block_size: expected a positive int, got 0" in result.stderr
+    assert "block_size: expected an int >= 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr

@@ -31,7 +31,7 @@ def _mask_only_nodes(graph) -> set[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rewrite_ops_before_and_after(family, attn):
     model = tiny_model(family, attn_implementation=attn, num_hidden_layers=3)
-    captured = capture(model, max_num_tokens=512)
+    captured = capture(model)
     mask_nodes = _mask_only_nodes(captured.graph_module.graph)
     assert mask_nodes, "the captured graph should build a mask"
 
@@ -48,6 +48,8 @@ def test_rewrite_ops_before_and_after(family, attn):
     assert not mask_nodes & {n.name for n in graph.nodes}, "mask-building ops survived"
     assert not any(n.op == "call_module" for n in graph.nodes)
 
+    # The cache holds the KV heads before repeat_kv, not the repeated ones.
+    assert all(spec.num_kv_heads == model.config.num_key_value_heads for spec in result.kv_cache_specs)
     caches = [f"{kind}_cache_{i}" for i in range(model.config.num_hidden_layers) for kind in ("key", "value")]
     assert result.input_names == list(METADATA_INPUTS) + caches
     assert report.inputs_added == list(METADATA_INPUTS[1:]) + caches
@@ -56,7 +58,7 @@ def test_rewrite_ops_before_and_after(family, attn):
 def test_cache_spec_comes_from_the_graph():
     model = tiny_model("qwen2", num_attention_heads=8, num_key_value_heads=2, hidden_size=128,
                        dtype=torch.bfloat16)
-    result = rewrite(capture(model, max_num_tokens=64))
+    result = rewrite(capture(model))
     spec = result.kv_cache_specs[0]
     assert (spec.num_kv_heads, spec.key_head_size, spec.value_head_size, spec.dtype) == (2, 16, 16, torch.bfloat16)
     assert result.bytes_per_token == 2 * (2 * 2 * 16 * 2)  # layers * (K+V) * heads * head_dim * bytes
@@ -82,7 +84,7 @@ class _Bidirectional(torch.nn.Module):
 
 @pytest.mark.parametrize("windowed, reason", [(False, "bidirectional"), (True, "neither causal nor full")])
 def test_unsafe_sites_are_refused_and_left_unchanged(windowed, reason):
-    captured = capture(_Bidirectional(windowed), max_num_tokens=64)
+    captured = capture(_Bidirectional(windowed))
     before = captured.graph_module.code
     result = rewrite(captured)
     assert not result.ok
@@ -95,5 +97,5 @@ def test_unsafe_sites_are_refused_and_left_unchanged(windowed, reason):
 def test_active_dropout_is_refused():
     model = tiny_model("llama", attn_implementation="eager", attention_dropout=0.5)
     model.train()
-    report = rewrite(capture(model, max_num_tokens=64)).report
+    report = rewrite(capture(model)).report
     assert report.refused and all("dropout" in s.reason for s in report.refused)

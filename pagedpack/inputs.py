@@ -1,0 +1,90 @@
+"""Checks and normalisation of what users pass to :class:`pagedpack.LLM`.
+
+Every failure is a ``ValueError`` naming the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedpack.runtime.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ATTENTION_FORMS = ("sdpa", "eager")
+
+
+def normalize_prompts(prompts) -> list[str | list[int]]:
+    """``prompts`` as a list of strings and token-id lists: a string, a list of ints or a 1-D
+    tensor is one prompt; a list of those (or a 2-D tensor) is several."""
+    if isinstance(prompts, str) or _is_token_list(prompts):
+        prompts = [prompts]
+    elif isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts: expected a string, a list of token ids, or a list of those, "
+                         f"got {type(prompts).__name__}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(prompt)
+        elif _is_token_list(prompt):
+            out.append([int(t) for t in prompt])
+        else:
+            raise ValueError(f"prompts[{i}]: expected a string or a list of int token ids, got {prompt!r:.80}")
+    return out
+
+
+def _is_token_list(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 1 and not value.is_floating_point() and not value.is_complex()
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def normalize_sampling_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per prompt (None means the defaults)."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"sampling_params: expected one per prompt ({num_prompts}), got {len(sampling_params)}")
+        return list(sampling_params)
+    raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {sampling_params!r:.80}")
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Every id is in ``[0, vocab_size)``."""
+    bad = next(((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt: expected token ids in [0, vocab_size={vocab_size}), got {bad[1]} at position {bad[0]}")
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def check_causal_lm(model) -> None:
+    """``model`` is a ``transformers`` causal LM that generates, with an attention form the
+    capture supports."""
+    name = type(model).__name__
+    can_generate = getattr(model, "can_generate", None)
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and callable(can_generate)
+            and can_generate() and not model.config.is_encoder_decoder):
+        raise ValueError(f"model: expected a transformers causal LM (a ...ForCausalLM that can generate), got {name}")
+    form = getattr(model.config, "_attn_implementation", None)
+    if form not in _ATTENTION_FORMS:
+        raise ValueError(f"model: attn_implementation={form!r} is not supported; expected one of "
+                         f"{_ATTENTION_FORMS} (load the model with attn_implementation='sdpa')")
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` is an int (not a bool) ``>= minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+    return value
