@@ -12,6 +12,7 @@ when ``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`).
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from pagedpack.kernels.validation import check_paged_metadata, check_slot_mapping, validation_enabled
 
@@ -39,9 +40,16 @@ def _check_same_device(op: str, **tensors: Tensor) -> None:
         _require(t.device == ref.device, op, arg, f"the device of {first} ({ref.device})", t.device)
 
 
+def _check_floating(op: str, **tensors: Tensor) -> None:
+    for arg, t in tensors.items():
+        _require(t.is_floating_point(), op, arg, "a floating-point dtype", str(t.dtype).removeprefix("torch."))
+
+
 def _check_caches(op: str, key_cache: Tensor, value_cache: Tensor) -> None:
     _check_rank(op, "key_cache", key_cache, _CACHE_LAYOUT)
     _check_rank(op, "value_cache", value_cache, _CACHE_LAYOUT)
+    _check_floating(op, key_cache=key_cache, value_cache=value_cache)
+    _require(key_cache.shape[2] > 0, op, "key_cache", "num_kv_heads >= 1", key_cache.shape[2])
     k, v = tuple(key_cache.shape), tuple(value_cache.shape)
     _require(
         k[:3] == v[:3], op, "key_cache", f"shape {_CACHE_LAYOUT} matching value_cache", f"{k} vs {v}"
@@ -58,6 +66,7 @@ def _check_reshape_and_cache_args(
     _check_caches(op, key_cache, value_cache)
     for arg, t, cache in (("key", key, key_cache), ("value", value, value_cache)):
         _check_rank(op, arg, t, "[T, num_kv_heads, head_dim]")
+        _check_floating(op, **{arg: t})
         _require(
             tuple(t.shape[1:]) == tuple(cache.shape[2:]), op, arg,
             f"(num_kv_heads, head_dim) = {tuple(cache.shape[2:])} as in {arg}_cache",
@@ -83,6 +92,7 @@ def _check_paged_attention_args(
         cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
     )
     _check_rank(op, "query", query, "[T, num_heads, head_dim]")
+    _check_floating(op, query=query)
     _check_caches(op, key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, cache_head_dim = key_cache.shape[2:]
@@ -193,7 +203,6 @@ def paged_attention(
             num_tokens=num_tokens, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
             block_table=block_table, slot_mapping=None, num_blocks=num_blocks, block_size=block_size,
         )
-    n_rep = num_heads // num_kv_heads
     out = query.new_zeros(num_tokens, num_heads, head_dim_v)
     cu, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     decodes = [b for b in range(len(kv_lens)) if cu[b + 1] - cu[b] == 1]
@@ -207,17 +216,30 @@ def paged_attention(
         if q_len <= 1:
             continue
         blocks = block_table[b, : -(-kv_len // block_size)].long()
-        # [kv_heads, kv_len, D]: this sequence's keys/values, in token order.
-        k = key_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
-        v = value_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).float()
-        # [kv_heads, n_rep * q_len, D]: the n_rep query heads sharing a KV head, stacked.
-        q = query[start:end].float().view(q_len, num_kv_heads, n_rep, head_dim)
-        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, n_rep * q_len, head_dim)
-        rows = torch.arange(q_len, device=query.device).unsqueeze(1)
-        visible = torch.arange(kv_len, device=query.device) <= rows + (kv_len - q_len)  # [q_len, kv_len]
-        o = _attend(q, k, v, visible.repeat(n_rep, 1), scale)
-        out[start:end] = o.view(num_heads, q_len, head_dim_v).transpose(0, 1).to(out.dtype)
+        k = key_cache[blocks].flatten(0, 1)[:kv_len]  # [kv_len, kv_heads, D], in token order
+        v = value_cache[blocks].flatten(0, 1)[:kv_len]
+        out[start:end] = causal_attention(query[start:end], k, v, scale).to(out.dtype)
     return out
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
+    """One sequence, tokens first: ``q [q_len, H, D]``, ``k [kv_len, Hkv, D]``, ``v [kv_len,
+    Hkv, D_v]`` -> ``[q_len, H, D_v]`` in fp32; causal aligned bottom-right (row ``i`` sees keys
+    ``0 .. kv_len - q_len + i``), or every key if not ``causal``. Grouped-query via SDPA's
+    ``enable_gqa`` (head ``h`` reads KV head ``h // (H // Hkv)``). 4-D inputs keep SDPA on its
+    fused CPU kernel."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    q4, k4, v4 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]
+    if not causal or kv_len >= q_len:
+        mask = causal_lower_right(q_len, kv_len) if causal and kv_len > q_len else None
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal and kv_len == q_len,
+                                             scale=scale, enable_gqa=True)
+    else:  # degenerate (seq_lens < q_len): the first rows see no key at all
+        n_rep = q.shape[1] // k.shape[1]
+        rows = torch.arange(q_len, device=q.device)[:, None]
+        visible = torch.arange(kv_len, device=q.device) <= rows + (kv_len - q_len)
+        out = _attend(q4, k4.repeat_interleave(n_rep, 1), v4.repeat_interleave(n_rep, 1), visible, scale)
+    return out[0].transpose(0, 1)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:

@@ -8,7 +8,7 @@ padded forward passes are packed and no cache is kept.
 import torch
 from torch import Tensor
 
-from pagedpack.kernels.ops import _attend, _check_dtype, _check_rank, _check_same_device, _require
+from pagedpack.kernels.ops import _check_dtype, _check_floating, _check_rank, _check_same_device, _require, causal_attention
 from pagedpack.kernels.validation import check_cu_seqlens_q, validation_enabled
 
 _OP = "varlen_attention"
@@ -21,6 +21,8 @@ def _check_args(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -
     _check_rank(_OP, "value", value, "[T, num_kv_heads, head_dim_v]")
     _check_rank(_OP, "cu_seqlens", cu_seqlens, "[B + 1]")
     _check_dtype(_OP, "cu_seqlens", cu_seqlens, (torch.int32,))
+    _check_floating(_OP, query=query, key=key, value=value)
+    _require(key.shape[1] > 0, _OP, "key", "num_kv_heads >= 1", key.shape[1])
     for arg, t in (("key", key), ("value", value)):
         _require(t.shape[0] == query.shape[0], _OP, arg, f"T={query.shape[0]} rows like query", t.shape[0])
     _require(value.shape[1] == key.shape[1], _OP, "value", f"num_kv_heads={key.shape[1]} like key", value.shape[1])
@@ -49,26 +51,16 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         values only with ``PAGEDPACK_VALIDATE=1``.
     """
     _check_args(query, key, value, cu_seqlens)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, head_dim_v = value.shape[1:]
+    num_tokens, num_heads = query.shape[:2]
+    head_dim_v = value.shape[2]
     if validation_enabled():
         check_cu_seqlens_q(cu_seqlens, num_tokens)
-    n_rep = num_heads // num_kv_heads
     out = query.new_empty(num_tokens, num_heads, head_dim_v)
     cu = cu_seqlens.tolist()
     for start, end in zip(cu[:-1], cu[1:]):
-        n = end - start
-        if n <= 0:
-            continue
-        # [kv_heads, n_rep * n, D]: the query heads sharing a KV head, stacked.
-        q = query[start:end].float().view(n, num_kv_heads, n_rep, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(num_kv_heads, n_rep * n, head_dim)
-        k, v = (t[start:end].float().transpose(0, 1) for t in (key, value))
-        visible = torch.ones(n, n, dtype=torch.bool, device=query.device)
-        if causal:
-            visible = visible.tril()
-        o = _attend(q, k, v, visible.repeat(n_rep, 1), scale)
-        out[start:end] = o.view(num_heads, n, head_dim_v).transpose(0, 1).to(out.dtype)
+        if end > start:
+            out[start:end] = causal_attention(query[start:end], key[start:end], value[start:end], scale,
+                                              causal).to(out.dtype)
     return out
 
 
