@@ -9,7 +9,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from pagedpack.llm import LLM
+from pagedpack.llm import DEFAULT_BLOCK_SIZE, LLM
+from pagedpack.lowering.ascend import AscendUnavailableError
 from pagedpack.models.loading import DEFAULT_MODEL
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedpack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text with the rewritten model")
+    gen = sub.add_parser("generate", help="generate text with the rewritten model",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _model_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -42,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--target", choices=sorted(DEFAULT_BLOCK_SIZE), default="reference",
+                     help="lowering target: the reference ops, or Ascend torch_npu ops (emulated off an NPU)")
+    gen.add_argument("--device", default="cpu", help="e.g. npu:0 with --target ascend on an Ascend host")
+    gen.add_argument("--block-size", type=int, default=None, help="default: 16 (reference), 128 (ascend)")
     gen.add_argument("--num-blocks", type=int, default=None)
     gen.add_argument("--max-num-seqs", type=int, default=256)
     gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -54,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _generate(args) if args.command == "generate" else _inspect(args)
-    except (ValueError, OSError) as err:  # bad arguments, unsupported or missing model
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
+        sys.stderr.close()
+        return 0
+    except (ValueError, OSError, AscendUnavailableError) as err:  # bad arguments, unsupported or missing model
         print(f"pagedpack: error: {err}", file=sys.stderr)
         return 2
 
@@ -67,10 +75,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _generate(args) -> int:
     console = Console()
-    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), block_size=args.block_size, num_blocks=args.num_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
+                            seed=args.seed, max_tokens=args.max_tokens)  # bad values fail before loading
+    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), target=args.target, device=args.device,
+              block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -101,15 +110,15 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
         ("requests", f"{len(outputs)} ({sum(bool(o.error) for o in outputs)} failed)"),
         ("prompt tokens", str(prompt_tokens)),
         ("generated tokens", str(generated)),
-        ("wall time", f"{elapsed:.2f} s"),
+        ("generation time", f"{elapsed:.2f} s (after loading and capture)"),
         ("throughput", f"{generated / elapsed:.1f} generated tokens/s, "
                        f"{(prompt_tokens + generated) / elapsed:.1f} total tokens/s"),
         ("steps", f"{engine.stats.num_steps} ({engine.stats.num_preemptions} preemptions)"),
         ("KV blocks", f"peak {kv.peak_used_blocks}, in use {kv.num_used_blocks}, pool {kv.num_blocks} "
                       f"x {llm.block_size} tokens"),
-        ("KV memory", f"peak {_mib(used)} used vs {_mib(contiguous)} for a contiguous "
-                      f"{len(outputs)} x max_len={llm.max_model_len} preallocation "
-                      f"({100 * used / contiguous:.1f}%)"),
+        ("KV memory", f"peak {_mib(used)} used of a {_mib(kv.num_blocks * llm.block_size * per_token)} pool; "
+                      f"a contiguous {len(outputs)} x max_len={llm.max_model_len} preallocation takes "
+                      f"{_mib(contiguous)} ({100 * used / contiguous:.1f}% of that used)"),
     ]
     for key, value in rows:
         table.add_row(key, value)
@@ -126,8 +135,8 @@ def _inspect(args) -> int:
     from pagedpack.passes.pipeline import rewrite
 
     model, _ = load(args.model, dtype=_DTYPES.get(args.dtype))
-    limit, note = max_model_len(model.config)
-    rewritten = rewrite(capture(model, max_num_tokens=limit))
+    _, note = max_model_len(model.config)
+    rewritten = rewrite(capture(model))
     if note:
         rewritten.report.notes.append(note)
     print(rewritten.report.format())

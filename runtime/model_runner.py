@@ -1,6 +1,8 @@
 """Runs the rewritten step graph over the paged KV caches it owns."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
@@ -15,9 +17,10 @@ class ModelRunner:
     """
 
     def __init__(self, rewritten: RewrittenModel, *, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", step: Callable | None = None):
         rewritten.raise_if_refused()
-        self.graph_module = rewritten.graph_module
+        # What runs a step: the step graph, or a compiled form of it (the ascend target on an NPU).
+        self.graph_module = step or rewritten.graph_module
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.kv_caches: list[torch.Tensor] = []
         for spec in rewritten.kv_cache_specs:

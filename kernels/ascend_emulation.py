@@ -1,0 +1,479 @@
+"""Emulation of the Ascend ops the ``ascend`` lowering emits: ``torch.ops.pagedpack_npu.*``.
+
+Each op has the schema of the op it stands for (same argument names and defaults, restricted to
+the arguments the lowering uses) and the semantics the torch-npu 2.13.0 wheel documents:
+
+- ``npu_fused_infer_attention_score`` ("FIA") stands for TorchAir's tensor-length form
+  ``torch.ops.air.npu_fused_infer_attention_score`` (schema: ``torchair/ops/_npu_fused_infer_attention_score.py``).
+  Semantics and limits: ``_op_plugin_docs.py`` entry "npu_fused_infer_attention_score"; for TND
+  also entry "npu_fused_infer_attention_score_v2" (both entries lower to the same GE op,
+  FusedInferAttentionScore). Output shapes: ``op_plugin/meta/_meta_registrations.py``.
+- ``npu_scatter_nd_update_`` stands for ``torch.ops.npu.npu_scatter_nd_update_``
+  (``_op_plugin_docs.py`` entry "npu_scatter_nd_update_").
+
+A call the docs reject raises ``ValueError`` naming the limit. What the docs leave undefined
+(query rows past the actual lengths, rows that see no key while row-invalid correction is off,
+see ``inner_precise``) comes out as NaN, so a caller that relies on it fails loudly.
+Not emulated: quantisation, pse_shift, rope, shared prefixes, left padding, tensor lists, the
+NZ cache format, layouts other than BSH/BSND/BNSD/TND.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FIA = "npu_fused_infer_attention_score"
+SCATTER = "npu_scatter_nd_update_"
+COMPRESSED_MASK_SIZE = 2048  # sparse_mode 2/3/4 take this (2048, 2048) strictly upper-triangular mask
+_INT_MAX = 2147483647
+_LAYOUT_RANK = {"BSH": 3, "BSND": 4, "BNSD": 4, "TND": 3}
+_FLOATS = (torch.float16, torch.bfloat16)
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+_SCATTER_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)
+
+_LIB = torch.library.Library("pagedpack_npu", "DEF")
+_LIB.define(
+    f"{FIA}(Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
+    "Tensor? actual_seq_lengths=None, Tensor? actual_seq_lengths_kv=None, Tensor? block_table=None, "
+    "int num_heads=1, float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+    'str input_layout="BSH", int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, '
+    "int block_size=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)"
+)
+_LIB.define(f"{SCATTER}(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)")
+
+
+def _require(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{op}: {message}")
+
+
+# ---------------------------------------------------------------- npu_scatter_nd_update_
+
+
+def _check_scatter(input: Tensor, indices: Tensor, updates: Tensor) -> int:
+    """Shape/dtype rules of the doc's constraints; returns ``a = indices.shape[-1]``."""
+    _require(input.dtype == updates.dtype, SCATTER,
+             f"updates dtype {updates.dtype} must equal input dtype {input.dtype}")
+    _require(input.dtype in _SCATTER_DTYPES, SCATTER, f"input dtype {input.dtype} not supported (A2/A3 list)")
+    _require(indices.dtype in (torch.int32, torch.int64), SCATTER, f"indices dtype {indices.dtype}: int32 or int64")
+    _require(1 <= input.dim() <= 8, SCATTER, f"input must have 1..8 dims, got {input.dim()}")
+    _require(indices.dim() >= 2, SCATTER, f"indices must have at least 2 dims, got shape {tuple(indices.shape)}")
+    a = indices.shape[-1]
+    _require(a <= input.dim(), SCATTER, f"indices.shape[-1]={a} exceeds input rank {input.dim()}")
+    expected = (*indices.shape[:-1], *input.shape[a:])
+    _require(tuple(updates.shape) == tuple(expected), SCATTER,
+             f"updates shape {tuple(updates.shape)}, expected indices.shape[:-1] + input.shape[{a}:] = {expected}")
+    return a
+
+
+@torch.library.impl(f"pagedpack_npu::{SCATTER}", "CompositeExplicitAutograd")
+def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
+    """``input[indices[i]] = updates[i]`` in place; indices out of range are rejected (the doc:
+    out-of-range indices are not supported, so ``-1`` is no "skip" here)."""
+    a = _check_scatter(input, indices, updates)
+    index = indices.reshape(-1, a).long()
+    bounds = torch.tensor(input.shape[:a], device=index.device)
+    bad = ((index < 0) | (index >= bounds)).any(-1).nonzero()
+    _require(bad.numel() == 0, SCATTER,
+             f"index {index[bad[0, 0]].tolist() if bad.numel() else None} out of range for input shape "
+             f"{tuple(input.shape)} (out-of-range indices are not supported)")
+    input[tuple(index.T)] = updates.reshape(-1, *input.shape[a:])
+    return input
+
+
+@torch.library.register_fake(f"pagedpack_npu::{SCATTER}")
+def _(input, indices, updates):
+    _check_scatter(input, indices, updates)
+    return input
+
+
+# ---------------------------------------------------------------- npu_fused_infer_attention_score
+
+
+@dataclass
+class _Dims:
+    """Static facts of one FIA call, read off the shapes."""
+
+    layout: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    paged: bool
+
+
+def _value_head_dim(value: Tensor, layout: str, num_kv_heads: int, paged: bool) -> int:
+    """Value's D as the meta registration infers it (``get_value_d``)."""
+    if paged:
+        return value.shape[2] // num_kv_heads if value.dim() == 3 else value.shape[3]
+    return value.shape[2] // num_kv_heads if layout == "BSH" else value.shape[-1]
+
+
+def _check_static(query, key, value, block_table, num_heads, num_key_value_heads, input_layout) -> _Dims:
+    """Layout, dtype, head and paged-cache rules that need no tensor values."""
+    _require(input_layout in _LAYOUT_RANK, FIA, f"input_layout {input_layout!r} not emulated (BSH, BSND, BNSD, TND)")
+    rank = _LAYOUT_RANK[input_layout]
+    _require(query.dim() == rank, FIA, f"{input_layout} query must have {rank} dims, got {tuple(query.shape)}")
+    _require(query.dtype in _FLOATS, FIA, f"query dtype {query.dtype}: float16 or bfloat16 (int8 needs quantisation)")
+    for name, t in (("key", key), ("value", value)):
+        _require(t.dtype == query.dtype, FIA, f"{name} dtype {t.dtype} must equal query dtype {query.dtype}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _require(t.is_contiguous(), FIA, f"{name} is not contiguous (non-contiguous tensors are not supported)")
+    _require(num_heads > 0, FIA, f"num_heads must be > 0, got {num_heads}")
+    kv_heads = num_key_value_heads or num_heads
+    _require(num_heads % kv_heads == 0, FIA,
+             f"num_heads={num_heads} must be divisible by num_key_value_heads={kv_heads}")
+    _require(num_heads // kv_heads <= 64, FIA, f"num_heads / num_key_value_heads = {num_heads // kv_heads} exceeds 64")
+    if input_layout == "BSH":
+        _require(query.shape[2] % num_heads == 0, FIA, f"BSH query H={query.shape[2]} not divisible by num_heads")
+        head_dim = query.shape[2] // num_heads
+    else:
+        n_axis = 1 if input_layout in ("BNSD", "TND") else 2
+        _require(query.shape[n_axis] == num_heads, FIA,
+                 f"{input_layout} query N={query.shape[n_axis]} must equal num_heads={num_heads}")
+        head_dim = query.shape[-1]
+    _require(num_heads <= 256, FIA, f"N={num_heads} exceeds 256")
+    _require(head_dim <= 512, FIA, f"D={head_dim} exceeds 512")
+    paged = block_table is not None
+    if not paged:  # key/value in the query's layout, with KV_N heads of the query's D
+        _require(key.dim() == rank and tuple(key.shape[:-1]) == tuple(value.shape[:-1]), FIA,
+                 f"{input_layout} key/value must share the query's layout, got {tuple(key.shape)} / "
+                 f"{tuple(value.shape)}")
+        kv_shape = tuple(key.shape[1:] if input_layout == "TND" else _to_bsnd(key, input_layout, kv_heads).shape[-2:])
+        _require(kv_shape == (kv_heads, head_dim), FIA,
+                 f"key must have num_key_value_heads={kv_heads} heads of D={head_dim}, got {tuple(key.shape)}")
+    if paged:
+        _require(block_table.dtype == torch.int32 and block_table.dim() == 2, FIA,
+                 f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+        _require(tuple(key.shape) == tuple(value.shape), FIA,
+                 f"paged key and value must have the same shape, got {tuple(key.shape)} vs {tuple(value.shape)}")
+        if key.dim() == 3:  # (blocknum, blocksize, KV_N*D)
+            _require(key.shape[2] == kv_heads * head_dim, FIA,
+                     f"paged cache (blocknum, blocksize, H) needs H = KV_N*D = {kv_heads * head_dim}, "
+                     f"got {key.shape[2]}")
+            _require(key.shape[2] <= 65535, FIA, f"paged cache (blocknum, blocksize, H) with H={key.shape[2]} > 65535")
+        else:
+            _require(key.dim() == 4 and input_layout in ("BNSD", "TND"), FIA,
+                     f"paged cache must be (blocknum, blocksize, H), or (blocknum, KV_N, blocksize, D) for BNSD/TND "
+                     f"queries; got {tuple(key.shape)} with {input_layout}")
+            _require(key.shape[1] == kv_heads and key.shape[3] == head_dim, FIA,
+                     f"paged cache (blocknum, KV_N, blocksize, D) needs KV_N={kv_heads}, D={head_dim}, "
+                     f"got {tuple(key.shape)}")
+    value_head_dim = _value_head_dim(value, input_layout, kv_heads, paged)
+    dims = _Dims(input_layout, num_heads, kv_heads, head_dim, value_head_dim, paged)
+    if input_layout == "TND":
+        _check_tnd(query, dims)
+    return dims
+
+
+def _check_tnd(query: Tensor, dims: _Dims) -> None:
+    """TND limits (FIA doc and FIA v2 doc, "TND ... 综合限制")."""
+    _require(query.dtype == torch.bfloat16, FIA, f"TND supports bfloat16 only, got {query.dtype}")
+    d, dv = dims.head_dim, dims.value_head_dim
+    _require((d, dv) == (128, 128) or (d == 192 and dv in (128, 192)), FIA,
+             f"TND needs Q_D=K_D=V_D=128, or Q_D=K_D=192 with V_D 128/192; got D={d}, V_D={dv}")
+    _require(query.shape[0] <= 65536, FIA, f"TND needs T <= 65536, got {query.shape[0]}")
+
+
+def _lengths(t: Tensor | None, name: str) -> list[int] | None:
+    if t is None:
+        return None
+    _require(t.dtype == torch.int64 and t.dim() == 1, FIA,
+             f"{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    return t.tolist()
+
+
+def _per_batch(values: list[int] | None, batch: int, limit: int, name: str) -> list[int]:
+    """B-layout lengths: none = the shape's S; one value for every batch; else the first B."""
+    if values is None:
+        return [limit] * batch
+    _require(len(values) == 1 or len(values) >= batch, FIA,
+             f"{name} must have 1 or >= B={batch} entries, got {len(values)}")
+    values = values * batch if len(values) == 1 else values[:batch]
+    _require(all(0 <= v <= limit for v in values), FIA, f"{name} entries must lie in 0..{limit}, got {values}")
+    return values
+
+
+def _cumulative(values: list[int] | None, total: int, name: str) -> tuple[list[int], list[int]]:
+    """TND cumulative lengths -> ``(starts, lengths)`` per batch."""
+    _require(values is not None, FIA, f"TND requires {name}")
+    starts = [0, *values[:-1]]
+    _require(all(v >= 0 for v in values) and all(b >= a for a, b in zip(starts, values)), FIA,
+             f"TND {name} must be cumulative (non-negative, non-decreasing), got {values}")
+    _require(not values or values[-1] <= total, FIA, f"TND {name} ends at {values[-1] if values else 0} > {total} rows")
+    return starts, [b - a for a, b in zip(starts, values)]
+
+
+def _to_bsnd(t: Tensor, layout: str, heads: int) -> Tensor:
+    """A ``[B, S, heads, D]`` view of a BSH/BSND/BNSD tensor (writes through it reach ``t``)."""
+    if layout == "BSH":
+        return t.view(t.shape[0], t.shape[1], heads, -1)
+    return t.transpose(1, 2) if layout == "BNSD" else t
+
+
+def _paged_rows(cache: Tensor, block_table: Tensor, kv_lens: list[int], block_size: int, dims: _Dims) -> list[Tensor]:
+    """Each batch's first ``kv_len`` tokens, read through its block-table row: ``[kv_len, KV_N, D]``."""
+    _require(cache.shape[1 if cache.dim() == 3 else 2] == block_size, FIA,
+             f"cache blocksize axis {tuple(cache.shape)} does not match block_size={block_size}")
+    blocks = [-(-n // block_size) for n in kv_lens]
+    _require(block_table.shape[0] == len(kv_lens), FIA,
+             f"block_table first dim must equal B={len(kv_lens)}, got {block_table.shape[0]}")
+    _require(block_table.shape[1] >= max(blocks, default=0), FIA,
+             f"block_table has {block_table.shape[1]} columns, fewer than the {max(blocks, default=0)} blocks of the "
+             "longest sequence")
+    _require(cache.shape[0] >= sum(blocks), FIA,
+             f"blocknum={cache.shape[0]} is less than the {sum(blocks)} blocks the batches need together")
+    ids = [block_table[b, :n].long() for b, n in enumerate(blocks)]
+    _require(all(bool(((i >= 0) & (i < cache.shape[0])).all()) for i in ids), FIA,
+             f"block_table holds ids outside [0, {cache.shape[0]}) (the kernel does not check them)")
+    if cache.dim() == 3:  # (blocknum, blocksize, KV_N*D)
+        tokens = cache.view(cache.shape[0], block_size, dims.num_kv_heads, -1)
+    else:  # (blocknum, KV_N, blocksize, D)
+        tokens = cache.transpose(1, 2)
+    return [tokens[i].flatten(0, 1)[:n] for i, n in zip(ids, kv_lens)]
+
+
+def _check_block_size(block_size: int, decode: bool) -> None:
+    if decode:  # Q_S == 1, page attention: non-zero, <= 512, 16-aligned for float16/bfloat16
+        _require(0 < block_size <= 512 and block_size % 16 == 0, FIA,
+                 f"paged with Q_S == 1 needs block_size in 16..512, a multiple of 16; got {block_size}")
+    else:  # Q_S > 1, page attention: 128..512, a multiple of 128
+        _require(128 <= block_size <= 512 and block_size % 128 == 0, FIA,
+                 f"paged with Q_S > 1 needs block_size in 128..512, a multiple of 128; got {block_size}")
+
+
+def _check_compressed_mask(mask: Tensor | None, sparse_mode: int) -> None:
+    _require(mask is not None, FIA, f"sparse_mode={sparse_mode} requires the compressed atten_mask")
+    size = COMPRESSED_MASK_SIZE
+    _require(tuple(mask.shape) in ((size, size), (1, size, size), (1, 1, size, size)), FIA,
+             f"sparse_mode={sparse_mode} needs atten_mask of shape ({size}, {size}), got {tuple(mask.shape)}")
+    _require(mask.dtype in _MASK_DTYPES, FIA, f"atten_mask dtype {mask.dtype}: bool, int8 or uint8")
+    _require(torch.equal(mask.reshape(size, size).bool(), _compressed_mask(str(mask.device))), FIA,
+             f"sparse_mode={sparse_mode} needs the compressed mask: strictly upper triangular, 1 = masked")
+
+
+@functools.cache
+def _compressed_mask(device: str) -> Tensor:
+    return torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+
+
+def _full_mask(mask: Tensor, batch: int, q_width: int, kv_width: int, decode: bool) -> Tensor:
+    """A sparse_mode 0/1 mask as ``[B or 1, >= q_width, >= kv_width]`` bool (True = masked)."""
+    _require(mask.dtype in _MASK_DTYPES, FIA, f"atten_mask dtype {mask.dtype}: bool, int8 or uint8")
+    if mask.dim() == 2:  # (Q_S, KV_S) when Q_S > 1, (B, KV_S) when Q_S == 1
+        mask = mask[:, None, :] if decode else mask[None]
+    elif mask.dim() == 4:  # (B, 1, Q_S, KV_S) or (1, 1, Q_S, KV_S)
+        _require(mask.shape[1] == 1, FIA, f"atten_mask (B, 1, Q_S, KV_S) expected, got {tuple(mask.shape)}")
+        mask = mask[:, 0]
+    _require(mask.dim() == 3 and mask.shape[0] in (1, batch), FIA,
+             f"atten_mask shape {tuple(mask.shape)} not supported")
+    _require(mask.shape[1] >= q_width and mask.shape[2] >= kv_width, FIA,
+             f"atten_mask {tuple(mask.shape)} smaller than the Q_S x KV_S = {q_width} x {kv_width} it must cover")
+    return mask.bool()
+
+
+def _visible(q_len, kv_len, *, sparse_mode, mask, pre_tokens, next_tokens, decode, device) -> Tensor:
+    """``[q_len, kv_len]``: may query row ``i`` attend key ``j`` (``mask``: this batch's full mask)."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    everything = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if mask is not None:  # sparse_mode 0/1 with a full mask
+        everything = ~mask[:q_len, :kv_len]
+    if decode or sparse_mode == 1 or (sparse_mode == 0 and mask is None):
+        return everything  # Q_S == 1: sparse_mode, pre_tokens and next_tokens have no effect
+    if sparse_mode == 0:  # the full mask plus the pre/next band, origin top-left
+        return everything & (j >= i - pre_tokens) & (j <= i + next_tokens)
+    if sparse_mode == 2:  # leftUpCausal
+        return j <= i
+    offset = kv_len - q_len  # origin bottom-right
+    if sparse_mode == 3:  # rightDownCausal
+        return j <= i + offset
+    return (j >= i + offset - pre_tokens) & (j <= i + offset + next_tokens)  # 4: band
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, row_invalid_correction: bool):
+    """One batch entry in fp32: ``q [sq, N, D]``, ``k``/``v [skv, KV_N, D]`` -> ``([sq, N, Dv], lse [sq, N])``.
+    GQA: query head ``h`` reads KV head ``h // (N / KV_N)``. Rows without a visible key: zeros
+    with row-invalid correction, else NaN."""
+    sq, num_heads, _ = q.shape
+    kv_heads = k.shape[1]
+    q = q.float().view(sq, kv_heads, num_heads // kv_heads, -1)
+    scores = torch.einsum("qgrd,kgd->grqk", q, k.float()) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [KV_N, rep, sq]
+    out = torch.einsum("grqk,kgd->qgrd", torch.softmax(scores, dim=-1), v.float()).reshape(sq, num_heads, -1)
+    seen = visible.any(-1)[:, None, None]
+    out = torch.where(seen, out, 0.0 if row_invalid_correction else float("nan"))
+    return out, lse.reshape(num_heads, sq).T
+
+
+def _output_shapes(query: Tensor, dims: _Dims, softmax_lse_flag: bool):
+    """``(attention_out shape, softmax_lse shape)`` as the meta registration infers them."""
+    if dims.layout == "TND":
+        out, lse = (query.shape[0], dims.num_heads, dims.value_head_dim), (query.shape[0], dims.num_heads, 1)
+    else:
+        out = ((*query.shape[:2], dims.num_heads * dims.value_head_dim) if dims.layout == "BSH"
+               else (*query.shape[:3], dims.value_head_dim))
+        lse = (query.shape[0], dims.num_heads, query.shape[2 if dims.layout == "BNSD" else 1], 1)
+    # The doc says an unrequested softmax_lse is a [1] zero tensor; the meta registration (what a
+    # graph sees) says [0]. The emulation follows the meta registration.
+    return out, lse if softmax_lse_flag else (0,)
+
+
+@dataclass
+class _Queries:
+    """Each batch entry's query rows ``[q_len, N, D]`` and where they sit in the query tensor:
+    rows ``start .. start + q_len`` (TND) or batch ``b``, rows ``0 .. q_len`` (B-layouts)."""
+
+    rows: list[Tensor]
+    starts: list[int] | None
+    width: int  # the query's S (B-layouts) or the longest q_len (TND)
+    decode: bool  # query S == 1: the incremental (decode) branch
+
+
+def _queries(query: Tensor, lengths: list[int] | None, dims: _Dims, sparse_mode: int, has_mask: bool) -> _Queries:
+    if dims.layout == "TND":
+        starts, q_lens = _cumulative(lengths, query.shape[0], "actual_seq_lengths")
+        _require(len(q_lens) <= 4096, FIA, f"TND takes at most 4096 lengths, got {len(q_lens)}")
+        _require(sparse_mode in (3, 4) or (sparse_mode == 0 and not has_mask), FIA,
+                 f"TND supports sparse_mode 0 without a mask, 3 or 4; got sparse_mode={sparse_mode}"
+                 f"{' with a mask' if has_mask else ''}")
+        width = max(q_lens, default=0)
+        return _Queries([query[s:s + n] for s, n in zip(starts, q_lens)], starts, width, width <= 1)
+    batch, width = query.shape[0], query.shape[2 if dims.layout == "BNSD" else 1]
+    decode = width == 1
+    if not decode:
+        _require(dims.head_dim % 16 == 0, FIA, f"Q_S > 1 needs D 16-aligned for float16/bfloat16, got {dims.head_dim}")
+        _require(dims.layout == "BNSD" or dims.num_heads * dims.head_dim < 65535, FIA,
+                 f"BSH/BSND with Q_S > 1 needs N*D < 65535, got {dims.num_heads * dims.head_dim}")
+    _require(batch <= 65536, FIA, f"B={batch} exceeds 65536")
+    # Q_S == 1: actual_seq_lengths has no effect.
+    q_lens = [1] * batch if decode else _per_batch(lengths, batch, width, "actual_seq_lengths")
+    q = _to_bsnd(query, dims.layout, dims.num_heads)
+    return _Queries([q[b, :n] for b, n in enumerate(q_lens)], None, width, decode)
+
+
+def _keys_values(key, value, lengths, block_table, block_size, dims: _Dims, queries: _Queries):
+    """``(keys, values, kv_lens)``: each batch entry's ``[kv_len, KV_N, D]`` rows, read the way the
+    layout and paging say."""
+    batch = len(queries.rows)
+    if dims.paged:
+        _check_block_size(block_size, queries.decode)
+        if dims.layout == "TND":  # per batch with a block table
+            _require(len(lengths) == batch, FIA,
+                     f"paged TND actual_seq_lengths_kv needs B={batch} per-batch entries, got {len(lengths)}")
+        # Bounded by the block table's width, which _paged_rows checks.
+        kv_lens = _per_batch(lengths, batch, _INT_MAX, "actual_seq_lengths_kv")
+        keys, values = (_paged_rows(t, block_table, kv_lens, block_size, dims) for t in (key, value))
+    elif dims.layout == "TND":  # cumulative without a block table
+        starts, kv_lens = _cumulative(lengths, key.shape[0], "actual_seq_lengths_kv")
+        _require(len(kv_lens) == batch, FIA, f"TND actual_seq_lengths_kv needs B={batch} entries, got {len(kv_lens)}")
+        keys, values = ([t[s:s + n] for s, n in zip(starts, kv_lens)] for t in (key, value))
+    else:
+        kv_lens = _per_batch(lengths, batch, key.shape[2 if dims.layout == "BNSD" else 1], "actual_seq_lengths_kv")
+        keys, values = ([_to_bsnd(t, dims.layout, dims.num_kv_heads)[b, :n] for b, n in enumerate(kv_lens)]
+                        for t in (key, value))
+    if queries.decode:
+        _require(max(kv_lens, default=0) <= 262144, FIA,
+                 f"Q_S == 1 supports KV S <= 262144, got {max(kv_lens, default=0)}")
+    return keys, values, kv_lens
+
+
+def _mask(atten_mask, sparse_mode, block_table, block_size, queries: _Queries, kv_width: int) -> Tensor | None:
+    """The full mask of sparse_mode 0/1 as ``[B or 1, >= width, >= kv_width]``; checks the compressed one."""
+    if queries.decode and sparse_mode in (2, 3, 4):
+        return None  # Q_S == 1: sparse_mode has no effect
+    if sparse_mode in (2, 3, 4):
+        _check_compressed_mask(atten_mask, sparse_mode)
+        return None
+    if atten_mask is None:
+        _require(sparse_mode == 0, FIA, "sparse_mode=1 requires the full atten_mask")
+        return None
+    if block_table is not None:
+        _require(atten_mask.shape[-1] >= block_table.shape[1] * block_size, FIA,
+                 f"paged atten_mask last dim {atten_mask.shape[-1]} < block_table columns * block_size")
+    return _full_mask(atten_mask, len(queries.rows), queries.width, kv_width, queries.decode)
+
+
+@torch.library.impl(f"pagedpack_npu::{FIA}", "CompositeExplicitAutograd")
+def npu_fused_infer_attention_score(
+    query: Tensor, key: Tensor, value: Tensor, *, atten_mask: Tensor | None = None,
+    actual_seq_lengths: Tensor | None = None, actual_seq_lengths_kv: Tensor | None = None,
+    block_table: Tensor | None = None, num_heads: int = 1, scale: float = 1.0, pre_tokens: int = _INT_MAX,
+    next_tokens: int = _INT_MAX, input_layout: str = "BSH", num_key_value_heads: int = 0, sparse_mode: int = 0,
+    inner_precise: int = 0, block_size: int = 0, softmax_lse_flag: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``softmax(scale * q k^T + mask) v`` per batch, with the doc's reading of every argument.
+
+    Layouts: BSH ``[B, S, N*D]``, BSND ``[B, S, N, D]``, BNSD ``[B, N, S, D]``, TND ``[T, N, D]``.
+    Lengths (int64 tensors): for B-layouts per batch; for TND ``actual_seq_lengths`` is cumulative
+    (its length is B) and ``actual_seq_lengths_kv`` is cumulative without ``block_table`` and per
+    batch with it. Paged KV: ``block_table`` int32 ``[B, >= max blocks]`` into a cache
+    ``(blocknum, blocksize, KV_N*D)`` or, for BNSD/TND, ``(blocknum, KV_N, blocksize, D)``.
+    ``sparse_mode``: 0 = ``atten_mask`` as given (none: full attention), 1 = full mask, 2 = causal
+    top-left, 3 = causal bottom-right, 4 = band ``[i + off - pre_tokens, i + off + next_tokens]``
+    with ``off = kv_len - q_len``; 2/3/4 take the compressed 2048x2048 mask. Query S == 1 is the
+    decode branch: sparse_mode, pre/next tokens and ``actual_seq_lengths`` have no effect.
+    GQA: query head ``h`` reads KV head ``h // (num_heads // num_key_value_heads)``.
+
+    Returns ``(attention_out, softmax_lse)``: the query's shape with value's D in query's dtype;
+    the fp32 log-sum-exp ``[B, N, S, 1]`` / ``[T, N, 1]`` if ``softmax_lse_flag``, else shape ``[0]``.
+    Raises ``ValueError`` on a call the docs reject.
+    """
+    dims = _check_static(query, key, value, block_table, num_heads, num_key_value_heads, input_layout)
+    _require(sparse_mode in (0, 1, 2, 3, 4), FIA, f"sparse_mode={sparse_mode} not supported (0, 1, 2, 3, 4)")
+    kv_values = _lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv")
+    _require(not dims.paged or kv_values is not None, FIA, "page attention requires actual_seq_lengths_kv")
+    queries = _queries(query, _lengths(actual_seq_lengths, "actual_seq_lengths"), dims, sparse_mode,
+                       atten_mask is not None)
+    keys, values, kv_lens = _keys_values(key, value, kv_values, block_table, block_size, dims, queries)
+    q_lens = [r.shape[0] for r in queries.rows]
+    if dims.layout == "TND" and sparse_mode == 3:
+        # The TND limits ask each batch's q length to stay below its kv length; equality (a prefill
+        # without cached prefix) is what production stacks pass, so only q_len > kv_len is refused.
+        _require(all(a <= b for a, b in zip(q_lens, kv_lens)), FIA,
+                 f"TND sparse_mode=3 needs per-batch q_len <= kv_len, got {q_lens} vs {kv_lens}")
+    if dims.layout == "TND" and sparse_mode == 4:
+        _require(pre_tokens + next_tokens >= 0 and all(pre_tokens >= -a and next_tokens >= -b
+                                                      for a, b in zip(q_lens, kv_lens)), FIA,
+                 "TND sparse_mode=4 needs pre_tokens >= -q_len, next_tokens >= -kv_len, pre_tokens + next_tokens >= 0")
+    mask = _mask(atten_mask, sparse_mode, block_table, block_size, queries, max(kv_lens, default=0))
+    # An empty key/value gives zeros (doc: 入参为空的处理); other keyless rows need inner_precise bit 1.
+    corrected = bool(inner_precise & 2) or key.numel() == 0
+    results = [_attend(q, k, v, _visible(len(q), len(k), sparse_mode=sparse_mode, pre_tokens=pre_tokens,
+                                         next_tokens=next_tokens, decode=queries.decode, device=query.device,
+                                         mask=None if mask is None else mask[b if mask.shape[0] > 1 else 0]),
+                       scale, corrected)
+               for b, (q, k, v) in enumerate(zip(queries.rows, keys, values))]
+    return _assemble(query, results, queries, dims, softmax_lse_flag)
+
+
+def _assemble(query: Tensor, results, queries: _Queries, dims: _Dims, softmax_lse_flag: bool):
+    """Per-batch ``(out, lse)`` back into the layout; rows past the actual lengths are NaN."""
+    out_shape, lse_shape = _output_shapes(query, dims, softmax_lse_flag)
+    attention_out = query.new_full(out_shape, float("nan"))
+    softmax_lse = torch.full(lse_shape, float("nan"), device=query.device)
+    if dims.layout == "TND":
+        for start, (out, lse) in zip(queries.starts, results):
+            attention_out[start:start + len(out)] = out
+            if softmax_lse_flag:
+                softmax_lse[start:start + len(out), :, 0] = lse
+    else:
+        canonical = _to_bsnd(attention_out, dims.layout, dims.num_heads)  # a view: writes land in attention_out
+        for b, (out, lse) in enumerate(results):
+            canonical[b, : len(out)] = out
+            if softmax_lse_flag:
+                softmax_lse[b, :, : len(out), 0] = lse.T
+    return attention_out, softmax_lse if softmax_lse_flag else softmax_lse.zero_()
+
+
+@torch.library.register_fake(f"pagedpack_npu::{FIA}")
+def _(query, key, value, *, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
+      num_heads=1, scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX, input_layout="BSH", num_key_value_heads=0,
+      sparse_mode=0, inner_precise=0, block_size=0, softmax_lse_flag=False):
+    dims = _check_static(query, key, value, block_table, num_heads, num_key_value_heads, input_layout)
+    out_shape, lse_shape = _output_shapes(query, dims, softmax_lse_flag)
+    return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)

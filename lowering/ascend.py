@@ -1,0 +1,242 @@
+"""The ``ascend`` lowering: ``pagedpack`` ops -> Ascend ops, in place on an FX graph.
+
+Per attention site::
+
+    reshape_and_cache(k [T, Hkv, D], v, key_cache, value_cache, slot_mapping)
+      -> npu_scatter_nd_update_(key_cache.view(-1, Hkv, D), slot_mapping[:, None], k)   (same for v)
+    out [T, H, D] = paged_attention(q, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale)
+      -> npu_fused_infer_attention_score(q [T, H, D], key_cache.view(-1, block_size, Hkv*D), (same for v),
+             input_layout="TND", actual_seq_lengths=cu_seqlens_q[1:] (cumulative, the last = T),
+             actual_seq_lengths_kv=seq_lens (per sequence, since the call is paged), block_table,
+             block_size, num_heads=H, num_key_value_heads=Hkv, scale,
+             sparse_mode=3 (causal, bottom-right), atten_mask=<compressed 2048x2048 mask>)[0]
+
+One call serves prefill, decode, chunked prefill and mixed steps: sparse_mode 3 aligns each
+sequence's causal mask bottom-right (row i sees keys j <= i + kv_len - q_len), which is the
+reference op's rule. The limits this form must meet live in :mod:`pagedpack.lowering.ascend_limits`.
+
+Caches keep the runtime's ``[num_blocks, block_size, Hkv, D]`` layout; FIA gets their
+``(blocknum, blocksize, Hkv*D)`` view, a paged layout TND queries accept
+[_op_plugin_docs.py, npu_fused_infer_attention_score, page attention].
+
+Lengths are int64 tensors computed in the graph from the metadata inputs, the form TorchAir's
+``torch.ops.air.npu_fused_infer_attention_score`` takes (torchair/ops/_npu_fused_infer_attention_score.py).
+The eager ``torch.ops.npu`` op takes host int lists (``SymInt[]``), on which a compiled graph
+specialises (or breaks) per batch composition; with tensors one compiled graph serves every
+composition. The air op runs only under TorchAir's max-autotune (GE) mode.
+
+Cache writes use ``npu_scatter_nd_update_`` (rows by slot, in place, no ATB; TorchAir converts it to
+an in-place ScatterNdUpdate and restores the in-place form after functionalisation,
+torchair/patterns/_recover_view_inplace_pattern.py). Out-of-range indices are not supported
+[_op_plugin_docs.py, npu_scatter_nd_update_], so the ascend target does not take slot ``-1``
+(the runtime's batch builder never emits it).
+"""
+from __future__ import annotations
+
+import importlib
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import Node
+
+import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.lowering.ascend_limits import AttentionShape, StepBounds, check_supported
+from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
+
+aten = torch.ops.aten
+COMPRESSED_MASK_SIZE = 2048
+_MASK_BUFFER = "ascend_compressed_causal_mask"
+_PAGEDPACK_OPS = (torch.ops.pagedpack.reshape_and_cache.default, torch.ops.pagedpack.paged_attention.default)
+
+
+@dataclass(frozen=True)
+class AscendOps:
+    """The two ops the lowering emits: the real ones (:func:`npu_ops`) or the emulation (:func:`emulated_ops`)."""
+
+    fused_infer_attention_score: OpOverload  # tensor-length form of npu_fused_infer_attention_score
+    scatter_nd_update_: OpOverload
+
+    @property
+    def namespaces(self) -> set[str]:
+        return {self.fused_infer_attention_score.namespace, self.scatter_nd_update_.namespace}
+
+
+class AscendUnavailableError(RuntimeError):
+    """torch_npu / TorchAir cannot be imported on this machine."""
+
+
+def import_torchair():
+    """Import torch_npu and return ``torchair`` (shipped inside torch_npu).
+
+    Raises :class:`AscendUnavailableError` with what to install instead of the import's own
+    traceback (without CANN, torch_npu fails deep inside its C++ extension loading).
+    """
+    try:
+        import torch_npu  # noqa: F401  (registers the npu device and torch.ops.npu)
+        import torchair
+    except Exception as err:  # ImportError, or OSError/RuntimeError when CANN's libraries are missing
+        raise AscendUnavailableError(
+            f"the ascend target on an NPU needs torch_npu and TorchAir, and importing them failed "
+            f"({type(err).__name__}: {err}). Is the CANN toolkit installed and its set_env.sh sourced? "
+            "On an Ascend host: install CANN, then `pip install -e .[ascend]`. Without an NPU, "
+            "LLM(target='ascend') runs the lowered graph on the op emulation."
+        ) from None
+    return torchair
+
+
+def npu_ops() -> AscendOps:
+    """``torch.ops.air.npu_fused_infer_attention_score`` and ``torch.ops.npu.npu_scatter_nd_update_``."""
+    import_torchair()
+    # The air op's library is defined by this (private) module, which torchair.ops imports lazily.
+    importlib.import_module("torchair.ops._npu_fused_infer_attention_score")
+    return AscendOps(torch.ops.air.npu_fused_infer_attention_score.default,
+                     torch.ops.npu.npu_scatter_nd_update_.default)
+
+
+def emulated_ops() -> AscendOps:
+    """The same ops from :mod:`pagedpack.kernels.ascend_emulation` (any device, no CANN)."""
+    importlib.import_module("pagedpack.kernels.ascend_emulation")
+    return AscendOps(torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default,
+                     torch.ops.pagedpack_npu.npu_scatter_nd_update_.default)
+
+
+def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The mask sparse_mode 2/3/4 take: ``[2048, 2048]`` bool, strictly upper triangular, True = masked."""
+    return torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+
+
+def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
+                    bounds: StepBounds) -> list[AttentionShape]:
+    """Replace every ``pagedpack`` op of ``gm`` as the module docstring shows; returns each site's shape.
+
+    ``example_inputs`` are inputs ``gm`` accepts (real or fake; only their shapes and dtypes are
+    used, to read each site's heads, head sizes, dtype and block size).
+    Raises :class:`pagedpack.lowering.ascend_limits.AscendLoweringError` (a ``ValueError``) if a
+    site breaks a documented limit; ``gm`` is then unchanged.
+    """
+    values = _fake_values(gm, example_inputs)
+    sites = [n for n in gm.graph.nodes if n.target is torch.ops.pagedpack.paged_attention.default]
+    shapes = [_attention_shape(node, values) for node in sites]
+    for shape in shapes:
+        check_supported(shape, bounds)
+    emit = _Emitter(gm, ops, values)
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.pagedpack.reshape_and_cache.default:
+            emit.cache_write(node)
+    for node, shape in zip(sites, shapes):
+        emit.attention(node, shape)
+    gm.graph.lint()
+    gm.recompile()
+    return shapes
+
+
+def lower_rewritten(rewritten: RewrittenModel, *, block_size: int, ops: AscendOps, bounds: StepBounds,
+                    device: torch.device | str = "cpu") -> list[AttentionShape]:
+    """:func:`lower_to_ascend` on the step graph of :func:`pagedpack.passes.pipeline.rewrite`."""
+    return lower_to_ascend(rewritten.graph_module, _step_example_inputs(rewritten, block_size, device),
+                           ops=ops, bounds=bounds)
+
+
+def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
+    """One line for the pass report: what was lowered, to which ops."""
+    kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
+    return (f"ascend lowering: {len(shapes)} site(s) -> {ops.fused_infer_attention_score} (TND, paged, sparse_mode=3) "
+            f"+ {ops.scatter_nd_update_} ({'; '.join(kinds)})")
+
+
+def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]:
+    """The (fake) values of the pagedpack ops' arguments: those dynamo recorded if present
+    (re-running would add guards to dynamo's shapes), else computed for ``example_inputs`` on fake
+    tensors (no node meta is touched)."""
+    wanted = [a for n in gm.graph.nodes if n.target in _PAGEDPACK_OPS for a in n.args if isinstance(a, Node)]
+    recorded = {a: a.meta.get("example_value", a.meta.get("val")) for a in wanted}
+    if all(v is not None for v in recorded.values()):
+        return recorded
+    interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        interpreter.run(*example_inputs)
+    return interpreter.env
+
+
+def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
+    query, key_cache, value_cache = (values[a] for a in node.args[:3])
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    return AttentionShape(num_heads=int(query.shape[1]), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+                          value_head_dim=int(value_cache.shape[3]), dtype=query.dtype, block_size=int(block_size))
+
+
+def _step_example_inputs(rewritten: RewrittenModel, block_size: int, device) -> list[torch.Tensor]:
+    """One sequence of two tokens and one-block caches: enough to read the sites' shapes."""
+    i32 = dict(dtype=torch.int32, device=device)
+    metadata = dict(
+        input_ids=torch.zeros(2, dtype=torch.long, device=device), positions=torch.arange(2, device=device),
+        cu_seqlens_q=torch.tensor([0, 2], **i32), seq_lens=torch.tensor([2], **i32),
+        block_table=torch.zeros(1, 1, **i32), slot_mapping=torch.arange(2, device=device),
+        logits_indices=torch.tensor([1], device=device),
+    )
+    caches = [torch.zeros(shape, dtype=spec.dtype, device=device)
+              for spec in rewritten.kv_cache_specs for shape in spec.cache_shapes(1, block_size)]
+    return [metadata[name] for name in METADATA_INPUTS] + caches
+
+
+class _Emitter:
+    """Inserts the Ascend ops; what all sites share (int64 lengths, the mask) is built once."""
+
+    def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object]):
+        self.gm, self.graph, self.ops, self.values = gm, gm.graph, ops, values
+        self._shared: dict[tuple, Node] = {}
+
+    def _call(self, target, *args, **kwargs) -> Node:
+        return self.graph.call_function(target, args, kwargs)
+
+    def _once(self, key: tuple, build) -> Node:
+        """``build()`` the first time ``key`` is asked for (inserted before the current site, which
+        comes first in graph order, so the node dominates every later site)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
+    def cache_write(self, node: Node) -> None:
+        key, value, key_cache, value_cache, slot_mapping = node.args
+        with self.graph.inserting_before(node):
+            index = self._call(aten.unsqueeze.default, slot_mapping, 1)  # [T, 1]
+            for rows, cache in ((key, key_cache), (value, value_cache)):
+                cache_val = self.values[cache]
+                if self.values[rows].dtype != cache_val.dtype:  # the reference op casts to the cache dtype
+                    rows = self._call(aten._to_copy.default, rows, dtype=cache_val.dtype)
+                flat = self._call(aten.view.default, cache, [-1, *map(int, cache_val.shape[2:])])  # [slots, Hkv, D]
+                self._call(self.ops.scatter_nd_update_, flat, index, rows)
+        self.graph.erase_node(node)
+
+    def attention(self, node: Node, shape: AttentionShape) -> None:
+        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale = node.args
+        with self.graph.inserting_before(node):
+            caches = [self._call(aten.view.default, c, [-1, shape.block_size, shape.num_kv_heads * d])
+                      for c, d in ((key_cache, shape.head_dim), (value_cache, shape.value_head_dim))]
+            result = self._call(
+                self.ops.fused_infer_attention_score,
+                self._call(aten.contiguous.default, query),  # FIA takes no non-contiguous tensor
+                *caches,
+                atten_mask=self._once(("mask",), lambda: self._mask(query)),
+                actual_seq_lengths=self._once(("cumulative_q", cu_seqlens_q), lambda: self._call(
+                    aten.slice.Tensor, self._call(aten._to_copy.default, cu_seqlens_q, dtype=torch.int64), 0, 1)),
+                actual_seq_lengths_kv=self._once(("kv_lens", seq_lens), lambda: self._call(
+                    aten._to_copy.default, seq_lens, dtype=torch.int64)),
+                block_table=block_table, num_heads=shape.num_heads, scale=float(scale), input_layout="TND",
+                num_key_value_heads=shape.num_kv_heads, sparse_mode=3, block_size=shape.block_size,
+            )
+            out = self._call(operator.getitem, result, 0)
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
+    def _mask(self, query: Node) -> Node:
+        """The compressed mask as a buffer of ``gm`` on the query's device."""
+        name = _MASK_BUFFER
+        while hasattr(self.gm, name):
+            name += "_"
+        self.gm.register_buffer(name, compressed_causal_mask(self.values[query].device))
+        return self.graph.get_attr(name)

@@ -1,0 +1,90 @@
+"""The documented limits an attention site must meet for the ``ascend`` lowering's FIA call.
+
+The lowering has one form (see :mod:`pagedpack.lowering.ascend`): a single
+``npu_fused_infer_attention_score`` (FIA) call per site over the whole packed step, in TND, paged,
+``sparse_mode=3``. Every limit below is quoted from the torch-npu 2.13.0 wheel,
+``torch_npu/_op_plugin_docs.py``: entry "npu_fused_infer_attention_score" (cited ``FIA``) and entry
+"npu_fused_infer_attention_score_v2" (cited ``FIA_V2``). Both entries lower to the same GE op,
+FusedInferAttentionScore (``torchair/ops/_npu_fused_infer_attention_score.py`` and ``..._v2.py``),
+so the v2 entry's detailed TND section is read as describing the kernel the lowering calls.
+
+Why no fallback form: the B-layouts (BSH/BSND/BNSD) accept float16 and other head sizes, but a
+packed step would have to be padded to ``[B, max query length, ...]``, a size no graph input
+carries; one batch entry per token (S = 1) breaks the page-attention rule that blocknum be at
+least the blocks of all batch entries together. So a site outside these limits is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FIA = "_op_plugin_docs.py, npu_fused_infer_attention_score"
+FIA_V2 = "_op_plugin_docs.py, npu_fused_infer_attention_score_v2"
+MAX_GQA_RATIO = 64
+MAX_HEADS = 256
+MAX_TND_TOKENS = 65536
+MAX_TND_SEQS = 4096
+
+
+class AscendLoweringError(ValueError):
+    """An attention site the Ascend ops cannot serve; the message cites each violated limit."""
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention site looks like to FIA (caches are ``[num_blocks, block_size, Hkv, D]``)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """Upper bounds of every step the graph will run: tokens ``T`` and sequences ``B``."""
+
+    max_num_tokens: int
+    max_num_seqs: int
+
+
+def violations(s: AttentionShape, b: StepBounds) -> list[str]:
+    """Every documented limit ``s`` and ``b`` break, each with its source."""
+    dtype = str(s.dtype).removeprefix("torch.")
+    out = []
+    if s.dtype != torch.bfloat16:
+        out.append(f"dtype {dtype}: TND supports bfloat16 only [{FIA}, TND limits; {FIA_V2}, TND limits]")
+    if not (s.head_dim == 128 or (s.head_dim == 192 and s.value_head_dim in (128, 192))):
+        out.append(f"head_dim={s.head_dim}: TND needs 128 (or 192 with value head_dim 128/192) "
+                   f"[{FIA_V2}, TND limits]")
+    if s.head_dim != s.value_head_dim:
+        out.append(f"key head_dim {s.head_dim} != value head_dim {s.value_head_dim}: paged key and value caches "
+                   f"must have the same shape [{FIA}, constraints, page attention]")
+    if s.num_heads % s.num_kv_heads:
+        out.append(f"num_heads={s.num_heads} is not divisible by num_key_value_heads={s.num_kv_heads} "
+                   f"[{FIA}, parameter num_key_value_heads]")
+    elif s.num_heads // s.num_kv_heads > MAX_GQA_RATIO:
+        out.append(f"grouped-query ratio {s.num_heads // s.num_kv_heads} exceeds {MAX_GQA_RATIO} "
+                   f"[{FIA}, parameter num_key_value_heads; {FIA_V2}, TND limits]")
+    if s.num_heads > MAX_HEADS:
+        out.append(f"num_heads={s.num_heads} exceeds {MAX_HEADS} [{FIA}, constraints Q_S > 1]")
+    if not (128 <= s.block_size <= 512 and s.block_size % 128 == 0):
+        out.append(f"block_size={s.block_size}: paged attention with multi-token queries needs 128..512, a "
+                   f"multiple of 128 [{FIA}, constraints Q_S > 1, page attention]")
+    if b.max_num_tokens > MAX_TND_TOKENS:
+        out.append(f"max_num_tokens={b.max_num_tokens}: TND needs T <= {MAX_TND_TOKENS} [{FIA}, TND limits]")
+    if b.max_num_seqs > MAX_TND_SEQS:
+        out.append(f"max_num_seqs={b.max_num_seqs}: TND takes at most {MAX_TND_SEQS} sequence lengths "
+                   f"[{FIA_V2}, TND limits]")
+    return out
+
+
+def check_supported(shape: AttentionShape, bounds: StepBounds) -> None:
+    """Raise :class:`AscendLoweringError` listing every limit ``shape``/``bounds`` break."""
+    broken = violations(shape, bounds)
+    if broken:
+        raise AscendLoweringError("npu_fused_infer_attention_score (TND, paged, sparse_mode=3) cannot serve this "
+                                  f"attention ({shape}):\n  " + "\n  ".join(broken))

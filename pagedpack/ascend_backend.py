@@ -1,0 +1,101 @@
+"""``torch.compile`` on Ascend: the ascend lowering, then TorchAir.
+
+The pagedpack rewrite runs first, at capture (:func:`pagedpack.passes.pipeline.rewrite`): it adds
+the metadata and cache inputs, which a ``torch.compile`` backend cannot do (its compiled callable
+must take the inputs dynamo traced). Compile the rewritten step graph with :func:`ascend_backend`::
+
+    step = compile_step(rewritten.graph_module, ascend_backend(max_num_tokens=2048, max_num_seqs=256))
+
+The backend lowers the ``pagedpack`` ops of the graph dynamo hands it
+(:func:`pagedpack.lowering.ascend.lower_to_ascend`) and passes the result to
+``torchair.get_npu_backend(compiler_config=...)``. ``LLM(..., target="ascend")`` uses
+:func:`ascend_step` instead: it lowers at construction (so a refused model fails there, not at the
+first step), then compiles the lowered graph with TorchAir's backend. torch_npu and TorchAir are
+imported only when an NPU is used.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pagedpack.lowering.ascend import (AscendOps, describe, emulated_ops, import_torchair, lower_rewritten,
+                                       lower_to_ascend, npu_ops)
+from pagedpack.lowering.ascend_limits import StepBounds
+from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
+
+
+def is_npu(device: torch.device | str) -> bool:
+    return str(device).split(":")[0] == "npu"
+
+
+def prepare_device(device: torch.device | str) -> None:
+    """Import torch_npu before ``device`` is used if it is an NPU (``torch.device("npu")`` needs it)."""
+    if is_npu(device):
+        import_torchair()
+
+
+def torchair_backend(compiler_config=None) -> Callable:
+    """``torchair.get_npu_backend`` in max-autotune (GE) mode, the only mode that runs
+    ``torch.ops.air.npu_fused_infer_attention_score`` (torchair/ops/_npu_fused_infer_attention_score.py)
+    and the one TND allows (reduce-overhead is not supported for TND: _op_plugin_docs.py,
+    npu_fused_infer_attention_score_v2, TND limits)."""
+    torchair = import_torchair()
+    config = compiler_config or torchair.CompilerConfig()
+    if config.mode.value != "max-autotune":
+        raise ValueError(f"compiler_config.mode: expected 'max-autotune' (the tensor-length FIA op runs only "
+                         f"there), got {config.mode.value!r}")
+    return torchair.get_npu_backend(compiler_config=config)
+
+
+def ascend_backend(*, max_num_tokens: int, max_num_seqs: int, compiler_config=None, ops: AscendOps | None = None,
+                   npu_backend: Callable | None = None) -> Callable:
+    """A ``torch.compile`` backend for rewritten step graphs on Ascend.
+
+    ``max_num_tokens`` / ``max_num_seqs`` bound every step (the TND limits depend on them).
+    ``ops`` defaults to the real torch_npu/TorchAir ops and ``npu_backend`` to
+    :func:`torchair_backend` (``compiler_config``); tests pass the emulation and a recorder.
+    """
+    bounds = StepBounds(max_num_tokens, max_num_seqs)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        lower_to_ascend(gm, example_inputs, ops=ops or npu_ops(), bounds=bounds)
+        return (npu_backend or torchair_backend(compiler_config))(gm, example_inputs)
+
+    return backend
+
+
+def compile_step(step_graph: torch.fx.GraphModule, backend: Callable) -> Callable:
+    """``torch.compile`` a step graph so that one graph serves every batch composition.
+
+    Caches and weights stay static; every dimension of the metadata inputs (``T``, ``B``,
+    ``max_blocks_per_seq``) is marked dynamic on each call. (``dynamic=True`` would also make the
+    cache dimensions symbolic, and dynamo's duck sizing can tie ``B`` to a cache dimension of the
+    same size and specialise it.) Dimensions of size 0 or 1 are still specialised by dynamo, so a
+    step with ``B == 1`` or ``T == 1`` gets its own graph.
+    """
+    compiled = torch.compile(step_graph, backend=backend, dynamic=False, fullgraph=True)
+
+    def step(*inputs):
+        for tensor in inputs[: len(METADATA_INPUTS)]:
+            for dim in range(tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return compiled(*inputs)
+
+    return step
+
+
+def ascend_step(rewritten: RewrittenModel, *, block_size: int, bounds: StepBounds,
+                device: torch.device | str) -> tuple[Callable, str]:
+    """Lower ``rewritten`` in place for the ascend target: ``(callable running one step, report line)``.
+
+    On an NPU: the real ops, compiled by TorchAir (:func:`compile_step`). Elsewhere: the emulation
+    ops of :mod:`pagedpack.kernels.ascend_emulation`, run eagerly (same graph, same arguments).
+    """
+    on_npu = is_npu(device)
+    ops = npu_ops() if on_npu else emulated_ops()
+    shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
+    note = describe(shapes, ops)
+    if not on_npu:
+        return rewritten.graph_module, f"{note}; emulated on {device}"
+    return compile_step(rewritten.graph_module, torchair_backend()), note
