@@ -11,14 +11,16 @@ from pagedpack.models.tiny import default_model
 DEFAULT_MODEL = "pagedpack/tiny-llama"  # the built-in model: no download, random fixed-seed weights
 
 
-def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+         target: str = "reference"):
     """``(model, tokenizer)`` for ``model``: None or :data:`DEFAULT_MODEL` for the built-in tiny
-    Llama, else a local Hugging Face directory or a hub id (``AutoModelForCausalLM``).
+    Llama (shaped for ``target``), else a local Hugging Face directory or a hub id
+    (``AutoModelForCausalLM``).
 
     The model is in eval mode on ``device``; ``dtype`` None keeps the checkpoint's dtype.
     """
     if model in (None, DEFAULT_MODEL):
-        module, tokenizer = default_model()
+        module, tokenizer = default_model(target)
     elif not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
         raise ValueError(f"model: expected a local Hugging Face directory or a hub id, got {model!r} "
                          "(no such directory)")

@@ -100,7 +100,7 @@ class LLM:
             check_causal_lm(model)  # before moving it: the caller's module is converted in place
             module = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
         else:
-            module, loaded_tokenizer = load(model, dtype=dtype, device=device)
+            module, loaded_tokenizer = load(model, dtype=dtype, device=device, target=target)
             tokenizer = tokenizer or loaded_tokenizer
             check_causal_lm(module)
         self.model, self.tokenizer = module, tokenizer
