@@ -30,7 +30,6 @@ from pagedpack.passes.varlen import rewrite_varlen
 
 log = logging.getLogger(__name__)
 LAST_REPORTS: list[PassReport] = []  # one per Dynamo graph compiled, newest last
-_TOKEN_NAMES = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 _POSITIONAL = (None, "input_ids", "attention_mask")  # HF forward order after ``self``
 _VERIFY_LENS = (5, 1, 7)  # a sample packed batch: T=13, B=3
 

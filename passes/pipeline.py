@@ -146,7 +146,7 @@ def _add_inputs(graph: torch.fx.Graph, old: dict, *, num_layers: int) -> dict[st
     for name in ("input_ids", "positions"):
         with graph.inserting_after(last):
             last = batch_one = graph.call_function(aten.unsqueeze.default, (meta[name], 0))
-        meta[name].replace_all_uses_with(batch_one, delete_user_cb=lambda user: user is not batch_one)
+        meta[name].replace_all_uses_with(batch_one, delete_user_cb=lambda user, keep=batch_one: user is not keep)
     return meta
 
 

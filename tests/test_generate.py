@@ -10,7 +10,7 @@ from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, hf_last_logits, random_prompts
+from conftest import hf_greedy, hf_last_logits, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
