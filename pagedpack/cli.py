@@ -1,4 +1,4 @@
-"""``pagedpack`` command line: ``generate`` and ``inspect``."""
+"""``pagedpack`` command line: ``generate``, ``inspect`` and ``export``."""
 from __future__ import annotations
 
 import argparse
@@ -56,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     _model_args(insp)
     insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
 
+    exp = sub.add_parser("export", help="export the rewritten step program (a torch.export .pt2 archive)")
+    _model_args(exp)
+    exp.add_argument("--format", default="pt2", help="pt2 (onnx: not implemented yet)")
+    exp.add_argument("--out", required=True, help="archive to write, e.g. model.pt2")
+
     args = parser.parse_args(argv)
     try:
-        return _generate(args) if args.command == "generate" else _inspect(args)
+        return {"generate": _generate, "inspect": _inspect, "export": _export}[args.command](args)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
         return 0
@@ -143,6 +148,16 @@ def _inspect(args) -> int:
     if args.graph:
         print(rewritten.graph_module.code)
     return 0 if rewritten.ok else 1
+
+
+def _export(args) -> int:
+    from pagedpack.export import check_format, export_pt2
+
+    check_format(args.format)  # before loading the model
+    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), num_blocks=1)
+    path = export_pt2(llm, args.out)
+    print(f"wrote {path} ({args.format}); load it with LLM.from_exported({path!r})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
             check_causal_lm(module)
         self.model, self.tokenizer = module, tokenizer
+        self.vocab_size = module.config.vocab_size
         limit, note = model_max_len(module.config)
         if max_model_len is not None and not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
@@ -125,12 +126,48 @@ class LLM:
             self.rewritten.report.notes.append(note)
         runner = ModelRunner(self.rewritten, num_blocks=self.num_blocks, block_size=block_size, device=device,
                              step=step)
-        scheduler = Scheduler(KVCacheManager(self.num_blocks, block_size),
+        self._start_engine(runner, max_num_batched_tokens, max_num_seqs)
+        self._eos = eos_token_ids(module, tokenizer)
+
+    def _start_engine(self, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        scheduler = Scheduler(KVCacheManager(self.num_blocks, self.block_size),
                               max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
         self.llm_engine = LLMEngine(runner, scheduler)
-        self._eos = eos_token_ids(module, tokenizer)
         self._ids = itertools.count()
+
+    @classmethod
+    def from_exported(cls, path, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
+                      kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
+                      max_num_seqs: int = 256, max_model_len: int | None = None) -> "LLM":
+        """An ``LLM`` whose runner calls the step program of a ``.pt2`` archive written by
+        :func:`pagedpack.export.export_pt2` (``pagedpack export``); same scheduler and sampler,
+        CPU only, no capture. ``block_size`` and the pool size are chosen here, not at export.
+        ``tokenizer`` overrides the one stored in the archive. ``report`` is None."""
+        from pagedpack.export import load_pt2
+
+        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_num_seqs", max_num_seqs)):
+            check_int(name, value)
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
+        step = load_pt2(path)
+        limit = step.max_model_len
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len)
+            if limit is not None and not 1 <= max_model_len <= limit:
+                raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
+        if (max_model_len or limit) is None:
+            raise ValueError("max_model_len: the archive records none; pass max_model_len")
+        self = cls.__new__(cls)
+        self.model, self.tokenizer, self.vocab_size = None, tokenizer or step.tokenizer, step.vocab_size
+        self.max_model_len, self.num_captures, self.rewritten = max_model_len or limit, 0, step
+        self.target, self.block_size = "reference", block_size
+        self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory, max_num_seqs)
+        self._start_engine(ModelRunner(step, num_blocks=self.num_blocks, block_size=block_size),
+                           max_num_batched_tokens, max_num_seqs)
+        self._eos = list(step.eos_token_ids)
+        return self
 
     @property
     def report(self):
@@ -173,7 +210,7 @@ class LLM:
                                 request.prompt_token_ids)
             outputs.append(out)
             try:
-                check_token_ids(request.prompt_token_ids, self.model.config.vocab_size)
+                check_token_ids(request.prompt_token_ids, self.vocab_size)
                 self.llm_engine.add_request(request)
                 live[request.request_id] = (request, out)
             except ValueError as err:

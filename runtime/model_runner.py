@@ -14,6 +14,8 @@ class ModelRunner:
 
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
     for K and for V, with the dtype and head shape the rewrite read off the captured graph.
+    ``rewritten`` may also be a loaded ``.pt2`` archive (:class:`pagedpack.export.ExportedStep`,
+    same ``graph_module`` / ``kv_cache_specs``): its program updates the caches in place too.
     """
 
     def __init__(self, rewritten: RewrittenModel, *, num_blocks: int, block_size: int,

@@ -27,3 +27,21 @@ def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
     """The unmodified model's logits for the last token of ``tokens`` (one sequence, no cache)."""
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0, -1]
+
+
+def run_step(llm, parts):
+    """Run one hand-built step through ``llm``'s runner: ``parts`` is a list of
+    (request, num_new_tokens); returns the logits and advances the requests."""
+    from pagedpack.runtime.batch import build_batch
+    from pagedpack.runtime.scheduler import ScheduledRequest
+
+    runner = llm.llm_engine.runner
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    scheduled = []
+    for request, n in parts:
+        assert kv.allocate_slots(request, n)
+        scheduled.append(ScheduledRequest(request, n))
+    logits = runner.execute(build_batch(scheduled, block_size=runner.block_size, num_blocks=runner.num_blocks))
+    for s in scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+    return logits

@@ -243,8 +243,10 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys):
     args = ["generate", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "3"]
     assert cli_main([*args, "--model", str(tmp_path)]) == 0
     assert "1 (0 failed)" in capsys.readouterr().out
-    # The built-in model (float32, head_dim 16) is outside TND's limits: a clear error, no traceback.
-    assert cli_main(args) == 2
+    # A float32 model is outside TND's limits: a clear error, no traceback.
+    tiny_model("llama", dtype=torch.float32, head_dim=128).save_pretrained(tmp_path / "fp32")
+    byte_level_tokenizer().save_pretrained(tmp_path / "fp32")
+    assert cli_main([*args, "--model", str(tmp_path / "fp32")]) == 2
     assert "TND supports bfloat16 only" in capsys.readouterr().err
 
 

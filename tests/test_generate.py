@@ -6,11 +6,9 @@ import torch
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.models.tiny import FAMILIES, tiny_model
-from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.request import Request
-from pagedpack.runtime.scheduler import ScheduledRequest
 
-from conftest import hf_greedy, hf_last_logits, random_prompts
+from conftest import run_step, hf_greedy, hf_last_logits, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -29,34 +27,20 @@ def test_mixed_batch_matches_unmodified_model(family_model, mixed_prompts):
     assert llm.llm_engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
-def _step(llm, parts):
-    """Run one hand-built step: ``parts`` is a list of (request, num_new_tokens)."""
-    runner = llm.llm_engine.runner
-    kv = llm.llm_engine.scheduler.kv_cache_manager
-    scheduled = []
-    for request, n in parts:
-        assert kv.allocate_slots(request, n)
-        scheduled.append(ScheduledRequest(request, n))
-    logits = runner.execute(build_batch(scheduled, block_size=runner.block_size, num_blocks=runner.num_blocks))
-    for s in scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-    return logits
-
-
 def test_prefill_logits_match(family_model, mixed_prompts):
     llm = LLM(family_model, block_size=16, num_blocks=128)
     requests = [Request(str(i), p, GREEDY) for i, p in enumerate(mixed_prompts)]
-    logits = _step(llm, [(r, r.num_tokens) for r in requests])
+    logits = run_step(llm, [(r, r.num_tokens) for r in requests])
     for row, prompt in zip(logits, mixed_prompts):
         torch.testing.assert_close(row, hf_last_logits(family_model, prompt), atol=1e-4, rtol=0)
 
 
-def test_mixed_prefill_decode_and_chunked_prefill_step(family_model):
+def test_mixed_prefill_decode_and_chunked_prefillrun_step(family_model):
     """One step holding a fresh prefill, a decode, and a chunked prefill resuming mid-block."""
     llm = LLM(family_model, block_size=16, num_blocks=64)
     fresh, decoding, chunked = (Request(str(i), p, GREEDY) for i, p in enumerate(random_prompts((37, 21, 70), seed=3)))
-    _step(llm, [(decoding, 20), (chunked, 21)])  # earlier step: both cached in part (21 = mid-block)
-    logits = _step(llm, [(fresh, 37), (decoding, 1), (chunked, 30)])
+    run_step(llm, [(decoding, 20), (chunked, 21)])  # earlier step: both cached in part (21 = mid-block)
+    logits = run_step(llm, [(fresh, 37), (decoding, 1), (chunked, 30)])
     expected = [hf_last_logits(family_model, fresh.all_token_ids),
                 hf_last_logits(family_model, decoding.all_token_ids),
                 hf_last_logits(family_model, chunked.all_token_ids[:51])]

@@ -1,0 +1,206 @@
+"""Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back.
+
+The archive holds one ``ExportedProgram`` of the step graph (the signature of
+:mod:`pagedpack.passes.pipeline`)::
+
+    forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
+            block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [B],
+            key_cache_0, value_cache_0, ...)            # [num_blocks, block_size, H_kv, D]
+        -> logits [B, vocab]
+
+dynamic in ``T``, ``B`` (``cu_seqlens_q`` is ``B + 1``), ``max_blocks_per_seq``,
+``num_blocks`` and ``block_size``: the block size is a runtime choice, not baked in.
+
+KV caches: the program is kept in export's default IR, where ``pagedpack::reshape_and_cache``
+stays an in-place call on the cache inputs (no functionalisation, so no per-step copy of the
+caches); the loaded ``.module()`` therefore updates the caller's cache tensors, as the step
+graph does, and the runner passes its own caches exactly as for the un-exported graph.
+
+Besides the program, ``extra_files["pagedpack.json"]`` stores what the runtime needs (see
+:data:`META_FILE` and :class:`ExportedStep`): format version, KV cache specs, eos ids,
+``max_model_len``, vocabulary size, the model name, and the tokenizer's files (base64) when
+there is one. ``import pagedpack`` registers the custom ops the program calls, which is all a
+fresh process needs before :func:`load_pt2`.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, RewrittenModel
+
+FORMATS = ("pt2",)
+FORMAT_VERSION = 1
+META_FILE = "pagedpack.json"
+
+
+@dataclass
+class ExportedStep:
+    """A loaded ``.pt2`` step program plus its metadata; what :class:`ModelRunner` needs
+    (``graph_module``, ``kv_cache_specs``) in the shape of :class:`RewrittenModel`."""
+
+    graph_module: torch.nn.Module  # ``torch.export.load(path).module()``
+    kv_cache_specs: list[KVCacheSpec]
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    model_name: str | None = None
+    tokenizer: object | None = None
+    report = None  # no pass report travels with the archive
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(spec.bytes_per_token for spec in self.kv_cache_specs)
+
+    def raise_if_refused(self) -> None:  # an archive only ever holds a rewritten program
+        return None
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` if it is an export format pagedpack writes, else ``ValueError``."""
+    if fmt == "onnx":
+        raise ValueError("format: onnx export is not implemented yet (only pt2)")
+    if fmt not in FORMATS:
+        raise ValueError(f"format: expected one of {list(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | None = None,
+               max_model_len: int | None = None, tokenizer=None, model_name: str | None = None) -> str:
+    """Export ``source`` (an :class:`~pagedpack.LLM` or a :class:`RewrittenModel`) to ``path``.
+
+    For an ``LLM`` the eos ids, ``max_model_len``, vocabulary size and tokenizer are read off it;
+    for a bare ``RewrittenModel`` pass them (optional). Returns ``str(path)``.
+    Raises ``ValueError`` for a source that is not a rewritten reference-target model.
+    """
+    from pagedpack.llm import LLM
+
+    vocab_size = None
+    if isinstance(source, LLM):
+        if source.target != "reference":
+            raise ValueError(f"source: expected an LLM with target='reference', got target={source.target!r}")
+        rewritten = source.rewritten
+        eos_token_ids = source._eos if eos_token_ids is None else eos_token_ids
+        max_model_len = max_model_len or source.max_model_len
+        tokenizer = tokenizer or source.tokenizer
+        vocab_size = source.vocab_size
+        if model_name is None:
+            model_name = getattr(getattr(source.model, "config", None), "_name_or_path", None) or None
+    elif isinstance(source, RewrittenModel):
+        rewritten = source
+    else:
+        raise ValueError(f"source: expected an LLM or a RewrittenModel, got {type(source).__name__}")
+    rewritten.raise_if_refused()
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"path: expected a file in an existing directory, got {path!r} (no such directory)")
+
+    program = _export_program(rewritten)
+    if vocab_size is None:
+        vocab_size = int(next(n for n in program.graph.nodes if n.op == "output").args[0][0].meta["val"].shape[-1])
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "signature": [*METADATA_INPUTS, *(f"{kind}_cache_{i}" for i in range(len(rewritten.kv_cache_specs))
+                                          for kind in ("key", "value"))],
+        # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
+        # functionalised it and the loaded .module() copies the new caches into the inputs.
+        "cache_mutation": "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
+                                               program.graph_signature.output_specs) else "in_place",
+        "kv_cache_specs": [{"num_kv_heads": s.num_kv_heads, "key_head_size": s.key_head_size,
+                            "value_head_size": s.value_head_size, "dtype": str(s.dtype).removeprefix("torch.")}
+                           for s in rewritten.kv_cache_specs],
+        "eos_token_ids": [int(i) for i in (eos_token_ids or [])],
+        "max_model_len": max_model_len,
+        "vocab_size": vocab_size,
+        "model_name": model_name,
+        "tokenizer_files": _tokenizer_files(tokenizer),
+    }
+    torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
+    return path
+
+
+def load_pt2(path: str | os.PathLike) -> ExportedStep:
+    """Load an archive written by :func:`export_pt2`; ``ValueError`` if ``path`` is missing or
+    is not a pagedpack ``.pt2`` archive."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"path: expected a .pt2 archive written by 'pagedpack export', got {path!r} (no such file)")
+    extra = {META_FILE: ""}
+    try:
+        program = torch.export.load(path, extra_files=extra)
+    except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
+        raise ValueError(f"path: {path!r} is not a loadable torch.export archive ({type(err).__name__}: {err})") from err
+    if not extra[META_FILE]:
+        raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
+    meta = json.loads(extra[META_FILE])
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"path: {path!r} has pagedpack format_version {meta.get('format_version')!r}, "
+                         f"this pagedpack reads {FORMAT_VERSION}")
+    specs = [KVCacheSpec(s["num_kv_heads"], s["key_head_size"], s["value_head_size"], getattr(torch, s["dtype"]))
+             for s in meta["kv_cache_specs"]]
+    return ExportedStep(program.module(), specs, meta["eos_token_ids"], meta["max_model_len"], meta["vocab_size"],
+                        meta["model_name"], _load_tokenizer(meta["tokenizer_files"]))
+
+
+def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:
+    """``torch.export`` the step graph on a small valid example with every size dynamic.
+
+    Example sizes are distinct and >= 2 (export specialises 0 and 1); the dims' minimum is 1,
+    so a step of one token of one sequence runs too.
+    """
+    gm = rewritten.graph_module
+    device = next(gm.parameters()).device
+    q_lens, block_size, num_blocks, max_blocks = [2, 5, 4], 6, 11, 3  # T=11 tokens, B=3 sequences
+    num_tokens, num_seqs = sum(q_lens), len(q_lens)
+    positions = torch.cat([torch.arange(n) for n in q_lens])
+    block_table = torch.arange(num_seqs * max_blocks, dtype=torch.int32).view(num_seqs, max_blocks) % num_blocks
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(q_lens))
+    slots = block_table[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = [torch.zeros(num_tokens, dtype=torch.long), positions, cu, torch.tensor(q_lens, dtype=torch.int32),
+            block_table, slots, cu[1:].long() - 1]
+    for spec in rewritten.kv_cache_specs:
+        args += [torch.zeros(shape, dtype=spec.dtype) for shape in spec.cache_shapes(num_blocks, block_size)]
+    args = [a.to(device) for a in args]
+
+    dim = torch.export.Dim
+    t, b = dim("num_tokens", min=1), dim("num_seqs", min=1)
+    m, n, bs = dim("max_blocks_per_seq", min=1), dim("num_blocks", min=1), dim("block_size", min=1)
+    dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: b}]
+    dynamic_shapes += [{0: n, 1: bs}] * (2 * len(rewritten.kv_cache_specs))
+    with torch.no_grad():
+        return torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic_shapes), strict=False)
+
+
+def _tokenizer_files(tokenizer) -> dict[str, str] | None:
+    if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {}
+        for root, _, names in os.walk(tmp):
+            for name in names:
+                full = os.path.join(root, name)
+                with open(full, "rb") as f:
+                    files[os.path.relpath(full, tmp)] = base64.b64encode(f.read()).decode("ascii")
+    return files
+
+
+def _load_tokenizer(files: dict[str, str] | None):
+    if not files:
+        return None
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            full = os.path.join(tmp, name)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "wb") as f:
+                f.write(base64.b64decode(data))
+        return AutoTokenizer.from_pretrained(tmp)

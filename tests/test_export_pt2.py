@@ -1,0 +1,129 @@
+"""``.pt2`` export: the saved step program, loaded in a fresh process, serves the runtime as the
+un-exported step graph does."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.export import check_format, export_pt2, load_pt2
+from pagedpack.models.tiny import tiny_model
+from pagedpack.runtime.request import Request
+
+from conftest import run_step, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+# Runs in a fresh interpreter: `import pagedpack` alone must make the archive loadable.
+_GENERATE_SCRIPT = """
+import json, sys
+import pagedpack
+from pagedpack import LLM, SamplingParams
+path, prompts_file = sys.argv[1:]
+llm = LLM.from_exported(path, block_size=16, max_num_batched_tokens=256)
+prompts = json.load(open(prompts_file))
+outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+print(json.dumps([[o.error, o.outputs[0].token_ids] for o in outputs]))
+"""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def archive(model, tmp_path_factory):
+    llm = LLM(model, block_size=16, max_num_batched_tokens=256)
+    path = tmp_path_factory.mktemp("export") / "tiny-llama.pt2"
+    assert export_pt2(llm, path) == str(path)
+    return llm, str(path)
+
+
+def test_fresh_process_generates_the_same_tokens(archive, mixed_prompts, tmp_path):
+    llm, path = archive
+    expected = [o.outputs[0].token_ids for o in llm.generate(mixed_prompts, GREEDY, use_tqdm=False)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(mixed_prompts))
+    result = subprocess.run([sys.executable, "-c", _GENERATE_SCRIPT, path, str(prompts_file)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [error for error, _ in got] == [None] * len(mixed_prompts)
+    for prompt, want, (_, tokens) in zip(mixed_prompts, expected, got):
+        assert tokens == want, f"prompt length {len(prompt)}"
+
+
+def test_archive_metadata_and_runtime_block_size(archive):
+    llm, path = archive
+    step = load_pt2(path)
+    assert step.kv_cache_specs == llm.rewritten.kv_cache_specs
+    assert step.eos_token_ids == llm._eos and step.max_model_len == llm.max_model_len
+    assert step.vocab_size == llm.vocab_size
+    # The block size is chosen at load time, not baked in at export.
+    prompts = random_prompts((5, 40), seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    loaded = LLM.from_exported(path, block_size=8, num_blocks=32)
+    assert loaded.report is None and loaded.tokenizer is None  # tiny_model instance: no tokenizer
+    assert [o.outputs[0].token_ids for o in loaded.generate(prompts, params, use_tqdm=False)] == want
+
+
+def _decode_and_chunked_steps(llm) -> list[torch.Tensor]:
+    """Prefills, then a decode step over sequences of different lengths, then a step with a
+    chunked prefill resuming mid-block beside a decode and a fresh prefill."""
+    a, b, c, d = (Request(str(i), p, GREEDY) for i, p in enumerate(random_prompts((9, 33, 70, 17), seed=5)))
+    out = [run_step(llm, [(a, 9), (b, 33), (c, 21)])]  # c: 21 of 70 cached (mid-block)
+    a.append_output(7, 512)
+    b.append_output(11, 512)
+    out.append(run_step(llm, [(a, 1), (b, 1)]))  # decode, KV lengths 10 and 34
+    a.append_output(3, 512)
+    out.append(run_step(llm, [(c, 30), (a, 1), (d, 17)]))  # chunked prefill + decode + fresh prefill
+    return out
+
+
+def test_decode_and_chunked_prefill_logits_match(archive, model):
+    _, path = archive
+    reference = LLM(model, block_size=16, num_blocks=64)
+    loaded = LLM.from_exported(path, block_size=16, num_blocks=64)
+    want, got = _decode_and_chunked_steps(reference), _decode_and_chunked_steps(loaded)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+    # The loaded program wrote the runner's own cache tensors in place.
+    for w, g in zip(reference.llm_engine.runner.kv_caches, loaded.llm_engine.runner.kv_caches):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_bad_path_and_format(tmp_path, archive):
+    with pytest.raises(ValueError, match="no such file"):
+        LLM.from_exported(tmp_path / "missing.pt2")
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip archive")
+    with pytest.raises(ValueError, match="not a loadable torch.export archive"):
+        load_pt2(junk)
+    with pytest.raises(ValueError, match="no such directory"):
+        export_pt2(archive[0], tmp_path / "nope" / "x.pt2")
+    with pytest.raises(ValueError, match="expected an LLM or a RewrittenModel"):
+        export_pt2(torch.nn.Linear(2, 2), tmp_path / "x.pt2")
+    with pytest.raises(ValueError, match="onnx export is not implemented yet"):
+        check_format("onnx")
+    with pytest.raises(ValueError, match="expected one of"):
+        check_format("tflite")
+
+
+def test_cli_export_refuses_onnx_and_writes_pt2(tmp_path):
+    exe = shutil.which("pagedpack")
+    assert exe, "the pagedpack console script is not installed (pip install -e .)"
+    onnx = subprocess.run([exe, "export", "--format", "onnx", "--out", str(tmp_path / "m.onnx")],
+                          capture_output=True, text=True, timeout=300)
+    assert onnx.returncode == 2 and "not implemented yet" in onnx.stderr
+    out = tmp_path / "m.pt2"
+    result = subprocess.run([exe, "export", "--format", "pt2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    step = load_pt2(out)
+    assert step.tokenizer is not None and step.eos_token_ids  # the built-in model's byte-level tokenizer
