@@ -23,8 +23,8 @@ from pagedpack.passes.attention_sites import find_attention_sites
 from pagedpack.passes.cleanup import eliminate_dead_code, strip_export_checks
 from pagedpack.passes.logits import gather_logits
 from pagedpack.passes.paged_attention import rewrite_site
-from pagedpack.passes.report import PassReport, SiteRecord, op_counts
-from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
+from pagedpack.passes.report import PassReport, op_counts
+from pagedpack.passes.verify import CAUSAL, verify_sites
 
 aten = torch.ops.aten
 METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table",
@@ -94,18 +94,14 @@ def rewrite(captured: CapturedModel) -> RewrittenModel:
     sites = find_attention_sites(graph)
     placeholders = {n.target: n for n in graph.nodes if n.op == "placeholder"}
 
-    nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
     n = min(_VERIFY_NUM_TOKENS, captured.example_num_tokens)
     device = next(gm.parameters()).device
     sample = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device)[None])
-    values = sample_values(gm, nodes.__contains__, sample) if sites else {}
-    for site in sites:
-        kind, reason = classify_site(site, values, n) if site.refusal is None else (None, site.refusal)
+    kinds, _ = verify_sites(gm, sites, sample, n, report)
+    for record, kind in zip(report.sites, kinds):
         if kind not in (None, CAUSAL):
-            reason = "bidirectional attention (no causal mask): the paged KV cache serves causal LMs"
-        report.sites.append(SiteRecord(site.name, site.form, site.layer, reason is None, reason))
-    if not sites:
-        report.notes.append("no attention site found")
+            record.rewritten = False
+            record.reason = "bidirectional attention (no causal mask): the paged KV cache serves causal LMs"
     missing = [p for p in ("input_ids", "position_ids") if p not in placeholders]
     if missing:
         report.notes.append(f"captured graph lacks inputs {missing}")

@@ -23,8 +23,8 @@ import pagedpack.kernels.varlen  # noqa: F401  (registers torch.ops.pagedpack.va
 from pagedpack.passes.attention_sites import default_scale, find_attention_sites
 from pagedpack.passes.cleanup import eliminate_dead_code
 from pagedpack.passes.paged_attention import heads_first_to_tokens_first
-from pagedpack.passes.report import PassReport, SiteRecord, op_counts
-from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
+from pagedpack.passes.report import PassReport, op_counts
+from pagedpack.passes.verify import CAUSAL, verify_sites
 
 aten = torch.ops.aten
 
@@ -39,15 +39,9 @@ def rewrite_varlen(gm: torch.fx.GraphModule, sample_inputs: tuple, num_tokens: i
     graph = gm.graph
     report = PassReport(ops_before=op_counts(graph))
     sites = find_attention_sites(graph)
+    kinds, values = verify_sites(gm, sites, sample_inputs, num_tokens, report,
+                                 also=lambda n: _maybe_positions(n, num_tokens))
     site_nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
-    values = sample_values(gm, lambda n: n in site_nodes or _maybe_positions(n, num_tokens), sample_inputs)
-    kinds = []
-    for site in sites:
-        kind, reason = classify_site(site, values, num_tokens) if site.refusal is None else (None, site.refusal)
-        kinds.append(kind)
-        report.sites.append(SiteRecord(site.name, site.form, site.layer, reason is None, reason))
-    if not sites:
-        report.notes.append("no attention site found")
     if not sites or report.refused:
         report.ops_after = report.ops_before
         return report

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from pagedpack.passes.attention_sites import AttentionSite
+from pagedpack.passes.report import PassReport, SiteRecord
 
 CAUSAL, BIDIRECTIONAL = "causal", "bidirectional"
 
@@ -33,6 +34,23 @@ def sample_values(module: torch.fx.GraphModule, wanted, inputs: tuple) -> dict:
     with torch.no_grad():
         recorder.run(*inputs)
     return recorder.values
+
+
+def verify_sites(module: torch.fx.GraphModule, sites: list[AttentionSite], sample_inputs: tuple,
+                 num_tokens: int, report: PassReport, also=lambda node: False) -> tuple[list, dict]:
+    """Run ``sample_inputs`` (one sequence of ``num_tokens``) once, classify every site and record
+    it in ``report``. Returns each site's kind (None if refused) and the sampled values (the
+    sites' tensors and those of the nodes for which ``also(node)``)."""
+    site_nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
+    values = sample_values(module, lambda n: n in site_nodes or also(n), sample_inputs) if sites else {}
+    kinds = []
+    for site in sites:
+        kind, reason = classify_site(site, values, num_tokens) if site.refusal is None else (None, site.refusal)
+        kinds.append(kind)
+        report.sites.append(SiteRecord(site.name, site.form, site.layer, reason is None, reason))
+    if not sites:
+        report.notes.append("no attention site found")
+    return kinds, values
 
 
 def classify_site(site: AttentionSite, values: dict, num_tokens: int) -> tuple[str | None, str | None]:
