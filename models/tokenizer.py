@@ -21,7 +21,8 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS)
+    # EOS doubles as the pad token, as usual for causal LMs, so padded batches tokenize.
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=EOS)
 
 
 def _byte_of(ch: str) -> int:

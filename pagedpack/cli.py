@@ -86,6 +86,10 @@ def _generate(args) -> int:
               block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     prompts = args.prompt or DEFAULT_PROMPTS
+    where = "" if str(args.device).startswith("npu") or args.target == "reference" else ", emulated on the CPU"
+    console.print(f"[bold]model:[/bold] {args.model}"
+                  + (" (built-in, random weights: the text is noise by design)" if args.model == DEFAULT_MODEL else "")
+                  + f"  [bold]target:[/bold] {args.target}{where}")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -97,7 +101,7 @@ def _generate(args) -> int:
             console.print(f"[red]error:[/red] {out.error}")
         else:
             completion = out.outputs[0]
-            console.print(f"[bold]completion[/bold] ({completion.finish_reason}): {completion.text!r}")
+            console.print(f"[bold]completion[/bold] (finish reason: {completion.finish_reason}): {completion.text!r}")
     console.print(_summary(llm, outputs, elapsed))
     return 1 if all(o.error for o in outputs) else 0
 
