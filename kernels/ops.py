@@ -275,3 +275,38 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
 def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale):
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
     return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+
+
+@torch.library.custom_op("pagedpack::paged_attention_functional", mutates_args=())
+def paged_attention_functional(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    cu_seqlens_q: Tensor,
+    seq_lens: Tensor,
+    slot_mapping: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``reshape_and_cache`` then ``paged_attention``, without mutation: the caches are returned.
+
+    The functional form of one rewritten attention site, for export formats that have no
+    in-place update (ONNX, where the KV caches are model inputs *and* outputs). Arguments are
+    those of the two ops; the result is ``(out [T, num_heads, head_dim_v], key_cache_out,
+    value_cache_out)``, the caches with this step's keys and values written. The inputs are left
+    untouched, so each call copies both caches: use the in-place pair when running in PyTorch.
+    """
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    out = paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale)
+    return out, key_cache, value_cache
+
+
+@paged_attention_functional.register_fake
+def _(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, scale):
+    _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+    return out, torch.empty_like(key_cache), torch.empty_like(value_cache)

@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from pagedpack.export import FORMATS
 from pagedpack.llm import DEFAULT_BLOCK_SIZE, LLM
 from pagedpack.lowering.ascend import AscendUnavailableError
 from pagedpack.models.loading import DEFAULT_MODEL
@@ -56,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     _model_args(insp)
     insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
 
-    exp = sub.add_parser("export", help="export the rewritten step program (a torch.export .pt2 archive)")
+    exp = sub.add_parser("export", help="export the rewritten step program (.pt2 archive or ONNX model)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _model_args(exp)
-    exp.add_argument("--format", default="pt2", help="pt2 (onnx: not implemented yet)")
-    exp.add_argument("--out", required=True, help="archive to write, e.g. model.pt2")
+    exp.add_argument("--format", default="pt2", choices=FORMATS,
+                     help="pt2: torch.export archive; onnx: ONNX model that onnxruntime runs")
+    exp.add_argument("--attention", default="pagedpack", choices=["pagedpack", "com.microsoft"],
+                     help="onnx only: the pagedpack domain's functions (any onnxruntime provider) or "
+                          "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
+    exp.add_argument("--out", required=True, help="file to write, e.g. model.pt2 or model.onnx")
 
     args = parser.parse_args(argv)
     try:
@@ -155,12 +161,20 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from pagedpack.export import check_format, export_pt2
+    from pagedpack.export import export_pt2
 
-    check_format(args.format)  # before loading the model
+    if args.format == "pt2" and args.attention != "pagedpack":
+        raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
     llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), num_blocks=1)
-    path = export_pt2(llm, args.out)
-    print(f"wrote {path} ({args.format}); load it with LLM.from_exported({path!r})")
+    if args.format == "onnx":
+        from pagedpack.onnx_export import export_onnx
+
+        path = export_onnx(llm, args.out, attention=args.attention)
+    else:
+        path = export_pt2(llm, args.out)
+    runs = ("onnxruntime's CUDA provider" if args.attention == "com.microsoft"
+            else f"LLM.from_exported({path!r})")
+    print(f"wrote {path} ({args.format}); run it with {runs}")
     return 0
 
 

@@ -28,41 +28,43 @@ import base64
 import json
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, RewrittenModel
 
-FORMATS = ("pt2",)
+FORMATS = ("pt2", "onnx")
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
 
 
 @dataclass
 class ExportedStep:
-    """A loaded ``.pt2`` step program plus its metadata; what :class:`ModelRunner` needs
+    """A loaded step program plus its metadata; what :class:`ModelRunner` needs
     (``graph_module``, ``kv_cache_specs``) in the shape of :class:`RewrittenModel`."""
 
-    graph_module: torch.nn.Module  # ``torch.export.load(path).module()``
+    # ``torch.export.load(path).module()``, or an onnxruntime session adapter returning
+    # ``(logits, *updated caches)`` (:class:`pagedpack.runtime.onnx_session.OnnxSessionStep`)
+    graph_module: Callable
     kv_cache_specs: list[KVCacheSpec]
     eos_token_ids: list[int] = field(default_factory=list)
     max_model_len: int | None = None
     vocab_size: int | None = None
     model_name: str | None = None
     tokenizer: object | None = None
-    report = None  # no pass report travels with the archive
+    report = None  # no pass report travels with the file
 
     bytes_per_token = RewrittenModel.bytes_per_token  # the same sum over kv_cache_specs
 
-    def raise_if_refused(self) -> None:  # an archive only ever holds a rewritten program
+    def raise_if_refused(self) -> None:  # an exported file only ever holds a rewritten program
         return None
 
 
 def check_format(fmt: str) -> str:
     """``fmt`` if it is an export format pagedpack writes, else ``ValueError``."""
-    if fmt == "onnx":
-        raise ValueError("format: onnx export is not implemented yet (only pt2)")
     if fmt not in FORMATS:
         raise ValueError(f"format: expected one of {list(FORMATS)}, got {fmt!r}")
     return fmt
@@ -76,6 +78,24 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
     for a bare ``RewrittenModel`` pass them (optional). Returns ``str(path)``.
     Raises ``ValueError`` for a source that is not a rewritten reference-target model.
     """
+    rewritten, meta = export_metadata(source, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
+                                      tokenizer=tokenizer, model_name=model_name)
+    path = check_output_path(path)
+    program = _export_program(rewritten)
+    # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
+    # functionalised it and the loaded .module() copies the new caches into the inputs.
+    meta["cache_mutation"] = "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
+                                                  program.graph_signature.output_specs) else "in_place"
+    torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
+    return path
+
+
+def export_metadata(source, *, eos_token_ids=None, max_model_len=None, tokenizer=None, model_name=None,
+                    ) -> tuple[RewrittenModel, dict]:
+    """``(rewritten step graph, metadata)`` of an export ``source``: an ``LLM`` (reference target)
+    or a ``RewrittenModel``. The metadata is what :func:`step_from_metadata` reads back: format
+    version, input names, KV cache specs, eos ids, ``max_model_len``, vocabulary size, model name
+    and the tokenizer's files (base64). ``ValueError`` for any other source or a refused rewrite."""
     from pagedpack.llm import LLM
 
     vocab_size = None
@@ -94,22 +114,12 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
     else:
         raise ValueError(f"source: expected an LLM or a RewrittenModel, got {type(source).__name__}")
     rewritten.raise_if_refused()
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"path: expected a file in an existing directory, got {path!r} (no such directory)")
-
-    program = _export_program(rewritten)
     if vocab_size is None:
-        vocab_size = int(next(n for n in program.graph.nodes if n.op == "output").args[0][0].meta["val"].shape[-1])
+        output = next(n for n in rewritten.graph_module.graph.nodes if n.op == "output")
+        vocab_size = int(output.args[0][0].meta["val"].shape[-1])
     meta = {
         "format_version": FORMAT_VERSION,
-        "signature": [*METADATA_INPUTS, *(f"{kind}_cache_{i}" for i in range(len(rewritten.kv_cache_specs))
-                                          for kind in ("key", "value"))],
-        # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
-        # functionalised it and the loaded .module() copies the new caches into the inputs.
-        "cache_mutation": "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
-                                               program.graph_signature.output_specs) else "in_place",
+        "signature": [*METADATA_INPUTS, *cache_input_names(len(rewritten.kv_cache_specs))],
         "kv_cache_specs": [{"num_kv_heads": s.num_kv_heads, "key_head_size": s.key_head_size,
                             "value_head_size": s.value_head_size, "dtype": str(s.dtype).removeprefix("torch.")}
                            for s in rewritten.kv_cache_specs],
@@ -119,8 +129,34 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
         "model_name": model_name,
         "tokenizer_files": _tokenizer_files(tokenizer),
     }
-    torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
+    return rewritten, meta
+
+
+def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
+    """``key_cache_0, value_cache_0, key_cache_1, ...`` (with ``suffix``: ``key_cache_out_0``, ...)."""
+    return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+def check_output_path(path: str | os.PathLike) -> str:
+    """``str(path)``; ``ValueError`` unless its directory exists."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"path: expected a file in an existing directory, got {path!r} (no such directory)")
     return path
+
+
+def load_exported(path: str | os.PathLike) -> ExportedStep:
+    """Load a file written by ``pagedpack export``: a ``.pt2`` archive (a zip) or an ONNX model."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"path: expected a .pt2 archive or .onnx model written by 'pagedpack export', "
+                         f"got {path!r} (no such file)")
+    if zipfile.is_zipfile(path):
+        return load_pt2(path)
+    from pagedpack.onnx_export import load_onnx
+
+    return load_onnx(path)
 
 
 def load_pt2(path: str | os.PathLike) -> ExportedStep:
@@ -136,24 +172,37 @@ def load_pt2(path: str | os.PathLike) -> ExportedStep:
         raise ValueError(f"path: {path!r} is not a loadable torch.export archive ({type(err).__name__}: {err})") from err
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    meta = json.loads(extra[META_FILE])
+    return step_from_metadata(program.module(), json.loads(extra[META_FILE]), path)
+
+
+def step_from_metadata(step: Callable, meta: dict, path: str) -> ExportedStep:
+    """An :class:`ExportedStep` running ``step``, from the metadata :func:`export_metadata` wrote;
+    ``ValueError`` for another format version."""
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"path: {path!r} has pagedpack format_version {meta.get('format_version')!r}, "
                          f"this pagedpack reads {FORMAT_VERSION}")
     specs = [KVCacheSpec(s["num_kv_heads"], s["key_head_size"], s["value_head_size"], getattr(torch, s["dtype"]))
              for s in meta["kv_cache_specs"]]
-    return ExportedStep(program.module(), specs, meta["eos_token_ids"], meta["max_model_len"], meta["vocab_size"],
+    return ExportedStep(step, specs, meta["eos_token_ids"], meta["max_model_len"], meta["vocab_size"],
                         meta["model_name"], _load_tokenizer(meta["tokenizer_files"]))
 
 
 def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:
-    """``torch.export`` the step graph on a small valid example with every size dynamic.
+    """``torch.export`` the step graph on :func:`example_step` with every size dynamic."""
+    args, dynamic_shapes = example_step(rewritten)
+    with torch.no_grad():
+        return torch.export.export(rewritten.graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def example_step(rewritten: RewrittenModel) -> tuple[tuple, tuple]:
+    """``(args, dynamic_shapes)``: a small valid step for the rewritten graph, and the
+    ``torch.export`` dims that make every size dynamic (tokens, sequences, blocks per sequence,
+    number of blocks, block size; ``cu_seqlens_q`` is sequences + 1).
 
     Example sizes are distinct and >= 2 (export specialises 0 and 1); the dims' minimum is 1,
     so a step of one token of one sequence runs too.
     """
-    gm = rewritten.graph_module
-    device = next(gm.parameters()).device
+    device = next(rewritten.graph_module.parameters()).device
     q_lens, block_size, num_blocks, max_blocks = [2, 5, 4], 6, 11, 3  # T=11 tokens, B=3 sequences
     num_tokens, num_seqs = sum(q_lens), len(q_lens)
     positions = torch.cat([torch.arange(n) for n in q_lens])
@@ -165,15 +214,13 @@ def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:
             block_table, slots, cu[1:].long() - 1]
     for spec in rewritten.kv_cache_specs:
         args += [torch.zeros(shape, dtype=spec.dtype) for shape in spec.cache_shapes(num_blocks, block_size)]
-    args = [a.to(device) for a in args]
 
     dim = torch.export.Dim
     t, b = dim("num_tokens", min=1), dim("num_seqs", min=1)
     m, n, bs = dim("max_blocks_per_seq", min=1), dim("num_blocks", min=1), dim("block_size", min=1)
     dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: b}]
     dynamic_shapes += [{0: n, 1: bs}] * (2 * len(rewritten.kv_cache_specs))
-    with torch.no_grad():
-        return torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic_shapes), strict=False)
+    return tuple(a.to(device) for a in args), tuple(dynamic_shapes)
 
 
 def _tokenizer_files(tokenizer) -> dict[str, str] | None:

@@ -144,14 +144,14 @@ class LLM:
         :func:`pagedpack.export.export_pt2` (``pagedpack export``); same scheduler and sampler,
         CPU only, no capture. ``block_size`` and the pool size are chosen here, not at export.
         ``tokenizer`` overrides the one stored in the archive. ``report`` is None."""
-        from pagedpack.export import load_pt2
+        from pagedpack.export import load_exported
 
         for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_num_seqs", max_num_seqs)):
             check_int(name, value)
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
-        step = load_pt2(path)
+        step = load_exported(path)
         limit = step.max_model_len
         if max_model_len is not None:
             check_int("max_model_len", max_model_len)

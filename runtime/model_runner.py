@@ -14,8 +14,9 @@ class ModelRunner:
 
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer
     for K and for V, with the dtype and head shape the rewrite read off the captured graph.
-    ``rewritten`` may also be a loaded ``.pt2`` archive (:class:`pagedpack.export.ExportedStep`,
-    same ``graph_module`` / ``kv_cache_specs``): its program updates the caches in place too.
+    ``rewritten`` may also be a loaded export (:class:`pagedpack.export.ExportedStep`, same
+    ``graph_module`` / ``kv_cache_specs``): a ``.pt2`` program updates the caches in place too;
+    a functional one (ONNX) returns ``(logits, *updated caches)``, which replace the caches.
     """
 
     def __init__(self, rewritten: RewrittenModel, *, num_blocks: int, block_size: int,
@@ -34,4 +35,7 @@ class ModelRunner:
     def execute(self, batch: BatchMetadata) -> torch.Tensor:
         """Run one step; returns ``logits [B, vocab]`` (one row per sequence: its last token)."""
         inputs = batch.as_inputs()
-        return self.graph_module(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+        out = self.graph_module(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+        if isinstance(out, tuple):  # a functional program: this step's caches come back
+            out, *self.kv_caches = out
+        return out
