@@ -95,9 +95,10 @@ def reshape_and_cache(key: TFloat, value: TFloat, key_cache: TCache, value_cache
     write = op.GreaterOrEqual(slot_mapping, op.CastLike(op.Constant(value_int=0), slot_mapping))
     slots = op.Unsqueeze(op.Cast(op.Compress(slot_mapping, write, axis=0), to=INT64.dtype),
                          op.Constant(value_ints=[1]))
-    minus_one = op.Constant(value_ints=[-1])
-    flat_key = op.Reshape(key_cache, op.Concat(minus_one, op.Shape(key_cache, start=2), axis=0))
-    flat_value = op.Reshape(value_cache, op.Concat(minus_one, op.Shape(value_cache, start=2), axis=0))
+    # Shapes spelled out, no -1: Reshape cannot infer a dim of an empty tensor.
+    num_slots = op.Mul(op.Shape(key_cache, start=0, end=1), op.Shape(key_cache, start=1, end=2))
+    flat_key = op.Reshape(key_cache, op.Concat(num_slots, op.Shape(key_cache, start=2), axis=0))
+    flat_value = op.Reshape(value_cache, op.Concat(num_slots, op.Shape(value_cache, start=2), axis=0))
     new_key = op.ScatterND(flat_key, slots, op.CastLike(op.Compress(key, write, axis=0), key_cache))
     new_value = op.ScatterND(flat_value, slots, op.CastLike(op.Compress(value, write, axis=0), value_cache))
     key_cache_out = op.Reshape(new_key, op.Shape(key_cache))
@@ -138,25 +139,27 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     num_heads = op.Shape(query, start=1, end=2)
     head_dim = op.Shape(query, start=2, end=3)
     num_kv_heads = op.Shape(key_cache, start=2, end=3)
+    group = op.Div(num_heads, num_kv_heads)
+    kv_len = op.Mul(op.Shape(block_table, start=1, end=2), op.Shape(key_cache, start=1, end=2))  # L
+    # (Shapes spelled out, no -1: Reshape cannot infer a dim of an empty tensor.)
     padded_shape = op.Concat(num_seqs, max_q_len, op.Shape(query, start=1), axis=0)
     padded = op.ScatterND(op.CastLike(op.ConstantOfShape(padded_shape), query), index, query)
     # [B, Hkv, G, max_q_len, D] in fp32
-    grouped = op.Reshape(padded, op.Concat(num_seqs, max_q_len, num_kv_heads, minus_one, head_dim, axis=0))
+    grouped = op.Reshape(padded, op.Concat(num_seqs, max_q_len, num_kv_heads, group, head_dim, axis=0))
     q = op.Cast(op.Transpose(grouped, perm=[0, 2, 3, 1, 4]), to=FLOAT.dtype)
 
     # [B, Hkv, 1, L, D]: each sequence's L = max_blocks_per_seq * block_size cache rows, in token order
     k = op.Gather(key_cache, block_table, axis=0)
-    k = op.Reshape(k, op.Concat(num_seqs, minus_one, op.Shape(key_cache, start=2), axis=0))
+    k = op.Reshape(k, op.Concat(num_seqs, kv_len, op.Shape(key_cache, start=2), axis=0))
     k = op.Cast(op.Unsqueeze(op.Transpose(k, perm=[0, 2, 1, 3]), op.Constant(value_ints=[2])), to=FLOAT.dtype)
     v = op.Gather(value_cache, block_table, axis=0)
-    v = op.Reshape(v, op.Concat(num_seqs, minus_one, op.Shape(value_cache, start=2), axis=0))
+    v = op.Reshape(v, op.Concat(num_seqs, kv_len, op.Shape(value_cache, start=2), axis=0))
     v = op.Cast(op.Unsqueeze(op.Transpose(v, perm=[0, 2, 1, 3]), op.Constant(value_ints=[2])), to=FLOAT.dtype)
 
     scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 2, 4, 3])), op.Cast(scale, to=FLOAT.dtype))
     # visible[b, i, j] = j <= seq_lens[b] - q_lens[b] + i
     rows = op.Range(op.Constant(value_int=0), op.Squeeze(max_q_len, zero), op.Constant(value_int=1))
-    cols = op.Range(op.Constant(value_int=0), op.Squeeze(op.Shape(k, start=3, end=4), zero),
-                    op.Constant(value_int=1))
+    cols = op.Range(op.Constant(value_int=0), op.Squeeze(kv_len, zero), op.Constant(value_int=1))
     last_visible = op.Add(op.Unsqueeze(op.Sub(kv_lens, q_lens), one), op.Unsqueeze(rows, zero))  # [B, max_q_len]
     visible = op.LessOrEqual(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])),
                              op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))
@@ -165,7 +168,7 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     probs = op.Where(visible, op.Softmax(masked, axis=-1), op.Constant(value_float=0.0))
     out = op.CastLike(op.MatMul(probs, v), query)  # [B, Hkv, G, max_q_len, D_v]
     out = op.Transpose(out, perm=[0, 3, 1, 2, 4])
-    out = op.Reshape(out, op.Concat(num_seqs, max_q_len, num_heads, minus_one, axis=0))
+    out = op.Reshape(out, op.Concat(num_seqs, max_q_len, num_heads, op.Shape(value_cache, start=3), axis=0))
     return op.GatherND(out, index)
 
 
@@ -246,18 +249,19 @@ def _ort_translation(query, key, value, key_cache, value_cache, block_table, cu_
     """One ``com.microsoft.PagedAttention`` node, which writes this step's keys and values
     (to ``slot_mapping``) and attends: activations as ``[T, heads * head_dim]``, metadata int32,
     ``past_seqlens = seq_lens - q_lens``, ``is_causal=1`` (bottom-right, as pagedpack's op)."""
-    num_heads = query.shape[1]
-    tokens_by_features = op.Constant(value_ints=[0, -1])
+    num_heads, head_dim, head_dim_v = query.shape[1], query.shape[2], value_cache.shape[3]
+    num_kv_heads = key_cache.shape[2]
     cu = op.Cast(cu_seqlens_q, to=INT32.dtype)
     q_lens = op.Sub(op.Slice(cu, op.Constant(value_ints=[1]), op.Constant(value_ints=[2**31 - 1])),
                     op.Slice(cu, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])))
     out, key_cache_out, value_cache_out = _ORT_PAGED_ATTENTION(
-        op.Reshape(query, tokens_by_features), op.Reshape(key, tokens_by_features),
-        op.Reshape(value, tokens_by_features), key_cache, value_cache, cu,
+        op.Reshape(query, op.Constant(value_ints=[0, num_heads * head_dim])),
+        op.Reshape(key, op.Constant(value_ints=[0, num_kv_heads * head_dim])),
+        op.Reshape(value, op.Constant(value_ints=[0, num_kv_heads * head_dim_v])), key_cache, value_cache, cu,
         op.Sub(op.Cast(seq_lens, to=INT32.dtype), q_lens), op.Cast(block_table, to=INT32.dtype), None, None,
         op.Cast(slot_mapping, to=INT32.dtype),
-        num_heads=num_heads, kv_num_heads=key_cache.shape[2], scale=scale, is_causal=1)
-    out = op.Reshape(out, op.Constant(value_ints=[0, num_heads, -1]))
+        num_heads=num_heads, kv_num_heads=num_kv_heads, scale=scale, is_causal=1)
+    out = op.Reshape(out, op.Constant(value_ints=[0, num_heads, head_dim_v]))
     return out, key_cache_out, value_cache_out
 
 

@@ -147,12 +147,13 @@ def check_output_path(path: str | os.PathLike) -> str:
 
 
 def load_exported(path: str | os.PathLike) -> ExportedStep:
-    """Load a file written by ``pagedpack export``: a ``.pt2`` archive (a zip) or an ONNX model."""
+    """Load a file written by ``pagedpack export``: a ``.pt2`` archive (by its name, or any zip
+    file) or an ONNX model (anything else); ``ValueError`` if it is neither."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"path: expected a .pt2 archive or .onnx model written by 'pagedpack export', "
                          f"got {path!r} (no such file)")
-    if zipfile.is_zipfile(path):
+    if path.endswith(".pt2") or zipfile.is_zipfile(path):
         return load_pt2(path)
     from pagedpack.onnx_export import load_onnx
 

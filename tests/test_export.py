@@ -1,5 +1,6 @@
-"""``.pt2`` export: the saved step program, loaded in a fresh process, serves the runtime as the
-un-exported step graph does."""
+"""Export (``.pt2`` and ONNX): the saved step program, loaded in a fresh process, serves the
+runtime as the un-exported step graph does (tokens on the 12-prompt batch, logits of decode and
+chunked-prefill steps, the KV caches it leaves)."""
 import json
 import shutil
 import subprocess
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.export import check_format, export_pt2, load_pt2
+from pagedpack.export import check_format, export_pt2, load_exported, load_pt2
+from pagedpack.onnx_export import export_onnx
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.request import Request
 
@@ -35,11 +37,19 @@ def model():
     return tiny_model("llama")
 
 
+EXPORTERS = {"pt2": export_pt2, "onnx": export_onnx}
+
+
 @pytest.fixture(scope="module")
-def archive(model, tmp_path_factory):
-    llm = LLM(model, block_size=16, max_num_batched_tokens=256)
-    path = tmp_path_factory.mktemp("export") / "tiny-llama.pt2"
-    assert export_pt2(llm, path) == str(path)
+def llm(model):
+    return LLM(model, block_size=16, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module", params=sorted(EXPORTERS))
+def archive(request, llm, tmp_path_factory):
+    """``(llm, path)``: the tiny Llama exported in each format."""
+    path = tmp_path_factory.mktemp("export") / f"tiny-llama.{request.param}"
+    assert EXPORTERS[request.param](llm, path) == str(path)
     return llm, str(path)
 
 
@@ -59,7 +69,7 @@ def test_fresh_process_generates_the_same_tokens(archive, mixed_prompts, tmp_pat
 
 def test_archive_metadata_and_runtime_block_size(archive):
     llm, path = archive
-    step = load_pt2(path)
+    step = load_exported(path)
     assert step.kv_cache_specs == llm.rewritten.kv_cache_specs
     assert step.eos_token_ids == llm._eos and step.max_model_len == llm.max_model_len
     assert step.vocab_size == llm.vocab_size
@@ -92,24 +102,27 @@ def test_decode_and_chunked_prefill_logits_match(archive, model):
     want, got = _decode_and_chunked_steps(reference), _decode_and_chunked_steps(loaded)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
-    # The loaded program wrote the runner's own cache tensors in place.
+    # The loaded program left the runner with the same caches (pt2: written in place; onnx:
+    # the returned caches replaced the runner's).
     for w, g in zip(reference.llm_engine.runner.kv_caches, loaded.llm_engine.runner.kv_caches):
         assert g.abs().sum() > 0
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 
 
-def test_bad_path_and_format(tmp_path, archive):
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_bad_path_and_format(tmp_path, llm, fmt):
+    export = EXPORTERS[fmt]
     with pytest.raises(ValueError, match="no such file"):
-        LLM.from_exported(tmp_path / "missing.pt2")
-    junk = tmp_path / "junk.pt2"
-    junk.write_bytes(b"not a zip archive")
-    with pytest.raises(ValueError, match="not a loadable torch.export archive"):
-        load_pt2(junk)
+        LLM.from_exported(tmp_path / f"missing.{fmt}")
+    junk = tmp_path / f"junk.{fmt}"
+    junk.write_bytes(b"neither a zip archive nor a protobuf")
+    with pytest.raises(ValueError, match=f"not a loadable {'torch.export archive' if fmt == 'pt2' else 'ONNX model'}"):
+        load_exported(junk)
     with pytest.raises(ValueError, match="no such directory"):
-        export_pt2(archive[0], tmp_path / "nope" / "x.pt2")
+        export(llm, tmp_path / "nope" / f"x.{fmt}")
     with pytest.raises(ValueError, match="expected an LLM or a RewrittenModel"):
-        export_pt2(torch.nn.Linear(2, 2), tmp_path / "x.pt2")
-    assert check_format("onnx") == "onnx"
+        export(torch.nn.Linear(2, 2), tmp_path / f"x.{fmt}")
+    assert check_format(fmt) == fmt
     with pytest.raises(ValueError, match="expected one of"):
         check_format("tflite")
 
