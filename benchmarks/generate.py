@@ -1,13 +1,16 @@
 """Generation throughput: pagedpack ``LLM.generate`` vs the unmodified model's padded batch ``generate``.
 
 Same model, same prompts, same number of greedy tokens per request, side by side in one run.
-Prints one JSON object. Run: ``python benchmarks/generate.py [--model M]``.
+With ``--onnx`` the pagedpack step also runs exported to ONNX on onnxruntime (CPU).
+Prints one JSON object. Run: ``python benchmarks/generate.py [--model M] [--onnx]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import tempfile
 import time
 
 import torch
@@ -24,6 +27,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=4, help="times the prompt-length list is repeated")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
     args = parser.parse_args()
 
     llm = LLM(args.model, block_size=args.block_size)
@@ -33,15 +37,10 @@ def main() -> None:
     prompts = [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist() for n in lens]
     n_new = args.max_tokens
 
-    # pagedpack: packed steps, paged KV cache, continuous batching (warm-up run first).
+    # pagedpack: packed steps, paged KV cache, continuous batching.
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)
+    paged_s, paged_tokens = _timed_generate(llm, prompts, params)
     kv = llm.llm_engine.scheduler.kv_cache_manager
-    kv.allocator.reset_peak()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    paged_s = time.perf_counter() - start
-    paged_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 
     # transformers: one left-padded batch through model.generate (warm-up run first).
     width = max(lens)
@@ -77,11 +76,33 @@ def main() -> None:
             "kv_mib": round(len(prompts) * (width + n_new) * per_token / 2**20, 2),
         },
         "speedup": round(hf_s / paged_s, 2),
+        **(_onnxruntime(llm, prompts, params, args.block_size) if args.onnx else {}),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
     print(json.dumps(result, indent=2))
+
+
+def _timed_generate(llm, prompts, params) -> tuple[float, int]:
+    """Seconds and generated tokens of ``llm.generate`` on ``prompts``, after a warm-up run."""
+    llm.generate(prompts[:2], params, use_tqdm=False)
+    llm.llm_engine.scheduler.kv_cache_manager.allocator.reset_peak()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _onnxruntime(llm, prompts, params, block_size) -> dict:
+    """The same requests, the step exported to ONNX and run by onnxruntime's CPU provider."""
+    from pagedpack.onnx_export import export_onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        served = LLM.from_exported(export_onnx(llm, os.path.join(tmp, "step.onnx")), block_size=block_size,
+                                   num_blocks=llm.num_blocks)
+        seconds, tokens = _timed_generate(served, prompts, params)
+    return {"pagedpack_onnxruntime": {"seconds": round(seconds, 3),
+                                      "generated_tokens_per_s": round(tokens / seconds, 1)}}
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 import torch.fx
 from typing import TypeVar, Union
 
-from onnxscript import BFLOAT16, DOUBLE, FLOAT, FLOAT16, INT32, INT64
+from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset20 as op
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
@@ -93,16 +93,13 @@ def reshape_and_cache(key: TFloat, value: TFloat, key_cache: TCache, value_cache
     """Rows ``t`` of ``key [T, Hkv, D]`` / ``value`` written to slot ``slot_mapping[t]`` of the
     ``[num_blocks, block_size, Hkv, D]`` caches (``-1``: not written); returns the new caches."""
     write = op.GreaterOrEqual(slot_mapping, op.CastLike(op.Constant(value_int=0), slot_mapping))
-    slots = op.Unsqueeze(op.Cast(op.Compress(slot_mapping, write, axis=0), to=INT64.dtype),
-                         op.Constant(value_ints=[1]))
-    # Shapes spelled out, no -1: Reshape cannot infer a dim of an empty tensor.
-    num_slots = op.Mul(op.Shape(key_cache, start=0, end=1), op.Shape(key_cache, start=1, end=2))
-    flat_key = op.Reshape(key_cache, op.Concat(num_slots, op.Shape(key_cache, start=2), axis=0))
-    flat_value = op.Reshape(value_cache, op.Concat(num_slots, op.Shape(value_cache, start=2), axis=0))
-    new_key = op.ScatterND(flat_key, slots, op.CastLike(op.Compress(key, write, axis=0), key_cache))
-    new_value = op.ScatterND(flat_value, slots, op.CastLike(op.Compress(value, write, axis=0), value_cache))
-    key_cache_out = op.Reshape(new_key, op.Shape(key_cache))
-    value_cache_out = op.Reshape(new_value, op.Shape(value_cache))
+    slots = op.Cast(op.Compress(slot_mapping, write, axis=0), to=INT64.dtype)
+    # (block, offset) pairs [W, 2]: ScatterND writes [Hkv, D] rows of the 4-D caches directly.
+    block_size = op.Shape(key_cache, start=1, end=2)
+    index = op.Concat(op.Unsqueeze(op.Div(slots, block_size), op.Constant(value_ints=[1])),
+                      op.Unsqueeze(op.Mod(slots, block_size), op.Constant(value_ints=[1])), axis=1)
+    key_cache_out = op.ScatterND(key_cache, index, op.CastLike(op.Compress(key, write, axis=0), key_cache))
+    value_cache_out = op.ScatterND(value_cache, index, op.CastLike(op.Compress(value, write, axis=0), value_cache))
     return key_cache_out, value_cache_out
 
 
@@ -164,9 +161,11 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     visible = op.LessOrEqual(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])),
                              op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))
     visible = op.Unsqueeze(visible, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, max_q_len, L]
-    masked = op.Where(visible, scores, op.Constant(value_float=float("-inf")))
-    probs = op.Where(visible, op.Softmax(masked, axis=-1), op.Constant(value_float=0.0))
-    out = op.CastLike(op.MatMul(probs, v), query)  # [B, Hkv, G, max_q_len, D_v]
+    bias = op.Where(visible, op.Constant(value_float=0.0), op.Constant(value_float=float("-inf")))
+    out = op.MatMul(op.Softmax(op.Add(scores, bias), axis=-1), v)  # [B, Hkv, G, max_q_len, D_v]
+    # A row that sees no key (softmax of all -inf is NaN) gives zeros.
+    sees_a_key = op.ReduceMax(op.Cast(visible, to=INT64.dtype), op.Constant(value_ints=[-1]), keepdims=1)
+    out = op.CastLike(op.Where(op.Cast(sees_a_key, to=BOOL.dtype), out, op.Constant(value_float=0.0)), query)
     out = op.Transpose(out, perm=[0, 3, 1, 2, 4])
     out = op.Reshape(out, op.Concat(num_seqs, max_q_len, num_heads, op.Shape(value_cache, start=3), axis=0))
     return op.GatherND(out, index)

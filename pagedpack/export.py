@@ -1,4 +1,5 @@
-"""Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back.
+"""Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back;
+the metadata and example step shared with the ONNX export (:mod:`pagedpack.onnx_export`).
 
 The archive holds one ``ExportedProgram`` of the step graph (the signature of
 :mod:`pagedpack.passes.pipeline`)::
@@ -17,10 +18,10 @@ caches); the loaded ``.module()`` therefore updates the caller's cache tensors, 
 graph does, and the runner passes its own caches exactly as for the un-exported graph.
 
 Besides the program, ``extra_files["pagedpack.json"]`` stores what the runtime needs (see
-:data:`META_FILE` and :class:`ExportedStep`): format version, KV cache specs, eos ids,
-``max_model_len``, vocabulary size, the model name, and the tokenizer's files (base64) when
-there is one. ``import pagedpack`` registers the custom ops the program calls, which is all a
-fresh process needs before :func:`load_pt2`.
+:func:`export_metadata` and :class:`ExportedStep`): format version, input names, KV cache specs,
+eos ids, ``max_model_len``, vocabulary size, the model name, and the tokenizer's files (base64)
+when there is one. ``import pagedpack`` registers the custom ops the program calls, which is all
+a fresh process needs before :func:`load_pt2` (or :func:`load_exported`, for either format).
 """
 from __future__ import annotations
 
