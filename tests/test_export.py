@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.export import check_format, export_pt2, load_exported, load_pt2
+from pagedpack.export import check_format, export_pt2, load_exported
 from pagedpack.onnx_export import export_onnx
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.request import Request
@@ -127,12 +127,14 @@ def test_bad_path_and_format(tmp_path, llm, fmt):
         check_format("tflite")
 
 
-def test_cli_export_writes_pt2(tmp_path):
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_cli_export(tmp_path, fmt):
     exe = shutil.which("pagedpack")
     assert exe, "the pagedpack console script is not installed (pip install -e .)"
-    out = tmp_path / "m.pt2"
-    result = subprocess.run([exe, "export", "--format", "pt2", "--out", str(out)],
+    out = tmp_path / f"m.{fmt}"
+    result = subprocess.run([exe, "export", "--format", fmt, "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    step = load_pt2(out)
+    assert f"LLM.from_exported('{out}')" in result.stdout
+    step = load_exported(out)
     assert step.tokenizer is not None and step.eos_token_ids  # the built-in model's byte-level tokenizer

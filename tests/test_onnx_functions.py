@@ -20,7 +20,7 @@ from onnx import helper
 
 from pagedpack.lowering.onnx import OPSET, PAGEDPACK_DOMAIN, paged_attention, reshape_and_cache
 
-from test_ops import (GQA_RATIOS, GRID, HEAD_DIMS, SEQ, make_batch, make_step, reference_attention,
+from test_ops import (GRID, PACKED_STEPS, make_batch, make_step, reference_attention,
                       reference_paged_attention)
 
 # The input whose dtype each function output has.
@@ -189,14 +189,7 @@ def test_step_prefill_decode_chunked_and_idle(slot_dtype):
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    seqs=st.lists(SEQ, min_size=1, max_size=5),
-    block_size=st.sampled_from([1, 4, 16]),
-    head_dim=st.sampled_from(HEAD_DIMS),
-    ratio=st.sampled_from(GQA_RATIOS),
-    slot_dtype=st.sampled_from([torch.int32, torch.int64]),
-    seed=st.integers(0, 2**31),
-)
+@given(**PACKED_STEPS)
 def test_packed_step_matches_reference(seqs, block_size, head_dim, ratio, slot_dtype, seed):
     """Prefill (0 cached), decode (q_len 1), chunked prefill and q_len 0 sequences, packed."""
     seqs = [(c, q) if c + q else (c, 1) for c, q in seqs]  # a sequence holds at least one token

@@ -142,10 +142,8 @@ def test_paged_attention_low_precision(dtype):
 
 
 SEQ = st.tuples(st.integers(0, 40), st.integers(0, 20))  # (num_cached, q_len)
-
-
-@settings(max_examples=25, deadline=None)
-@given(
+# Packed steps of 1..5 sequences; ``@given(**PACKED_STEPS)`` (also used by the ONNX tests).
+PACKED_STEPS = dict(
     seqs=st.lists(SEQ, min_size=1, max_size=5),
     block_size=st.sampled_from([1, 4, 16]),
     head_dim=st.sampled_from(HEAD_DIMS),
@@ -153,6 +151,10 @@ SEQ = st.tuples(st.integers(0, 40), st.integers(0, 20))  # (num_cached, q_len)
     slot_dtype=st.sampled_from([torch.int32, torch.int64]),
     seed=st.integers(0, 2**31),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**PACKED_STEPS)
 def test_packed_step_matches_reference(seqs, block_size, head_dim, ratio, slot_dtype, seed):
     """Prefill (0 cached), decode (q_len 1), chunked prefill and q_len 0 sequences, packed."""
     seqs = [(c, q) if c + q else (c, 1) for c, q in seqs]  # a sequence holds at least one token
