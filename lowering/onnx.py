@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import operator
+from typing import TypeVar, Union
 
 import onnx
 import onnx_ir as ir
@@ -35,8 +36,6 @@ import onnxscript
 import onnxscript.optimizer
 import torch
 import torch.fx
-from typing import TypeVar, Union
-
 from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset20 as op
 
@@ -272,6 +271,6 @@ ATTENTION_TARGETS = {
 
 def translation_table(attention: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export``; ``ValueError`` for an unknown target."""
-    if attention not in ATTENTION_TARGETS:
+    if not isinstance(attention, str) or attention not in ATTENTION_TARGETS:
         raise ValueError(f"attention: expected one of {list(ATTENTION_TARGETS)}, got {attention!r}")
     return {_ops.paged_attention_functional.default: ATTENTION_TARGETS[attention]}

@@ -161,10 +161,11 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from pagedpack.export import export_pt2
+    from pagedpack.export import check_output_path, export_pt2
 
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
+    check_output_path(args.out)  # before the model is loaded
     llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), num_blocks=1)
     if args.format == "onnx":
         from pagedpack.onnx_export import export_onnx

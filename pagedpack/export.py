@@ -26,6 +26,7 @@ a fresh process needs before :func:`load_pt2` (or :func:`load_exported`, for eit
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import tempfile
@@ -35,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, RewrittenModel
+from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, RewrittenModel, cache_input_names
 
 FORMATS = ("pt2", "onnx")
 FORMAT_VERSION = 1
@@ -83,11 +84,15 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
                                       tokenizer=tokenizer, model_name=model_name)
     path = check_output_path(path)
     program = _export_program(rewritten)
+    if meta["vocab_size"] is None:  # a bare RewrittenModel: read it off the exported logits
+        output = next(n for n in program.graph.nodes if n.op == "output")
+        meta["vocab_size"] = int(output.args[0][0].meta["val"].shape[-1])
     # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
     # functionalised it and the loaded .module() copies the new caches into the inputs.
     meta["cache_mutation"] = "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
                                                   program.graph_signature.output_specs) else "in_place"
-    torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
+    with writing(path):
+        torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
     return path
 
 
@@ -95,12 +100,16 @@ def export_metadata(source, *, eos_token_ids=None, max_model_len=None, tokenizer
                     ) -> tuple[RewrittenModel, dict]:
     """``(rewritten step graph, metadata)`` of an export ``source``: an ``LLM`` (reference target)
     or a ``RewrittenModel``. The metadata is what :func:`step_from_metadata` reads back: format
-    version, input names, KV cache specs, eos ids, ``max_model_len``, vocabulary size, model name
-    and the tokenizer's files (base64). ``ValueError`` for any other source or a refused rewrite."""
+    version, input names, KV cache specs, eos ids, ``max_model_len``, vocabulary size (None for a
+    ``RewrittenModel``: the exporter reads it off its program), model name and the tokenizer's
+    files (base64). ``ValueError`` for any other source or a refused rewrite."""
     from pagedpack.llm import LLM
 
     vocab_size = None
     if isinstance(source, LLM):
+        if not isinstance(source.rewritten, RewrittenModel):
+            raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
+                             "again; export the original model")
         if source.target != "reference":
             raise ValueError(f"source: expected an LLM with target='reference', got target={source.target!r}")
         rewritten = source.rewritten
@@ -115,9 +124,6 @@ def export_metadata(source, *, eos_token_ids=None, max_model_len=None, tokenizer
     else:
         raise ValueError(f"source: expected an LLM or a RewrittenModel, got {type(source).__name__}")
     rewritten.raise_if_refused()
-    if vocab_size is None:
-        output = next(n for n in rewritten.graph_module.graph.nodes if n.op == "output")
-        vocab_size = int(output.args[0][0].meta["val"].shape[-1])
     meta = {
         "format_version": FORMAT_VERSION,
         "signature": [*METADATA_INPUTS, *cache_input_names(len(rewritten.kv_cache_specs))],
@@ -133,40 +139,62 @@ def export_metadata(source, *, eos_token_ids=None, max_model_len=None, tokenizer
     return rewritten, meta
 
 
-def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
-    """``key_cache_0, value_cache_0, key_cache_1, ...`` (with ``suffix``: ``key_cache_out_0``, ...)."""
-    return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-
-
-def check_output_path(path: str | os.PathLike) -> str:
-    """``str(path)``; ``ValueError`` unless its directory exists."""
-    path = os.fspath(path)
+def check_output_path(path) -> str:
+    """``str(path)`` if a file can be written there; ``TypeError``/``ValueError`` naming ``path``
+    otherwise (checked before any work is done)."""
+    path = _path_arg(path)
     parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"path: expected a file name, got {path!r} (a directory)")
     if not os.path.isdir(parent):
         raise ValueError(f"path: expected a file in an existing directory, got {path!r} (no such directory)")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"path: expected a writable directory, got {path!r} (cannot write to {parent!r})")
     return path
 
 
-def load_exported(path: str | os.PathLike) -> ExportedStep:
-    """Load a file written by ``pagedpack export``: a ``.pt2`` archive (by its name, or any zip
-    file) or an ONNX model (anything else); ``ValueError`` if it is neither."""
+@contextlib.contextmanager
+def writing(path: str):
+    """Turn what a writer raises for ``path`` (``OSError``, torch's ``RuntimeError``) into a ``ValueError``."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        raise ValueError(f"path: cannot write {path!r} ({type(err).__name__}: {err})") from err
+
+
+def _path_arg(path) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(f"path: expected a non-empty str or os.PathLike, got {path!r}")
     path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"path: expected a str or os.PathLike of str, got {path!r}")
+    return path
+
+
+def check_export_file(path) -> str:
+    path = _path_arg(path)
     if not os.path.isfile(path):
+        what = "a directory" if os.path.isdir(path) else "no such file"
         raise ValueError(f"path: expected a .pt2 archive or .onnx model written by 'pagedpack export', "
-                         f"got {path!r} (no such file)")
-    if path.endswith(".pt2") or zipfile.is_zipfile(path):
+                         f"got {path!r} ({what})")
+    return path
+
+
+def load_exported(path) -> ExportedStep:
+    """Load a file written by ``pagedpack export``, whatever its name: a ``.pt2`` archive (a zip
+    file) or an ONNX model (anything else); ``ValueError`` if it is neither."""
+    path = check_export_file(path)
+    if zipfile.is_zipfile(path):
         return load_pt2(path)
     from pagedpack.onnx_export import load_onnx
 
     return load_onnx(path)
 
 
-def load_pt2(path: str | os.PathLike) -> ExportedStep:
+def load_pt2(path) -> ExportedStep:
     """Load an archive written by :func:`export_pt2`; ``ValueError`` if ``path`` is missing or
     is not a pagedpack ``.pt2`` archive."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"path: expected a .pt2 archive written by 'pagedpack export', got {path!r} (no such file)")
+    path = check_export_file(path)
     extra = {META_FILE: ""}
     try:
         program = torch.export.load(path, extra_files=extra)
@@ -174,19 +202,53 @@ def load_pt2(path: str | os.PathLike) -> ExportedStep:
         raise ValueError(f"path: {path!r} is not a loadable torch.export archive ({type(err).__name__}: {err})") from err
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    return step_from_metadata(program.module(), json.loads(extra[META_FILE]), path)
+    return step_from_metadata(program.module(), extra[META_FILE], path)
 
 
-def step_from_metadata(step: Callable, meta: dict, path: str) -> ExportedStep:
-    """An :class:`ExportedStep` running ``step``, from the metadata :func:`export_metadata` wrote;
-    ``ValueError`` for another format version."""
+_CACHE_DTYPES = ("float32", "float16", "bfloat16")
+_OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict}
+_REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
+
+
+def step_from_metadata(step: Callable, raw: str, path: str) -> ExportedStep:
+    """An :class:`ExportedStep` running ``step``, from the metadata JSON :func:`export_metadata`
+    wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
+    that does not describe a pagedpack step program."""
+    def invalid(name, expected, got):
+        return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
+                          f"got {got!r:.80}")
+
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise invalid(META_FILE, "JSON", raw) from err
+    if not isinstance(meta, dict):
+        raise invalid(META_FILE, "a JSON object", meta)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"path: {path!r} has pagedpack format_version {meta.get('format_version')!r}, "
                          f"this pagedpack reads {FORMAT_VERSION}")
-    specs = [KVCacheSpec(s["num_kv_heads"], s["key_head_size"], s["value_head_size"], getattr(torch, s["dtype"]))
-             for s in meta["kv_cache_specs"]]
-    return ExportedStep(step, specs, meta["eos_token_ids"], meta["max_model_len"], meta["vocab_size"],
-                        meta["model_name"], _load_tokenizer(meta["tokenizer_files"]))
+    for name, kind in (*_REQUIRED.items(), *_OPTIONAL.items()):
+        value = meta.get(name)
+        if not (isinstance(value, kind) and not isinstance(value, bool)) and not (name in _OPTIONAL and value is None):
+            raise invalid(name, kind.__name__ + (" or null" if name in _OPTIONAL else ""), value)
+    specs = []
+    for spec in meta["kv_cache_specs"]:
+        sizes = [spec.get(k) if isinstance(spec, dict) else None
+                 for k in ("num_kv_heads", "key_head_size", "value_head_size")]
+        if not all(isinstance(n, int) and n > 0 for n in sizes) or spec.get("dtype") not in _CACHE_DTYPES:
+            raise invalid("kv_cache_specs", f"positive head counts/sizes and a dtype in {_CACHE_DTYPES}", spec)
+        specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
+    signature = [*METADATA_INPUTS, *cache_input_names(len(specs))]
+    if not specs or meta["signature"] != signature:
+        raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry)", meta["signature"])
+    if not all(isinstance(i, int) for i in meta["eos_token_ids"]):
+        raise invalid("eos_token_ids", "a list of ints", meta["eos_token_ids"])
+    try:
+        tokenizer = _load_tokenizer(meta.get("tokenizer_files"))
+    except Exception as err:  # corrupt files: whatever transformers raises
+        raise invalid("tokenizer_files", "a saved tokenizer", f"{type(err).__name__}: {err}") from err
+    return ExportedStep(step, specs, meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
+                        meta.get("model_name"), tokenizer)
 
 
 def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:

@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` naming the argument, what was expected and wha
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -88,3 +89,25 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return value
+
+
+def check_engine_args(*, block_size, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs,
+                      max_model_len, tokenizer) -> None:
+    """The pool and scheduler sizes an ``LLM`` takes (however it is built): positive ints,
+    ``kv_cache_memory`` a finite positive number of bytes, at most one of ``num_blocks`` and
+    ``kv_cache_memory``; ``tokenizer`` None or callable with a ``decode`` method."""
+    for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("max_num_seqs", max_num_seqs)):
+        check_int(name, value)
+    for name, value in (("num_blocks", num_blocks), ("max_model_len", max_model_len)):
+        if value is not None:
+            check_int(name, value)
+    if kv_cache_memory is not None and not (isinstance(kv_cache_memory, (int, float))
+                                            and not isinstance(kv_cache_memory, bool)
+                                            and math.isfinite(kv_cache_memory) and kv_cache_memory > 0):
+        raise ValueError(f"kv_cache_memory: expected a finite positive number of bytes, got {kv_cache_memory!r}")
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
+    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+        raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode), "
+                         f"got {type(tokenizer).__name__}")

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedpack import ascend_backend
 from pagedpack.lowering.ascend_limits import StepBounds
-from pagedpack.inputs import (check_causal_lm, check_int, check_token_ids, normalize_prompts,
+from pagedpack.inputs import (check_causal_lm, check_engine_args, check_int, check_token_ids, normalize_prompts,
                               normalize_sampling_params, resolve_dtype)
 from pagedpack.models.capture import capture
 from pagedpack.models.loading import eos_token_ids, load, max_model_len as model_max_len
@@ -83,19 +83,12 @@ class LLM:
         if target not in DEFAULT_BLOCK_SIZE:
             raise ValueError(f"target: expected one of {sorted(DEFAULT_BLOCK_SIZE)}, got {target!r}")
         block_size = DEFAULT_BLOCK_SIZE[target] if block_size is None else block_size
-        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs)):
-            check_int(name, value)
-        if kv_cache_memory is not None and not (isinstance(kv_cache_memory, (int, float))
-                                                and not isinstance(kv_cache_memory, bool)):
-            raise ValueError(f"kv_cache_memory: expected a number of bytes, got {kv_cache_memory!r}")
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len)
+        check_engine_args(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, tokenizer=tokenizer)
         dtype = resolve_dtype(dtype)
         if target == "ascend":
             ascend_backend.prepare_device(device)
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
         if isinstance(model, torch.nn.Module):
             check_causal_lm(model)  # before moving it: the caller's module is converted in place
             module = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
@@ -140,25 +133,23 @@ class LLM:
     def from_exported(cls, path, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                       kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
                       max_num_seqs: int = 256, max_model_len: int | None = None) -> "LLM":
-        """An ``LLM`` whose runner calls the step program of a ``.pt2`` archive written by
-        :func:`pagedpack.export.export_pt2` (``pagedpack export``); same scheduler and sampler,
-        CPU only, no capture. ``block_size`` and the pool size are chosen here, not at export.
-        ``tokenizer`` overrides the one stored in the archive. ``report`` is None."""
+        """An ``LLM`` whose runner calls the step program of a file written by ``pagedpack export``:
+        a ``.pt2`` archive (:func:`pagedpack.export.export_pt2`) or an ONNX model run by an
+        onnxruntime CPU session (:func:`pagedpack.onnx_export.export_onnx`); same scheduler and
+        sampler, CPU only, no capture. ``block_size`` and the pool size are chosen here, not at
+        export. ``tokenizer`` overrides the one stored in the file. ``report`` is None.
+        Raises ``ValueError`` for bad arguments or a file that is not such an export."""
         from pagedpack.export import load_exported
 
-        for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_num_seqs", max_num_seqs)):
-            check_int(name, value)
-        if num_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
+        check_engine_args(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, tokenizer=tokenizer)
         step = load_exported(path)
         limit = step.max_model_len
-        if max_model_len is not None:
-            check_int("max_model_len", max_model_len)
-            if limit is not None and not 1 <= max_model_len <= limit:
-                raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
+        if max_model_len is not None and limit is not None and not max_model_len <= limit:
+            raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
         if (max_model_len or limit) is None:
-            raise ValueError("max_model_len: the archive records none; pass max_model_len")
+            raise ValueError("max_model_len: the exported file records none; pass max_model_len")
         self = cls.__new__(cls)
         self.model, self.tokenizer, self.vocab_size = None, tokenizer or step.tokenizer, step.vocab_size
         self.max_model_len, self.num_captures, self.rewritten = max_model_len or limit, 0, step
@@ -203,9 +194,9 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(prompts))
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ValueError("prompts: got a string but the model has no tokenizer; pass token ids")
+        requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, params)]  # tokenize first
         outputs, live = [], {}
-        for prompt, p in zip(prompts, params):
-            request = self._make_request(prompt, p)
+        for prompt, request in zip(prompts, requests):
             out = RequestOutput(request.request_id, prompt if isinstance(prompt, str) else None,
                                 request.prompt_token_ids)
             outputs.append(out)

@@ -23,8 +23,9 @@ import warnings
 
 import torch
 
-from pagedpack.export import (META_FILE, ExportedStep, cache_input_names, check_output_path, example_step,
-                              export_metadata, step_from_metadata)
+from pagedpack.export import (META_FILE, ExportedStep, check_export_file, check_output_path, example_step,
+                              export_metadata, step_from_metadata, writing)
+from pagedpack.passes.pipeline import cache_input_names
 
 
 def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack",
@@ -63,10 +64,13 @@ def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack"
             output_names=["logits", *cache_input_names(num_layers, "_out")], custom_translation_table=table,
             opset_version=lowering.OPSET, dynamo=True, optimize=False, verbose=False)
     lowering.optimize(program.model)
+    if meta["vocab_size"] is None:  # a bare RewrittenModel: read it off the logits output
+        meta["vocab_size"] = int(program.model.graph.outputs[0].shape[-1])
     meta["attention"] = attention
     meta["cache_mutation"] = "returned"
     program.model.metadata_props[META_FILE] = json.dumps(meta)
-    program.save(path)
+    with writing(path):
+        program.save(path)
     return path
 
 
@@ -98,17 +102,23 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
 
     from pagedpack.runtime.onnx_session import OnnxSessionStep
 
-    path = os.fspath(path)
+    path = check_export_file(path)
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as err:  # not a protobuf, truncated, ...
-        raise ValueError(f"path: {path!r} is not a loadable ONNX model ({type(err).__name__}: {err})") from err
+        raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
+                         f"({type(err).__name__}: {err})") from err
     props = {p.key: p.value for p in model.metadata_props}
     if META_FILE not in props:
-        raise ValueError(f"path: {path!r} is an ONNX model but not a pagedpack one (no {META_FILE} metadata)")
-    meta = json.loads(props[META_FILE])
-    if meta.get("attention") == "com.microsoft":
+        raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
+    step = step_from_metadata(None, props[META_FILE], path)
+    attention = json.loads(props[META_FILE]).get("attention")
+    if attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    return step_from_metadata(OnnxSessionStep(session, meta["signature"]), meta, path)
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as err:  # a graph onnxruntime rejects
+        raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
+    step.graph_module = OnnxSessionStep(session, step.kv_cache_specs)
+    return step

@@ -32,6 +32,11 @@ METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_
 _VERIFY_NUM_TOKENS = 7
 
 
+def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
+    """``key_cache_0, value_cache_0, key_cache_1, ...`` (with ``suffix``: ``key_cache_out_0``, ...)."""
+    return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
 class UnsupportedModelError(ValueError):
     """The pass refused at least one site; ``report`` says which and why."""
 
@@ -134,7 +139,7 @@ def _add_inputs(graph: torch.fx.Graph, old: dict, *, num_layers: int) -> dict[st
     meta = {"input_ids": old["input_ids"], "positions": old["position_ids"]}
     meta["positions"]._rename("positions")
     meta["positions"].target = "positions"
-    names = list(METADATA_INPUTS[2:]) + [f"{kind}_cache_{i}" for i in range(num_layers) for kind in ("key", "value")]
+    names = [*METADATA_INPUTS[2:], *cache_input_names(num_layers)]
     last = meta["positions"] if meta["positions"].next.op != "placeholder" else list(old.values())[-1]
     for name in names:
         with graph.inserting_after(last):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, cache_input_names
+
+_ORT_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)", torch.bfloat16: "tensor(bfloat16)"}
+
 
 class OnnxSessionStep:
     """Calls ``session`` with the step signature and returns ``(logits, *updated caches)``.
@@ -12,14 +16,26 @@ class OnnxSessionStep:
     come back as outputs ``key_cache_out_i`` / ``value_cache_out_i``, in the same order, which
     :class:`~pagedpack.runtime.model_runner.ModelRunner` keeps for the next step. Tensors cross as
     NumPy arrays sharing memory with the torch CPU tensors (float32 and float16 caches).
+
+    Raises ``ValueError`` if the session's inputs are not the step signature for ``kv_cache_specs``
+    (names, cache dtypes, ``[num_blocks, block_size, num_kv_heads, head_size]`` shapes).
     """
 
-    def __init__(self, session, input_names: list[str]):
+    def __init__(self, session, kv_cache_specs: list[KVCacheSpec]):
         self.session = session
-        got = [i.name for i in session.get_inputs()]
-        if got != list(input_names):
-            raise ValueError(f"session: expected the inputs {list(input_names)}, got {got}")
-        self.input_names = got
+        inputs = session.get_inputs()
+        self.input_names = [i.name for i in inputs]
+        expected = [*METADATA_INPUTS, *cache_input_names(len(kv_cache_specs))]
+        if self.input_names != expected:
+            raise ValueError(f"session: expected the inputs {expected}, got {self.input_names}")
+        caches = inputs[len(METADATA_INPUTS):]
+        for spec, pair in zip(kv_cache_specs, zip(caches[::2], caches[1::2])):
+            for cache, head_size in zip(pair, (spec.key_head_size, spec.value_head_size)):
+                want = (_ORT_TYPES.get(spec.dtype), [spec.num_kv_heads, head_size])
+                if (cache.type, list(cache.shape[2:])) != want:
+                    raise ValueError(f"session: {cache.name}: expected {want[0]} [num_blocks, block_size, "
+                                     f"{spec.num_kv_heads}, {head_size}] as the metadata says, "
+                                     f"got {cache.type} {cache.shape}")
         self.output_names = [o.name for o in session.get_outputs()]
 
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -116,7 +116,7 @@ def test_bad_path_and_format(tmp_path, llm, fmt):
         LLM.from_exported(tmp_path / f"missing.{fmt}")
     junk = tmp_path / f"junk.{fmt}"
     junk.write_bytes(b"neither a zip archive nor a protobuf")
-    with pytest.raises(ValueError, match=f"not a loadable {'torch.export archive' if fmt == 'pt2' else 'ONNX model'}"):
+    with pytest.raises(ValueError, match="not a loadable torch.export archive|nor a loadable ONNX model"):
         load_exported(junk)
     with pytest.raises(ValueError, match="no such directory"):
         export(llm, tmp_path / "nope" / f"x.{fmt}")

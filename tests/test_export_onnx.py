@@ -160,7 +160,7 @@ def test_bad_attention_arguments(llama, tmp_path):
     onnx.save(onnx.helper.make_model(onnx.helper.make_graph(
         [onnx.helper.make_node("Identity", ["x"], ["y"])], "g", [x],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])), foreign)
-    with pytest.raises(ValueError, match="not a pagedpack one"):
+    with pytest.raises(ValueError, match="not a pagedpack ONNX model"):
         load_exported(foreign)
 
 
