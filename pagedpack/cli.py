@@ -32,33 +32,47 @@ DEFAULT_PROMPTS = [
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless that is None or a flag's False (the
+    help then says what happens)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unshown = any(action.default is d for d in (None, False, argparse.SUPPRESS))
+        if action.required or unshown or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedpack", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pagedpack", description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with the rewritten model",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_HelpFormatter)
     _model_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed; default: not seeded")
     gen.add_argument("--target", choices=sorted(DEFAULT_BLOCK_SIZE), default="reference",
                      help="lowering target: the reference ops, or Ascend torch_npu ops (emulated off an NPU)")
     gen.add_argument("--device", default="cpu", help="e.g. npu:0 with --target ascend on an Ascend host")
     gen.add_argument("--block-size", type=int, default=None, help="default: 16 (reference), 128 (ascend)")
-    gen.add_argument("--num-blocks", type=int, default=None)
-    gen.add_argument("--max-num-seqs", type=int, default=256)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool; default: sized to a memory budget")
+    gen.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    gen.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="tokens per step (longer prompts are prefilled in chunks)")
 
-    insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)")
+    insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
+                          formatter_class=_HelpFormatter)
     _model_args(insp)
     insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
 
     exp = sub.add_parser("export", help="export the rewritten step program (.pt2 archive or ONNX model)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_HelpFormatter)
     _model_args(exp)
     exp.add_argument("--format", default="pt2", choices=FORMATS,
                      help="pt2: torch.export archive; onnx: ONNX model that onnxruntime runs")
@@ -80,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"local Hugging Face directory or hub id (default: built-in {DEFAULT_MODEL})")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's")
+                   help="local Hugging Face directory or hub id; the default is the built-in tiny model")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's dtype")
 
 
 def _generate(args) -> int:
@@ -173,8 +187,12 @@ def _export(args) -> int:
         path = export_onnx(llm, args.out, attention=args.attention)
     else:
         path = export_pt2(llm, args.out)
-    runs = ("onnxruntime's CUDA provider" if args.attention == "com.microsoft"
-            else f"LLM.from_exported({path!r})")
+    if args.attention == "com.microsoft":
+        runs = "onnxruntime's CUDA provider"
+    elif args.format == "onnx":  # each step copies the whole pool: size it for the batch
+        runs = f"LLM.from_exported({path!r}, num_blocks=...)"
+    else:
+        runs = f"LLM.from_exported({path!r})"
     print(f"wrote {path} ({args.format}); run it with {runs}")
     return 0
 
