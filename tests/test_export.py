@@ -135,6 +135,6 @@ def test_cli_export(tmp_path, fmt):
     result = subprocess.run([exe, "export", "--format", fmt, "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert f"LLM.from_exported('{out}')" in result.stdout
+    assert f"LLM.from_exported('{out}'" in result.stdout
     step = load_exported(out)
     assert step.tokenizer is not None and step.eos_token_ids  # the built-in model's byte-level tokenizer
