@@ -52,8 +52,8 @@ def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack"
         dtypes = {spec.dtype for spec in rewritten.kv_cache_specs}
         if not dtypes <= set(lowering.ORT_FLOAT_TYPES):
             raise ValueError(f"attention: 'com.microsoft' (PagedAttention) takes float16 or bfloat16 activations "
-                             f"and caches, got a model with KV dtype {sorted(str(d) for d in dtypes)}; "
-                             f"load it in float16 (dtype=torch.float16, CLI --dtype float16) or use attention='pagedpack'")
+                             f"and caches, got a model with KV dtype {sorted(str(d) for d in dtypes)}; load it "
+                             f"in float16 (dtype=torch.float16, CLI --dtype float16) or use attention='pagedpack'")
     path = check_output_path(path)
     args, dynamic_shapes = example_step(rewritten)
     num_layers = len(rewritten.kv_cache_specs)

@@ -6,7 +6,7 @@ import torch
 
 from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, cache_input_names
 
-_ORT_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)", torch.bfloat16: "tensor(bfloat16)"}
+_ORT_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)"}  # NumPy has no bfloat16
 
 
 class OnnxSessionStep:
@@ -18,7 +18,8 @@ class OnnxSessionStep:
     NumPy arrays sharing memory with the torch CPU tensors (float32 and float16 caches).
 
     Raises ``ValueError`` if the session's inputs are not the step signature for ``kv_cache_specs``
-    (names, cache dtypes, ``[num_blocks, block_size, num_kv_heads, head_size]`` shapes).
+    (names, cache dtypes, ``[num_blocks, block_size, num_kv_heads, head_size]`` shapes), or for
+    bfloat16 caches, which NumPy cannot hold.
     """
 
     def __init__(self, session, kv_cache_specs: list[KVCacheSpec]):
@@ -28,6 +29,10 @@ class OnnxSessionStep:
         expected = [*METADATA_INPUTS, *cache_input_names(len(kv_cache_specs))]
         if self.input_names != expected:
             raise ValueError(f"session: expected the inputs {expected}, got {self.input_names}")
+        if any(spec.dtype not in _ORT_TYPES for spec in kv_cache_specs):
+            raise ValueError(f"kv_cache_specs: expected float32 or float16 caches (they cross to onnxruntime as "
+                             f"NumPy arrays), got {sorted({str(s.dtype) for s in kv_cache_specs})}; "
+                             f"export the model in float16 or float32")
         caches = inputs[len(METADATA_INPUTS):]
         for spec, pair in zip(kv_cache_specs, zip(caches[::2], caches[1::2])):
             for cache, head_size in zip(pair, (spec.key_head_size, spec.value_head_size)):

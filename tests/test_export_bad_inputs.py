@@ -330,6 +330,13 @@ def test_load_metadata_disagreeing_with_the_graph(files, tmp_path):
         LLM.from_exported(path)
 
 
+def test_load_bfloat16_onnx_caches(files, tmp_path):
+    spec = {**_SPEC, "dtype": "bfloat16"}
+    path = onnx_with_meta(files["onnx"], tmp_path / "m.onnx", json_edit(kv_cache_specs=[spec, spec]))
+    with pytest.raises(ValueError, match=r"kv_cache_specs: expected float32 or float16 caches .*bfloat16"):
+        LLM.from_exported(path)
+
+
 def test_load_a_com_microsoft_export(files, tmp_path):
     # The metadata check comes before the session: a real com.microsoft export (test_export_onnx)
     # and this relabelled one are refused alike.
