@@ -78,7 +78,9 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
 
     For an ``LLM`` the eos ids, ``max_model_len``, vocabulary size and tokenizer are read off it;
     for a bare ``RewrittenModel`` pass them (optional). Returns ``str(path)``.
-    Raises ``ValueError`` for a source that is not a rewritten reference-target model.
+    Raises ``ValueError`` for a source that is not a rewritten reference-target model, or a
+    ``path`` that cannot be written (checked before exporting); ``TypeError`` if ``path`` is not
+    a path.
     """
     rewritten, meta = export_metadata(source, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
                                       tokenizer=tokenizer, model_name=model_name)

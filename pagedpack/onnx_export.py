@@ -40,8 +40,9 @@ def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack"
 
     Raises:
         ValueError: an unknown ``attention``; ``"com.microsoft"`` with a KV dtype the op's schema
-            does not take; a source that is not a rewritten reference-target model; a missing
-            directory.
+            does not take; a source that is not a rewritten reference-target model; a ``path``
+            that cannot be written (checked before exporting).
+        TypeError: ``path`` is not a path.
     """
     from pagedpack.lowering import onnx as lowering
 
