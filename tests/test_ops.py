@@ -229,6 +229,24 @@ def test_opcheck_reshape_and_cache(slot_dtype):
                           dict(write, key_cache=batch["key_cache"], value_cache=batch["value_cache"]))
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_paged_attention_functional(slot_dtype):
+    """The functional pair (ONNX export's form): same output as the reference, the caches come
+    back written, the inputs are left as they were."""
+    batch, write, full_kv = make_step([(3, 2), (0, 4), (17, 1)], slot_dtype=slot_dtype, block_size=4)
+    before = batch["key_cache"].clone(), batch["value_cache"].clone()
+    args = dict(batch, **write)
+    out, key_cache, value_cache = ops.paged_attention_functional(**args)
+    cu = batch["cu_seqlens_q"].tolist()
+    expected = torch.cat([reference_attention(batch["query"][cu[b]:cu[b + 1]], k, v, batch["scale"])
+                          for b, (k, v) in enumerate(full_kv)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(batch["key_cache"], before[0]) and torch.equal(batch["value_cache"], before[1])
+    ops.reshape_and_cache(write["key"], write["value"], *before, write["slot_mapping"])
+    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
+    torch.library.opcheck(ops.paged_attention_functional.default, (), args)
+
+
 class _Step(torch.nn.Module):
     def forward(self, query, key, value, key_cache, value_cache, slot_mapping, block_table, cu_seqlens_q,
                 seq_lens):
