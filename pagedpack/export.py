@@ -57,6 +57,7 @@ class ExportedStep:
     vocab_size: int | None = None
     model_name: str | None = None
     tokenizer: object | None = None
+    attention: str | None = None  # ONNX: the attention lowering it was exported with
     report = None  # no pass report travels with the file
 
     bytes_per_token = RewrittenModel.bytes_per_token  # the same sum over kv_cache_specs
@@ -250,7 +251,7 @@ def step_from_metadata(step: Callable, raw: str, path: str) -> ExportedStep:
     except Exception as err:  # corrupt files: whatever transformers raises
         raise invalid("tokenizer_files", "a saved tokenizer", f"{type(err).__name__}: {err}") from err
     return ExportedStep(step, specs, meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
-                        meta.get("model_name"), tokenizer)
+                        meta.get("model_name"), tokenizer, meta.get("attention"))
 
 
 def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:

@@ -112,9 +112,8 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     props = {p.key: p.value for p in model.metadata_props}
     if META_FILE not in props:
         raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
-    step = step_from_metadata(None, props[META_FILE], path)
-    attention = json.loads(props[META_FILE]).get("attention")
-    if attention == "com.microsoft":
+    step = step_from_metadata(None, props[META_FILE], path)  # the session is attached below
+    if step.attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")
     try:
