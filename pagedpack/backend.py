@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from pagedpack.passes.cleanup import strip_export_checks
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.varlen import rewrite_varlen
 
@@ -106,10 +105,9 @@ class PackedForward:
         program = exported.module()
         program.graph._codegen = torch.fx.graph.CodeGen()
         program._forward_pre_hooks.clear()
-        strip_export_checks(program)
         program.recompile()
-        report = rewrite_varlen(program, tuple(sample), n)
-        if report.refused or not report.num_found:
+        report = rewrite_varlen(program, tuple(sample), n)  # strips export's guards too
+        if not report.ok:
             raise Unpackable(report.format())
         return program, report
 

@@ -9,9 +9,25 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from pagedpack.passes.manager import Pass, PassContext, PassResult
+
 aten = torch.ops.aten
 _ROW_WISE = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
              aten.mul.Tensor, aten.div.Tensor, aten.tanh.default, aten.contiguous.default}
+
+
+class GatherLogits(Pass):
+    """``gather_logits``: return the logits of the ``logits_indices`` rows only, ``[B, vocab]``.
+
+    Counts: matched = rewritten = 1 (the graph output).
+    """
+
+    name = "gather_logits"
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        where = gather_logits(ctx.graph, ctx.inputs["logits_indices"])
+        ctx.report.notes.append("logits gathered " + where)
+        return PassResult(matched=1, rewritten=1)
 
 
 def gather_logits(graph: torch.fx.Graph, logits_indices: Node) -> str:

@@ -15,7 +15,9 @@ import torch
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.contract import KVCacheSpec
 from pagedpack.passes.attention_sites import AttentionSite, default_scale
+from pagedpack.passes.manager import PassContext, SiteRewritePass
 
 aten = torch.ops.aten
 
@@ -44,3 +46,22 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
         out = graph.call_function(aten.unsqueeze.default, (heads_first, 0))
     site.output.replace_all_uses_with(out)
     return attention
+
+
+class PagedAttention(SiteRewritePass):
+    """``paged_attention``: every site -> :func:`rewrite_site` on layer ``i``'s cache inputs; appends
+    one :class:`~pagedpack.contract.KVCacheSpec` per site to ``ctx.kv_cache_specs``."""
+
+    name = "paged_attention"
+
+    def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
+        rewrite_site(ctx.graph, site, key_cache=ctx.inputs[f"key_cache_{index}"],
+                     value_cache=ctx.inputs[f"value_cache_{index}"], metadata=ctx.inputs)
+        ctx.kv_cache_specs.append(_cache_spec(site))
+
+
+def _cache_spec(site: AttentionSite) -> KVCacheSpec:
+    """The cache pair of ``site``, read off its pre-repeat K/V tensors ``[1, kv_heads, T, head_size]``."""
+    key, value = site.key_source.meta["val"], site.value_source.meta["val"]
+    return KVCacheSpec(num_kv_heads=key.shape[1], key_head_size=key.shape[-1],
+                       value_head_size=value.shape[-1], dtype=key.dtype)

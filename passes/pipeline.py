@@ -1,6 +1,6 @@
 """The pagedpack rewrite: a captured single-sequence graph -> a packed, paged step graph.
 
-Rewritten signature (all metadata as graph inputs, DESIGN.md terms)::
+Rewritten signature (all metadata as graph inputs, docs/design.md terms)::
 
     forward(input_ids [T] int64, positions [T] int64, cu_seqlens_q [B+1] int32,
             seq_lens [B] int32, block_table [B, max_blocks_per_seq] int32,
@@ -9,7 +9,8 @@ Rewritten signature (all metadata as graph inputs, DESIGN.md terms)::
         -> logits [B, vocab]
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place.
-If any site cannot be rewritten safely, nothing is changed and the report says why.
+The rewrite is :data:`STEP_PIPELINE`, run by :class:`~pagedpack.passes.manager.PassManager`. If any
+site cannot be rewritten safely, nothing is changed and the report says why.
 """
 from __future__ import annotations
 
@@ -18,56 +19,34 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, bytes_per_token, cache_input_names
 from pagedpack.models.capture import CapturedModel
-from pagedpack.passes.attention_sites import find_attention_sites
-from pagedpack.passes.cleanup import eliminate_dead_code, strip_export_checks
-from pagedpack.passes.logits import gather_logits
-from pagedpack.passes.paged_attention import rewrite_site
-from pagedpack.passes.report import PassReport, op_counts
-from pagedpack.passes.verify import CAUSAL, verify_sites
+from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
+from pagedpack.passes.find import FindAttention
+from pagedpack.passes.logits import GatherLogits
+from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
+from pagedpack.passes.paged_attention import PagedAttention
+from pagedpack.passes.postcondition import NoAttentionLeft
+from pagedpack.passes.report import PassReport
+from pagedpack.passes.verify import VerifyAttention
 
 aten = torch.ops.aten
-METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table",
-                   "slot_mapping", "logits_indices")
 _VERIFY_NUM_TOKENS = 7
 
 
-def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
-    """``key_cache_0, value_cache_0, key_cache_1, ...`` (with ``suffix``: ``key_cache_out_0``, ...)."""
-    return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-
-
 class UnsupportedModelError(ValueError):
-    """The pass refused at least one site; ``report`` says which and why."""
+    """The rewrite refused the model (a site, or the graph as a whole); ``report`` says which and why."""
 
     def __init__(self, report: PassReport):
         super().__init__("pagedpack cannot rewrite this model:\n" + report.format())
         self.report = report
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape and dtype of one layer's cache pair, read off the captured K/V tensors."""
-
-    num_kv_heads: int
-    key_head_size: int
-    value_head_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K plus V for one token in this layer."""
-        return self.num_kv_heads * (self.key_head_size + self.value_head_size) * self.dtype.itemsize
-
-    def cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(key_cache shape, value_cache shape)`` in the NHD block layout."""
-        return ((num_blocks, block_size, self.num_kv_heads, self.key_head_size),
-                (num_blocks, block_size, self.num_kv_heads, self.value_head_size))
-
-
 @dataclass
 class RewrittenModel:
-    """Result of :func:`rewrite`: the step graph (or the untouched capture if refused) and its report."""
+    """Result of :func:`rewrite`: the step graph (or the untouched capture if refused) and its report.
+
+    A :class:`pagedpack.contract.StepProgram` once :attr:`ok`."""
 
     graph_module: torch.fx.GraphModule
     report: PassReport
@@ -75,83 +54,74 @@ class RewrittenModel:
 
     @property
     def ok(self) -> bool:
-        return self.report.num_found > 0 and not self.report.refused
+        return self.report.ok
 
     @property
     def input_names(self) -> list[str]:
         return [n.target for n in self.graph_module.graph.nodes if n.op == "placeholder"]
 
+    functional = False  # a StepProgram that writes the caches in place
+
     @property
     def bytes_per_token(self) -> int:
         """KV-cache bytes one token takes over all layers."""
-        return sum(spec.bytes_per_token for spec in self.kv_cache_specs)
+        return bytes_per_token(self.kv_cache_specs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run one step (:mod:`pagedpack.contract`); refused models have no step signature."""
+        return self.graph_module(*inputs)
 
     def raise_if_refused(self) -> None:
         if not self.ok:
             raise UnsupportedModelError(self.report)
 
 
-def rewrite(captured: CapturedModel) -> RewrittenModel:
-    """Rewrite every attention site of ``captured`` (see the module docstring for the result)."""
-    gm = captured.graph_module
-    graph = gm.graph
-    report = PassReport(ops_before=op_counts(graph))
-    sites = find_attention_sites(graph)
-    placeholders = {n.target: n for n in graph.nodes if n.op == "placeholder"}
+class AddStepInputs(Pass):
+    """``step_inputs``: the step's metadata and cache inputs (module docstring); the captured
+    ``input_ids``/``position_ids`` become the packed ``input_ids [T]``/``positions [T]`` (viewed as
+    ``[1, T]`` for the unchanged code). Fills ``ctx.inputs``. Refuses every site if the captured
+    graph lacks those inputs. Counts: matched = rewritten = inputs added or renamed."""
 
+    name = "step_inputs"
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        graph, report = ctx.graph, ctx.report
+        old = {n.target: n for n in graph.nodes if n.op == "placeholder"}
+        missing = [p for p in ("input_ids", "position_ids") if p not in old]
+        if missing:
+            report.notes.append(f"captured graph lacks inputs {missing}")
+            for record in ctx.records:
+                record.reason = f"captured graph lacks inputs {missing}"
+            return PassResult(refused=len(ctx.records))
+        ctx.inputs = meta = {"input_ids": old["input_ids"], "positions": old["position_ids"]}
+        meta["positions"]._rename("positions")
+        meta["positions"].target = "positions"
+        names = [*METADATA_INPUTS[2:], *cache_input_names(len(ctx.sites))]
+        last = meta["positions"] if meta["positions"].next.op != "placeholder" else list(old.values())[-1]
+        for name in names:
+            with graph.inserting_after(last):
+                last = meta[name] = graph.placeholder(name)
+        for name in ("input_ids", "positions"):
+            with graph.inserting_after(last):
+                last = batch_one = graph.call_function(aten.unsqueeze.default, (meta[name], 0))
+            meta[name].replace_all_uses_with(batch_one, delete_user_cb=lambda user, keep=batch_one: user is not keep)
+        report.inputs_added = [n for n in meta if n != "input_ids"]  # positions replaces position_ids
+        return PassResult(matched=len(report.inputs_added), rewritten=len(report.inputs_added))
+
+
+STEP_PIPELINE: tuple[Pass, ...] = (
+    FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(), PagedAttention(),
+    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
+)
+
+
+def rewrite(captured: CapturedModel) -> RewrittenModel:
+    """Rewrite every attention site of ``captured`` with :data:`STEP_PIPELINE` (see the module
+    docstring for the result). A refused model comes back untouched, its report saying why."""
+    gm = captured.graph_module
     n = min(_VERIFY_NUM_TOKENS, captured.example_num_tokens)
     device = next(gm.parameters()).device
     sample = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device)[None])
-    kinds, _ = verify_sites(gm, sites, sample, n, report)
-    for record, kind in zip(report.sites, kinds):
-        if kind not in (None, CAUSAL):
-            record.rewritten = False
-            record.reason = "bidirectional attention (no causal mask): the paged KV cache serves causal LMs"
-    missing = [p for p in ("input_ids", "position_ids") if p not in placeholders]
-    if missing:
-        report.notes.append(f"captured graph lacks inputs {missing}")
-        for record in report.sites:
-            record.rewritten, record.reason = False, f"captured graph lacks inputs {missing}"
-    if not sites or report.refused:
-        report.ops_after = report.ops_before
-        return RewrittenModel(gm, report)
-
-    removed = strip_export_checks(gm)
-    report.notes.append(f"removed {removed} export guard/assert nodes")
-    meta = _add_inputs(graph, placeholders, num_layers=len(sites))
-    specs = []
-    for i, site in enumerate(sites):
-        rewrite_site(graph, site, key_cache=meta[f"key_cache_{i}"], value_cache=meta[f"value_cache_{i}"],
-                     metadata=meta)
-        specs.append(_cache_spec(site))
-    report.notes.append("logits gathered " + gather_logits(graph, meta["logits_indices"]))
-    eliminate_dead_code(gm)
-    graph.lint()
-    gm.recompile()
-    report.inputs_added = [n for n in meta if n != "input_ids"]  # positions replaces position_ids
-    report.ops_after = op_counts(graph)
-    return RewrittenModel(gm, report, specs)
-
-
-def _add_inputs(graph: torch.fx.Graph, old: dict, *, num_layers: int) -> dict[str, torch.fx.Node]:
-    """Metadata and cache placeholders; the captured ``input_ids``/``position_ids`` become the
-    packed ``input_ids [T]``/``positions [T]`` (viewed as ``[1, T]`` for the unchanged code)."""
-    meta = {"input_ids": old["input_ids"], "positions": old["position_ids"]}
-    meta["positions"]._rename("positions")
-    meta["positions"].target = "positions"
-    names = [*METADATA_INPUTS[2:], *cache_input_names(num_layers)]
-    last = meta["positions"] if meta["positions"].next.op != "placeholder" else list(old.values())[-1]
-    for name in names:
-        with graph.inserting_after(last):
-            last = meta[name] = graph.placeholder(name)
-    for name in ("input_ids", "positions"):
-        with graph.inserting_after(last):
-            last = batch_one = graph.call_function(aten.unsqueeze.default, (meta[name], 0))
-        meta[name].replace_all_uses_with(batch_one, delete_user_cb=lambda user, keep=batch_one: user is not keep)
-    return meta
-
-
-def _cache_spec(site) -> KVCacheSpec:
-    key, value = site.key_source.meta["val"], site.value_source.meta["val"]
-    return KVCacheSpec(num_kv_heads=key.shape[1], key_head_size=key.shape[-1],
-                       value_head_size=value.shape[-1], dtype=key.dtype)
+    ctx = PassContext(gm, PassReport(), sample, n)
+    done = PassManager(STEP_PIPELINE).run(ctx)
+    return RewrittenModel(gm, ctx.report, ctx.kv_cache_specs if done else [])

@@ -1,4 +1,4 @@
-"""What a pass run matched, rewrote and refused: the record every pass returns."""
+"""What a pass run matched, rewrote and refused: the record every pipeline returns."""
 from __future__ import annotations
 
 from collections import Counter
@@ -21,13 +21,33 @@ def op_name(target) -> str:
 
 @dataclass
 class SiteRecord:
-    """One attention site: where it is and what happened to it."""
+    """One attention site (or a softmax the model is refused for): where it is and what happened to it."""
 
     name: str
-    form: str  # "sdpa" or "eager"
+    form: str  # "sdpa" or "eager"; "softmax" for an attention-shaped softmax no pattern matched
     layer: int | None = None
     rewritten: bool = False
     reason: str | None = None  # why it was refused
+
+
+@dataclass
+class PassRecord:
+    """One pass run: what it matched, rewrote and refused, and how long it took."""
+
+    name: str
+    matched: int
+    rewritten: int
+    refused: int
+    ms: float
+
+
+@dataclass
+class UnmatchedSoftmax:
+    """A softmax no attention pattern took, and why; ``refused``: it is attention-shaped, so the model is refused."""
+
+    name: str
+    reason: str
+    refused: bool
 
 
 @dataclass
@@ -39,6 +59,9 @@ class PassReport:
     notes: list[str] = field(default_factory=list)
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
+    passes: list[PassRecord] = field(default_factory=list)
+    unmatched_softmaxes: list[UnmatchedSoftmax] = field(default_factory=list)
+    stopped_at: str | None = None  # the pass that refused; the graph was left as captured
 
     @property
     def num_found(self) -> int:
@@ -50,17 +73,43 @@ class PassReport:
 
     @property
     def refused(self) -> list[SiteRecord]:
-        return [s for s in self.sites if not s.rewritten]
+        """The sites refused, each with its reason."""
+        return [s for s in self.sites if s.reason is not None]
+
+    @property
+    def ok(self) -> bool:
+        """Every site found was rewritten (and at least one was found)."""
+        return bool(self.sites) and all(s.rewritten for s in self.sites)
+
+    def stop(self, pass_name: str) -> None:
+        """The pipeline stopped at ``pass_name`` and the graph is as captured: nothing is rewritten or added."""
+        self.stopped_at = pass_name
+        self.inputs_added = []
+        for s in self.sites:
+            s.rewritten = False
 
     def format(self) -> str:
-        """A plain-text summary: sites, refusals with reasons, added inputs, op-count changes."""
+        """A plain-text summary: sites, refusals with reasons, added inputs, notes, passes,
+        unmatched softmaxes, op-count changes."""
         lines = [f"attention sites: {self.num_found} found, {self.num_rewritten} rewritten, "
                  f"{len(self.refused)} refused"]
         for s in self.sites:
-            state = "rewritten" if s.rewritten else f"REFUSED: {s.reason}"
-            lines.append(f"  {s.name:<40} {s.form:<6} {state}")
+            if s.rewritten:
+                state = "rewritten"
+            else:
+                state = f"REFUSED: {s.reason}" if s.reason else f"not rewritten (stopped at {self.stopped_at})"
+            lines.append(f"  {s.name:<40} {s.form:<7} {state}")
         lines.append("graph inputs added: " + ", ".join(self.inputs_added))
         lines += [f"note: {n}" for n in self.notes]
+        lines.append("passes: matched / rewritten / refused, time")
+        for p in self.passes:
+            lines.append(f"  {p.name:<24} {p.matched:>4} / {p.rewritten:>4} / {p.refused:>4} {p.ms:>9.1f} ms")
+        if self.stopped_at is not None:
+            lines.append(f"stopped at {self.stopped_at}: the graph is left as captured")
+        if self.unmatched_softmaxes:
+            lines.append("softmaxes no attention pattern matched:")
+            for u in self.unmatched_softmaxes:
+                lines.append(f"  {u.name:<24} {'REFUSED' if u.refused else 'kept':<7} {u.reason}")
         lines.append("op counts (before -> after), changed ops only:")
         for op in sorted(set(self.ops_before) | set(self.ops_after)):
             b, a = self.ops_before.get(op, 0), self.ops_after.get(op, 0)

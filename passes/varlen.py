@@ -20,65 +20,99 @@ import torch.fx
 from torch.fx import Node
 
 import pagedpack.kernels.varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
-from pagedpack.passes.attention_sites import default_scale, find_attention_sites
-from pagedpack.passes.cleanup import eliminate_dead_code
+from pagedpack.passes.attention_sites import AttentionSite, default_scale
+from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
+from pagedpack.passes.find import FindAttention
+from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult, SiteRewritePass
 from pagedpack.passes.paged_attention import heads_first_to_tokens_first
-from pagedpack.passes.report import PassReport, op_counts
-from pagedpack.passes.verify import CAUSAL, verify_sites
+from pagedpack.passes.postcondition import NoAttentionLeft
+from pagedpack.passes.report import PassReport
+from pagedpack.passes.verify import CAUSAL, VerifyAttention
 
 aten = torch.ops.aten
 
 
 def rewrite_varlen(gm: torch.fx.GraphModule, sample_inputs: tuple, num_tokens: int) -> PassReport:
-    """Rewrite ``gm`` in place (unless a site is refused; then it is left as it was).
+    """Rewrite ``gm`` in place with :data:`VARLEN_PIPELINE` (unless a site is refused; then it is
+    left as it was).
 
     ``sample_inputs`` is one sequence of ``num_tokens`` tokens in ``gm``'s calling convention,
-    used to verify masks and find position ids. Returns the report; ``report.refused`` empty
-    means the rewrite happened.
+    used to verify masks and find position ids. Returns the report; ``report.ok`` means the
+    rewrite happened.
     """
-    graph = gm.graph
-    report = PassReport(ops_before=op_counts(graph))
-    sites = find_attention_sites(graph)
-    kinds, values = verify_sites(gm, sites, sample_inputs, num_tokens, report,
-                                 also=lambda n: _maybe_positions(n, num_tokens))
-    site_nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
-    if not sites or report.refused:
-        report.ops_after = report.ops_before
-        return report
+    ctx = PassContext(gm, PassReport(), sample_inputs, num_tokens)
+    PassManager(VARLEN_PIPELINE).run(ctx)
+    return ctx.report
 
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    with graph.inserting_after(placeholders[-1]):
-        cu_seqlens = graph.placeholder("cu_seqlens")
-    with graph.inserting_after(placeholders[-1]):
-        positions = graph.placeholder("positions")
-    report.inputs_added = ["positions", "cu_seqlens"]
 
-    arange = torch.arange(num_tokens)
-    sources = [n for n, v in values.items() if n not in site_nodes and torch.equal(v.reshape(-1).cpu(), arange)]
-    for node in sources:
-        with graph.inserting_after(cu_seqlens):
-            view = graph.call_function(aten.view.default, (positions, [1, -1] if values[node].dim() == 2 else [-1]))
-        node.replace_all_uses_with(view)
-    report.notes.append(f"position ids: {len(sources)} node(s) replaced by the positions input"
-                        if sources else "no position-id computation found")
+class AddVarlenInputs(Pass):
+    """``varlen_inputs``: the ``positions`` and ``cu_seqlens`` inputs, after the original ones
+    (``ctx.inputs``). Counts: matched = rewritten = 2."""
 
-    for site, kind in zip(sites, kinds):
+    name = "varlen_inputs"
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        graph = ctx.graph
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        for name in ("cu_seqlens", "positions"):
+            with graph.inserting_after(last):
+                ctx.inputs[name] = graph.placeholder(name)
+        ctx.report.inputs_added = ["positions", "cu_seqlens"]
+        return PassResult(matched=2, rewritten=2)
+
+
+class PositionsInput(Pass):
+    """``positions_input``: the nodes whose sampled value is ``arange(T)`` (position ids computed in
+    the graph), except the sites' own tensors -> views of the ``positions`` input. Counts: matched =
+    rewritten = nodes replaced."""
+
+    name = "positions_input"
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        graph, positions = ctx.graph, ctx.inputs["positions"]
+        arange = torch.arange(ctx.num_tokens)
+        site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
+        sources = [n for n, v in ctx.values.items()
+                   if n not in site_nodes and torch.equal(v.reshape(-1).cpu(), arange)]
+        for node in sources:
+            with graph.inserting_after(ctx.inputs["cu_seqlens"]):
+                view = graph.call_function(aten.view.default,
+                                           (positions, [1, -1] if ctx.values[node].dim() == 2 else [-1]))
+            node.replace_all_uses_with(view)
+        ctx.report.notes.append(f"position ids: {len(sources)} node(s) replaced by the positions input"
+                                if sources else "no position-id computation found")
+        return PassResult(matched=len(sources), rewritten=len(sources))
+
+
+class VarlenAttention(SiteRewritePass):
+    """``varlen_attention``: every site -> ``pagedpack.varlen_attention(q, k, v, cu_seqlens, scale,
+    causal)``, causal or bidirectional as verified."""
+
+    name = "varlen_attention"
+
+    def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
+        graph = ctx.graph
         with graph.inserting_before(site.output):
             q, k, v = (heads_first_to_tokens_first(graph, n) for n in (site.query, site.key_source, site.value_source))
             attention = graph.call_function(torch.ops.pagedpack.varlen_attention.default,
-                                            (q, k, v, cu_seqlens, default_scale(site), kind == CAUSAL))
+                                            (q, k, v, ctx.inputs["cu_seqlens"], default_scale(site),
+                                             ctx.kinds[index] == CAUSAL))
             out = graph.call_function(aten.unsqueeze.default,
                                       (graph.call_function(aten.transpose.int, (attention, 0, 1)), 0))
         site.output.replace_all_uses_with(out)
 
-    firsts = _rewrite_first_token_selects(graph, cu_seqlens)
-    if firsts:
-        report.notes.append(f"{firsts} first-token select(s) now gather each sequence's first row")
-    eliminate_dead_code(gm)
-    graph.lint()
-    gm.recompile()
-    report.ops_after = op_counts(graph)
-    return report
+
+class FirstTokenGather(Pass):
+    """``first_token_gather``: ``select(x [1, T, ...], 1, 0)`` (e.g. BERT's pooler) ->
+    ``index_select(x, 1, cu_seqlens[:-1])`` (``[1, B, ...]``). Counts: matched = rewritten = selects."""
+
+    name = "first_token_gather"
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        count = _rewrite_first_token_selects(ctx.graph, ctx.inputs["cu_seqlens"])
+        if count:
+            ctx.report.notes.append(f"{count} first-token select(s) now gather each sequence's first row")
+        return PassResult(matched=count, rewritten=count)
 
 
 def _maybe_positions(node: Node, n: int) -> bool:
@@ -88,7 +122,6 @@ def _maybe_positions(node: Node, n: int) -> bool:
 
 
 def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int:
-    """``select(x [1, T, ...], 1, 0)`` -> ``index_select(x, 1, cu_seqlens[:-1])`` (``[1, B, ...]``)."""
     count, starts = 0, None
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is aten.select.int and node.args[1:] == (1, 0)):
@@ -107,3 +140,10 @@ def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int
         node.replace_all_uses_with(gathered)
         count += 1
     return count
+
+
+VARLEN_PIPELINE: tuple[Pass, ...] = (
+    FindAttention(), VerifyAttention(causal_only=False, also=_maybe_positions), StripExportChecks(),
+    AddVarlenInputs(), PositionsInput(), VarlenAttention(), FirstTokenGather(), EliminateDeadCode(),
+    NoAttentionLeft(),
+)

@@ -7,11 +7,15 @@ never approximated.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx
+from torch.fx import Node
 
 from pagedpack.passes.attention_sites import AttentionSite
-from pagedpack.passes.report import PassReport, SiteRecord
+from pagedpack.passes.manager import Pass, PassContext, PassResult
+from pagedpack.passes.report import SiteRecord
 
 CAUSAL, BIDIRECTIONAL = "causal", "bidirectional"
 
@@ -36,21 +40,35 @@ def sample_values(module: torch.fx.GraphModule, wanted, inputs: tuple) -> dict:
     return recorder.values
 
 
-def verify_sites(module: torch.fx.GraphModule, sites: list[AttentionSite], sample_inputs: tuple,
-                 num_tokens: int, report: PassReport, also=lambda node: False) -> tuple[list, dict]:
-    """Run ``sample_inputs`` (one sequence of ``num_tokens``) once, classify every site and record
-    it in ``report``. Returns each site's kind (None if refused) and the sampled values (the
-    sites' tensors and those of the nodes for which ``also(node)``)."""
-    site_nodes = {n for s in sites for n in (s.mask, s.key, s.value, s.key_source, s.value_source)}
-    values = sample_values(module, lambda n: n in site_nodes or also(n), sample_inputs) if sites else {}
-    kinds = []
-    for site in sites:
-        kind, reason = classify_site(site, values, num_tokens) if site.refusal is None else (None, site.refusal)
-        kinds.append(kind)
-        report.sites.append(SiteRecord(site.name, site.form, site.layer, reason is None, reason))
-    if not sites:
-        report.notes.append("no attention site found")
-    return kinds, values
+class VerifyAttention(Pass):
+    """``verify_attention``: check every site on ``ctx.sample_inputs`` and record it in the report.
+
+    A site is refused for a structural problem found by its match, a failed check, or (with
+    ``causal_only``) bidirectional attention. Fills ``ctx.records``, ``ctx.kinds`` (:data:`CAUSAL`,
+    :data:`BIDIRECTIONAL`, or None if refused) and ``ctx.values`` (the sites' sampled tensors and
+    those of the nodes for which ``also(node, ctx.num_tokens)``). Counts: matched = sites that pass,
+    refused = sites refused.
+    """
+
+    name = "verify_attention"
+    mutates = False
+
+    def __init__(self, *, causal_only: bool, also: Callable[[Node, int], bool] = lambda node, num_tokens: False):
+        self.causal_only, self.also = causal_only, also
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
+        ctx.values = sample_values(ctx.graph_module, lambda n: n in site_nodes or self.also(n, ctx.num_tokens),
+                                   ctx.sample_inputs)
+        for site in ctx.sites:
+            kind, reason = (None, site.refusal) if site.refusal else classify_site(site, ctx.values, ctx.num_tokens)
+            if kind == BIDIRECTIONAL and self.causal_only:
+                kind, reason = None, "bidirectional attention (no causal mask): the paged KV cache serves causal LMs"
+            ctx.kinds.append(kind)
+            ctx.records.append(SiteRecord(site.name, site.form, site.layer, reason=reason))
+        ctx.report.sites += ctx.records
+        refused = ctx.kinds.count(None)
+        return PassResult(matched=len(ctx.sites) - refused, refused=refused)
 
 
 def classify_site(site: AttentionSite, values: dict, num_tokens: int) -> tuple[str | None, str | None]:
@@ -66,7 +84,8 @@ def classify_site(site: AttentionSite, values: dict, num_tokens: int) -> tuple[s
             return None, (f"{name} before repeat has shape {tuple(src.shape)}, expected "
                           f"[1, kv_heads, T={num_tokens}, head_dim]")
         if not torch.equal(values[seen], src.repeat_interleave(site.num_rep, dim=1)):
-            return None, f"{name} is not the KV heads repeated {site.num_rep}x (query head h -> KV head h // {site.num_rep})"
+            return None, (f"{name} is not the KV heads repeated {site.num_rep}x "
+                          f"(query head h -> KV head h // {site.num_rep})")
     return kind, None
 
 

@@ -1,0 +1,152 @@
+"""One interface for the passes, and the manager that runs a pipeline of them.
+
+A pass is a callable on a shared :class:`PassContext` (the graph module, the report, what earlier
+passes found) that returns a :class:`PassResult`. :class:`PassManager` runs a list of passes in
+order, times each and appends one :class:`~pagedpack.passes.report.PassRecord` per pass to the
+report. The first pass that refuses anything stops the pipeline, and the graph module is put back
+as it was before the first pass that mutates it. With ``PAGEDPACK_DUMP_GRAPHS=DIR`` set, the graph
+is written before and after each pass as readable code: ``DIR/NN-<pass>-before.txt`` and
+``DIR/NN-<pass>-after.txt`` (a later pipeline run overwrites them).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from pagedpack.contract import KVCacheSpec
+from pagedpack.passes.attention_sites import AttentionSite
+from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts
+
+DUMP_GRAPHS_ENV = "PAGEDPACK_DUMP_GRAPHS"
+
+
+@dataclass
+class PassContext:
+    """What the passes of one pipeline share.
+
+    Given: the graph module (rewritten in place), the report, and ``sample_inputs``: one sequence of
+    ``num_tokens`` tokens in the graph's calling convention, for the checks on a sample. The other
+    fields are filled in by the passes named, in pipeline order.
+    """
+
+    graph_module: torch.fx.GraphModule
+    report: PassReport
+    sample_inputs: tuple = ()
+    num_tokens: int = 0
+    sites: list[AttentionSite] = field(default_factory=list)  # find_attention
+    records: list[SiteRecord] = field(default_factory=list)  # verify_attention: sites[i]'s report entry
+    kinds: list[str | None] = field(default_factory=list)  # verify_attention: sites[i]'s mask kind
+    values: dict[Node, torch.Tensor] = field(default_factory=dict)  # verify_attention: sampled values
+    inputs: dict[str, Node] = field(default_factory=dict)  # the step's inputs by name (the *_inputs passes)
+    kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per layer
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass did: things it matched, rewrote and refused (any refusal stops the pipeline)."""
+
+    matched: int = 0
+    rewritten: int = 0
+    refused: int = 0
+
+
+class Pass:
+    """A pass: called on the context, it returns its :class:`PassResult`.
+
+    ``name`` names its report row and dump files; ``mutates`` says whether it may change the graph
+    (the manager snapshots the graph before the first pass that does).
+    """
+
+    name: str = ""
+    mutates: bool = True
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+
+class SiteRewritePass(Pass):
+    """A pass that rewrites each site in turn (:meth:`rewrite_one`) and marks it rewritten in the report.
+
+    Counts: matched = rewritten = the sites.
+    """
+
+    def __call__(self, ctx: PassContext) -> PassResult:
+        for index, (site, record) in enumerate(zip(ctx.sites, ctx.records)):
+            self.rewrite_one(ctx, index, site)
+            record.rewritten = True
+        return PassResult(matched=len(ctx.sites), rewritten=len(ctx.sites))
+
+    def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
+        raise NotImplementedError
+
+
+class PassManager:
+    """Runs ``passes`` in order on one :class:`PassContext` (see the module docstring)."""
+
+    def __init__(self, passes: Sequence[Pass]):
+        self.passes = list(passes)
+
+    def run(self, ctx: PassContext) -> bool:
+        """Run the pipeline; fills ``ctx.report`` (a row per pass run, op counts before and after).
+
+        Returns True if every pass ran, False if one refused: then ``ctx.graph_module`` is as it was
+        before the run and ``ctx.report.stopped_at`` names the pass.
+        """
+        gm, report = ctx.graph_module, ctx.report
+        report.ops_before = op_counts(gm.graph)
+        dump_dir = Path(os.environ[DUMP_GRAPHS_ENV]) if os.environ.get(DUMP_GRAPHS_ENV) else None
+        if dump_dir:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+        snapshot = None
+        for index, p in enumerate(self.passes, 1):
+            if p.mutates and snapshot is None:
+                snapshot = _Snapshot(gm)
+            if dump_dir:
+                _dump(gm, dump_dir / f"{index:02d}-{p.name}-before.txt")
+            start = time.perf_counter()
+            result = p(ctx)
+            ms = (time.perf_counter() - start) * 1e3
+            report.passes.append(PassRecord(p.name, result.matched, result.rewritten, result.refused, ms))
+            if dump_dir:
+                _dump(gm, dump_dir / f"{index:02d}-{p.name}-after.txt")
+            if result.refused:
+                report.stop(p.name)
+                if snapshot is not None:
+                    snapshot.restore(gm)
+                break
+        else:
+            if snapshot is not None:
+                gm.graph.lint()
+                gm.recompile()
+        report.ops_after = op_counts(gm.graph)
+        return report.stopped_at is None
+
+
+class _Snapshot:
+    """A graph module's graph and submodule tree, to put back; parameters are shared, not copied."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.graph = copy.deepcopy(gm.graph)
+        self.children = [(m, dict(m._modules)) for m in gm.modules()]
+
+    def restore(self, gm: torch.fx.GraphModule) -> None:
+        for module, children in self.children:
+            module._modules.clear()
+            module._modules.update(children)
+        gm.graph = self.graph  # the setter recompiles
+
+
+def _dump(gm: torch.fx.GraphModule, path: Path) -> None:
+    path.write_text(gm.print_readable(print_output=False))

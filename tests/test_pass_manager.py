@@ -1,0 +1,177 @@
+"""The pass manager: a report row per pass with match counts, graph dumps, the table of attention
+patterns, unmatched softmaxes with reasons, and the post-condition (vLLM-style pass tests)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma2Config, MixtralConfig
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.models.capture import capture
+from pagedpack.models.tiny import FAMILIES, VOCAB_SIZE, tiny_model
+from pagedpack.passes import paged_attention
+from pagedpack.passes.attention_sites import ATTENTION_PATTERNS, find_attention_sites
+from pagedpack.passes.pipeline import STEP_PIPELINE, UnsupportedModelError, rewrite
+from pagedpack.passes.varlen import VARLEN_PIPELINE, rewrite_varlen
+from pagedpack.runtime.request import Request
+
+from conftest import hf_greedy, hf_last_logits, random_prompts, run_step
+
+LAYERS = 3
+SITE_PASSES = ("find_attention", "verify_attention", "paged_attention")
+_SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+
+
+def _rows(report) -> dict:
+    return {p.name: p for p in report.passes}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_pass_reports_its_matches(family, attn):
+    model = tiny_model(family, attn_implementation=attn, num_hidden_layers=LAYERS)
+    result = rewrite(capture(model))
+    report = result.report
+    assert result.ok, report.format()
+    assert [p.name for p in report.passes] == [p.name for p in STEP_PIPELINE]
+    rows = _rows(report)
+    for name in SITE_PASSES:
+        assert rows[name].matched == LAYERS, name
+    assert rows["paged_attention"].rewritten == LAYERS
+    assert rows["no_attention_left"].matched == 0
+    assert all(p.refused == 0 and p.ms >= 0 for p in report.passes)
+    assert {s.form for s in report.sites} == {attn}
+    assert all(f"{p.name} " in report.format() for p in STEP_PIPELINE)
+    assert not report.unmatched_softmaxes
+
+
+def test_patterns_name_their_family_and_implementation():
+    assert len({p.name for p in ATTENTION_PATTERNS}) == len(ATTENTION_PATTERNS)
+    assert all(p.families and p.implementation in ("sdpa", "eager") for p in ATTENTION_PATTERNS)
+    # Llama scales the eager scores by a multiplication (eager_attention_forward).
+    for attn, pattern in (("sdpa", "sdpa"), ("eager", "eager_mul_scale")):
+        graph = capture(tiny_model("llama", attn_implementation=attn)).graph_module.graph
+        assert [s.pattern for s in find_attention_sites(graph)] == [pattern] * 2
+
+
+def test_varlen_pipeline_reports_its_matches():
+    gm = capture(tiny_model("llama", num_hidden_layers=LAYERS)).graph_module
+    sample = (torch.zeros(1, 7, dtype=torch.long), torch.arange(7)[None])
+    report = rewrite_varlen(gm, sample, 7)
+    assert report.ok, report.format()
+    assert [p.name for p in report.passes] == [p.name for p in VARLEN_PIPELINE]
+    rows = _rows(report)
+    assert rows["find_attention"].matched == rows["varlen_attention"].rewritten == LAYERS
+    assert rows["no_attention_left"].refused == 0
+
+
+def _gemma2_softcapped():
+    config = Gemma2Config(**{**_SMALL, "head_dim": 16}, attn_logit_softcapping=50.0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_attention_soft_capping_is_refused_by_name():
+    captured = capture(_gemma2_softcapped())
+    before = captured.graph_module.code
+    result = rewrite(captured)
+    report = result.report
+    with pytest.raises(UnsupportedModelError, match="attention logit soft-capping is not supported yet"):
+        result.raise_if_refused()
+    assert "no attention site found" not in report.format()
+    assert len(report.refused) == 2 and all("tanh" in s.reason for s in report.refused)
+    assert [(u.refused, "soft-capping" in u.reason) for u in report.unmatched_softmaxes] == [(True, True)] * 2
+    assert report.stopped_at == "find_attention"
+    assert result.graph_module.code == before
+
+
+class _GateOnly(torch.nn.Module):
+    """A softmax over ``linear(x)`` (a router's gate) and no attention at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.gate = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        return SimpleNamespace(logits=torch.softmax(self.gate(self.embed(input_ids)), -1))
+
+
+def test_a_graph_without_attention_is_refused_with_its_softmax_explained():
+    captured = capture(_GateOnly())
+    before = captured.graph_module.code
+    result = rewrite(captured)
+    report = result.report
+    assert not result.ok and report.stopped_at == "find_attention"
+    assert "no attention site found" in report.notes
+    [softmax] = report.unmatched_softmaxes
+    assert softmax.reason.startswith("not attention (its input comes from aten.linear") and not softmax.refused
+    assert result.graph_module.code == before
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    config = MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2, bos_token_id=256,
+                           eos_token_id=257, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_router_softmax_is_not_attention_and_the_model_is_rewritten(mixtral):
+    report = rewrite(capture(mixtral)).report
+    assert report.ok, report.format()
+    assert report.num_rewritten == mixtral.config.num_hidden_layers
+    unmatched = report.unmatched_softmaxes
+    assert len(unmatched) == mixtral.config.num_hidden_layers  # one gating softmax per layer
+    assert all(u.reason.startswith("not attention") and not u.refused for u in unmatched)
+    assert all(u.name in report.format() for u in unmatched)
+
+
+def test_rewritten_moe_model_matches_the_unmodified_one(mixtral):
+    llm = LLM(mixtral, block_size=16, num_blocks=64)
+    prompts = random_prompts((23, 5, 40), seed=4)
+    requests = [Request(str(i), p, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]
+    logits = run_step(llm, [(r, r.num_tokens) for r in requests])
+    torch.testing.assert_close(logits, torch.stack([hf_last_logits(mixtral, p) for p in prompts]), atol=1e-4, rtol=0)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(mixtral, prompts[0], 8)
+
+
+def test_dump_graphs_writes_a_pair_per_pass(monkeypatch, tmp_path):
+    directory = tmp_path / "dumps"
+    monkeypatch.setenv("PAGEDPACK_DUMP_GRAPHS", str(directory))
+    assert rewrite(capture(tiny_model("llama"))).ok
+    expected = [f"{i:02d}-{p.name}-{when}.txt" for i, p in enumerate(STEP_PIPELINE, 1) for when in ("before", "after")]
+    assert sorted(f.name for f in directory.iterdir()) == sorted(expected)
+    texts = {name: (directory / name).read_text() for name in expected}
+    assert all("def forward(" in text for text in texts.values())
+    paged = STEP_PIPELINE.index(next(p for p in STEP_PIPELINE if p.name == "paged_attention")) + 1
+    assert "paged_attention" not in texts[f"{paged:02d}-paged_attention-before.txt"]
+    assert "torch.ops.pagedpack.paged_attention" in texts[f"{paged:02d}-paged_attention-after.txt"]
+
+
+@pytest.mark.parametrize("attn, survivor", [("sdpa", "scaled_dot_product_attention"), ("eager", "softmax")])
+def test_attention_left_after_the_rewrite_refuses_the_model(monkeypatch, attn, survivor):
+    model = tiny_model("llama", attn_implementation=attn)
+    captured = capture(model)
+    before = captured.graph_module.code
+    real, calls = paged_attention.rewrite_site, []
+
+    def skip_first_site(graph, site, **kwargs):
+        calls.append(site)
+        return real(graph, site, **kwargs) if len(calls) > 1 else None
+
+    monkeypatch.setattr(paged_attention, "rewrite_site", skip_first_site)
+    result = rewrite(captured)
+    assert len(calls) == 2 and not result.ok
+    with pytest.raises(UnsupportedModelError, match=f"{survivor}.* survived the rewrite"):
+        result.raise_if_refused()
+    assert result.report.stopped_at == "no_attention_left"
+    assert result.report.num_rewritten == 0 and result.kv_cache_specs == []
+    assert result.graph_module.code == before
+    ids = torch.tensor([random_prompts((9,), seed=1)[0]])
+    with torch.no_grad():  # the capture still runs, as captured
+        (logits,) = result.graph_module(ids, torch.arange(9)[None])
+        torch.testing.assert_close(logits, model(ids).logits)
