@@ -3,10 +3,31 @@
     from pagedpack import LLM, SamplingParams
     llm = LLM()                      # built-in tiny Llama; or a local HF dir / hub id
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
-"""
-from pagedpack.kernels import ops as _ops, varlen as _varlen  # noqa: F401  (register torch.ops.pagedpack.*)
-from pagedpack.llm import LLM, CompletionOutput, RequestOutput
-from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
-from pagedpack.runtime.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "rewrite", "UnsupportedModelError"]
+``import pagedpack`` registers the ``torch.ops.pagedpack.*`` ops (all a loaded ``.pt2``
+program needs); the public names below are imported on first use, so that importing one part
+(e.g. ``pagedpack.runtime``) does not import the others.
+"""
+import importlib
+
+from pagedpack.kernels import ops as _ops  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.kernels import varlen as _varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
+
+_PUBLIC = {
+    "LLM": "pagedpack.llm",
+    "CompletionOutput": "pagedpack.llm",
+    "RequestOutput": "pagedpack.llm",
+    "EngineArgs": "pagedpack.engine_args",
+    "SamplingParams": "pagedpack.runtime.sampling",
+    "rewrite": "pagedpack.passes.pipeline",
+    "UnsupportedModelError": "pagedpack.passes.pipeline",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'pagedpack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

@@ -1,6 +1,6 @@
 """The packed, paged metadata of one scheduled step (the rewritten graph's extra inputs).
 
-Names, shapes and dtypes are those of ``DESIGN.md``: all ``T`` new tokens of the ``B``
+Names, shapes and dtypes are those of docs/design.md: all ``T`` new tokens of the ``B``
 scheduled sequences form one packed row; sequence ``b`` owns rows
 ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
 """
@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from pagedpack.kernels.validation import check_paged_metadata
+from pagedpack.runtime.request import Request
+from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import ScheduledRequest
 
 
@@ -116,3 +118,21 @@ def build_batch(
     for name, tensor in metadata.as_inputs().items():
         setattr(metadata, name, tensor.to(device))
     return metadata
+
+
+def example_batch(q_lens: list[int], context_lens: list[int] | None = None, *, block_size: int,
+                  num_blocks: int, device: torch.device | str = "cpu") -> BatchMetadata:
+    """A valid step for tracing, exporting or checking a step program, built by
+    :func:`build_batch`: sequence ``b`` has ``context_lens[b]`` tokens cached (default 0) and
+    computes ``q_lens[b]`` new ones (token id 0); blocks are numbered consecutively over the
+    sequences, modulo ``num_blocks``."""
+    context_lens = context_lens or [0] * len(q_lens)
+    scheduled, next_block = [], 0
+    for b, (q_len, cached) in enumerate(zip(q_lens, context_lens)):
+        request = Request(f"example-{b}", [0] * (cached + q_len), SamplingParams())
+        request.num_computed_tokens = cached
+        needed = -(-(cached + q_len) // block_size)
+        request.block_ids = [(next_block + j) % num_blocks for j in range(needed)]
+        next_block += needed
+        scheduled.append(ScheduledRequest(request, q_len))
+    return build_batch(scheduled, block_size=block_size, num_blocks=num_blocks, device=device)

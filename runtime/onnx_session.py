@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, cache_input_names
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, cache_input_names
 
 _ORT_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)"}  # NumPy has no bfloat16
+
+
+def check_cache_dtypes(kv_cache_specs: list[KVCacheSpec]) -> None:
+    """``ValueError`` unless every cache is float32 or float16 (what crosses to onnxruntime as NumPy)."""
+    if any(spec.dtype not in _ORT_TYPES for spec in kv_cache_specs):
+        raise ValueError(f"kv_cache_specs: expected float32 or float16 caches (they cross to onnxruntime as "
+                         f"NumPy arrays), got {sorted({str(s.dtype) for s in kv_cache_specs})}; "
+                         f"use the model in float16 or float32")
 
 
 class OnnxSessionStep:
@@ -29,10 +37,7 @@ class OnnxSessionStep:
         expected = [*METADATA_INPUTS, *cache_input_names(len(kv_cache_specs))]
         if self.input_names != expected:
             raise ValueError(f"session: expected the inputs {expected}, got {self.input_names}")
-        if any(spec.dtype not in _ORT_TYPES for spec in kv_cache_specs):
-            raise ValueError(f"kv_cache_specs: expected float32 or float16 caches (they cross to onnxruntime as "
-                             f"NumPy arrays), got {sorted({str(s.dtype) for s in kv_cache_specs})}; "
-                             f"export the model in float16 or float32")
+        check_cache_dtypes(kv_cache_specs)
         caches = inputs[len(METADATA_INPUTS):]
         for spec, pair in zip(kv_cache_specs, zip(caches[::2], caches[1::2])):
             for cache, head_size in zip(pair, (spec.key_head_size, spec.value_head_size)):

@@ -1,0 +1,86 @@
+"""The step program's contract: what the rewrite produces and what the runtime calls.
+
+A leaf module (it imports nothing of pagedpack): the passes, the lowerings, the exporters and
+the runtime all meet here and nowhere else. A *step program* runs one packed, paged step::
+
+    program(input_ids [T] int64, positions [T] int64, cu_seqlens_q [B+1] int32,
+            seq_lens [B] int32, block_table [B, max_blocks_per_seq] int32,
+            slot_mapping [T] int64, logits_indices [B] int64,
+            key_cache_0, value_cache_0, ..., key_cache_{L-1}, value_cache_{L-1})
+        -> logits [B, vocab]                          (in-place programs: caches written in place)
+        -> (logits [B, vocab], *updated caches)       (functional programs, e.g. ONNX)
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms").
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table",
+                   "slot_mapping", "logits_indices")
+
+
+def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
+    """``key_cache_0, value_cache_0, key_cache_1, ...`` (with ``suffix``: ``key_cache_out_0``, ...)."""
+    return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and dtype of one layer's cache pair, read off the captured K/V tensors."""
+
+    num_kv_heads: int
+    key_head_size: int
+    value_head_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token in this layer."""
+        return self.num_kv_heads * (self.key_head_size + self.value_head_size) * self.dtype.itemsize
+
+    def cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(key_cache shape, value_cache shape)`` in the NHD block layout."""
+        return ((num_blocks, block_size, self.num_kv_heads, self.key_head_size),
+                (num_blocks, block_size, self.num_kv_heads, self.value_head_size))
+
+
+def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:
+    """KV-cache bytes one token takes over all layers of ``specs``."""
+    return sum(spec.bytes_per_token for spec in specs)
+
+
+@runtime_checkable
+class StepProgram(Protocol):
+    """Anything that runs a step with the signature of the module docstring.
+
+    ``kv_cache_specs``: one :class:`KVCacheSpec` per layer, in cache-input order.
+    ``functional``: False if the program writes the caches in place and returns the logits
+    alone; True if it returns ``(logits, *updated caches)``, which replace the caller's caches.
+    """
+
+    kv_cache_specs: Sequence[KVCacheSpec]
+    functional: bool
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+@dataclass
+class ModelDescription:
+    """What serving a step program needs besides the program, and what an export stores.
+
+    ``eos_token_ids``: every id generation stops on (0 is a valid id); ``max_model_len``: most
+    tokens per request (None: unknown); ``vocab_size``: logits width (None: read it off the
+    program); ``model_name``: where the weights came from; ``tokenizer``: a ``transformers``
+    tokenizer or None (token-id prompts only).
+    """
+
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    model_name: str | None = None
+    tokenizer: object | None = None
