@@ -57,7 +57,7 @@ def main() -> None:
         hf_s = time.perf_counter() - start
     hf_tokens = (hf_out.shape[1] - width) * len(prompts)
 
-    per_token = llm.rewritten.bytes_per_token
+    per_token = llm.bytes_per_token
     result = {
         "model": args.model,
         "requests": len(prompts),
@@ -95,11 +95,9 @@ def _timed_generate(llm, prompts, params) -> tuple[float, int]:
 
 def _onnxruntime(llm, prompts, params, block_size) -> dict:
     """The same requests, the step exported to ONNX and run by onnxruntime's CPU provider."""
-    from pagedpack.onnx_export import export_onnx
-
     with tempfile.TemporaryDirectory() as tmp:
-        served = LLM.from_exported(export_onnx(llm, os.path.join(tmp, "step.onnx")), block_size=block_size,
-                                   num_blocks=llm.num_blocks)
+        path = llm.export(os.path.join(tmp, "step.onnx"), format="onnx")
+        served = LLM.from_exported(path, block_size=block_size, num_blocks=llm.num_blocks)
         seconds, tokens = _timed_generate(served, prompts, params)
     return {"pagedpack_onnxruntime": {"seconds": round(seconds, 3),
                                       "generated_tokens_per_s": round(tokens / seconds, 1)}}

@@ -44,8 +44,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
-from pagedpack.lowering.ascend_limits import AttentionShape, StepBounds, check_supported
-from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
+from pagedpack.contract import METADATA_INPUTS
+from pagedpack.lowering.ascend_limits import AttentionShape, check_supported
+from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
+from pagedpack.runtime.batch import example_batch
 
 aten = torch.ops.aten
 COMPRESSED_MASK_SIZE = 2048
@@ -65,7 +67,7 @@ class AscendOps:
         return {self.fused_infer_attention_score.namespace, self.scatter_nd_update_.namespace}
 
 
-class AscendUnavailableError(RuntimeError):
+class AscendUnavailableError(TargetUnavailableError):
     """torch_npu / TorchAir cannot be imported on this machine."""
 
 
@@ -119,8 +121,7 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
     site breaks a documented limit; ``gm`` is then unchanged.
     """
     values = _fake_values(gm, example_inputs)
-    sites = [n for n in gm.graph.nodes if n.target is torch.ops.pagedpack.paged_attention.default]
-    shapes = [_attention_shape(node, values) for node in sites]
+    sites, shapes = _site_shapes(gm, values)
     for shape in shapes:
         check_supported(shape, bounds)
     emit = _Emitter(gm, ops, values)
@@ -134,11 +135,22 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
     return shapes
 
 
-def lower_rewritten(rewritten: RewrittenModel, *, block_size: int, ops: AscendOps, bounds: StepBounds,
+def lower_rewritten(rewritten, *, block_size: int, ops: AscendOps, bounds: StepBounds,
                     device: torch.device | str = "cpu") -> list[AttentionShape]:
     """:func:`lower_to_ascend` on the step graph of :func:`pagedpack.passes.pipeline.rewrite`."""
     return lower_to_ascend(rewritten.graph_module, _step_example_inputs(rewritten, block_size, device),
                            ops=ops, bounds=bounds)
+
+
+def site_shapes(rewritten, *, block_size: int, device: torch.device | str = "cpu") -> list[AttentionShape]:
+    """Each attention site's shape as FIA would see it, for caches of ``block_size`` (no change to the graph)."""
+    values = _fake_values(rewritten.graph_module, _step_example_inputs(rewritten, block_size, device))
+    return _site_shapes(rewritten.graph_module, values)[1]
+
+
+def _site_shapes(gm: torch.fx.GraphModule, values: dict[Node, object]) -> tuple[list[Node], list[AttentionShape]]:
+    sites = [n for n in gm.graph.nodes if n.target is torch.ops.pagedpack.paged_attention.default]
+    return sites, [_attention_shape(node, values) for node in sites]
 
 
 def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
@@ -169,18 +181,12 @@ def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
                           value_head_dim=int(value_cache.shape[3]), dtype=query.dtype, block_size=int(block_size))
 
 
-def _step_example_inputs(rewritten: RewrittenModel, block_size: int, device) -> list[torch.Tensor]:
+def _step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
     """One sequence of two tokens and one-block caches: enough to read the sites' shapes."""
-    i32 = dict(dtype=torch.int32, device=device)
-    metadata = dict(
-        input_ids=torch.zeros(2, dtype=torch.long, device=device), positions=torch.arange(2, device=device),
-        cu_seqlens_q=torch.tensor([0, 2], **i32), seq_lens=torch.tensor([2], **i32),
-        block_table=torch.zeros(1, 1, **i32), slot_mapping=torch.arange(2, device=device),
-        logits_indices=torch.tensor([1], device=device),
-    )
+    inputs = example_batch([2], block_size=block_size, num_blocks=1, device=device).as_inputs()
     caches = [torch.zeros(shape, dtype=spec.dtype, device=device)
               for spec in rewritten.kv_cache_specs for shape in spec.cache_shapes(1, block_size)]
-    return [metadata[name] for name in METADATA_INPUTS] + caches
+    return [inputs[name] for name in METADATA_INPUTS] + caches
 
 
 class _Emitter:

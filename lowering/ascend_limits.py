@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedpack.lowering.targets import StepBounds
+
 FIA = "_op_plugin_docs.py, npu_fused_infer_attention_score"
 FIA_V2 = "_op_plugin_docs.py, npu_fused_infer_attention_score_v2"
 MAX_GQA_RATIO = 64
@@ -41,14 +43,6 @@ class AttentionShape:
     value_head_dim: int
     dtype: torch.dtype
     block_size: int
-
-
-@dataclass(frozen=True)
-class StepBounds:
-    """Upper bounds of every step the graph will run: tokens ``T`` and sequences ``B``."""
-
-    max_num_tokens: int
-    max_num_seqs: int
 
 
 def violations(s: AttentionShape, b: StepBounds) -> list[str]:

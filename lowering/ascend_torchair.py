@@ -8,9 +8,10 @@ must take the inputs dynamo traced). Compile the rewritten step graph with :func
 
 The backend lowers the ``pagedpack`` ops of the graph dynamo hands it
 (:func:`pagedpack.lowering.ascend.lower_to_ascend`) and passes the result to
-``torchair.get_npu_backend(compiler_config=...)``. ``LLM(..., target="ascend")`` uses
-:func:`ascend_step` instead: it lowers at construction (so a refused model fails there, not at the
-first step), then compiles the lowered graph with TorchAir's backend. torch_npu and TorchAir are
+``torchair.get_npu_backend(compiler_config=...)``. ``LLM(..., target="ascend")``
+(:class:`pagedpack.lowering.ascend_target.AscendTarget`) lowers at construction instead (so a
+refused model fails there, not at the first step), then compiles the lowered graph with
+TorchAir's backend. torch_npu and TorchAir are
 imported only when an NPU is used.
 """
 from __future__ import annotations
@@ -19,20 +20,9 @@ from typing import Callable
 
 import torch
 
-from pagedpack.lowering.ascend import (AscendOps, describe, emulated_ops, import_torchair, lower_rewritten,
-                                       lower_to_ascend, npu_ops)
-from pagedpack.lowering.ascend_limits import StepBounds
-from pagedpack.passes.pipeline import METADATA_INPUTS, RewrittenModel
-
-
-def is_npu(device: torch.device | str) -> bool:
-    return str(device).split(":")[0] == "npu"
-
-
-def prepare_device(device: torch.device | str) -> None:
-    """Import torch_npu before ``device`` is used if it is an NPU (``torch.device("npu")`` needs it)."""
-    if is_npu(device):
-        import_torchair()
+from pagedpack.contract import METADATA_INPUTS
+from pagedpack.lowering.ascend import AscendOps, import_torchair, lower_to_ascend, npu_ops
+from pagedpack.lowering.targets import StepBounds
 
 
 def torchair_backend(compiler_config=None) -> Callable:
@@ -83,19 +73,3 @@ def compile_step(step_graph: torch.fx.GraphModule, backend: Callable) -> Callabl
         return compiled(*inputs)
 
     return step
-
-
-def ascend_step(rewritten: RewrittenModel, *, block_size: int, bounds: StepBounds,
-                device: torch.device | str) -> tuple[Callable, str]:
-    """Lower ``rewritten`` in place for the ascend target: ``(callable running one step, report line)``.
-
-    On an NPU: the real ops, compiled by TorchAir (:func:`compile_step`). Elsewhere: the emulation
-    ops of :mod:`pagedpack.kernels.ascend_emulation`, run eagerly (same graph, same arguments).
-    """
-    on_npu = is_npu(device)
-    ops = npu_ops() if on_npu else emulated_ops()
-    shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
-    note = describe(shapes, ops)
-    if not on_npu:
-        return rewritten.graph_module, f"{note}; emulated on {device}"
-    return compile_step(rewritten.graph_module, torchair_backend()), note

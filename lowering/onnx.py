@@ -11,7 +11,8 @@ that op with one of two tables (:data:`ATTENTION_TARGETS`):
     (opset :data:`OPSET`) and travel inside the model::
 
         key_cache_out, value_cache_out = pagedpack.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        out = pagedpack.paged_attention<scale>(query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens)
+        out = pagedpack.paged_attention<scale>(query, key_cache_out, value_cache_out, block_table,
+                                               cu_seqlens_q, seq_lens)
 
     ``reshape_and_cache`` scatters rows to ``slot_mapping`` (``-1`` skipped); ``paged_attention``
     gathers each sequence's blocks through ``block_table``, pads the packed queries per sequence,

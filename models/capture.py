@@ -2,7 +2,7 @@
 
 The captured program is the model's forward for one sequence of ``T`` tokens (batch 1): the
 per-token ops of any packed step are exactly these, which is why one graph serves every step
-(DESIGN.md). The passes then rewrite the few sequence-aware parts.
+(docs/design.md). The passes then rewrite the few sequence-aware parts.
 """
 from __future__ import annotations
 

@@ -48,15 +48,12 @@ def tiny_model(family: str = "llama", *, seed: int = 0, dtype: torch.dtype = tor
     return model.eval()
 
 
-def default_model(target: str = "reference"):
+def default_model(**overrides):
     """The CLI's default: a tiny Llama with byte-level tokenizer, ``(model, tokenizer)``.
 
-    For the ``ascend`` target it has the shape that target's attention form accepts (bf16,
-    head_dim 128, see :mod:`pagedpack.lowering.ascend_limits`).
+    ``overrides`` reshape it for a target's attention form (a target's ``builtin_model``, e.g.
+    bf16 and head_dim 128 for ``ascend``).
     """
     shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2)
-    if target == "ascend":
-        shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1,
-                     dtype=torch.bfloat16)
-    model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=1024, **shape)
+    model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=1024, **{**shape, **overrides})
     return model, byte_level_tokenizer()

@@ -5,14 +5,15 @@ import argparse
 import sys
 import time
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
+from pagedpack.engine_args import EngineArgs
 from pagedpack.export import FORMATS
-from pagedpack.llm import DEFAULT_BLOCK_SIZE, LLM
-from pagedpack.lowering.ascend import AscendUnavailableError
+from pagedpack.llm import LLM
+from pagedpack.lowering.targets import TargetUnavailableError, get_target
 from pagedpack.models.loading import DEFAULT_MODEL
+from pagedpack.onnx_export import ATTENTIONS
 from pagedpack.runtime.sampling import SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -29,7 +30,6 @@ DEFAULT_PROMPTS = [
     "chunked prefill sees the tokens it cached in earlier steps. This means",
     "1, 2, 3, 4,",
 ]
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,33 +50,25 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate text with the rewritten model",
                          formatter_class=_HelpFormatter)
-    _model_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
     gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed; default: not seeded")
-    gen.add_argument("--target", choices=sorted(DEFAULT_BLOCK_SIZE), default="reference",
-                     help="lowering target: the reference ops, or Ascend torch_npu ops (emulated off an NPU)")
-    gen.add_argument("--device", default="cpu", help="e.g. npu:0 with --target ascend on an Ascend host")
-    gen.add_argument("--block-size", type=int, default=None, help="default: 16 (reference), 128 (ascend)")
-    gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool; default: sized to a memory budget")
-    gen.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    gen.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                     help="tokens per step (longer prompts are prefilled in chunks)")
 
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
-    _model_args(insp)
+    EngineArgs.add_cli_args(insp, engine=False)
     insp.add_argument("--graph", action="store_true", help="also print the rewritten graph's code")
 
     exp = sub.add_parser("export", help="export the rewritten step program (.pt2 archive or ONNX model)",
                          formatter_class=_HelpFormatter)
-    _model_args(exp)
+    EngineArgs.add_cli_args(exp, engine=False)
     exp.add_argument("--format", default="pt2", choices=FORMATS,
                      help="pt2: torch.export archive; onnx: ONNX model that onnxruntime runs")
-    exp.add_argument("--attention", default="pagedpack", choices=["pagedpack", "com.microsoft"],
+    exp.add_argument("--attention", default="pagedpack", choices=ATTENTIONS,
                      help="onnx only: the pagedpack domain's functions (any onnxruntime provider) or "
                           "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
     exp.add_argument("--out", required=True, help="file to write, e.g. model.pt2 or model.onnx")
@@ -87,29 +79,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
         return 0
-    except (ValueError, OSError, AscendUnavailableError) as err:  # bad arguments, unsupported or missing model
+    except (ValueError, OSError, TargetUnavailableError) as err:  # bad arguments, unsupported or missing model
         print(f"pagedpack: error: {err}", file=sys.stderr)
         return 2
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="local Hugging Face directory or hub id; the default is the built-in tiny model")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: the checkpoint's dtype")
 
 
 def _generate(args) -> int:
     console = Console()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)  # bad values fail before loading
-    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), target=args.target, device=args.device,
-              block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM.from_engine_args(engine_args)
     prompts = args.prompt or DEFAULT_PROMPTS
-    where = "" if str(args.device).startswith("npu") or args.target == "reference" else ", emulated on the CPU"
+    where = f", emulated on {args.device}" if get_target(llm.target).emulated(args.device) else ""
     console.print(f"[bold]model:[/bold] {args.model}"
                   + (" (built-in, random weights: the text is noise by design)" if args.model == DEFAULT_MODEL else "")
-                  + f"  [bold]target:[/bold] {args.target}{where}")
+                  + f"  [bold]target:[/bold] {llm.target}{where}")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -131,7 +116,7 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
     kv = engine.scheduler.kv_cache_manager
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not o.error)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    per_token = llm.rewritten.bytes_per_token
+    per_token = llm.bytes_per_token
     used = kv.peak_used_blocks * llm.block_size * per_token
     contiguous = len(outputs) * llm.max_model_len * per_token
     table = Table(title="summary", show_header=False)
@@ -163,7 +148,7 @@ def _inspect(args) -> int:
     from pagedpack.models.loading import load, max_model_len
     from pagedpack.passes.pipeline import rewrite
 
-    model, _ = load(args.model, dtype=_DTYPES.get(args.dtype))
+    model, _ = load(args.model, dtype=EngineArgs.from_cli_args(args).dtype)
     _, note = max_model_len(model.config)
     rewritten = rewrite(capture(model))
     if note:
@@ -175,18 +160,13 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from pagedpack.export import check_output_path, export_pt2
+    from pagedpack.export import check_output_path
 
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
     check_output_path(args.out)  # before the model is loaded
-    llm = LLM(args.model, dtype=_DTYPES.get(args.dtype), num_blocks=1)
-    if args.format == "onnx":
-        from pagedpack.onnx_export import export_onnx
-
-        path = export_onnx(llm, args.out, attention=args.attention)
-    else:
-        path = export_pt2(llm, args.out)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1))
+    path = llm.export(args.out, format=args.format, attention=args.attention)
     if args.attention == "com.microsoft":
         runs = "onnxruntime's CUDA provider"
     elif args.format == "onnx":  # each step copies the whole pool: size it for the batch

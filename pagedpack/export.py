@@ -1,8 +1,9 @@
 """Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back;
-the metadata and example step shared with the ONNX export (:mod:`pagedpack.onnx_export`).
+the metadata and example step shared with the ONNX export (:mod:`pagedpack.onnx_export`), and
+the loading of either format (:func:`load_exported`).
 
 The archive holds one ``ExportedProgram`` of the step graph (the signature of
-:mod:`pagedpack.passes.pipeline`)::
+:mod:`pagedpack.contract`)::
 
     forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
             block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [B],
@@ -17,10 +18,11 @@ stays an in-place call on the cache inputs (no functionalisation, so no per-step
 caches); the loaded ``.module()`` therefore updates the caller's cache tensors, as the step
 graph does, and the runner passes its own caches exactly as for the un-exported graph.
 
-Besides the program, ``extra_files["pagedpack.json"]`` stores what the runtime needs (see
-:func:`export_metadata` and :class:`ExportedStep`): format version, input names, KV cache specs,
-eos ids, ``max_model_len``, vocabulary size, the model name, and the tokenizer's files (base64)
-when there is one. ``import pagedpack`` registers the custom ops the program calls, which is all
+The exporters take a rewritten model and a plain :class:`~pagedpack.contract.ModelDescription`
+(``LLM.export`` passes its own). Besides the program, ``extra_files["pagedpack.json"]`` stores
+what the runtime needs (see :func:`export_metadata`): format version, input names, KV cache
+specs, eos ids, ``max_model_len``, vocabulary size, the model name, and the tokenizer's files
+(base64) when there is one. ``import pagedpack`` registers the custom ops the program calls, which is all
 a fresh process needs before :func:`load_pt2` (or :func:`load_exported`, for either format).
 """
 from __future__ import annotations
@@ -31,12 +33,14 @@ import json
 import os
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-from pagedpack.passes.pipeline import METADATA_INPUTS, KVCacheSpec, RewrittenModel, cache_input_names
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
+from pagedpack.lowering.targets import LoweredStep
+from pagedpack.runtime.batch import example_batch
+from pagedpack.runtime.onnx_session import OnnxSessionStep
 
 FORMATS = ("pt2", "onnx")
 FORMAT_VERSION = 1
@@ -44,26 +48,17 @@ META_FILE = "pagedpack.json"
 
 
 @dataclass
-class ExportedStep:
-    """A loaded step program plus its metadata; what :class:`ModelRunner` needs
-    (``graph_module``, ``kv_cache_specs``) in the shape of :class:`RewrittenModel`."""
+class ExportedStep(LoweredStep):
+    """A step program loaded from a file written by ``pagedpack export`` (a
+    :class:`~pagedpack.contract.StepProgram`): ``run`` is ``torch.export.load(path).module()``
+    (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)``
+    (:class:`pagedpack.runtime.onnx_session.OnnxSessionStep`, functional). ``description``: what
+    the file stores besides the program; ``target``: the registry name of what runs it;
+    ``attention``: the ONNX attention lowering it was exported with."""
 
-    # ``torch.export.load(path).module()``, or an onnxruntime session adapter returning
-    # ``(logits, *updated caches)`` (:class:`pagedpack.runtime.onnx_session.OnnxSessionStep`)
-    graph_module: Callable
-    kv_cache_specs: list[KVCacheSpec]
-    eos_token_ids: list[int] = field(default_factory=list)
-    max_model_len: int | None = None
-    vocab_size: int | None = None
-    model_name: str | None = None
-    tokenizer: object | None = None
-    attention: str | None = None  # ONNX: the attention lowering it was exported with
-    report = None  # no pass report travels with the file
-
-    bytes_per_token = RewrittenModel.bytes_per_token  # the same sum over kv_cache_specs
-
-    def raise_if_refused(self) -> None:  # an exported file only ever holds a rewritten program
-        return None
+    description: ModelDescription | None = None
+    target: str = "reference"
+    attention: str | None = None
 
 
 def check_format(fmt: str) -> str:
@@ -73,21 +68,19 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | None = None,
-               max_model_len: int | None = None, tokenizer=None, model_name: str | None = None) -> str:
-    """Export ``source`` (an :class:`~pagedpack.LLM` or a :class:`RewrittenModel`) to ``path``.
+def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None) -> str:
+    """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ``.pt2`` file
+    ``path``, storing ``description`` (eos ids, ``max_model_len``, tokenizer, ...; optional).
+    Returns ``str(path)``.
 
-    For an ``LLM`` the eos ids, ``max_model_len``, vocabulary size and tokenizer are read off it;
-    for a bare ``RewrittenModel`` pass them (optional). Returns ``str(path)``.
     Raises ``ValueError`` for a source that is not a rewritten reference-target model, or a
     ``path`` that cannot be written (checked before exporting); ``TypeError`` if ``path`` is not
     a path.
     """
-    rewritten, meta = export_metadata(source, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
-                                      tokenizer=tokenizer, model_name=model_name)
+    meta = export_metadata(rewritten, description)
     path = check_output_path(path)
     program = _export_program(rewritten)
-    if meta["vocab_size"] is None:  # a bare RewrittenModel: read it off the exported logits
+    if meta["vocab_size"] is None:  # read it off the exported logits
         output = next(n for n in program.graph.nodes if n.op == "output")
         meta["vocab_size"] = int(output.args[0][0].meta["val"].shape[-1])
     # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
@@ -99,47 +92,39 @@ def export_pt2(source, path: str | os.PathLike, *, eos_token_ids: list[int] | No
     return path
 
 
-def export_metadata(source, *, eos_token_ids=None, max_model_len=None, tokenizer=None, model_name=None,
-                    ) -> tuple[RewrittenModel, dict]:
-    """``(rewritten step graph, metadata)`` of an export ``source``: an ``LLM`` (reference target)
-    or a ``RewrittenModel``. The metadata is what :func:`step_from_metadata` reads back: format
-    version, input names, KV cache specs, eos ids, ``max_model_len``, vocabulary size (None for a
-    ``RewrittenModel``: the exporter reads it off its program), model name and the tokenizer's
-    files (base64). ``ValueError`` for any other source or a refused rewrite."""
-    from pagedpack.llm import LLM
-
-    vocab_size = None
-    if isinstance(source, LLM):
-        if not isinstance(source.rewritten, RewrittenModel):
-            raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
-                             "again; export the original model")
-        if source.target != "reference":
-            raise ValueError(f"source: expected an LLM with target='reference', got target={source.target!r}")
-        rewritten = source.rewritten
-        eos_token_ids = source._eos if eos_token_ids is None else eos_token_ids
-        max_model_len = max_model_len or source.max_model_len
-        tokenizer = tokenizer or source.tokenizer
-        vocab_size = source.vocab_size
-        if model_name is None:
-            model_name = getattr(getattr(source.model, "config", None), "_name_or_path", None) or None
-    elif isinstance(source, RewrittenModel):
-        rewritten = source
-    else:
-        raise ValueError(f"source: expected an LLM or a RewrittenModel, got {type(source).__name__}")
-    rewritten.raise_if_refused()
-    meta = {
+def export_metadata(rewritten, description: ModelDescription | None = None) -> dict:
+    """The metadata record stored with an export of ``rewritten`` (what :func:`step_from_metadata`
+    reads back): format version, input names, KV cache specs, and ``description``'s eos ids,
+    ``max_model_len``, vocabulary size (None: the exporter reads it off its program), model name
+    and the tokenizer's files (base64). ``ValueError`` if ``rewritten`` is not a rewritten
+    reference-target model."""
+    check_portable(rewritten)
+    description = description or ModelDescription()
+    return {
         "format_version": FORMAT_VERSION,
         "signature": [*METADATA_INPUTS, *cache_input_names(len(rewritten.kv_cache_specs))],
         "kv_cache_specs": [{"num_kv_heads": s.num_kv_heads, "key_head_size": s.key_head_size,
                             "value_head_size": s.value_head_size, "dtype": str(s.dtype).removeprefix("torch.")}
                            for s in rewritten.kv_cache_specs],
-        "eos_token_ids": [int(i) for i in (eos_token_ids or [])],
-        "max_model_len": max_model_len,
-        "vocab_size": vocab_size,
-        "model_name": model_name,
-        "tokenizer_files": _tokenizer_files(tokenizer),
+        "eos_token_ids": [int(i) for i in description.eos_token_ids],
+        "max_model_len": description.max_model_len,
+        "vocab_size": description.vocab_size,
+        "model_name": description.model_name,
+        "tokenizer_files": _tokenizer_files(description.tokenizer),
     }
-    return rewritten, meta
+
+
+def check_portable(rewritten) -> None:
+    """``rewritten`` is a rewritten model whose step graph calls the reference ``pagedpack`` ops
+    (what both export formats translate); ``ValueError`` naming what it is otherwise."""
+    graph = getattr(getattr(rewritten, "graph_module", None), "graph", None)
+    if not (callable(getattr(rewritten, "raise_if_refused", None)) and isinstance(graph, torch.fx.Graph)):
+        raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
+                         f"got {type(rewritten).__name__}")
+    rewritten.raise_if_refused()
+    if not any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes):
+        raise ValueError("rewritten: its step graph was lowered for another target (no pagedpack.paged_attention "
+                         "left); export a model rewritten for target='reference'")
 
 
 def check_output_path(path) -> str:
@@ -189,8 +174,6 @@ def load_exported(path) -> ExportedStep:
     path = check_export_file(path)
     if zipfile.is_zipfile(path):
         return load_pt2(path)
-    from pagedpack.onnx_export import load_onnx
-
     return load_onnx(path)
 
 
@@ -202,10 +185,41 @@ def load_pt2(path) -> ExportedStep:
     try:
         program = torch.export.load(path, extra_files=extra)
     except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
-        raise ValueError(f"path: {path!r} is not a loadable torch.export archive ({type(err).__name__}: {err})") from err
+        raise ValueError(f"path: {path!r} is not a loadable torch.export archive "
+                         f"({type(err).__name__}: {err})") from err
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    return step_from_metadata(program.module(), extra[META_FILE], path)
+    return step_from_metadata(program.module(), extra[META_FILE], path, target="reference")
+
+
+def load_onnx(path: str | os.PathLike) -> ExportedStep:
+    """Load an ONNX file written by :func:`pagedpack.onnx_export.export_onnx` onto an onnxruntime CPU session.
+
+    Raises ``ValueError`` if ``path`` is not such a file, or if its attention is
+    ``com.microsoft.PagedAttention``, which onnxruntime implements for CUDA only.
+    """
+    import onnx
+    import onnxruntime
+
+    path = check_export_file(path)
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as err:  # not a protobuf, truncated, ...
+        raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
+                         f"({type(err).__name__}: {err})") from err
+    props = {p.key: p.value for p in model.metadata_props}
+    if META_FILE not in props:
+        raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
+    step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
+    if step.attention == "com.microsoft":
+        raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
+                         f"provider only; export with attention='pagedpack' to run it here")
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as err:  # a graph onnxruntime rejects
+        raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
+    step.run = OnnxSessionStep(session, step.kv_cache_specs)
+    return step
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -213,9 +227,9 @@ _OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict}
 _REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
 
 
-def step_from_metadata(step: Callable, raw: str, path: str) -> ExportedStep:
-    """An :class:`ExportedStep` running ``step``, from the metadata JSON :func:`export_metadata`
-    wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
+def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep:
+    """An :class:`ExportedStep` calling ``run`` (run by ``target``), from the metadata JSON
+    :func:`export_metadata` wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
     that does not describe a pagedpack step program."""
     def invalid(name, expected, got):
         return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
@@ -250,44 +264,42 @@ def step_from_metadata(step: Callable, raw: str, path: str) -> ExportedStep:
         tokenizer = _load_tokenizer(meta.get("tokenizer_files"))
     except Exception as err:  # corrupt files: whatever transformers raises
         raise invalid("tokenizer_files", "a saved tokenizer", f"{type(err).__name__}: {err}") from err
-    return ExportedStep(step, specs, meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
-                        meta.get("model_name"), tokenizer, meta.get("attention"))
+    description = ModelDescription(meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
+                                   meta.get("model_name"), tokenizer)
+    return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", note=f"loaded from {path}",
+                        description=description, target=target, attention=meta.get("attention"))
 
 
-def _export_program(rewritten: RewrittenModel) -> torch.export.ExportedProgram:
+def _export_program(rewritten) -> torch.export.ExportedProgram:
     """``torch.export`` the step graph on :func:`example_step` with every size dynamic."""
     args, dynamic_shapes = example_step(rewritten)
     with torch.no_grad():
         return torch.export.export(rewritten.graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
 
 
-def example_step(rewritten: RewrittenModel) -> tuple[tuple, tuple]:
-    """``(args, dynamic_shapes)``: a small valid step for the rewritten graph, and the
-    ``torch.export`` dims that make every size dynamic (tokens, sequences, blocks per sequence,
-    number of blocks, block size; ``cu_seqlens_q`` is sequences + 1).
+def example_step(rewritten) -> tuple[tuple, tuple]:
+    """``(args, dynamic_shapes)``: a small valid step for the rewritten graph (from the batch
+    builder), and the ``torch.export`` dims that make every size dynamic (tokens, sequences,
+    blocks per sequence, number of blocks, block size; ``cu_seqlens_q`` is sequences + 1).
 
-    Example sizes are distinct and >= 2 (export specialises 0 and 1); the dims' minimum is 1,
-    so a step of one token of one sequence runs too.
+    Example sizes are >= 2 (export specialises 0 and 1) and the token, block and block-size
+    counts distinct; the dims' minimum is 1, so a step of one token of one sequence runs too.
     """
     device = next(rewritten.graph_module.parameters()).device
-    q_lens, block_size, num_blocks, max_blocks = [2, 5, 4], 6, 11, 3  # T=11 tokens, B=3 sequences
-    num_tokens, num_seqs = sum(q_lens), len(q_lens)
-    positions = torch.cat([torch.arange(n) for n in q_lens])
-    block_table = torch.arange(num_seqs * max_blocks, dtype=torch.int32).view(num_seqs, max_blocks) % num_blocks
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(q_lens))
-    slots = block_table[seq_of_token, positions // block_size].long() * block_size + positions % block_size
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    args = [torch.zeros(num_tokens, dtype=torch.long), positions, cu, torch.tensor(q_lens, dtype=torch.int32),
-            block_table, slots, cu[1:].long() - 1]
+    block_size, num_blocks = 6, 11  # T=11 tokens of B=3 sequences, KV lengths 2, 14, 7 (blocks 1, 3, 2)
+    batch = example_batch([2, 5, 4], [0, 9, 3], block_size=block_size, num_blocks=num_blocks, device=device)
+    inputs = batch.as_inputs()
+    args = [inputs[name] for name in METADATA_INPUTS]
     for spec in rewritten.kv_cache_specs:
-        args += [torch.zeros(shape, dtype=spec.dtype) for shape in spec.cache_shapes(num_blocks, block_size)]
+        args += [torch.zeros(shape, dtype=spec.dtype, device=device)
+                 for shape in spec.cache_shapes(num_blocks, block_size)]
 
     dim = torch.export.Dim
     t, b = dim("num_tokens", min=1), dim("num_seqs", min=1)
     m, n, bs = dim("max_blocks_per_seq", min=1), dim("num_blocks", min=1), dim("block_size", min=1)
     dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: b}]
     dynamic_shapes += [{0: n, 1: bs}] * (2 * len(rewritten.kv_cache_specs))
-    return tuple(a.to(device) for a in args), tuple(dynamic_shapes)
+    return tuple(args), tuple(dynamic_shapes)
 
 
 def _tokenizer_files(tokenizer) -> dict[str, str] | None:

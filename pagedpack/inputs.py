@@ -4,7 +4,6 @@ Every failure is a ``ValueError`` naming the argument, what was expected and wha
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -58,7 +57,8 @@ def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
     """Every id is in ``[0, vocab_size)``."""
     bad = next(((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt: expected token ids in [0, vocab_size={vocab_size}), got {bad[1]} at position {bad[0]}")
+        raise ValueError(f"prompt: expected token ids in [0, vocab_size={vocab_size}), "
+                         f"got {bad[1]} at position {bad[0]}")
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
@@ -89,25 +89,3 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return value
-
-
-def check_engine_args(*, block_size, num_blocks, kv_cache_memory, max_num_batched_tokens, max_num_seqs,
-                      max_model_len, tokenizer) -> None:
-    """The pool and scheduler sizes an ``LLM`` takes (however it is built): positive ints,
-    ``kv_cache_memory`` a finite positive number of bytes, at most one of ``num_blocks`` and
-    ``kv_cache_memory``; ``tokenizer`` None or callable with a ``decode`` method."""
-    for name, value in (("block_size", block_size), ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_num_seqs", max_num_seqs)):
-        check_int(name, value)
-    for name, value in (("num_blocks", num_blocks), ("max_model_len", max_model_len)):
-        if value is not None:
-            check_int(name, value)
-    if kv_cache_memory is not None and not (isinstance(kv_cache_memory, (int, float))
-                                            and not isinstance(kv_cache_memory, bool)
-                                            and math.isfinite(kv_cache_memory) and kv_cache_memory > 0):
-        raise ValueError(f"kv_cache_memory: expected a finite positive number of bytes, got {kv_cache_memory!r}")
-    if num_blocks is not None and kv_cache_memory is not None:
-        raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
-    if tokenizer is not None and not (callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
-        raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode), "
-                         f"got {type(tokenizer).__name__}")

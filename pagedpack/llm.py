@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from pagedpack import ascend_backend
-from pagedpack.lowering.ascend_limits import StepBounds
-from pagedpack.inputs import (check_causal_lm, check_engine_args, check_int, check_token_ids, normalize_prompts,
-                              normalize_sampling_params, resolve_dtype)
+from pagedpack.contract import ModelDescription, StepProgram, bytes_per_token
+from pagedpack.engine_args import EngineArgs
+from pagedpack.inputs import check_causal_lm, check_token_ids, normalize_prompts, normalize_sampling_params
 from pagedpack.models.capture import capture
-from pagedpack.models.loading import eos_token_ids, load, max_model_len as model_max_len
-from pagedpack.passes.pipeline import RewrittenModel, rewrite
+from pagedpack.models.loading import describe_model, load, load_tokenizer
+from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.engine import LLMEngine
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.model_runner import ModelRunner
@@ -23,8 +22,6 @@ from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import Scheduler
 
 _DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes, when neither num_blocks nor kv_cache_memory is given
-# Lowering targets and their default block size (Ascend's paged FIA takes multiples of 128).
-DEFAULT_BLOCK_SIZE = {"reference": 16, "ascend": 128}
 
 
 @dataclass
@@ -53,132 +50,133 @@ class RequestOutput:
 
 
 class LLM:
-    """Capture ``model``, rewrite it to packed + paged attention, and generate with it.
+    """Capture a model, rewrite it to packed + paged attention, lower it for a target, and
+    generate with it (or serve a file written by ``pagedpack export``).
 
-    Args:
-        model: None for the built-in tiny Llama, a local Hugging Face directory, a hub id, or a
-            ``transformers`` causal LM instance (then pass ``tokenizer`` too, or use token ids).
-        tokenizer: overrides the tokenizer loaded with ``model``.
-        target: ``"reference"`` (the project's ops, any device) or ``"ascend"`` (torch_npu ops
-            through TorchAir on an ``npu`` device; elsewhere the lowered graph runs on their
-            emulation, see :mod:`pagedpack.ascend_backend`).
-        block_size: tokens per KV block (default: 16 for reference, 128 for ascend).
-        num_blocks / kv_cache_memory: size of the KV pool, in blocks or in bytes (at most one;
-            default: what fits 256 MiB, capped at ``max_num_seqs`` full-length sequences).
-        max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
-        max_num_seqs: most sequences per step.
-        max_model_len: most tokens per request (default: the model's limit, see
-            :func:`pagedpack.models.loading.max_model_len`).
-        dtype / device: where and in what precision the model runs.
+    ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which
+    documents them (``tokenizer``, ``target``, ``block_size``, ``num_blocks`` / ``kv_cache_memory``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``dtype``, ``device``).
+
+    Attributes: ``model`` (the ``transformers`` module, None when served from a file),
+    ``rewritten`` (the :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file),
+    ``program`` (the :class:`~pagedpack.contract.StepProgram` the runner calls), ``description``
+    (eos ids, ``max_model_len``, vocabulary, tokenizer), ``report`` (the pass report, None from a file).
     Raises:
         ValueError on bad arguments; :class:`pagedpack.passes.pipeline.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
     """
 
-    def __init__(self, model=None, *, tokenizer=None, target: str = "reference", block_size: int | None = None,
-                 num_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, max_model_len: int | None = None,
-                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-        if target not in DEFAULT_BLOCK_SIZE:
-            raise ValueError(f"target: expected one of {sorted(DEFAULT_BLOCK_SIZE)}, got {target!r}")
-        block_size = DEFAULT_BLOCK_SIZE[target] if block_size is None else block_size
-        check_engine_args(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len, tokenizer=tokenizer)
-        dtype = resolve_dtype(dtype)
-        if target == "ascend":
-            ascend_backend.prepare_device(device)
-        if isinstance(model, torch.nn.Module):
-            check_causal_lm(model)  # before moving it: the caller's module is converted in place
-            module = model.to(device=device, dtype=dtype).eval() if dtype else model.to(device).eval()
+    def __init__(self, model=None, **kwargs):
+        args = EngineArgs(model=model, **kwargs)
+        self.engine_args, self.target = args, args.lowering_target.name
+        self.model, self.rewritten = None, None
+        if args.is_exported:
+            self.program, description = self._load_exported(args)
         else:
-            module, loaded_tokenizer = load(model, dtype=dtype, device=device, target=target)
-            tokenizer = tokenizer or loaded_tokenizer
-            check_causal_lm(module)
-        self.model, self.tokenizer = module, tokenizer
-        self.vocab_size = module.config.vocab_size
-        limit, note = model_max_len(module.config)
-        if max_model_len is not None and not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
-        self.max_model_len = max_model_len or limit
-
-        self.num_captures = 0
-        self.rewritten: RewrittenModel = self._capture_and_rewrite(module)
-        if note:
-            self.rewritten.report.notes.append(note)
-        self.rewritten.raise_if_refused()
-
-        self.target, self.block_size = target, block_size
-        self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory, max_num_seqs)
-        step = None
-        if target == "ascend":
-            step, note = ascend_backend.ascend_step(
-                self.rewritten, block_size=block_size, device=device,
-                bounds=StepBounds(max_num_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
-            self.rewritten.report.notes.append(note)
-        runner = ModelRunner(self.rewritten, num_blocks=self.num_blocks, block_size=block_size, device=device,
-                             step=step)
-        self._start_engine(runner, max_num_batched_tokens, max_num_seqs)
-        self._eos = eos_token_ids(module, tokenizer)
-
-    def _start_engine(self, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+            self.program, description = self._capture_and_lower(args)
+        if args.tokenizer is not None:
+            description.tokenizer = load_tokenizer(args.tokenizer)
+        self.description, self.tokenizer = description, description.tokenizer
+        self.vocab_size = description.vocab_size
+        limit = description.max_model_len
+        if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
+            raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {args.max_model_len}")
+        if (args.max_model_len or limit) is None:
+            raise ValueError("max_model_len: the model records no limit; pass max_model_len")
+        self.max_model_len = args.max_model_len or limit
+        self.block_size = args.block_size
+        self.num_blocks = self._num_blocks(args)
+        runner = ModelRunner(self.program, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device)
         scheduler = Scheduler(KVCacheManager(self.num_blocks, self.block_size),
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
         self.llm_engine = LLMEngine(runner, scheduler)
         self._ids = itertools.count()
 
     @classmethod
-    def from_exported(cls, path, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
-                      kv_cache_memory: int | None = None, max_num_batched_tokens: int = 2048,
-                      max_num_seqs: int = 256, max_model_len: int | None = None) -> "LLM":
-        """An ``LLM`` whose runner calls the step program of a file written by ``pagedpack export``:
-        a ``.pt2`` archive (:func:`pagedpack.export.export_pt2`) or an ONNX model run by an
-        onnxruntime CPU session (:func:`pagedpack.onnx_export.export_onnx`); same scheduler and
-        sampler, CPU only, no capture. ``block_size`` and the pool size are chosen here, not at
-        export. ``tokenizer`` overrides the one stored in the file. ``report`` is None.
-        Raises ``ValueError`` for bad arguments or a file that is not such an export."""
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        return cls(**args.as_kwargs())
+
+    @classmethod
+    def from_exported(cls, path, **kwargs) -> "LLM":
+        """An ``LLM`` serving a file written by ``pagedpack export``: a ``.pt2`` archive or an ONNX
+        model run by an onnxruntime CPU session; same scheduler and sampler, CPU only, no capture.
+        ``block_size`` and the pool size are chosen here, not at export; ``tokenizer`` overrides
+        the one stored in the file. Raises ``ValueError`` for bad arguments or a file that is not
+        such an export."""
+        from pagedpack.export import check_export_file
+
+        return cls(check_export_file(path), **kwargs)
+
+    def _load_exported(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
         from pagedpack.export import load_exported
 
-        check_engine_args(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len, tokenizer=tokenizer)
-        step = load_exported(path)
-        limit = step.max_model_len
-        if max_model_len is not None and limit is not None and not max_model_len <= limit:
-            raise ValueError(f"max_model_len: expected 1 .. {limit} (the model's limit), got {max_model_len}")
-        if (max_model_len or limit) is None:
-            raise ValueError("max_model_len: the exported file records none; pass max_model_len")
-        self = cls.__new__(cls)
-        self.model, self.tokenizer, self.vocab_size = None, tokenizer or step.tokenizer, step.vocab_size
-        self.max_model_len, self.num_captures, self.rewritten = max_model_len or limit, 0, step
-        self.target, self.block_size = "reference", block_size
-        self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory, max_num_seqs)
-        self._start_engine(ModelRunner(step, num_blocks=self.num_blocks, block_size=block_size),
-                           max_num_batched_tokens, max_num_seqs)
-        self._eos = list(step.eos_token_ids)
-        return self
+        program = load_exported(args.model)
+        if args.target is not None and args.target != program.target:
+            raise ValueError(f"target: {args.model!r} is run by the {program.target!r} target, got {args.target!r}")
+        self.target = program.target
+        return program, program.description
+
+    def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
+        target = args.lowering_target
+        target.prepare_device(args.device)
+        if isinstance(args.model, torch.nn.Module):
+            check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
+            module, tokenizer = args.model.to(device=args.device, dtype=args.dtype).eval(), None
+        else:
+            module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=target.builtin_model)
+            check_causal_lm(module)
+        self.model = module
+        description, note = describe_model(module, tokenizer)
+        self.rewritten = rewrite(capture(module))
+        if note:
+            self.rewritten.report.notes.append(note)
+        self.rewritten.raise_if_refused()
+        target.check_limits(self.rewritten, block_size=args.block_size, bounds=args.step_bounds)
+        program = target.lower(self.rewritten, block_size=args.block_size, bounds=args.step_bounds, device=args.device)
+        if program.note:
+            self.rewritten.report.notes.append(program.note)
+        return program, description
 
     @property
     def report(self):
-        """The pass report (what ``pagedpack inspect`` prints)."""
-        return self.rewritten.report
+        """The pass report (what ``pagedpack inspect`` prints); None when served from a file."""
+        return self.rewritten.report if self.rewritten is not None else None
 
-    def _capture_and_rewrite(self, module) -> RewrittenModel:
-        self.num_captures += 1
-        return rewrite(capture(module))
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes over all layers."""
+        return bytes_per_token(self.program.kv_cache_specs)
 
-    def _num_blocks(self, num_blocks, kv_cache_memory, max_num_seqs) -> int:
-        bytes_per_block = self.rewritten.bytes_per_token * self.block_size
-        if num_blocks is not None:
-            return check_int("num_blocks", num_blocks)
-        if kv_cache_memory is not None:
-            if kv_cache_memory < bytes_per_block:
+    def export(self, path, *, format: str = "pt2", attention: str = "pagedpack") -> str:
+        """Write the rewritten step program to ``path`` as ``format`` (``"pt2"`` or ``"onnx"``,
+        ``attention`` for ONNX as in :func:`pagedpack.onnx_export.export_onnx`) with this LLM's
+        description (eos ids, ``max_model_len``, vocabulary, tokenizer); returns ``str(path)``.
+        ``ValueError`` for an LLM served from a file or lowered for a target other than the reference."""
+        from pagedpack.export import check_format, export_pt2
+
+        check_format(format)
+        if self.rewritten is None:
+            raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
+                             "again; export the original model")
+        if format == "onnx":
+            from pagedpack.onnx_export import export_onnx
+
+            return export_onnx(self.rewritten, path, self.description, attention=attention)
+        if attention != "pagedpack":
+            raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
+        return export_pt2(self.rewritten, path, self.description)
+
+    def _num_blocks(self, args: EngineArgs) -> int:
+        bytes_per_block = self.bytes_per_token * self.block_size
+        if args.num_blocks is not None:
+            return args.num_blocks
+        if args.kv_cache_memory is not None:
+            if args.kv_cache_memory < bytes_per_block:
                 raise ValueError(f"kv_cache_memory: expected at least one block ({bytes_per_block} bytes), "
-                                 f"got {kv_cache_memory}")
-            return int(kv_cache_memory // bytes_per_block)
-        full = max_num_seqs * -(-self.max_model_len // self.block_size)
+                                 f"got {args.kv_cache_memory}")
+            return int(args.kv_cache_memory // bytes_per_block)
+        full = args.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(full, _DEFAULT_KV_CACHE_MEMORY // bytes_per_block))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -223,9 +221,10 @@ class LLM:
 
     def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
-        eos = self._eos[0] if self._eos else None
-        if len(self._eos) > 1 and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *self._eos[1:]])
+        eos_ids = self.description.eos_token_ids
+        eos = eos_ids[0] if eos_ids else None
+        if len(eos_ids) > 1 and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_ids[1:]])
         return Request(str(next(self._ids)), ids, params, eos_token_id=eos)
 
     def _decode(self, token_ids: list[int]) -> str:

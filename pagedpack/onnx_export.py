@@ -1,4 +1,5 @@
-"""Export the step graph as an ONNX model, and load one back onto an onnxruntime session.
+"""Export the step graph as an ONNX model (:func:`pagedpack.export.load_onnx` loads it back onto
+an onnxruntime session).
 
 The model has the step signature of :mod:`pagedpack.export`, made functional::
 
@@ -23,20 +24,20 @@ import warnings
 
 import torch
 
-from pagedpack.export import (META_FILE, ExportedStep, check_export_file, check_output_path, example_step,
-                              export_metadata, step_from_metadata, writing)
-from pagedpack.passes.pipeline import cache_input_names
+from pagedpack.contract import METADATA_INPUTS, ModelDescription, cache_input_names
+from pagedpack.export import META_FILE, check_output_path, check_portable, example_step, export_metadata, writing
+
+ATTENTIONS = ("pagedpack", "com.microsoft")
 
 
-def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack",
-                eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None,
-                model_name: str | None = None) -> str:
-    """Export ``source`` (an :class:`~pagedpack.LLM` or a ``RewrittenModel``) to the ONNX file ``path``.
+def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
+                attention: str = "pagedpack") -> str:
+    """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ONNX file ``path``,
+    storing ``description`` as :func:`pagedpack.export.export_pt2` does.
 
     ``attention``: ``"pagedpack"`` (functions with standard-op bodies; runs on onnxruntime CPU)
     or ``"com.microsoft"`` (``com.microsoft.PagedAttention``; float16/bfloat16 models only).
-    Weights are stored in the file (next to it, as external data, above 2 GB). Other arguments
-    as for :func:`pagedpack.export.export_pt2`. Returns ``str(path)``.
+    Weights are stored in the file (next to it, as external data, above 2 GB). Returns ``str(path)``.
 
     Raises:
         ValueError: an unknown ``attention``; ``"com.microsoft"`` with a KV dtype the op's schema
@@ -44,28 +45,11 @@ def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack"
             that cannot be written (checked before exporting).
         TypeError: ``path`` is not a path.
     """
-    from pagedpack.lowering import onnx as lowering
-
-    table = lowering.translation_table(attention)
-    rewritten, meta = export_metadata(source, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
-                                      tokenizer=tokenizer, model_name=model_name)
-    if attention == "com.microsoft":
-        dtypes = {spec.dtype for spec in rewritten.kv_cache_specs}
-        if not dtypes <= set(lowering.ORT_FLOAT_TYPES):
-            raise ValueError(f"attention: 'com.microsoft' (PagedAttention) takes float16 or bfloat16 activations "
-                             f"and caches, got a model with KV dtype {sorted(str(d) for d in dtypes)}; load it "
-                             f"in float16 (dtype=torch.float16, CLI --dtype float16) or use attention='pagedpack'")
+    check_attention(attention, rewritten)
+    meta = export_metadata(rewritten, description)
     path = check_output_path(path)
-    args, dynamic_shapes = example_step(rewritten)
-    num_layers = len(rewritten.kv_cache_specs)
-    with torch.no_grad(), _quiet_exporter():
-        step_graph = lowering.functionalize_caches(rewritten.graph_module).eval()
-        program = torch.onnx.export(
-            step_graph, args, dynamic_shapes=dynamic_shapes, input_names=meta["signature"],
-            output_names=["logits", *cache_input_names(num_layers, "_out")], custom_translation_table=table,
-            opset_version=lowering.OPSET, dynamo=True, optimize=False, verbose=False)
-    lowering.optimize(program.model)
-    if meta["vocab_size"] is None:  # a bare RewrittenModel: read it off the logits output
+    program = onnx_program(rewritten, attention)
+    if meta["vocab_size"] is None:  # read it off the logits output
         meta["vocab_size"] = int(program.model.graph.outputs[0].shape[-1])
     meta["attention"] = attention
     meta["cache_mutation"] = "returned"
@@ -73,6 +57,40 @@ def export_onnx(source, path: str | os.PathLike, *, attention: str = "pagedpack"
     with writing(path):
         program.save(path)
     return path
+
+
+def check_attention(attention, rewritten) -> None:
+    """``attention`` is one of :data:`ATTENTIONS` and takes ``rewritten``'s KV dtypes; ``ValueError`` otherwise."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
+    check_portable(rewritten)
+    if attention == "com.microsoft":
+        from pagedpack.lowering.onnx import ORT_FLOAT_TYPES
+
+        dtypes = {spec.dtype for spec in rewritten.kv_cache_specs}
+        if not dtypes <= set(ORT_FLOAT_TYPES):
+            raise ValueError(f"attention: 'com.microsoft' (PagedAttention) takes float16 or bfloat16 activations "
+                             f"and caches, got a model with KV dtype {sorted(str(d) for d in dtypes)}; load it "
+                             f"in float16 (dtype=torch.float16, CLI --dtype float16) or use attention='pagedpack'")
+
+
+def onnx_program(rewritten, attention: str = "pagedpack") -> torch.onnx.ONNXProgram:
+    """The functional step program of ``rewritten`` as an ``ONNXProgram`` (module docstring),
+    with ``attention``'s lowering (:func:`check_attention` first)."""
+    from pagedpack.lowering import onnx as lowering
+
+    args, dynamic_shapes = example_step(rewritten)
+    num_layers = len(rewritten.kv_cache_specs)
+    with torch.no_grad(), _quiet_exporter():
+        step_graph = lowering.functionalize_caches(rewritten.graph_module).eval()
+        program = torch.onnx.export(
+            step_graph, args, dynamic_shapes=dynamic_shapes,
+            input_names=[*METADATA_INPUTS, *cache_input_names(num_layers)],
+            output_names=["logits", *cache_input_names(num_layers, "_out")],
+            custom_translation_table=lowering.translation_table(attention),
+            opset_version=lowering.OPSET, dynamo=True, optimize=False, verbose=False)
+    lowering.optimize(program.model)
+    return program
 
 
 @contextlib.contextmanager
@@ -90,35 +108,3 @@ def _quiet_exporter():
             yield
     finally:
         registry_log.setLevel(level)
-
-
-def load_onnx(path: str | os.PathLike) -> ExportedStep:
-    """Load an ONNX file written by :func:`export_onnx` onto an onnxruntime CPU session.
-
-    Raises ``ValueError`` if ``path`` is not such a file, or if its attention is
-    ``com.microsoft.PagedAttention``, which onnxruntime implements for CUDA only.
-    """
-    import onnx
-    import onnxruntime
-
-    from pagedpack.runtime.onnx_session import OnnxSessionStep
-
-    path = check_export_file(path)
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception as err:  # not a protobuf, truncated, ...
-        raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
-                         f"({type(err).__name__}: {err})") from err
-    props = {p.key: p.value for p in model.metadata_props}
-    if META_FILE not in props:
-        raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
-    step = step_from_metadata(None, props[META_FILE], path)  # the session is attached below
-    if step.attention == "com.microsoft":
-        raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
-                         f"provider only; export with attention='pagedpack' to run it here")
-    try:
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    except Exception as err:  # a graph onnxruntime rejects
-        raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
-    step.graph_module = OnnxSessionStep(session, step.kv_cache_specs)
-    return step

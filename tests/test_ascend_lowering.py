@@ -4,19 +4,20 @@ Numbers are compared with independent references: the explicit-mask fp32 attenti
 ``test_ops`` for single steps, the reference target for whole generations.
 """
 import sys
-import tomllib
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import tomllib
 import torch
+from test_ops import make_step, reference_attention
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.ascend_backend import ascend_backend, compile_step, torchair_backend
 from pagedpack.cli import main as cli_main
 from pagedpack.lowering.ascend import AscendUnavailableError, emulated_ops, lower_to_ascend, npu_ops
 from pagedpack.lowering.ascend_limits import AscendLoweringError, AttentionShape, StepBounds, violations
+from pagedpack.lowering.ascend_torchair import ascend_backend, compile_step, torchair_backend
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
@@ -27,7 +28,6 @@ from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
 from conftest import hf_last_logits, random_prompts
-from test_ops import make_step, reference_attention
 
 pagedpack_ops = torch.ops.pagedpack
 EMULATED = emulated_ops()
@@ -228,7 +228,7 @@ def test_ascend_target_defaults_to_block_size_128_and_reports_the_lowering(tnd_m
 
 
 def test_unknown_target_is_a_value_error(tnd_model):
-    with pytest.raises(ValueError, match="target: expected one of \\['ascend', 'reference'\\], got 'cuda'"):
+    with pytest.raises(ValueError, match="target: expected one of \\['ascend', 'onnx', 'reference'\\], got 'cuda'"):
         LLM(tnd_model, target="cuda")
 
 
@@ -274,7 +274,7 @@ def test_graph_handed_to_torchair_holds_aten_and_ascend_ops_and_serves_every_com
         metadata = [batch.as_inputs()[name] for name in METADATA_INPUTS]
         with torch.no_grad():
             got = step(*metadata, *caches)
-            expected = reference.llm_engine.runner.graph_module(*metadata, *reference.llm_engine.runner.kv_caches)
+            expected = reference.llm_engine.runner.program(*metadata, *reference.llm_engine.runner.kv_caches)
         torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens

@@ -11,11 +11,11 @@ import torch
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.export import check_format, export_pt2, load_exported
-from pagedpack.onnx_export import export_onnx
 from pagedpack.models.tiny import tiny_model
+from pagedpack.onnx_export import export_onnx
 from pagedpack.runtime.request import Request
 
-from conftest import run_step, random_prompts
+from conftest import random_prompts, run_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -49,7 +49,7 @@ def llm(model):
 def archive(request, llm, tmp_path_factory):
     """``(llm, path)``: the tiny Llama exported in each format."""
     path = tmp_path_factory.mktemp("export") / f"tiny-llama.{request.param}"
-    assert EXPORTERS[request.param](llm, path) == str(path)
+    assert llm.export(path, format=request.param) == str(path)
     return llm, str(path)
 
 
@@ -71,8 +71,8 @@ def test_archive_metadata_and_runtime_block_size(archive):
     llm, path = archive
     step = load_exported(path)
     assert step.kv_cache_specs == llm.rewritten.kv_cache_specs
-    assert step.eos_token_ids == llm._eos and step.max_model_len == llm.max_model_len
-    assert step.vocab_size == llm.vocab_size
+    assert step.description.eos_token_ids == llm.description.eos_token_ids
+    assert step.description.max_model_len == llm.max_model_len and step.description.vocab_size == llm.vocab_size
     # The block size is chosen at load time, not baked in at export.
     prompts = random_prompts((5, 40), seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=6)
@@ -119,8 +119,8 @@ def test_bad_path_and_format(tmp_path, llm, fmt):
     with pytest.raises(ValueError, match="not a loadable torch.export archive|nor a loadable ONNX model"):
         load_exported(junk)
     with pytest.raises(ValueError, match="no such directory"):
-        export(llm, tmp_path / "nope" / f"x.{fmt}")
-    with pytest.raises(ValueError, match="expected an LLM or a RewrittenModel"):
+        export(llm.rewritten, tmp_path / "nope" / f"x.{fmt}")
+    with pytest.raises(ValueError, match="expected a RewrittenModel"):
         export(torch.nn.Linear(2, 2), tmp_path / f"x.{fmt}")
     assert check_format(fmt) == fmt
     with pytest.raises(ValueError, match="expected one of"):
@@ -137,4 +137,5 @@ def test_cli_export(tmp_path, fmt):
     assert result.returncode == 0, result.stderr
     assert f"LLM.from_exported('{out}'" in result.stdout
     step = load_exported(out)
-    assert step.tokenizer is not None and step.eos_token_ids  # the built-in model's byte-level tokenizer
+    # the built-in model's byte-level tokenizer
+    assert step.description.tokenizer is not None and step.description.eos_token_ids

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.cli import main
-from pagedpack.export import META_FILE, export_pt2, load_exported, load_pt2
+from pagedpack.contract import ModelDescription
+from pagedpack.export import META_FILE, export_pt2, load_exported, load_onnx, load_pt2
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
-from pagedpack.onnx_export import export_onnx, load_onnx
+from pagedpack.onnx_export import export_onnx
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
 
 from conftest import random_prompts
@@ -47,7 +48,8 @@ def llm(model):
 def files(llm, tmp_path_factory):
     """``{"onnx": path, "pt2": path}``: the tiny Llama exported once in each format."""
     folder = tmp_path_factory.mktemp("exports")
-    return {fmt: export(llm, folder / f"tiny-llama.{fmt}") for fmt, export in EXPORTERS.items()}
+    return {fmt: export(llm.rewritten, folder / f"tiny-llama.{fmt}", llm.description)
+            for fmt, export in EXPORTERS.items()}
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -111,31 +113,31 @@ class _Bidirectional(torch.nn.Module):
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 @pytest.mark.parametrize("source, name", [("./my-hf-dir", "str"), (None, "NoneType"),
                                           (torch.nn.Linear(2, 2), "Linear")])
-def test_export_refuses_a_source_that_is_not_an_llm(fmt, source, name, tmp_path):
-    with pytest.raises(ValueError, match=f"source: expected an LLM or a RewrittenModel, got {name}"):
+def test_export_refuses_a_source_that_is_not_a_rewritten_model(fmt, source, name, tmp_path):
+    with pytest.raises(ValueError, match=f"rewritten: expected a RewrittenModel .*, got {name}"):
         EXPORTERS[fmt](source, tmp_path / f"x.{fmt}")
     assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
-def test_export_refuses_an_unmodified_causal_lm_and_a_loaded_export(fmt, model, files, tmp_path):
-    with pytest.raises(ValueError, match="source: expected an LLM or a RewrittenModel, got LlamaForCausalLM"):
-        EXPORTERS[fmt](model, tmp_path / f"x.{fmt}")
-    with pytest.raises(ValueError, match="source: expected an LLM or a RewrittenModel, got ExportedStep"):
-        EXPORTERS[fmt](load_exported(files["pt2"]), tmp_path / f"x.{fmt}")
+def test_export_refuses_an_llm_an_unmodified_causal_lm_and_a_loaded_export(fmt, llm, model, files, tmp_path):
+    for source, name in ((model, "LlamaForCausalLM"), (load_exported(files["pt2"]), "ExportedStep"),
+                         (llm, "LLM")):
+        with pytest.raises(ValueError, match=f"rewritten: expected a RewrittenModel .*, got {name}"):
+            EXPORTERS[fmt](source, tmp_path / f"x.{fmt}")
     for loaded in files.values():  # regression: an OnnxSessionStep had no .parameters()
         with pytest.raises(ValueError, match=r"source: an LLM served from an exported file \(LLM.from_exported\) "
                                              "cannot be exported again"):
-            EXPORTERS[fmt](LLM.from_exported(loaded, num_blocks=4), tmp_path / f"x.{fmt}")
+            LLM.from_exported(loaded, num_blocks=4).export(tmp_path / f"x.{fmt}", format=fmt)
     assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_export_of_a_bare_rewritten_model(fmt, llm, tmp_path):
     # Regression: reading the vocabulary size off the graph's single output raised TypeError.
-    path = EXPORTERS[fmt](llm.rewritten, tmp_path / f"x.{fmt}", max_model_len=64)
-    step = load_exported(path)
-    assert step.vocab_size == VOCAB_SIZE and step.max_model_len == 64 and step.tokenizer is None
+    path = EXPORTERS[fmt](llm.rewritten, tmp_path / f"x.{fmt}", ModelDescription(max_model_len=64))
+    description = load_exported(path).description
+    assert description.vocab_size == VOCAB_SIZE and description.max_model_len == 64 and description.tokenizer is None
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
@@ -151,7 +153,7 @@ def test_export_of_a_refused_model_raises_the_pass_report_and_writes_nothing(fmt
 def test_export_into_a_missing_directory_or_under_a_file(fmt, llm, files, tmp_path):
     for path in (tmp_path / "missing" / f"x.{fmt}", os.path.join(files["onnx"], f"x.{fmt}")):
         with pytest.raises(ValueError, match=r"path: expected a file in an existing directory.*no such directory"):
-            EXPORTERS[fmt](llm, path)
+            EXPORTERS[fmt](llm.rewritten, path)
     assert not (tmp_path / "missing").exists()
 
 
@@ -159,10 +161,10 @@ def test_export_into_a_missing_directory_or_under_a_file(fmt, llm, files, tmp_pa
 def test_export_to_a_directory_an_empty_or_a_non_path(fmt, llm, tmp_path):
     # Regression: these failed deep inside torch/onnx, after the whole export.
     with pytest.raises(ValueError, match=r"path: expected a file name, got .* \(a directory\)"):
-        EXPORTERS[fmt](llm, tmp_path)
+        EXPORTERS[fmt](llm.rewritten, tmp_path)
     for bad in ("", None, 3, b"x.onnx"):
         with pytest.raises(TypeError, match="path: expected a non-empty str or os.PathLike"):
-            EXPORTERS[fmt](llm, bad)
+            EXPORTERS[fmt](llm.rewritten, bad)
     assert not os.listdir(tmp_path)
 
 
@@ -171,14 +173,14 @@ def test_write_errors_name_the_path(llm, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(torch.export, "save", fail)
     with pytest.raises(ValueError, match=r"path: cannot write .*x.pt2' \(OSError: .*No space left on device\)"):
-        export_pt2(llm, tmp_path / "x.pt2")
+        export_pt2(llm.rewritten, tmp_path / "x.pt2")
 
 
 @pytest.mark.parametrize("attention", [None, "", "Pagedpack", "PAGEDPACK", "com.Microsoft", "microsoft", 1])
 def test_export_onnx_attention_of_wrong_value_case_or_type(llm, attention, tmp_path):
     with pytest.raises(ValueError, match=r"attention: expected one of \['pagedpack', 'com.microsoft'\], got "
                                          + re.escape(repr(attention)) + "$"):
-        export_onnx(llm, tmp_path / "x.onnx", attention=attention)
+        export_onnx(llm.rewritten, tmp_path / "x.onnx", attention=attention)
     assert not os.listdir(tmp_path)
 
 
@@ -326,7 +328,8 @@ def test_load_metadata_disagreeing_with_the_graph(files, tmp_path):
     # Regression: a head count the graph does not have loaded, then failed inside onnxruntime.
     spec = {**_SPEC, "num_kv_heads": 3}
     path = onnx_with_meta(files["onnx"], tmp_path / "m.onnx", json_edit(kv_cache_specs=[spec, spec]))
-    with pytest.raises(ValueError, match=r"session: key_cache_0: expected tensor\(float\) \[num_blocks, block_size, 3, 16\]"):
+    with pytest.raises(ValueError,
+                       match=r"session: key_cache_0: expected tensor\(float\) \[num_blocks, block_size, 3, 16\]"):
         LLM.from_exported(path)
 
 
@@ -349,7 +352,7 @@ def test_load_a_com_microsoft_export(files, tmp_path):
 
 def test_export_without_max_model_len_needs_it_at_load(llm, files, tmp_path):
     path = onnx_with_meta(files["onnx"], tmp_path / "nolen.onnx", json_edit(max_model_len=None))
-    with pytest.raises(ValueError, match="max_model_len: the exported file records none; pass max_model_len"):
+    with pytest.raises(ValueError, match="max_model_len: the model records no limit; pass max_model_len"):
         LLM.from_exported(path)
     served = LLM.from_exported(path, max_model_len=40, num_blocks=16)
     prompts = random_prompts((3, 41, 20), seed=12)
@@ -368,7 +371,6 @@ def test_export_without_max_model_len_needs_it_at_load(llm, files, tmp_path):
     (dict(block_size=16.0), "block_size: expected an int >= 1, got 16.0"),
     (dict(block_size="16"), "block_size: expected an int >= 1, got '16'"),
     (dict(block_size=True), "block_size: expected an int >= 1, got True"),
-    (dict(block_size=None), "block_size: expected an int >= 1, got None"),
     (dict(num_blocks=0), "num_blocks: expected an int >= 1, got 0"),
     (dict(num_blocks=2.5), "num_blocks: expected an int >= 1, got 2.5"),
     (dict(num_blocks="8"), "num_blocks: expected an int >= 1, got '8'"),
@@ -396,8 +398,10 @@ def test_from_exported_bad_kv_cache_memory(files, value):
 
 
 def test_from_exported_bad_tokenizer_and_path_types(files):
-    with pytest.raises(ValueError, match="tokenizer: expected a transformers tokenizer .*got str"):
-        LLM.from_exported(files["onnx"], tokenizer="gpt2")
+    with pytest.raises(ValueError, match="tokenizer: expected a transformers tokenizer .*got int"):
+        LLM.from_exported(files["onnx"], tokenizer=3)
+    with pytest.raises(ValueError, match="tokenizer: cannot load '/no/such/tokenizer' as a transformers tokenizer"):
+        LLM.from_exported(files["onnx"], tokenizer="/no/such/tokenizer")
     for bad in (None, 3, b"model.onnx"):
         with pytest.raises(TypeError, match="path: expected a non-empty str or os.PathLike"):
             LLM.from_exported(bad)

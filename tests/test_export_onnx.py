@@ -15,7 +15,7 @@ from pagedpack.export import load_exported
 from pagedpack.models.tiny import tiny_model
 from pagedpack.onnx_export import export_onnx
 
-from conftest import MIXED_PROMPT_LENS, random_prompts
+from conftest import MIXED_PROMPT_LENS
 
 DYNAMIC_AXES = {"input_ids": ["num_tokens"], "positions": ["num_tokens"], "cu_seqlens_q": ["num_seqs + 1"],
                 "seq_lens": ["num_seqs"], "block_table": ["num_seqs", "max_blocks_per_seq"],
@@ -33,7 +33,7 @@ def llama():
 
 @pytest.fixture(scope="module")
 def exported(llama, tmp_path_factory):
-    path = export_onnx(llama, tmp_path_factory.mktemp("onnx") / "llama.onnx")
+    path = llama.export(tmp_path_factory.mktemp("onnx") / "llama.onnx", format="onnx")
     return path, onnx.load(path)
 
 
@@ -77,7 +77,7 @@ def test_onnxruntime_generation_matches_pytorch(family, mixed_prompts, tmp_path)
     llm = LLM(tiny_model(family), block_size=16, max_num_batched_tokens=256)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     want = [o.outputs[0].token_ids for o in llm.generate(mixed_prompts, params, use_tqdm=False)]
-    loaded = LLM.from_exported(export_onnx(llm, tmp_path / f"{family}.onnx"), block_size=16,
+    loaded = LLM.from_exported(llm.export(tmp_path / f"{family}.onnx", format="onnx"), block_size=16,
                                max_num_batched_tokens=256)
     got = [o.outputs[0].token_ids for o in loaded.generate(mixed_prompts, params, use_tqdm=False)]
     for n, w, g in zip(MIXED_PROMPT_LENS, want, got):
@@ -90,7 +90,7 @@ def test_onnxruntime_generation_matches_pytorch(family, mixed_prompts, tmp_path)
 @pytest.fixture(scope="module")
 def microsoft(tmp_path_factory):
     llm = LLM(tiny_model("llama"), dtype=torch.float16, block_size=16, num_blocks=8)
-    path = export_onnx(llm, tmp_path_factory.mktemp("onnx") / "llama-ms.onnx", attention="com.microsoft")
+    path = llm.export(tmp_path_factory.mktemp("onnx") / "llama-ms.onnx", format="onnx", attention="com.microsoft")
     return llm, path, onnx.load(path)
 
 
@@ -152,9 +152,9 @@ def test_onnxruntime_accepts_the_graph_and_lacks_only_a_cpu_kernel(microsoft):
 
 def test_bad_attention_arguments(llama, tmp_path):
     with pytest.raises(ValueError, match="attention: expected one of"):
-        export_onnx(llama, tmp_path / "x.onnx", attention="flash")
+        export_onnx(llama.rewritten, tmp_path / "x.onnx", attention="flash")
     with pytest.raises(ValueError, match="float16 or bfloat16.*float32"):
-        export_onnx(llama, tmp_path / "x.onnx", attention="com.microsoft")
+        export_onnx(llama.rewritten, tmp_path / "x.onnx", attention="com.microsoft")
     foreign = tmp_path / "foreign.onnx"
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
     onnx.save(onnx.helper.make_model(onnx.helper.make_graph(

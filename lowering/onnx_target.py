@@ -1,0 +1,45 @@
+"""The ``onnx`` target: the step program exported to ONNX in memory and run by onnxruntime.
+
+What ``pagedpack export --format onnx`` writes and ``LLM.from_exported`` serves, without the
+file: ``LLM(model, target="onnx")`` runs the same ONNX program on an onnxruntime CPU session
+(:mod:`pagedpack.onnx_export`, attention as the ``pagedpack`` domain's standard-op functions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedpack.lowering.targets import LoweredStep, StepBounds, Target
+from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
+
+
+@dataclass
+class OnnxTarget(Target):
+    """onnxruntime's CPU provider; float32 or float16 KV caches (they cross as NumPy arrays)."""
+
+    name: str = "onnx"
+    description: str = "the step program exported to ONNX and run by onnxruntime (CPU)"
+
+    def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
+        check_cache_dtypes(rewritten.kv_cache_specs)
+
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
+        import onnxruntime
+
+        from pagedpack.onnx_export import onnx_program
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device: the 'onnx' target runs on onnxruntime's CPU provider, got {device!r}")
+        model = onnx_program(rewritten).model
+        session = onnxruntime.InferenceSession(_serialize(model), providers=["CPUExecutionProvider"])
+        note = (f"onnx lowering: {len(rewritten.kv_cache_specs)} site(s) -> pagedpack-domain ONNX functions, "
+                "onnxruntime CPU")
+        return LoweredStep(OnnxSessionStep(session, rewritten.kv_cache_specs), rewritten.kv_cache_specs,
+                           functional=True, note=note)
+
+
+def _serialize(model) -> bytes:
+    import onnx_ir
+
+    return onnx_ir.to_proto(model).SerializeToString()

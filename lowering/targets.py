@@ -1,0 +1,115 @@
+"""The target registry: every lowering target the project knows, by name.
+
+A target is one object (a :class:`Target`) saying its default block size, which limits a
+rewritten model must meet, how to lower it, what runs the result and whether that is an
+emulation. ``LLM``, the CLI and the exporters look targets up here and nowhere else know their
+names. Adding a target is one module defining a :class:`Target` subclass plus one line in
+:data:`_BUILTIN` (or, from user code, one :func:`register_target` call).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pagedpack.contract import KVCacheSpec
+
+
+class TargetUnavailableError(RuntimeError):
+    """A target's runtime (a device plugin, a compiler) cannot be imported on this machine."""
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """Upper bounds of every step a lowered program will run: tokens ``T`` and sequences ``B``."""
+
+    max_num_tokens: int
+    max_num_seqs: int
+
+
+@dataclass
+class LoweredStep:
+    """A :class:`~pagedpack.contract.StepProgram` made by a target: ``run`` called with the step
+    signature, plus the report line saying what was lowered to what."""
+
+    run: Callable
+    kv_cache_specs: list[KVCacheSpec]
+    functional: bool = False
+    note: str | None = None
+
+    def __call__(self, *inputs: torch.Tensor):
+        return self.run(*inputs)
+
+
+@dataclass
+class Target:
+    """One lowering target. Subclasses override what differs from the defaults below.
+
+    ``name``: the registry key (``LLM(target=...)``, ``--target``); ``default_block_size``:
+    tokens per KV block when the user gives none; ``builtin_model``: config overrides that shape
+    the built-in tiny model for this target (:func:`pagedpack.models.tiny.default_model`);
+    ``description``: one line for ``--help``.
+    """
+
+    name: str = ""
+    default_block_size: int = 16
+    description: str = ""
+    builtin_model: dict = field(default_factory=dict)
+
+    def prepare_device(self, device: torch.device | str) -> None:
+        """Make ``device`` usable before the model is moved there (e.g. import a device plugin)."""
+
+    def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
+        """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
+
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds,
+              device: torch.device | str) -> LoweredStep:
+        """The program that runs ``rewritten``'s steps on this target (may lower it in place)."""
+        return LoweredStep(rewritten, rewritten.kv_cache_specs)
+
+    def emulated(self, device: torch.device | str) -> bool:
+        """True if on ``device`` the target's ops run as an emulation of the real ones."""
+        return False
+
+
+@dataclass
+class ReferenceTarget(Target):
+    """The project's own ops, run as the rewrite left them (any device PyTorch runs)."""
+
+    name: str = "reference"
+    description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
+
+
+# name -> "module:attribute" of a Target subclass, imported on first use.
+_BUILTIN = {
+    "reference": "pagedpack.lowering.targets:ReferenceTarget",
+    "ascend": "pagedpack.lowering.ascend_target:AscendTarget",
+    "onnx": "pagedpack.lowering.onnx_target:OnnxTarget",
+}
+_REGISTRY: dict[str, Target] = {}
+DEFAULT_TARGET = "reference"
+
+
+def register_target(target: Target) -> Target:
+    """Make ``target`` available under ``target.name`` (replacing any target of that name)."""
+    if not isinstance(target, Target) or not target.name:
+        raise ValueError(f"target: expected a Target with a name, got {target!r}")
+    _REGISTRY[target.name] = target
+    return target
+
+
+def target_names() -> list[str]:
+    """Every registered target name, sorted."""
+    return sorted({*_BUILTIN, *_REGISTRY})
+
+
+def get_target(name) -> Target:
+    """The target registered as ``name``; ``ValueError`` listing the names for any other value."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if not isinstance(name, str) or name not in _BUILTIN:
+        raise ValueError(f"target: expected one of {target_names()}, got {name!r}")
+    module, attribute = _BUILTIN[name].split(":")
+    return register_target(getattr(importlib.import_module(module), attribute)(name=name))

@@ -1,0 +1,130 @@
+"""``EngineArgs``: every argument that builds an ``LLM``, validated once (as vLLM's ``EngineArgs``).
+
+``LLM(model, **kwargs)``, ``LLM.from_exported(path, **kwargs)`` and the CLI (through
+:meth:`EngineArgs.add_cli_args` / :meth:`EngineArgs.from_cli_args`) all build one of these.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedpack.inputs import check_int, resolve_dtype
+from pagedpack.lowering.targets import DEFAULT_TARGET, StepBounds, Target, get_target, target_names
+from pagedpack.models.loading import DEFAULT_MODEL
+
+
+@dataclass
+class EngineArgs:
+    """What an ``LLM`` is built from.
+
+    Args:
+        model: None or ``"pagedpack/tiny-llama"`` for the built-in tiny Llama; a local Hugging
+            Face directory or hub id; a file written by ``pagedpack export`` (``.pt2``/ONNX, served
+            as it was exported: no capture, CPU); or a ``transformers`` causal-LM instance (moved and
+            cast in place).
+        tokenizer: a ``transformers`` tokenizer, or a directory / hub id to load one from;
+            overrides the model's own.
+        target: a registered lowering target (:func:`pagedpack.lowering.targets.target_names`);
+            None: ``DEFAULT_TARGET``, or for an exported file the target that runs its format.
+        block_size: tokens per KV block (default: the target's).
+        num_blocks / kv_cache_memory: size of the KV pool, in blocks or in bytes (at most one;
+            default: what fits 256 MiB, capped at ``max_num_seqs`` full-length sequences).
+        max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
+        max_num_seqs: most sequences per step.
+        max_model_len: most tokens per request (default: the model's limit).
+        dtype: ``torch.dtype`` or its name (``"bfloat16"``); None keeps the checkpoint's.
+        device: where the model runs.
+    Raises:
+        ValueError: naming the argument, what was expected and what came.
+    """
+
+    model: object = None
+    tokenizer: object = None
+    target: str | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory: int | float | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    dtype: torch.dtype | str | None = None
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self):
+        target = self.lowering_target  # ValueError for an unknown name
+        self.dtype = resolve_dtype(self.dtype)
+        if self.block_size is None:
+            self.block_size = target.default_block_size
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            check_int(name, getattr(self, name))
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        memory = self.kv_cache_memory
+        if memory is not None and not (isinstance(memory, (int, float)) and not isinstance(memory, bool)
+                                       and math.isfinite(memory) and memory > 0):
+            raise ValueError(f"kv_cache_memory: expected a finite positive number of bytes, got {memory!r}")
+        if self.num_blocks is not None and memory is not None:
+            raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
+        tokenizer = self.tokenizer
+        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)) and not (
+                callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
+                             f"hub id, got {type(tokenizer).__name__}")
+        if self.is_exported and (self.dtype is not None or str(self.device) != "cpu"):
+            raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
+                             f"got dtype={self.dtype}, device={self.device!r}")
+
+    @property
+    def is_exported(self) -> bool:
+        """``model`` names a file (an export), not a model directory or hub id."""
+        return isinstance(self.model, (str, os.PathLike)) and os.path.isfile(self.model)
+
+    @property
+    def lowering_target(self) -> Target:
+        return get_target(DEFAULT_TARGET if self.target is None else self.target)
+
+    @property
+    def step_bounds(self) -> StepBounds:
+        return StepBounds(max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+
+    def as_kwargs(self) -> dict:
+        """The fields by name (shallow: a model instance is passed as it is)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
+        """Add ``--model``, ``--tokenizer``, ``--dtype`` and, with ``engine``, the target and pool options."""
+        parser.add_argument("--model", default=DEFAULT_MODEL,
+                            help="local Hugging Face directory, hub id, or a file written by 'pagedpack export'; "
+                                 "the default is the built-in tiny model")
+        parser.add_argument("--tokenizer", default=None,
+                            help="directory or hub id of the tokenizer; default: the model's")
+        parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                            help="default: the checkpoint's dtype")
+        if not engine:
+            return
+        parser.add_argument("--target", choices=target_names(), default=None,
+                            help=f"default: {DEFAULT_TARGET}; " + "; ".join(
+                                f"{n}: {get_target(n).description}" for n in target_names()))
+        parser.add_argument("--device", default="cpu", help="e.g. npu:0 with --target ascend on an Ascend host")
+        parser.add_argument("--block-size", type=int, default=None, help="default: the target's (" + ", ".join(
+            f"{n}: {get_target(n).default_block_size}" for n in target_names()) + ")")
+        parser.add_argument("--num-blocks", type=int, default=None,
+                            help="KV blocks in the pool; default: sized to a memory budget")
+        parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in bytes")
+        parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                            help="tokens per step (longer prompts are prefilled in chunks)")
+        parser.add_argument("--max-model-len", type=int, default=None,
+                            help="most tokens per request; default: the model's limit")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
+        """The fields :meth:`add_cli_args` added, read off ``args``; ``overrides`` win."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
