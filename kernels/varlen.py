@@ -8,7 +8,14 @@ padded forward passes are packed and no cache is kept.
 import torch
 from torch import Tensor
 
-from pagedpack.kernels.ops import _check_dtype, _check_floating, _check_rank, _check_same_device, _require, causal_attention
+from pagedpack.kernels.ops import (
+    _check_dtype,
+    _check_floating,
+    _check_rank,
+    _check_same_device,
+    _require,
+    causal_attention,
+)
 from pagedpack.kernels.validation import check_cu_seqlens_q, validation_enabled
 
 _OP = "varlen_attention"

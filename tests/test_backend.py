@@ -108,7 +108,8 @@ def test_fullgraph_has_no_graph_break():
     model = tiny_model("qwen2")
     ids, mask = padded_batch(random.Random(0), 3, 12, left=True)
     with torch.no_grad():
-        out = torch.compile(model, backend="pagedpack", fullgraph=True, dynamic=True)(input_ids=ids, attention_mask=mask)
+        compiled = torch.compile(model, backend="pagedpack", fullgraph=True, dynamic=True)
+        out = compiled(input_ids=ids, attention_mask=mask)
     assert_matches_per_sequence(model, ids, mask, out.logits)
     assert not counters["graph_break"]
     assert backend.LAST_REPORTS[-1].num_rewritten == model.config.num_hidden_layers

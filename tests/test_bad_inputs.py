@@ -249,7 +249,8 @@ def _bad_op_calls():
                                 dict(a, key_cache=a["key_cache"].long(), value_cache=a["value_cache"].long())),
         # wrong now: ZeroDivisionError "integer modulo by zero"
         "attention-zero-kv-heads": ("paged_attention", "key_cache",
-                                    dict(a, key_cache=a["key_cache"][:, :, :0], value_cache=a["value_cache"][:, :, :0])),
+                                    dict(a, key_cache=a["key_cache"][:, :, :0],
+                                         value_cache=a["value_cache"][:, :, :0])),
         # wrong now: float K/V are silently truncated into an int32 cache; int keys silently cast
         "cache-int-cache": ("reshape_and_cache", "key_cache",
                             dict(c, key_cache=c["key_cache"].int(), value_cache=c["value_cache"].int())),

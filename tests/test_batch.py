@@ -40,7 +40,7 @@ def make_scheduled(
 
 
 def reference_batch(scheduled: list[ScheduledRequest], block_size: int) -> dict[str, list]:
-    """Per-token Python, straight from the definitions in DESIGN.md."""
+    """Per-token Python, straight from the definitions in docs/design.md."""
     ref = {name: [] for name in INPUT_NAMES}
     ref["cu_seqlens_q"].append(0)
     widths = []
@@ -96,7 +96,8 @@ def compositions(draw):
     pool = draw(st.permutations(range(pool_size)))
     scheduled = []
     for i, (num_prompt, num_output, num_computed, num_new, num_blocks) in enumerate(shapes):
-        tokens = draw(st.lists(st.integers(0, 50_000), min_size=num_prompt + num_output, max_size=num_prompt + num_output))
+        size = num_prompt + num_output
+        tokens = draw(st.lists(st.integers(0, 50_000), min_size=size, max_size=size))
         blocks, pool = pool[:num_blocks], pool[num_blocks:]
         scheduled.append(
             make_scheduled(f"r{i}", tokens[:num_prompt], tokens[num_prompt:], num_computed, num_new, blocks)

@@ -15,13 +15,10 @@ import onnxruntime
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from onnx import helper
+from test_ops import GRID, PACKED_STEPS, make_batch, make_step, reference_attention, reference_paged_attention
 
 from pagedpack.lowering.onnx import OPSET, PAGEDPACK_DOMAIN, paged_attention, reshape_and_cache
-
-from test_ops import (GRID, PACKED_STEPS, make_batch, make_step, reference_attention,
-                      reference_paged_attention)
 
 # The input whose dtype each function output has.
 OUTPUT_LIKE = {"paged_attention": ["query"], "reshape_and_cache": ["key_cache", "value_cache"]}
@@ -142,7 +139,8 @@ SLOT_CASES = {"some-skipped": [2, 5], "all-skipped": list(range(8)), "none-skipp
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize(("key_dtype", "cache_dtype"),
-                         [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.float16, torch.float16)])
+                         [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                          (torch.float16, torch.float16)])
 @pytest.mark.parametrize("skipped", list(SLOT_CASES.values()), ids=list(SLOT_CASES))
 def test_reshape_and_cache_writes_named_slots_only(skipped, key_dtype, cache_dtype, slot_dtype):
     num_blocks, block_size = 5, 4

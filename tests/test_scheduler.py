@@ -27,7 +27,8 @@ def next_token(history: list[int]) -> int:
     return (sum((i + 1) * t for i, t in enumerate(history[-4:])) + 3 * len(history)) % VOCAB
 
 
-def solo_stream(prompt: list[int], params: SamplingParams, eos: int | None, max_model_len: int) -> tuple[list[int], str]:
+def solo_stream(prompt: list[int], params: SamplingParams, eos: int | None,
+                max_model_len: int) -> tuple[list[int], str]:
     """Output tokens and finish reason of a request run alone, straight from the stop rules."""
     history, out = list(prompt), []
     while True:
