@@ -2,7 +2,10 @@
 
 Same model, same prompts, same number of greedy tokens per request, side by side in one run.
 With ``--onnx`` the pagedpack step also runs exported to ONNX on onnxruntime (CPU).
-Prints one JSON object. Run: ``python benchmarks/generate.py [--model M] [--onnx]``.
+``--model smollm2-135m`` (or ``gemma3-270m``) runs a real small model, fetched and converted on
+first use (``pagedpack.models.aliases``); ``greedy_agreement`` then says how many requests got the
+same greedy tokens from both. Prints one JSON object. Run:
+``python benchmarks/generate.py [--model M] [--repeat N] [--onnx]``.
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ PROMPT_LENS = (32, 50, 128, 256, 512, 64, 16, 256)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="an alias (tiny, smollm2-135m, gemma3-270m), a Hugging Face directory or hub id; "
+                             "default: the built-in tiny model")
     parser.add_argument("--repeat", type=int, default=4, help="times the prompt-length list is repeated")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
@@ -39,7 +44,8 @@ def main() -> None:
 
     # pagedpack: packed steps, paged KV cache, continuous batching.
     params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    paged_s, paged_tokens = _timed_generate(llm, prompts, params)
+    paged_s, paged_outputs = _timed_generate(llm, prompts, params)
+    paged_tokens = sum(len(o.outputs[0].token_ids) for o in paged_outputs)
     kv = llm.llm_engine.scheduler.kv_cache_manager
 
     # transformers: one left-padded batch through model.generate (warm-up run first).
@@ -76,6 +82,7 @@ def main() -> None:
             "kv_mib": round(len(prompts) * (width + n_new) * per_token / 2**20, 2),
         },
         "speedup": round(hf_s / paged_s, 2),
+        "greedy_agreement": _agreement(paged_outputs, hf_out[:, width:].tolist(), llm.description.eos_token_ids),
         **(_onnxruntime(llm, prompts, params, args.block_size) if args.onnx else {}),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -84,13 +91,25 @@ def main() -> None:
     print(json.dumps(result, indent=2))
 
 
-def _timed_generate(llm, prompts, params) -> tuple[float, int]:
-    """Seconds and generated tokens of ``llm.generate`` on ``prompts``, after a warm-up run."""
+def _timed_generate(llm, prompts, params) -> tuple[float, list]:
+    """Seconds and outputs of ``llm.generate`` on ``prompts``, after a warm-up run."""
     llm.generate(prompts[:2], params, use_tqdm=False)
     llm.llm_engine.scheduler.kv_cache_manager.allocator.reset_peak()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+    return time.perf_counter() - start, outputs
+
+
+def _agreement(paged_outputs, hf_tokens: list[list[int]], eos_ids: list[int]) -> str:
+    """How many requests got the same greedy tokens from pagedpack and the padded batch, each
+    compared before pagedpack's first EOS (``min_new_tokens`` masks EOS on the transformers
+    side, ``ignore_eos`` only keeps pagedpack going)."""
+    same = 0
+    for out, ref in zip(paged_outputs, hf_tokens):
+        got = out.outputs[0].token_ids
+        stop = next((i for i, t in enumerate(got) if t in eos_ids), len(got))
+        same += got[:stop] == ref[:stop]
+    return f"{same}/{len(hf_tokens)}"
 
 
 def _onnxruntime(llm, prompts, params, block_size) -> dict:
@@ -98,7 +117,8 @@ def _onnxruntime(llm, prompts, params, block_size) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = llm.export(os.path.join(tmp, "step.onnx"), format="onnx")
         served = LLM.from_exported(path, block_size=block_size, num_blocks=llm.num_blocks)
-        seconds, tokens = _timed_generate(served, prompts, params)
+        seconds, outputs = _timed_generate(served, prompts, params)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"pagedpack_onnxruntime": {"seconds": round(seconds, 3),
                                       "generated_tokens_per_s": round(tokens / seconds, 1)}}
 

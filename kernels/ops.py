@@ -8,12 +8,22 @@ Shape, dtype and device checks always run, in the real and in the fake kernel (t
 ``torch._check_value``, which raises ``ValueError`` on concrete sizes and records a guard on
 symbolic ones). Checks on metadata *values* need a device sync; the real kernels run them only
 when ``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`).
+
+The attention ops take the per-call parameters of
+:class:`pagedpack.kernels.attention_params.AttentionParams` as keyword arguments with defaults
+(``sliding_window``, ``logits_soft_cap``, ``alibi_slopes``, ``sinks``), after the arguments they
+had before, so positional calls and exported graphs of the older signature keep working. With no
+parameter set the kernels take their fused fast paths (SDPA, batched decode); with any, one
+explicit-score fp32 path (:func:`explicit_attention`) shared by every op.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.validation import check_paged_metadata, check_slot_mapping, validation_enabled
 
 _CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -120,6 +130,24 @@ def _check_paged_attention_args(
     )
 
 
+def check_attention_params(op: str, query: Tensor, sliding_window, logits_soft_cap, alibi_slopes, sinks) -> None:
+    """The per-call parameters' checks (:class:`~pagedpack.kernels.attention_params.AttentionParams`)
+    against ``query [T, num_heads, head_dim]``: ``ValueError("<op>: <arg>: expected ..., got ...")``."""
+    if sliding_window is not None:
+        _require(sliding_window >= 1, op, "sliding_window", "None or an int >= 1", sliding_window)
+    if logits_soft_cap is not None:
+        _require(math.isfinite(logits_soft_cap) and logits_soft_cap > 0, op, "logits_soft_cap",
+                 "None or a finite float > 0", logits_soft_cap)
+    num_heads = query.shape[1]
+    for arg, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is None:
+            continue
+        _check_same_device(op, query=query, **{arg: t})
+        _check_floating(op, **{arg: t})
+        _require(t.dim() == 1 and t.shape[0] == num_heads, op, arg, f"shape [num_heads] = ({num_heads},) like query",
+                 f"shape {tuple(t.shape)}")
+
+
 @torch.library.custom_op("pagedpack::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
 def reshape_and_cache(
     key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
@@ -166,6 +194,10 @@ def paged_attention(
     cu_seqlens_q: Tensor,
     seq_lens: Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a packed batch over a paged KV cache.
 
@@ -187,15 +219,21 @@ def paged_attention(
         seq_lens: int32 ``[B]``, KV length of each sequence in tokens, including this step's
             tokens (already written by ``reshape_and_cache``).
         scale: multiplier of ``q @ k^T`` (usually ``head_dim ** -0.5``).
+        sliding_window, logits_soft_cap, alibi_slopes, sinks: the per-call parameters, semantics
+            in :class:`~pagedpack.kernels.attention_params.AttentionParams` (None: not applied).
+            ``alibi_slopes`` / ``sinks`` are floating ``[num_heads]`` on the query's device.
 
     Returns:
         ``[T, num_heads, head_dim_v]`` in ``query.dtype``.
 
     Raises:
-        ValueError: a rank, shape, dtype or device mismatch (always); inconsistent metadata
-            values (only with ``PAGEDPACK_VALIDATE=1``, see ``check_paged_metadata``).
+        ValueError: a rank, shape, dtype or device mismatch, or a parameter out of range (always);
+            inconsistent metadata values (only with ``PAGEDPACK_VALIDATE=1``, see
+            ``check_paged_metadata``).
     """
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, head_dim_v = value_cache.shape
     if validation_enabled():
@@ -209,7 +247,7 @@ def paged_attention(
     if decodes:
         rows = [cu[b] for b in decodes]
         out[rows] = _decode_attention(query[rows], key_cache, value_cache, block_table[decodes],
-                                      [kv_lens[b] for b in decodes], scale).to(out.dtype)
+                                      [kv_lens[b] for b in decodes], params).to(out.dtype)
     for b, kv_len in enumerate(kv_lens):
         start, end = cu[b], cu[b + 1]
         q_len, kv_len = end - start, max(kv_len, 0)
@@ -218,19 +256,27 @@ def paged_attention(
         blocks = block_table[b, : -(-kv_len // block_size)].long()
         k = key_cache[blocks].flatten(0, 1)[:kv_len]  # [kv_len, kv_heads, D], in token order
         v = value_cache[blocks].flatten(0, 1)[:kv_len]
-        out[start:end] = causal_attention(query[start:end], k, v, scale).to(out.dtype)
+        out[start:end] = causal_attention(query[start:end], k, v, params).to(out.dtype)
     return out
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool = True) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams | float, causal: bool = True) -> Tensor:
     """One sequence, tokens first: ``q [q_len, H, D]``, ``k [kv_len, Hkv, D]``, ``v [kv_len,
     Hkv, D_v]`` -> ``[q_len, H, D_v]`` in fp32; causal aligned bottom-right (row ``i`` sees keys
     ``0 .. kv_len - q_len + i``), or every key if not ``causal``. Grouped-query via SDPA's
     ``enable_gqa`` (head ``h`` reads KV head ``h // (H // Hkv)``). 4-D inputs keep SDPA on its
-    fused CPU kernel."""
+    fused CPU kernel. ``params``: an :class:`AttentionParams` (or just the scale); with any
+    parameter set, :func:`explicit_attention` computes the sequence (a non-causal window bounds
+    the left only)."""
+    params = params if isinstance(params, AttentionParams) else AttentionParams(params)
+    scale = params.scale
     q_len, kv_len = q.shape[0], k.shape[0]
     q4, k4, v4 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]
-    if not causal or kv_len >= q_len:
+    if not params.is_default:
+        query_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[None]  # [1, q_len]
+        kv_lens = torch.tensor([kv_len], device=q.device)
+        out = explicit_attention(q4, k4, v4, query_pos, kv_lens, params, causal)
+    elif not causal or kv_len >= q_len:
         mask = causal_lower_right(q_len, kv_len) if causal and kv_len > q_len else None
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal and kv_len == q_len,
                                              scale=scale, enable_gqa=True)
@@ -249,12 +295,52 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> T
     return torch.where(visible.any(-1, keepdim=True), out, 0.0)
 
 
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, kv_lens: Tensor,
+                       params: AttentionParams, causal: bool = True) -> Tensor:
+    """Attention with the per-call parameters, scores written out in fp32 (every op's slow path).
+
+    ``q [N, H, Q, D]``, ``k [N, Hkv, L, D]``, ``v [N, Hkv, L, D_v]`` (any floating dtype) ->
+    ``[N, H, Q, D_v]`` fp32. ``query_pos [N, Q]``: each query row's absolute position; key ``j``
+    sits at position ``j``, and only keys ``j < kv_lens[n]`` exist. Steps as in
+    :mod:`pagedpack.kernels.attention_params`: scale, soft cap, ALiBi ``slope * (j - query_pos)``,
+    mask (``j <= query_pos`` if ``causal``; ``j > query_pos - sliding_window``), softmax with the
+    sink in the denominator; a row that sees no key gives zeros. Grouped-query: the ``H / Hkv``
+    query heads of a group are matched against their KV head without copying K/V.
+    """
+    n, num_heads, q_rows, head_dim = q.shape
+    num_kv_heads, width = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    grouped = q.float().reshape(n, num_kv_heads, group * q_rows, head_dim)
+    scores = (grouped @ k.float().transpose(-1, -2)).view(n, num_heads, q_rows, width) * params.scale
+    if params.logits_soft_cap is not None:
+        scores = torch.tanh(scores / params.logits_soft_cap) * params.logits_soft_cap
+    key_pos = torch.arange(width, device=q.device)
+    offset = key_pos - query_pos[..., None]  # [N, Q, L]: key position - query position
+    if params.alibi_slopes is not None:
+        scores = scores + params.alibi_slopes.float()[:, None, None] * offset[:, None]
+    visible = (key_pos < kv_lens[:, None, None]).expand(n, q_rows, width)
+    if causal:
+        visible = visible & (offset <= 0)
+    if params.sliding_window is not None:
+        visible = visible & (offset > -params.sliding_window)
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    if params.sinks is not None:
+        sink = params.sinks.float()[:, None, None].expand(n, num_heads, q_rows, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible.any(-1)[:, None, :, None], probs, 0.0)
+    out = probs.view(n, num_kv_heads, group * q_rows, width) @ v.float()
+    return out.view(n, num_heads, q_rows, -1)
+
+
 def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
-                      kv_lens: list[int], scale: float) -> Tensor:
+                      kv_lens: list[int], params: AttentionParams) -> Tensor:
     """Sequences with one query row each, batched: ``query [N, H, D] -> [N, H, D_v]`` (fp32).
 
-    The single row sees all ``kv_len`` keys of its sequence; keys are gathered for the longest
-    sequence and the tail of shorter ones is masked.
+    The single row sees all ``kv_len`` keys of its sequence (or, with ``params``, what
+    :func:`explicit_attention` lets it see from position ``kv_len - 1``); keys are gathered for
+    the longest sequence and the tail of shorter ones is masked.
     """
     n, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, head_dim_v = value_cache.shape
@@ -265,15 +351,20 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
     # [N, kv_heads, width * block_size, D]
     k = key_cache[blocks].flatten(1, 2).transpose(1, 2).float()
     v = value_cache[blocks].flatten(1, 2).transpose(1, 2).float()
+    if not params.is_default:
+        out = explicit_attention(query[:, :, None], k, v, (lens - 1)[:, None], lens, params)
+        return out.view(n, num_heads, head_dim_v)
     # The n_rep query heads sharing a KV head play the part of SDPA's query rows.
     q = query.float().view(n, num_kv_heads, n_rep, head_dim)
     visible = (torch.arange(k.shape[2], device=query.device) < lens[:, None]).view(n, 1, 1, -1)
-    return _attend(q, k, v, visible, scale).view(n, num_heads, head_dim_v)
+    return _attend(q, k, v, visible, params.scale).view(n, num_heads, head_dim_v)
 
 
 @paged_attention.register_fake
-def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale):
+def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_window=None,
+      logits_soft_cap=None, alibi_slopes=None, sinks=None):
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
 
 
@@ -289,24 +380,33 @@ def paged_attention_functional(
     seq_lens: Tensor,
     slot_mapping: Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reshape_and_cache`` then ``paged_attention``, without mutation: the caches are returned.
 
     The functional form of one rewritten attention site, for export formats that have no
     in-place update (ONNX, where the KV caches are model inputs *and* outputs). Arguments are
-    those of the two ops; the result is ``(out [T, num_heads, head_dim_v], key_cache_out,
-    value_cache_out)``, the caches with this step's keys and values written. The inputs are left
-    untouched, so each call copies both caches: use the in-place pair when running in PyTorch.
+    those of the two ops (the attention parameters as in ``paged_attention``); the result is
+    ``(out [T, num_heads, head_dim_v], key_cache_out, value_cache_out)``, the caches with this
+    step's keys and values written. The inputs are left untouched, so each call copies both
+    caches: use the in-place pair when running in PyTorch.
     """
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    out = paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale)
+    out = paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                          alibi_slopes=alibi_slopes, sinks=sinks)
     return out, key_cache, value_cache
 
 
 @paged_attention_functional.register_fake
-def _(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, scale):
+def _(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, scale,
+      sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None):
     _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
     return out, torch.empty_like(key_cache), torch.empty_like(value_cache)

@@ -3,11 +3,13 @@
 Semantics of FlashAttention's ``flash_attn_varlen_func`` with ``cu_seqlens_q == cu_seqlens_k``:
 each sequence attends only to its own tokens, causally (top-left = bottom-right here, as query
 and key lengths are equal) or bidirectionally. Used by the ``torch.compile`` backend, where
-padded forward passes are packed and no cache is kept.
+padded forward passes are packed and no cache is kept. The per-call attention parameters are
+those of ``paged_attention`` (:class:`pagedpack.kernels.attention_params.AttentionParams`).
 """
 import torch
 from torch import Tensor
 
+from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.ops import (
     _check_dtype,
     _check_floating,
@@ -15,6 +17,7 @@ from pagedpack.kernels.ops import (
     _check_same_device,
     _require,
     causal_attention,
+    check_attention_params,
 )
 from pagedpack.kernels.validation import check_cu_seqlens_q, validation_enabled
 
@@ -40,7 +43,8 @@ def _check_args(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -
 
 @torch.library.custom_op("pagedpack::varlen_attention", mutates_args=())
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
-                     causal: bool) -> Tensor:
+                     causal: bool, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
     """Attention of each packed sequence over its own keys.
 
     Args:
@@ -51,13 +55,18 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
             (empty sequences allowed).
         scale: multiplier of ``q @ k^T``.
         causal: row ``i`` of a sequence sees its keys ``0..i``; else all its keys.
+        sliding_window, logits_soft_cap, alibi_slopes, sinks: as in ``paged_attention`` (query
+            position ``i`` = key position ``i`` here); without ``causal`` a window bounds the left
+            only (row ``i`` sees keys ``j >= i - sliding_window + 1``).
 
     Returns: ``[T, num_heads, head_dim_v]`` in ``query.dtype`` (softmax in fp32).
 
-    Raises: ``ValueError`` on a rank, shape, dtype or device mismatch; on bad ``cu_seqlens``
-        values only with ``PAGEDPACK_VALIDATE=1``.
+    Raises: ``ValueError`` on a rank, shape, dtype or device mismatch or a parameter out of range;
+        on bad ``cu_seqlens`` values only with ``PAGEDPACK_VALIDATE=1``.
     """
     _check_args(query, key, value, cu_seqlens)
+    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     num_tokens, num_heads = query.shape[:2]
     head_dim_v = value.shape[2]
     if validation_enabled():
@@ -66,12 +75,14 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     cu = cu_seqlens.tolist()
     for start, end in zip(cu[:-1], cu[1:]):
         if end > start:
-            out[start:end] = causal_attention(query[start:end], key[start:end], value[start:end], scale,
+            out[start:end] = causal_attention(query[start:end], key[start:end], value[start:end], params,
                                               causal).to(out.dtype)
     return out
 
 
 @varlen_attention.register_fake
-def _(query, key, value, cu_seqlens, scale, causal):
+def _(query, key, value, cu_seqlens, scale, causal, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+      sinks=None):
     _check_args(query, key, value, cu_seqlens)
+    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     return query.new_empty(query.shape[0], query.shape[1], value.shape[2])

@@ -15,6 +15,26 @@ One call serves prefill, decode, chunked prefill and mixed steps: sparse_mode 3 
 sequence's causal mask bottom-right (row i sees keys j <= i + kv_len - q_len), which is the
 reference op's rule. The limits this form must meet live in :mod:`pagedpack.lowering.ascend_limits`.
 
+Attention parameters are read off each site by name
+(:meth:`pagedpack.kernels.attention_params.AttentionParams.from_node`). A sliding window of ``w``
+keys becomes the band ``sparse_mode=4`` with ``pre_tokens=w - 1, next_tokens=0``: the band keeps
+keys ``[i + off - pre_tokens, i + off + next_tokens]``, ``off = kv_len - q_len``
+(kernels/ascend_emulation.py, ``_visible``), i.e. ``kv_len - q_len + i - w + 1 .. kv_len - q_len + i``,
+the reference op's window. The docs make pre_tokens/next_tokens and sparse_mode ineffective when
+Q_S is 1 [_op_plugin_docs.py, npu_fused_infer_attention_score, parameters pre_tokens, next_tokens,
+sparse_mode], and a step of decodes only is such a call, which would silently attend every key. So a
+windowed site appends one dummy sequence of two query rows and no keys (zero query rows, KV length
+0, a block-table row of zeros; it needs no block, so the blocknum rule holds), which keeps every
+step on the band's branch; its two output rows are dropped::
+
+    out = npu_fused_infer_attention_score(pad(q, 2 rows), ..., actual_seq_lengths=[cu_seqlens_q[1:], T + 2],
+              actual_seq_lengths_kv=[seq_lens, 0], block_table=pad(block_table, 1 row),
+              sparse_mode=4, pre_tokens=w - 1, next_tokens=0)[0][:-2]
+
+Logit soft-capping, ALiBi and sinks have no FIA equivalent: such a site is refused with an
+:class:`~pagedpack.lowering.ascend_limits.AscendLoweringError` naming the parameter and the reason
+(:func:`pagedpack.lowering.ascend_limits.parameter_violations`).
+
 Caches keep the runtime's ``[num_blocks, block_size, Hkv, D]`` layout; FIA gets their
 ``(blocknum, blocksize, Hkv*D)`` view, a paged layout TND queries accept
 [_op_plugin_docs.py, npu_fused_infer_attention_score, page attention].
@@ -45,7 +65,8 @@ from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import METADATA_INPUTS
-from pagedpack.lowering.ascend_limits import AttentionShape, check_supported
+from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
+from pagedpack.lowering.ascend_limits import WINDOW_DUMMY_ROWS, AttentionShape, check_supported
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
 from pagedpack.runtime.batch import example_batch
 
@@ -156,15 +177,18 @@ def _site_shapes(gm: torch.fx.GraphModule, values: dict[Node, object]) -> tuple[
 def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
     """One line for the pass report: what was lowered, to which ops."""
     kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
-    return (f"ascend lowering: {len(shapes)} site(s) -> {ops.fused_infer_attention_score} (TND, paged, sparse_mode=3) "
-            f"+ {ops.scatter_nd_update_} ({'; '.join(kinds)})")
+    windows = sorted({s.sliding_window for s in shapes if s.sliding_window is not None})
+    band = f"; sparse_mode=4 band for sliding window(s) {windows}" if windows else ""
+    return (f"ascend lowering: {len(shapes)} site(s) -> {ops.fused_infer_attention_score} (TND, paged, sparse_mode=3"
+            f"{band}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
 
 
 def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]:
     """The (fake) values of the pagedpack ops' arguments: those dynamo recorded if present
     (re-running would add guards to dynamo's shapes), else computed for ``example_inputs`` on fake
     tensors (no node meta is touched)."""
-    wanted = [a for n in gm.graph.nodes if n.target in _PAGEDPACK_OPS for a in n.args if isinstance(a, Node)]
+    wanted = [a for n in gm.graph.nodes if n.target in _PAGEDPACK_OPS for name, a in op_arguments(n).items()
+              if isinstance(a, Node) and name not in PARAM_NAMES]  # the tensors the emitter reads
     recorded = {a: a.meta.get("example_value", a.meta.get("val")) for a in wanted}
     if all(v is not None for v in recorded.values()):
         return recorded
@@ -175,10 +199,14 @@ def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]
 
 
 def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
-    query, key_cache, value_cache = (values[a] for a in node.args[:3])
+    args = op_arguments(node)
+    query, key_cache, value_cache = (values[args[name]] for name in ("query", "key_cache", "value_cache"))
+    params = AttentionParams.from_node(node)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     return AttentionShape(num_heads=int(query.shape[1]), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-                          value_head_dim=int(value_cache.shape[3]), dtype=query.dtype, block_size=int(block_size))
+                          value_head_dim=int(value_cache.shape[3]), dtype=query.dtype, block_size=int(block_size),
+                          sliding_window=params.sliding_window, logits_soft_cap=params.logits_soft_cap,
+                          alibi=params.alibi_slopes is not None, sinks=params.sinks is not None)
 
 
 def _step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
@@ -207,7 +235,9 @@ class _Emitter:
         return self._shared[key]
 
     def cache_write(self, node: Node) -> None:
-        key, value, key_cache, value_cache, slot_mapping = node.args
+        args = op_arguments(node)
+        key, value, key_cache, value_cache, slot_mapping = (
+            args[name] for name in ("key", "value", "key_cache", "value_cache", "slot_mapping"))
         with self.graph.inserting_before(node):
             index = self._call(aten.unsqueeze.default, slot_mapping, 1)  # [T, 1]
             for rows, cache in ((key, key_cache), (value, value_cache)):
@@ -219,23 +249,40 @@ class _Emitter:
         self.graph.erase_node(node)
 
     def attention(self, node: Node, shape: AttentionShape) -> None:
-        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale = node.args
+        args = op_arguments(node)
+        params = AttentionParams.from_node(node)  # what FIA cannot compute was refused by check_supported
+        query, cu_seqlens_q, seq_lens, block_table = (
+            args[name] for name in ("query", "cu_seqlens_q", "seq_lens", "block_table"))
+        window = params.sliding_window
         with self.graph.inserting_before(node):
             caches = [self._call(aten.view.default, c, [-1, shape.block_size, shape.num_kv_heads * d])
-                      for c, d in ((key_cache, shape.head_dim), (value_cache, shape.value_head_dim))]
+                      for c, d in ((args["key_cache"], shape.head_dim), (args["value_cache"], shape.value_head_dim))]
+            ends = self._once(("cumulative_q", cu_seqlens_q), lambda: self._call(
+                aten.slice.Tensor, self._call(aten._to_copy.default, cu_seqlens_q, dtype=torch.int64), 0, 1))
+            kv_lens = self._once(("kv_lens", seq_lens), lambda: self._call(
+                aten._to_copy.default, seq_lens, dtype=torch.int64))
+            mask = self._once(("mask",), lambda: self._mask(query))
+            query = self._call(aten.contiguous.default, query)  # FIA takes no non-contiguous tensor
+            band = dict(sparse_mode=3)
+            if window is not None:  # the module docstring: a dummy sequence keeps the call off the Q_S == 1 branch
+                query = self._call(aten.constant_pad_nd.default, query, [0, 0, 0, 0, 0, WINDOW_DUMMY_ROWS], 0.0)
+                ends = self._once(("cumulative_q_dummy", cu_seqlens_q), lambda: self._call(
+                    aten.cat.default, [ends, self._call(aten.add.Tensor, self._call(aten.slice.Tensor, ends, 0, -1),
+                                                        WINDOW_DUMMY_ROWS)]))
+                kv_lens = self._once(("kv_lens_dummy", seq_lens), lambda: self._call(
+                    aten.constant_pad_nd.default, kv_lens, [0, 1], 0))
+                block_table = self._once(("block_table_dummy", block_table), lambda: self._call(
+                    aten.constant_pad_nd.default, block_table, [0, 0, 0, 1], 0))
+                band = dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
             result = self._call(
-                self.ops.fused_infer_attention_score,
-                self._call(aten.contiguous.default, query),  # FIA takes no non-contiguous tensor
-                *caches,
-                atten_mask=self._once(("mask",), lambda: self._mask(query)),
-                actual_seq_lengths=self._once(("cumulative_q", cu_seqlens_q), lambda: self._call(
-                    aten.slice.Tensor, self._call(aten._to_copy.default, cu_seqlens_q, dtype=torch.int64), 0, 1)),
-                actual_seq_lengths_kv=self._once(("kv_lens", seq_lens), lambda: self._call(
-                    aten._to_copy.default, seq_lens, dtype=torch.int64)),
-                block_table=block_table, num_heads=shape.num_heads, scale=float(scale), input_layout="TND",
-                num_key_value_heads=shape.num_kv_heads, sparse_mode=3, block_size=shape.block_size,
+                self.ops.fused_infer_attention_score, query, *caches,
+                atten_mask=mask, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens, block_table=block_table,
+                num_heads=shape.num_heads, scale=float(params.scale), input_layout="TND",
+                num_key_value_heads=shape.num_kv_heads, block_size=shape.block_size, **band,
             )
             out = self._call(operator.getitem, result, 0)
+            if window is not None:
+                out = self._call(aten.slice.Tensor, out, 0, 0, -WINDOW_DUMMY_ROWS)
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
 

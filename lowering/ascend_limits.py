@@ -2,7 +2,8 @@
 
 The lowering has one form (see :mod:`pagedpack.lowering.ascend`): a single
 ``npu_fused_infer_attention_score`` (FIA) call per site over the whole packed step, in TND, paged,
-``sparse_mode=3``. Every limit below is quoted from the torch-npu 2.13.0 wheel,
+``sparse_mode=3`` (or, for a sliding window, the band ``sparse_mode=4`` over the step plus one
+two-row dummy sequence). Every limit below is quoted from the torch-npu 2.13.0 wheel,
 ``torch_npu/_op_plugin_docs.py``: entry "npu_fused_infer_attention_score" (cited ``FIA``) and entry
 "npu_fused_infer_attention_score_v2" (cited ``FIA_V2``). Both entries lower to the same GE op,
 FusedInferAttentionScore (``torchair/ops/_npu_fused_infer_attention_score.py`` and ``..._v2.py``),
@@ -27,6 +28,7 @@ MAX_GQA_RATIO = 64
 MAX_HEADS = 256
 MAX_TND_TOKENS = 65536
 MAX_TND_SEQS = 4096
+WINDOW_DUMMY_ROWS = 2  # query rows of the dummy sequence a windowed site appends (Q_S > 1: the band applies)
 
 
 class AscendLoweringError(ValueError):
@@ -35,7 +37,9 @@ class AscendLoweringError(ValueError):
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What one attention site looks like to FIA (caches are ``[num_blocks, block_size, Hkv, D]``)."""
+    """What one attention site looks like to FIA (caches are ``[num_blocks, block_size, Hkv, D]``),
+    with the site's attention parameters (:class:`pagedpack.kernels.attention_params.AttentionParams`;
+    the tensor ones only as whether they are set)."""
 
     num_heads: int
     num_kv_heads: int
@@ -43,6 +47,10 @@ class AttentionShape:
     value_head_dim: int
     dtype: torch.dtype
     block_size: int
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    alibi: bool = False
+    sinks: bool = False
 
 
 def violations(s: AttentionShape, b: StepBounds) -> list[str]:
@@ -68,11 +76,34 @@ def violations(s: AttentionShape, b: StepBounds) -> list[str]:
     if not (128 <= s.block_size <= 512 and s.block_size % 128 == 0):
         out.append(f"block_size={s.block_size}: paged attention with multi-token queries needs 128..512, a "
                    f"multiple of 128 [{FIA}, constraints Q_S > 1, page attention]")
-    if b.max_num_tokens > MAX_TND_TOKENS:
-        out.append(f"max_num_tokens={b.max_num_tokens}: TND needs T <= {MAX_TND_TOKENS} [{FIA}, TND limits]")
-    if b.max_num_seqs > MAX_TND_SEQS:
-        out.append(f"max_num_seqs={b.max_num_seqs}: TND takes at most {MAX_TND_SEQS} sequence lengths "
-                   f"[{FIA_V2}, TND limits]")
+    # A windowed site appends a dummy sequence of WINDOW_DUMMY_ROWS rows (see pagedpack.lowering.ascend).
+    windowed = s.sliding_window is not None
+    tokens = b.max_num_tokens + (WINDOW_DUMMY_ROWS if windowed else 0)
+    seqs = b.max_num_seqs + (1 if windowed else 0)
+    dummy = " with the sliding window's dummy sequence" if windowed else ""
+    if tokens > MAX_TND_TOKENS:
+        out.append(f"max_num_tokens={b.max_num_tokens} ({tokens} rows{dummy}): TND needs T <= {MAX_TND_TOKENS} "
+                   f"[{FIA}, TND limits]")
+    if seqs > MAX_TND_SEQS:
+        out.append(f"max_num_seqs={b.max_num_seqs} ({seqs} sequences{dummy}): TND takes at most {MAX_TND_SEQS} "
+                   f"sequence lengths [{FIA_V2}, TND limits]")
+    out.extend(parameter_violations(s))
+    return out
+
+
+def parameter_violations(s: AttentionShape) -> list[str]:
+    """The attention parameters FIA cannot compute, each named with its documented reason."""
+    out = []
+    if s.logits_soft_cap is not None:
+        out.append(f"logits_soft_cap={s.logits_soft_cap}: FIA computes softmax(scale*(query*key)+atten_mask)*value "
+                   f"and has no soft-capping (tanh) of the scores [{FIA}, 计算公式 (formula) and parameters]")
+    if s.alibi:
+        out.append(f"alibi_slopes: FIA's only score bias is pse_shift, and the TND layout does not support pse "
+                   f"[{FIA}, parameter input_layout: TND (不支持...pse...)]")
+    if s.sinks:
+        out.append(f"sinks: FIA has no sink logit in the softmax denominator; learnable_sink is a parameter of "
+                   f"npu_fused_infer_attention_score_v2 only, which this lowering does not emit "
+                   f"[{FIA}, 接口原型 (signature); {FIA_V2}, parameter learnable_sink]")
     return out
 
 
@@ -80,5 +111,6 @@ def check_supported(shape: AttentionShape, bounds: StepBounds) -> None:
     """Raise :class:`AscendLoweringError` listing every limit ``shape``/``bounds`` break."""
     broken = violations(shape, bounds)
     if broken:
-        raise AscendLoweringError("npu_fused_infer_attention_score (TND, paged, sparse_mode=3) cannot serve this "
+        mode = "sparse_mode=4 band" if shape.sliding_window is not None else "sparse_mode=3"
+        raise AscendLoweringError(f"npu_fused_infer_attention_score (TND, paged, {mode}) cannot serve this "
                                   f"attention ({shape}):\n  " + "\n  ".join(broken))

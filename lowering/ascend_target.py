@@ -24,9 +24,9 @@ def is_npu(device: torch.device | str) -> bool:
 
 @dataclass
 class AscendTarget(Target):
-    """torch_npu's FIA (TND, paged, ``sparse_mode=3``) per attention site; block size 128 by
-    default (paged FIA takes multiples of 128). The built-in model is shaped for FIA's TND form
-    (bf16, head_dim 128)."""
+    """torch_npu's FIA per attention site (TND, paged; ``sparse_mode=3``, or 4 with a sliding
+    window); block size 128 by default (paged FIA takes multiples of 128). The built-in model is
+    shaped for FIA's TND form (bf16, head_dim 128)."""
 
     name: str = "ascend"
     default_block_size: int = 128

@@ -11,25 +11,29 @@ that op with one of two tables (:data:`ATTENTION_TARGETS`):
     (opset :data:`OPSET`) and travel inside the model::
 
         key_cache_out, value_cache_out = pagedpack.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        out = pagedpack.paged_attention<scale>(query, key_cache_out, value_cache_out, block_table,
-                                               cu_seqlens_q, seq_lens)
+        out = pagedpack.paged_attention<scale, sliding_window?, logits_soft_cap?>(
+            query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens, alibi_slopes?, sinks?)
 
     ``reshape_and_cache`` scatters rows to ``slot_mapping`` (``-1`` skipped); ``paged_attention``
     gathers each sequence's blocks through ``block_table``, pads the packed queries per sequence,
     and applies an explicit bottom-right causal mask built from ``seq_lens`` and the per-sequence
     query lengths ``cu_seqlens_q[1:] - cu_seqlens_q[:-1]`` (the semantics of
-    :func:`pagedpack.kernels.ops.paged_attention`).
+    :func:`pagedpack.kernels.ops.paged_attention`). The attention parameters
+    (:class:`pagedpack.kernels.attention_params.AttentionParams`) are attributes and optional
+    inputs of the node: a parameter that is None is absent from it.
 
 ``"com.microsoft"``
     one ``com.microsoft.PagedAttention`` node per site (onnxruntime's contrib op, CUDA provider
     only), which writes the caches itself. Its schema takes float16/bfloat16 only, int32
-    metadata and ``past_seqlens = seq_lens - q_lens``; see :func:`_ort_translation`.
+    metadata and ``past_seqlens = seq_lens - q_lens``; a sliding window, a soft cap and sinks map
+    to its ``local_window_size``, ``softcap`` and ``head_sink``, ALiBi is refused (the schema has no
+    position bias); see :func:`_ort_translation`.
 """
 from __future__ import annotations
 
 import copy
 import operator
-from typing import TypeVar, Union
+from typing import Optional, TypeVar, Union
 
 import onnx
 import onnx_ir as ir
@@ -41,6 +45,7 @@ from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64
 from onnxscript import opset20 as op
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.kernels.attention_params import AttentionParams, op_arguments
 
 OPSET = 20  # the default-domain opset of the exported model and of the function bodies
 PAGEDPACK_DOMAIN = onnxscript.values.Opset("pagedpack", 1)
@@ -62,16 +67,20 @@ def functionalize_caches(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
     cache_inputs = [n for n in graph.nodes if n.op == "placeholder" and "_cache_" in n.target]
     new_caches: dict[torch.fx.Node, torch.fx.Node] = {}
     for write in [n for n in graph.nodes if n.target is _ops.reshape_and_cache.default]:
-        key, value, key_cache, value_cache, slot_mapping = write.args
-        reads = [u for u in key_cache.users if u.target is _ops.paged_attention.default and u.args[1] is key_cache]
+        cache_write = op_arguments(write)
+        key_cache, value_cache = cache_write["key_cache"], cache_write["value_cache"]
+        reads = [u for u in key_cache.users if u.target is _ops.paged_attention.default
+                 and op_arguments(u)["key_cache"] is key_cache]
         if len(reads) != 1:
             raise ValueError(f"graph: expected one paged_attention reading {key_cache.target}, got {len(reads)}")
         read = reads[0]
-        query, _, _, block_table, cu_seqlens_q, seq_lens, scale = read.args
+        attend = op_arguments(read)
         with graph.inserting_before(read):
-            fused = graph.call_function(_ops.paged_attention_functional.default,
-                                        (query, key, value, key_cache, value_cache, block_table,
-                                         cu_seqlens_q, seq_lens, slot_mapping, scale))
+            fused = graph.call_function(
+                _ops.paged_attention_functional.default,
+                (attend["query"], cache_write["key"], cache_write["value"], key_cache, value_cache,
+                 attend["block_table"], attend["cu_seqlens_q"], attend["seq_lens"], cache_write["slot_mapping"]),
+                AttentionParams.from_node(read).op_kwargs())
             out, new_caches[key_cache], new_caches[value_cache] = (
                 graph.call_function(operator.getitem, (fused, i)) for i in range(3))
         read.replace_all_uses_with(out)
@@ -105,14 +114,24 @@ def reshape_and_cache(key: TFloat, value: TFloat, key_cache: TCache, value_cache
 
 @onnxscript.script(PAGEDPACK_DOMAIN, default_opset=op)
 def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block_table: TIndex,
-                    cu_seqlens_q: TIndex, seq_lens: TIndex, scale: float) -> TFloat:
+                    cu_seqlens_q: TIndex, seq_lens: TIndex, scale: float, alibi_slopes: Optional[FLOAT] = None,
+                    sinks: Optional[FLOAT] = None, sliding_window: int = 0, logits_soft_cap: float = 0.0) -> TFloat:
     """Causal attention of packed ``query [T, H, D]`` over the paged caches; ``[T, H, D_v]``.
 
     Queries are scattered to ``[B, max_q_len, H, D]``; keys and values of each sequence are
     gathered through ``block_table`` to ``[B, max_blocks_per_seq * block_size, Hkv, D]``; row
-    ``i`` of sequence ``b`` sees keys ``j <= seq_lens[b] - q_len[b] + i`` (bottom-right).
-    Scores and softmax in fp32; a row that sees no key gives zeros. Grouped-query attention by
-    broadcasting the ``H / Hkv`` query heads of a group against their KV head."""
+    ``i`` of sequence ``b`` (position ``p = seq_lens[b] - q_len[b] + i``) sees keys ``j <= p``
+    (bottom-right). Scores and softmax in fp32; a row that sees no key gives zeros. Grouped-query
+    attention by broadcasting the ``H / Hkv`` query heads of a group against their KV head.
+
+    Attention parameters (absent = not applied): attribute ``sliding_window`` (``w >= 1``; 0, the
+    default, is none) also masks keys ``j <= p - w``; attribute ``logits_soft_cap`` (``> 0``; 0.0,
+    the default, is none) gives ``cap * tanh(scores / cap)``; optional input ``alibi_slopes``
+    (float ``[H]``) adds ``slope * (j - p)``; optional input ``sinks`` (float ``[H]``) joins the
+    softmax denominator, applied as ``softmax(s) * sigmoid(logsumexp(s) - sink)`` (equal to
+    softmax over ``[s, sink]`` without the sink column). An absent optional input cannot be read
+    inside a function, so it is tested with ``OptionalHasElement`` and its values come through
+    ``Gemm``'s optional bias ``C`` (zeros when absent)."""
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     minus_one = op.Constant(value_ints=[-1])
@@ -154,15 +173,43 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     v = op.Cast(op.Unsqueeze(op.Transpose(v, perm=[0, 2, 1, 3]), op.Constant(value_ints=[2])), to=FLOAT.dtype)
 
     scores = op.Mul(op.MatMul(q, op.Transpose(k, perm=[0, 1, 2, 4, 3])), op.Cast(scale, to=FLOAT.dtype))
-    # visible[b, i, j] = j <= seq_lens[b] - q_lens[b] + i
+    cap = op.Constant(value_float=logits_soft_cap)
+    if op.Greater(cap, op.Constant(value_float=0.0)):
+        capped = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
+    else:
+        capped = op.Identity(scores)
+    # offset[b, i, j] = j - p(b, i), p = seq_lens[b] - q_lens[b] + i: the key's position relative to the row's
     rows = op.Range(op.Constant(value_int=0), op.Squeeze(max_q_len, zero), op.Constant(value_int=1))
     cols = op.Range(op.Constant(value_int=0), op.Squeeze(kv_len, zero), op.Constant(value_int=1))
     last_visible = op.Add(op.Unsqueeze(op.Sub(kv_lens, q_lens), one), op.Unsqueeze(rows, zero))  # [B, max_q_len]
-    visible = op.LessOrEqual(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])),
-                             op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))
+    offset = op.Sub(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])),
+                    op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))  # [B, max_q_len, L]
+    window = op.Constant(value_int=sliding_window)
+    in_window = op.Or(op.LessOrEqual(window, op.Constant(value_int=0)), op.Greater(offset, op.Neg(window)))
+    visible = op.And(op.LessOrEqual(offset, op.Constant(value_int=0)), in_window)
     visible = op.Unsqueeze(visible, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, max_q_len, L]
+    # Per-head values [1, Hkv, G, 1, 1] of the optional inputs (zeros where absent).
+    head_shape = op.Concat(one, num_kv_heads, group, one, one, axis=0)
+    no_values = op.Reshape(op.Constant(value_floats=[0.0]), op.Constant(value_ints=[1, 1]))
+    all_heads = op.ConstantOfShape(op.Concat(one, num_heads, axis=0))  # [1, H] zeros, Gemm's B
+    if op.OptionalHasElement(alibi_slopes):
+        slopes = op.Reshape(op.Gemm(no_values, all_heads, alibi_slopes), head_shape)
+        biased = op.Add(capped, op.Mul(slopes, op.Cast(op.Unsqueeze(offset, op.Constant(value_ints=[1, 2])),
+                                                         to=FLOAT.dtype)))
+    else:
+        biased = op.Identity(capped)
     bias = op.Where(visible, op.Constant(value_float=0.0), op.Constant(value_float=float("-inf")))
-    out = op.MatMul(op.Softmax(op.Add(scores, bias), axis=-1), v)  # [B, Hkv, G, max_q_len, D_v]
+    masked = op.Add(biased, bias)
+    out = op.MatMul(op.Softmax(masked, axis=-1), v)  # [B, Hkv, G, max_q_len, D_v]
+    if op.OptionalHasElement(sinks):
+        sink = op.Reshape(op.Gemm(no_values, all_heads, sinks), head_shape)
+        row_max = op.ReduceMax(masked, op.Constant(value_ints=[-1]), keepdims=1)
+        lse = op.Add(op.Log(op.ReduceSum(op.Exp(op.Sub(masked, row_max)), op.Constant(value_ints=[-1]),
+                                         keepdims=1)), row_max)
+        with_sink = op.Mul(out, op.Sigmoid(op.Sub(lse, sink)))
+    else:
+        with_sink = op.Identity(out)
+    out = with_sink
     # A row that sees no key (softmax of all -inf is NaN) gives zeros.
     sees_a_key = op.ReduceMax(op.Cast(visible, to=INT64.dtype), op.Constant(value_ints=[-1]), keepdims=1)
     out = op.CastLike(op.Where(op.Cast(sees_a_key, to=BOOL.dtype), out, op.Constant(value_float=0.0)), query)
@@ -198,18 +245,32 @@ def _call_function_op(function: onnxscript.OnnxFunction) -> onnxscript.values.Op
     ``function`` as the model-local definition. (Calling the OnnxFunction directly records the
     same node, but ``torch.onnx.export``'s opset conversion then inlines it.)"""
     ir_function = function.function_ir
+    attribute_types = {ir.AttributeType.FLOAT: float, ir.AttributeType.INT: int}
     return _node_op(PAGEDPACK_DOMAIN, function.name, [v.name for v in ir_function.inputs],
-                    [v.name for v in ir_function.outputs], dict.fromkeys(ir_function.attributes, float))
+                    [v.name for v in ir_function.outputs],
+                    {name: attribute_types[a.type] for name, a in ir_function.attributes.items()},
+                    optional=FUNCTION_OPTIONAL_INPUTS)
 
 
+FUNCTION_OPTIONAL_INPUTS = ("alibi_slopes", "sinks")  # inputs of the functions that may be absent
 _CALL_RESHAPE_AND_CACHE, _CALL_PAGED_ATTENTION = (_call_function_op(f) for f in FUNCTIONS)
 
 
 def _pagedpack_translation(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                           slot_mapping, scale: float):
+                           slot_mapping, scale: float, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                           sinks=None):
+    """The two ``pagedpack`` function calls; the attention parameters by name (the exporter calls
+    this with the node's arguments as the op's schema names them), each absent when None."""
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     key_cache_out, value_cache_out = _CALL_RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping)
+    attributes = {}
+    if params.sliding_window is not None:
+        attributes["sliding_window"] = int(params.sliding_window)
+    if params.logits_soft_cap is not None:
+        attributes["logits_soft_cap"] = float(params.logits_soft_cap)
+    per_head = [None if t is None else op.Cast(t, to=FLOAT.dtype) for t in (params.alibi_slopes, params.sinks)]
     out = _CALL_PAGED_ATTENTION(query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens,
-                                scale=scale)
+                                *per_head, scale=params.scale, **attributes)
     return out, key_cache_out, value_cache_out
 
 
@@ -235,33 +296,78 @@ def add_functions(model: ir.Model) -> None:
 
 # Inputs in the positions of onnxruntime's schema (contrib_defs, PagedAttention, since version 1).
 ORT_PAGED_ATTENTION_INPUTS = ["query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length",
-                              "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping"]
+                              "past_seqlens", "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink"]
 ORT_FLOAT_TYPES = (torch.float16, torch.bfloat16)  # its type constraint T (and T_CACHE without quantisation)
 _ORT_PAGED_ATTENTION = _node_op(
     MICROSOFT_DOMAIN, "PagedAttention", ORT_PAGED_ATTENTION_INPUTS, ["output", "key_cache_out", "value_cache_out"],
-    {"num_heads": int, "kv_num_heads": int, "scale": float, "is_causal": int},
-    optional=("key", "value", "value_cache", "cos_cache", "sin_cache", "slot_mapping"))
+    {"num_heads": int, "kv_num_heads": int, "scale": float, "is_causal": int, "local_window_size": int,
+     "softcap": float},
+    optional=("key", "value", "value_cache", "cos_cache", "sin_cache", "slot_mapping", "head_sink"))
+
+
+def ort_unsupported(params: AttentionParams) -> list[str]:
+    """The attention parameters ``com.microsoft.PagedAttention`` cannot express, each with why."""
+    return ["alibi_slopes: com.microsoft.PagedAttention's schema has no position-bias input (its only score "
+            "modifications are local_window_size, softcap and head_sink); use attention='pagedpack'"
+            ] if params.alibi_slopes is not None else []
+
+
+def ort_attributes(params: AttentionParams) -> dict[str, float | int]:
+    """``com.microsoft.PagedAttention`` attributes for ``params`` (None: the attribute is absent).
+
+    ``local_window_size`` counts the keys *before* the row's own one (onnxruntime's GQA/PagedAttention
+    kernels keep ``local_window_size + 1`` keys, FlashAttention's ``window_size_left``), so a window
+    of ``w`` keys is ``w - 1``; ``softcap`` is ``cap * tanh(scores / cap)`` on the scaled scores, as
+    ours. Raises ``ValueError`` naming a parameter the schema cannot express (:func:`ort_unsupported`)."""
+    refused = ort_unsupported(params)
+    if refused:
+        raise ValueError("; ".join(refused))
+    attributes = {}
+    if params.sliding_window is not None:
+        attributes["local_window_size"] = int(params.sliding_window) - 1
+    if params.logits_soft_cap is not None:
+        attributes["softcap"] = float(params.logits_soft_cap)
+    return attributes
 
 
 def _ort_translation(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                     slot_mapping, scale: float):
+                     slot_mapping, scale: float, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
+                     sinks=None):
     """One ``com.microsoft.PagedAttention`` node, which writes this step's keys and values
     (to ``slot_mapping``) and attends: activations as ``[T, heads * head_dim]``, metadata int32,
-    ``past_seqlens = seq_lens - q_lens``, ``is_causal=1`` (bottom-right, as pagedpack's op)."""
+    ``past_seqlens = seq_lens - q_lens``, ``is_causal=1`` (bottom-right, as pagedpack's op).
+    Parameters by name (:func:`ort_attributes`); ``sinks`` become ``head_sink`` in the query's dtype
+    (the schema's type T)."""
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    attributes = ort_attributes(params)
     num_heads, head_dim, head_dim_v = query.shape[1], query.shape[2], value_cache.shape[3]
     num_kv_heads = key_cache.shape[2]
     cu = op.Cast(cu_seqlens_q, to=INT32.dtype)
     q_lens = op.Sub(op.Slice(cu, op.Constant(value_ints=[1]), op.Constant(value_ints=[2**31 - 1])),
                     op.Slice(cu, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])))
+    head_sink = None if params.sinks is None else op.CastLike(params.sinks, query)
     out, key_cache_out, value_cache_out = _ORT_PAGED_ATTENTION(
         op.Reshape(query, op.Constant(value_ints=[0, num_heads * head_dim])),
         op.Reshape(key, op.Constant(value_ints=[0, num_kv_heads * head_dim])),
         op.Reshape(value, op.Constant(value_ints=[0, num_kv_heads * head_dim_v])), key_cache, value_cache, cu,
         op.Sub(op.Cast(seq_lens, to=INT32.dtype), q_lens), op.Cast(block_table, to=INT32.dtype), None, None,
-        op.Cast(slot_mapping, to=INT32.dtype),
-        num_heads=num_heads, kv_num_heads=num_kv_heads, scale=scale, is_causal=1)
+        op.Cast(slot_mapping, to=INT32.dtype), head_sink,
+        num_heads=num_heads, kv_num_heads=num_kv_heads, scale=params.scale, is_causal=1, **attributes)
     out = op.Reshape(out, op.Constant(value_ints=[0, num_heads, head_dim_v]))
     return out, key_cache_out, value_cache_out
+
+
+def unsupported_params(graph_module: torch.fx.GraphModule, attention: str) -> list[str]:
+    """What the ``attention`` lowering cannot translate in ``graph_module`` (a step graph, in-place or
+    functionalised), one line per site and parameter; empty when all can be. An exporter calls this
+    before ``torch.onnx.export`` to refuse with a plain ``ValueError`` (the translation raises too,
+    but inside the exporter's own error)."""
+    if attention != "com.microsoft":
+        return []
+    sites = [n for n in graph_module.graph.nodes
+             if n.target in (_ops.paged_attention.default, _ops.paged_attention_functional.default)]
+    return [f"attention site {i} ({node.name}): {reason}" for i, node in enumerate(sites)
+            for reason in ort_unsupported(AttentionParams.from_node(node))]
 
 
 ATTENTION_TARGETS = {

@@ -10,6 +10,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._dynamo.exc import UserError
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from pagedpack.contract import UnsupportedModelError
+from pagedpack.models.config import position_limit, rope_type, sliding_window
+
+# RoPE variants whose frequencies depend on the longest position of the call: in a packed step
+# that would couple the sequences. (transformers' dynamic NTK rescales inv_freq from max(position_ids).)
+_CALL_DEPENDENT_ROPE = {
+    "dynamic": "dynamic-NTK RoPE recomputes its frequencies from the longest position of the forward call, "
+               "which in a packed step would depend on the other sequences; not supported",
+}
 
 
 class _LogitsOnly(torch.nn.Module):
@@ -33,6 +45,13 @@ class CapturedModel:
 
     graph_module: torch.fx.GraphModule
     example_num_tokens: int
+    window_hint: int | None = None  # the sliding window the config declares: masks are checked past it
+
+    def sample(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, position_ids)`` of one sequence of ``num_tokens`` (zeros, 0 .. n-1)."""
+        device = next(self.graph_module.parameters()).device
+        return (torch.zeros(1, num_tokens, dtype=torch.long, device=device),
+                torch.arange(num_tokens, device=device)[None])
 
 
 def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedModel:
@@ -41,23 +60,34 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     The token dimension is exported dynamic (``Dim.DYNAMIC``: export may narrow its range,
     e.g. to a position table's size; a packed step can hold more tokens than one sequence).
     The example is ``example_num_tokens`` long, at most the model's position limit.
-    Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1).
+    Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
+    :class:`~pagedpack.contract.UnsupportedModelError` for a model feature whose computation
+    depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
+    front; otherwise export's data-dependent guard error, kept as the cause).
     """
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None) or example_num_tokens
-    num_tokens = min(example_num_tokens, int(limit))
+    config = getattr(model, "config", None)
+    limit = position_limit(config) if config is not None else None
+    num_tokens = min(example_num_tokens, example_num_tokens if limit is None else limit)
     if num_tokens < 2:
-        raise ValueError(f"model: expected max_position_embeddings >= 2 to capture it, got {limit}")
+        raise ValueError(f"model: expected a position limit >= 2 to capture it, got {limit}")
+    if config is not None and rope_type(config) in _CALL_DEPENDENT_ROPE:
+        raise UnsupportedModelError(f"rope_type={rope_type(config)!r}: {_CALL_DEPENDENT_ROPE[rope_type(config)]}")
     device = next(model.parameters()).device
     input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
     position_ids = torch.arange(num_tokens, device=device)[None]
     dynamic = torch.export.Dim.DYNAMIC
-    with torch.no_grad():
-        exported = torch.export.export(_LogitsOnly(model), (input_ids, position_ids),
-                                       dynamic_shapes=({1: dynamic}, {1: dynamic}))
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(_LogitsOnly(model), (input_ids, position_ids),
+                                           dynamic_shapes=({1: dynamic}, {1: dynamic}))
+    except (GuardOnDataDependentSymNode, UserError) as err:
+        raise UnsupportedModelError(
+            f"torch.export cannot capture {type(model).__name__} for a dynamic number of tokens: its forward "
+            f"makes a data-dependent choice ({type(err).__name__}; the first lines: {str(err)[:300]!r})") from err
     graph_module = exported.module()
     # Plain positional calling convention instead of export's pytree one (and its input-spec
     # check), so that passes can add inputs.
     graph_module.graph._codegen = torch.fx.graph.CodeGen()
     graph_module._forward_pre_hooks.clear()
     graph_module.recompile()
-    return CapturedModel(graph_module, num_tokens)
+    return CapturedModel(graph_module, num_tokens, sliding_window(config) if config is not None else None)

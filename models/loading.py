@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from pagedpack.contract import ModelDescription
+from pagedpack.models.config import DEFAULT_MAX_MODEL_LEN, first_set, position_limit, text_config
 from pagedpack.models.tiny import default_model
 
 DEFAULT_MODEL = "pagedpack/tiny-llama"  # the built-in model: no download, random fixed-seed weights
@@ -18,8 +19,14 @@ def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: 
     Llama (with the config overrides ``builtin``, a target's ``builtin_model``), else a local
     Hugging Face directory or a hub id (``AutoModelForCausalLM``).
 
-    The model is in eval mode on ``device``; ``dtype`` None keeps the checkpoint's dtype.
+    The model is in eval mode on ``device``; ``dtype`` None keeps the checkpoint's dtype. A
+    local directory without tokenizer files gives tokenizer None (token-id prompts only).
+    ``"tiny"`` is the built-in model; a named alias (``"smollm2-135m"``, ``"gemma3-270m"``) is its
+    converted directory in the cache, fetched on first use (:mod:`pagedpack.models.aliases`).
     """
+    from pagedpack.models.aliases import resolve  # tiny -> None, an alias -> its cached directory
+
+    model = resolve(model)
     if model in (None, DEFAULT_MODEL):
         module, tokenizer = default_model(**(builtin or {}))
     elif not os.path.isdir(model) and (os.path.isabs(model) or model.startswith(".") or model.count("/") > 1):
@@ -27,24 +34,32 @@ def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: 
                          "(no such directory)")
     else:
         module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or "auto", attn_implementation="sdpa")
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model) if has_tokenizer(model) else None
     if dtype is not None:
         module = module.to(dtype)
     return module.to(device).eval(), tokenizer
 
 
 def max_model_len(config: PretrainedConfig) -> tuple[int, str | None]:
-    """Longest sequence the rewritten model serves, and why it is below the position limit.
+    """Longest sequence the rewritten model serves, and a note when it is not the config's limit.
 
-    The paged attention op has no sliding window: a model with one is served only up to its
-    window, where full causal attention and windowed attention agree.
+    The limit is the family's own field (:func:`pagedpack.models.config.position_limit`); a
+    model with none (ALiBi) gets :data:`~pagedpack.models.config.DEFAULT_MAX_MODEL_LEN`.
+    Sliding windows do not limit it: the paged op attends within each layer's window.
     """
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    uses_window = window is not None and getattr(config, "use_sliding_window", True)
-    if uses_window and int(window) < limit:
-        return int(window), f"max_model_len capped at sliding_window={window} (no sliding-window attention yet)"
+    limit = position_limit(config)
+    if limit is None:
+        return DEFAULT_MAX_MODEL_LEN, (f"the config records no position limit: max_model_len defaults to "
+                                       f"{DEFAULT_MAX_MODEL_LEN} (pass max_model_len to change it)")
     return limit, None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer(model: str) -> bool:
+    """False for a local directory holding none of :data:`TOKENIZER_FILES` (a hub id: True)."""
+    return not os.path.isdir(model) or any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(tokenizer):
@@ -69,10 +84,9 @@ def describe_model(model: torch.nn.Module, tokenizer=None) -> tuple[ModelDescrip
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> list[int]:
     """All end-of-sequence ids that ``model.generate`` stops on (configs may list several)."""
-    generation_config = getattr(model, "generation_config", None)
-    ids = getattr(generation_config, "eos_token_id", None) or model.config.eos_token_id
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
+    ids = first_set(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                    getattr(text_config(model.config), "eos_token_id", None),
+                    getattr(tokenizer, "eos_token_id", None))
     if ids is None:
         return []
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]

@@ -20,7 +20,7 @@ _PUBLIC = {
     "EngineArgs": "pagedpack.engine_args",
     "SamplingParams": "pagedpack.runtime.sampling",
     "rewrite": "pagedpack.passes.pipeline",
-    "UnsupportedModelError": "pagedpack.passes.pipeline",
+    "UnsupportedModelError": "pagedpack.contract",
 }
 __all__ = list(_PUBLIC)
 

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 LAST_REPORTS: list[PassReport] = []  # one per Dynamo graph compiled, newest last
 _POSITIONAL = (None, "input_ids", "attention_mask")  # HF forward order after ``self``
 _VERIFY_LENS = (5, 1, 7)  # a sample packed batch: T=13, B=3
+# Dynamo's graphs carry no config: masks are checked past this many tokens, so that a sliding window
+# up to it is seen (Mistral's 4096, Gemma's 512/1024/4096); a longer one would go unseen.
+PROBE_WINDOW = 4096
 
 
 class Unpackable(Exception):
@@ -106,7 +109,9 @@ class PackedForward:
         program.graph._codegen = torch.fx.graph.CodeGen()
         program._forward_pre_hooks.clear()
         program.recompile()
-        report = rewrite_varlen(program, tuple(sample), n)  # strips export's guards too
+        report = rewrite_varlen(  # strips export's guards too
+            program, tuple(sample), n, window_hint=PROBE_WINDOW,
+            make_sample=lambda t: tuple(_sample_tokens(self.args, self.token_args, example_tokens, [t])))
         if not report.ok:
             raise Unpackable(report.format())
         return program, report

@@ -12,6 +12,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.export import FORMATS
 from pagedpack.llm import LLM
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
+from pagedpack.models.aliases import TINY_ALIAS
 from pagedpack.models.loading import DEFAULT_MODEL
 from pagedpack.onnx_export import ATTENTIONS
 from pagedpack.runtime.sampling import SamplingParams
@@ -92,8 +93,9 @@ def _generate(args) -> int:
     llm = LLM.from_engine_args(engine_args)
     prompts = args.prompt or DEFAULT_PROMPTS
     where = f", emulated on {args.device}" if get_target(llm.target).emulated(args.device) else ""
+    builtin = args.model in (DEFAULT_MODEL, TINY_ALIAS)
     console.print(f"[bold]model:[/bold] {args.model}"
-                  + (" (built-in, random weights: the text is noise by design)" if args.model == DEFAULT_MODEL else "")
+                  + (" (built-in, random weights: the text is noise by design)" if builtin else "")
                   + f"  [bold]target:[/bold] {llm.target}{where}")
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -54,6 +54,15 @@ def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:
     return sum(spec.bytes_per_token for spec in specs)
 
 
+class UnsupportedModelError(ValueError):
+    """pagedpack cannot rewrite the model: ``reason`` says why (a capture failure, or the pass
+    report with each refused site); ``report`` is that pass report, if the passes ran."""
+
+    def __init__(self, reason: str, report=None):
+        super().__init__("pagedpack cannot rewrite this model:\n" + reason)
+        self.report = report
+
+
 @runtime_checkable
 class StepProgram(Protocol):
     """Anything that runs a step with the signature of the module docstring.

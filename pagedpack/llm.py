@@ -62,7 +62,7 @@ class LLM:
     ``program`` (the :class:`~pagedpack.contract.StepProgram` the runner calls), ``description``
     (eos ids, ``max_model_len``, vocabulary, tokenizer), ``report`` (the pass report, None from a file).
     Raises:
-        ValueError on bad arguments; :class:`pagedpack.passes.pipeline.UnsupportedModelError`
+        ValueError on bad arguments; :class:`pagedpack.contract.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
     """
 
@@ -191,7 +191,9 @@ class LLM:
         prompts = normalize_prompts(prompts)
         params = normalize_sampling_params(sampling_params, len(prompts))
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
-            raise ValueError("prompts: got a string but the model has no tokenizer; pass token ids")
+            name = self.description.model_name or "given as an instance"
+            raise ValueError(f"prompts: got a string but the model ({name}) has no tokenizer (no tokenizer files); "
+                             "pass token ids, or a tokenizer with LLM(..., tokenizer=...) / --tokenizer")
         requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, params)]  # tokenize first
         outputs, live = [], {}
         for prompt, request in zip(prompts, requests):

@@ -64,14 +64,23 @@ def check_attention(attention, rewritten) -> None:
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
     check_portable(rewritten)
+    dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in rewritten.kv_cache_specs})
+    if attention == "pagedpack" and "bfloat16" in dtypes:
+        raise ValueError(f"attention: 'pagedpack' functions take float32 or float16 (opset 20's Compress has no "
+                         f"bfloat16, and NumPy, which feeds onnxruntime, neither), got a model with KV dtype {dtypes}; "
+                         f"load it with dtype float16 or float32, or use attention='com.microsoft'")
     if attention == "com.microsoft":
-        from pagedpack.lowering.onnx import ORT_FLOAT_TYPES
+        from pagedpack.lowering.onnx import ORT_FLOAT_TYPES, unsupported_params
 
         dtypes = {spec.dtype for spec in rewritten.kv_cache_specs}
         if not dtypes <= set(ORT_FLOAT_TYPES):
             raise ValueError(f"attention: 'com.microsoft' (PagedAttention) takes float16 or bfloat16 activations "
                              f"and caches, got a model with KV dtype {sorted(str(d) for d in dtypes)}; load it "
                              f"in float16 (dtype=torch.float16, CLI --dtype float16) or use attention='pagedpack'")
+        unsupported = unsupported_params(rewritten.graph_module, attention)
+        if unsupported:
+            raise ValueError("attention: 'com.microsoft' (PagedAttention) cannot express:\n  "
+                             + "\n  ".join(unsupported) + "\nuse attention='pagedpack'")
 
 
 def onnx_program(rewritten, attention: str = "pagedpack") -> torch.onnx.ONNXProgram:

@@ -5,10 +5,14 @@ model families it comes from and the attention implementation:
 - ``sdpa``: ``aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=,
   enable_gqa=)``;
 - ``eager_*``: ``matmul(q, k^T) -> [mul or div by a constant] -> [add mask] -> softmax(-1) ->
-  [casts, dropout] -> matmul(., v)``.
+  [casts, dropout] -> matmul(., v)``;
+- ``eager_alibi_*``: the same with an ALiBi bias joining the scores (BLOOM, MPT, Falcon with
+  ``alibi=True``), BLOOM's on ``[H, T, D]`` tensors (batch and heads merged, :data:`MERGED_HEADS`).
 In all, K and V may come through ``repeat_kv`` (``unsqueeze(2) -> expand -> reshape``); the site
 records the pre-repeat tensors, which are what the paged KV cache stores.
-Structural problems are recorded as a refusal reason on the site; nothing is changed here.
+Structural problems are recorded as a refusal reason on the site; nothing is changed here. What
+the mask and the bias compute (the window, the ALiBi slopes) is read on a sample by
+:mod:`pagedpack.passes.verify`.
 """
 from __future__ import annotations
 
@@ -20,18 +24,28 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import Tensor
 from torch.fx import Node
+
+from pagedpack.kernels.attention_params import AttentionParams, op_arguments
 
 aten = torch.ops.aten
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
 PASS_THROUGH = frozenset({aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.alias.default,
                           aten.clone.default, aten.contiguous.default})
 _RESHAPES = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+BLOCKED = -1e4  # an additive mask entry at or below this blocks its key (transformers uses the dtype's min)
+
+# The layouts of a site's query, key, value and output (T tokens of one sequence, H heads, D head_dim).
+HEADS_FIRST = "[1, H, T, D]"  # transformers' attention tensors, batch 1
+MERGED_HEADS = "[H, T, D]"  # batch and heads merged: BLOOM's baddbmm / bmm
+LAYOUT_RANK = {HEADS_FIRST: 4, MERGED_HEADS: 3}
+_LAYOUT_OF_RANK = {rank: layout for layout, rank in LAYOUT_RANK.items()}
 
 
 @dataclass
 class AttentionSite:
-    """One attention computation in the graph (all tensors ``[1, heads, T, head_dim]``)."""
+    """One attention computation in the graph (query, key, value and output in ``layout``)."""
 
     name: str
     form: str
@@ -49,11 +63,49 @@ class AttentionSite:
     refusal: str | None = None
     pattern: str = ""  # the ATTENTION_PATTERNS entry that matched
     anchor: Node | None = None  # the node it matched at (the SDPA call or the softmax)
+    logits_soft_cap: float | None = None  # cap * tanh(scores / cap), read off the graph
+    sliding_window: int | None = None  # read off the verified mask
+    layout: str = HEADS_FIRST  # HEADS_FIRST or MERGED_HEADS
+    mask_marks_blocked: bool = False  # a boolean mask that is True at the blocked keys (masked_fill's)
+    bias: Node | None = None  # a score bias (ALiBi) broadcasting to the scores [..., H, T, T]
+    bias_factor: float = 1.0  # the bias enters the softmax times this (baddbmm beta; the scale if added before it)
+    alibi_slopes: Tensor | None = None  # float32 [num_heads], read off the verified bias and mask
 
     @property
     def sampled_nodes(self) -> tuple[Node | None, ...]:
-        """The nodes whose values on a sample the verification checks (``mask`` may be None)."""
-        return self.mask, self.key, self.value, self.key_source, self.value_source
+        """The nodes whose values on a sample the verification checks (``mask``, ``bias`` may be None)."""
+        return (self.mask, self.bias, self.query, self.key, self.value, self.key_source, self.value_source,
+                self.output)
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads (dim -3 of the query in either layout)."""
+        return self.query.meta["val"].shape[-3]
+
+    def params(self) -> AttentionParams:
+        """What the site computes besides causal ``softmax(q k^T * scale) v``, for the ops."""
+        return AttentionParams(scale=default_scale(self), sliding_window=self.sliding_window,
+                               logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes)
+
+
+def _apply(op, args: tuple):
+    return op(*args)
+
+
+def to_tokens_first(x, layout: str, call: Callable = _apply):
+    """``x`` in ``layout`` (:data:`HEADS_FIRST` or :data:`MERGED_HEADS`) -> ``[T, H, D]``, the ops' layout.
+
+    ``call(op, args)`` applies each aten op: to the tensor ``x`` by default; ``graph.call_function``
+    emits them into a graph instead (``x`` a Node)."""
+    if layout == HEADS_FIRST:
+        x = call(aten.squeeze.dim, (x, 0))
+    return call(aten.transpose.int, (x, 0, 1))
+
+
+def from_tokens_first(x, layout: str, call: Callable = _apply):
+    """``[T, H, D]`` -> ``layout``: the inverse of :func:`to_tokens_first` (same ``call``)."""
+    x = call(aten.transpose.int, (x, 0, 1))
+    return call(aten.unsqueeze.default, (x, 0)) if layout == HEADS_FIRST else x
 
 
 @dataclass(frozen=True)
@@ -94,51 +146,62 @@ def _sdpa_site(node: Node) -> AttentionSite:
          for i, (k, d) in enumerate(zip(names, defaults))}
     key_src, k_rep = unrepeat_kv(a["key"])
     value_src, v_rep = unrepeat_kv(a["value"])
+    layout = _layout(a["query"], a["key"], a["value"], node)
     site = AttentionSite(
         name=node.name, form="sdpa", layer=layer_index(node), output=node,
         query=a["query"], key=a["key"], value=a["value"], key_source=key_src, value_source=value_src,
         num_rep=k_rep, mask=a["attn_mask"], is_causal=bool(a["is_causal"]),
-        scale=node.kwargs.get("scale"),
+        scale=node.kwargs.get("scale"), layout=layout or HEADS_FIRST,
     )
     if a["dropout_p"] != 0.0:
         site.refusal = f"dropout_p={a['dropout_p']} (attention dropout is active; put the model in eval mode)"
     elif k_rep != v_rep:
         site.refusal = f"K and V are repeated differently ({k_rep} vs {v_rep})"
+    elif layout is None:
+        site.refusal = f"query, key, value and output are neither all {HEADS_FIRST} nor all {MERGED_HEADS}"
     return site
 
 
-def _eager_site(softmax: Node, scaling: Callable[[Node], tuple[Node, float] | None]) -> AttentionSite | None:
-    """Match ``matmul(q, k^T) [scaling] [+ mask] -> softmax -> ... -> matmul(., v)``; None if no match.
+@dataclass
+class _Scores:
+    """An eager site's softmax input as a pattern reads it: ``q @ k^T`` (``key_t`` is ``k^T``) and
+    its scale, with what joins them (the :class:`AttentionSite` fields of the same names)."""
 
-    ``scaling(x)`` is ``(scores, scale)`` if ``x`` is the scores scaled that way, else None.
+    query: Node
+    key_t: Node
+    scale: float
+    mask: Node | None = None
+    mask_marks_blocked: bool = False
+    logits_soft_cap: float | None = None
+    bias: Node | None = None
+    bias_factor: float = 1.0
+
+
+def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> AttentionSite | None:
+    """Match ``<scores> -> [casts] softmax(-1) -> [casts, dropout, views] -> matmul or bmm(., v)``;
+    None if no match. ``scores_of(x)`` reads the softmax input ``x`` (None: not this pattern's form).
     """
     if softmax.args[1] not in (-1, 3):
         return None
-    x, mask = softmax.args[0], None
-    if is_call(x, aten.add.Tensor) and isinstance(x.args[1], Node):
-        x, mask = x.args[0], x.args[1]
-    scaled = scaling(x)
-    if scaled is None:
-        return None
-    x, scale = scaled
-    if not is_call(x, aten.matmul.default):
-        return None
-    query, key_t = x.args
-    if not is_key_transpose(key_t):
+    scores = scores_of(_before_casts(softmax.args[0]))
+    if scores is None:
         return None
     probs = _single_user_chain(softmax)
-    if probs is None:
-        return None
     out = next(iter(probs.users)) if len(probs.users) == 1 else None
-    if out is None or not is_call(out, aten.matmul.default) or out.args[0] is not probs:
+    if out is None or not is_call(out, aten.matmul.default, aten.bmm.default) or out.args[0] is not probs:
         return None
-    key, value = key_t.args[0], out.args[1]
+    query, key, value = scores.query, scores.key_t.args[0], out.args[1]
+    layout = _layout(query, key, value, out)
+    if layout is None:
+        return None
     key_src, k_rep = unrepeat_kv(key)
     value_src, v_rep = unrepeat_kv(value)
     site = AttentionSite(
         name=out.name, form="eager", layer=layer_index(out), output=out,
         query=query, key=key, value=value, key_source=key_src, value_source=value_src,
-        num_rep=k_rep, mask=mask, is_causal=False, scale=scale,
+        num_rep=k_rep, mask=scores.mask, is_causal=False, scale=scores.scale,
+        logits_soft_cap=scores.logits_soft_cap, layout=layout, mask_marks_blocked=scores.mask_marks_blocked,
+        bias=scores.bias, bias_factor=scores.bias_factor,
     )
     if probs is not softmax and _has_active_dropout(softmax, probs):
         site.refusal = "attention dropout is active (put the model in eval mode)"
@@ -147,17 +210,137 @@ def _eager_site(softmax: Node, scaling: Callable[[Node], tuple[Node, float] | No
     return site
 
 
+def _scaled_scores(x: Node, scaling: Callable[[Node], tuple[Node, float] | None],
+                   soft_cap: bool = False) -> _Scores | None:
+    """``scaling(matmul(q, k^T)) [soft-cap] [+ mask]`` (``eager_attention_forward``).
+
+    ``scaling(x)`` is ``(scores, scale)`` if ``x`` is the scores scaled that way, else None; with
+    ``soft_cap`` the scaled scores must pass ``cap * tanh(scores / cap)`` (Gemma 2).
+    """
+    plus = _plus(x)
+    x, mask = plus or (x, None)
+    cap = None
+    if soft_cap:
+        capped = _soft_cap(x)
+        if capped is None:
+            return None
+        x, cap = capped
+    scaled = scaling(x)
+    return None if scaled is None else _matmul_scores(*scaled, mask=mask, logits_soft_cap=cap)
+
+
+def _baddbmm_alibi_scores(x: Node) -> _Scores | None:
+    """BLOOM (``modeling_bloom.BloomAttention.forward``): ``baddbmm(alibi [H, 1, T], q [H, T, D], k^T,
+    beta=beta, alpha=inv_norm_factor)`` viewed as ``[1, H, T, T]``, ``+ mask``."""
+    plus = _plus(x)
+    if plus is None:
+        return None
+    scores, mask = plus
+    scores = _before_reshape(scores)
+    if not is_call(scores, aten.baddbmm.default):
+        return None
+    a = op_arguments(scores)
+    if not is_key_transpose(a["batch2"]):
+        return None
+    return _Scores(a["batch1"], a["batch2"], float(a["alpha"]), mask=mask, bias=a["self"],
+                   bias_factor=float(a["beta"]))
+
+
+def _masked_fill_alibi_scores(x: Node) -> _Scores | None:
+    """MPT (``modeling_mpt.MptAttention.forward``): ``(matmul(q, k^T) * softmax_scale + position_bias
+    [H, 1, T]).masked_fill(mask, min)``, the boolean mask True at the blocked keys."""
+    if not is_call(x, aten.masked_fill.Scalar):
+        return None
+    a = op_arguments(x)
+    plus = _plus(a["self"])
+    if plus is None or not (isinstance(a["value"], (int, float)) and a["value"] <= BLOCKED):
+        return None
+    scores, bias = plus
+    scaled = _mul_scale(scores)
+    return None if scaled is None else _matmul_scores(*scaled, mask=a["mask"], mask_marks_blocked=True, bias=bias)
+
+
+def _falcon_alibi_scores(x: Node) -> _Scores | None:
+    """Falcon with ``alibi=True`` (``modeling_falcon.FalconAttention.forward``, eager):
+    ``(view(matmul(q, k^T)) + alibi [1, H, 1, T]) *= inv_norm_factor``, ``+ mask``; the bias joins
+    before the scale (and ``FalconModel.forward`` puts ``alibi / sqrt(head_dim)`` in the mask too)."""
+    plus = _plus(x)
+    scaled = None if plus is None else _mul_scale(plus[0])
+    biased = None if scaled is None else _plus(scaled[0])
+    if biased is None:
+        return None
+    (scores, bias), (_, scale), mask = biased, scaled, plus[1]
+    return _matmul_scores(_before_reshape(scores), scale, mask=mask, bias=bias, bias_factor=scale)
+
+
+def _matmul_scores(x: Node, scale: float, **fields) -> _Scores | None:
+    """``x`` is ``matmul(q, k^T)``: its :class:`_Scores` with ``scale`` and ``fields``; else None."""
+    if is_call(x, aten.matmul.default) and is_key_transpose(x.args[1]):
+        return _Scores(x.args[0], x.args[1], scale, **fields)
+    return None
+
+
+def _plus(x: Node) -> tuple[Node, Node] | None:
+    """``a + b`` of two tensors: ``(a, b)``; else None."""
+    if is_call(x, aten.add.Tensor) and isinstance(x.args[1], Node):
+        return x.args[0], x.args[1]
+    return None
+
+
+def _before_casts(x: Node) -> Node:
+    """``x`` before the dtype casts and copies (:data:`PASS_THROUGH`) that produce it."""
+    while is_call(x, *PASS_THROUGH):
+        x = x.args[0]
+    return x
+
+
+def _before_reshape(x: Node) -> Node:
+    """``x`` before a reshape or view of it (the output check on the sample proves what it did)."""
+    return x.args[0] if is_call(x, *_RESHAPES) else x
+
+
+def _layout(*nodes: Node) -> str | None:
+    """The layout of ``nodes`` (query, key, value, output) from their rank, None if they differ or
+    are neither 4-D nor 3-D."""
+    ranks = {_rank(n) for n in nodes}
+    return _LAYOUT_OF_RANK.get(ranks.pop()) if len(ranks) == 1 else None
+
+
+def _rank(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val.dim() if isinstance(val, Tensor) else None
+
+
 def _mul_scale(x: Node) -> tuple[Node, float] | None:
-    """``scores * s``, ``s`` a constant."""
-    if is_call(x, aten.mul.Tensor, aten.mul.Scalar) and isinstance(x.args[1], (int, float)):
+    """``scores * s``, ``s`` a constant (or ``scores *= s`` on scores used nowhere else)."""
+    if _by_constant(x, (aten.mul.Tensor, aten.mul.Scalar), (aten.mul_.Tensor, aten.mul_.Scalar)):
         return x.args[0], float(x.args[1])
     return None
 
 
 def _div_scale(x: Node) -> tuple[Node, float] | None:
-    """``scores / d``, ``d`` a constant."""
-    if is_call(x, aten.div.Tensor, aten.div.Scalar) and isinstance(x.args[1], (int, float)):
+    """``scores / d``, ``d`` a constant (or ``scores /= d``, as Falcon's eager attention, on
+    scores used nowhere else)."""
+    if _by_constant(x, (aten.div.Tensor, aten.div.Scalar), (aten.div_.Tensor, aten.div_.Scalar)):
         return x.args[0], 1.0 / float(x.args[1])
+    return None
+
+
+def _by_constant(x: Node, ops: tuple, in_place_ops: tuple) -> bool:
+    """``x`` is one of ``ops`` (or an in-place one whose input has no other user) by a constant."""
+    if not (isinstance(x, Node) and len(x.args) == 2 and isinstance(x.args[1], (int, float))):
+        return False
+    return is_call(x, *ops) or (is_call(x, *in_place_ops) and len(x.args[0].users) == 1)
+
+
+def _soft_cap(x: Node) -> tuple[Node, float] | None:
+    """``cap * tanh(scores / cap)``, ``cap`` one constant: ``(scores, cap)``."""
+    if not (is_call(x, aten.mul.Tensor, aten.mul.Scalar) and isinstance(x.args[1], (int, float))
+            and is_call(x.args[0], aten.tanh.default)):
+        return None
+    divided = x.args[0].args[0]
+    if is_call(divided, aten.div.Tensor, aten.div.Scalar) and divided.args[1] == x.args[1]:
+        return divided.args[0], float(x.args[1])
     return None
 
 
@@ -166,21 +349,36 @@ def _unscaled(x: Node) -> tuple[Node, float]:
 
 
 def is_key_transpose(node) -> bool:
-    """``k.transpose(-2, -1)`` of a 4-D ``k`` (the ``k^T`` of ``q @ k^T``)."""
-    return is_call(node, aten.transpose.int) and sorted(d % 4 for d in node.args[1:]) == [2, 3]
+    """``k.transpose(-2, -1)`` of a 4-D or 3-D ``k`` (the ``k^T`` of ``q @ k^T``)."""
+    rank = _rank(node) if is_call(node, aten.transpose.int) else None
+    return rank in _LAYOUT_OF_RANK and sorted(d % rank for d in node.args[1:]) == [rank - 2, rank - 1]
 
 
 def _single_user_chain(node: Node) -> Node | None:
-    """Follow casts and inactive dropout from the softmax to the node feeding ``@ v``."""
+    """Follow casts, inactive dropout and views that keep the rows (:func:`_regroups_heads`) from the
+    softmax to the node feeding ``@ v``."""
     while True:
         users = [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
         if len(users) != 1:
             return node
         user = users[0]
-        if user.target in PASS_THROUGH or is_call(user, aten.dropout.default):
+        if user.target in PASS_THROUGH or is_call(user, aten.dropout.default) or _regroups_heads(node, user):
             node = user
         else:
             return node
+
+
+def _regroups_heads(node: Node, view: Node) -> bool:
+    """``view`` reshapes ``node`` keeping its last two sizes (the ``[T, T]`` of each head): only batch
+    and heads regroup (BLOOM's ``[1, H, T, T] -> [H, T, T]``)."""
+    before, after = node.meta.get("val"), view.meta.get("val")
+    return (is_call(view, *_RESHAPES) and isinstance(before, Tensor) and isinstance(after, Tensor)
+            and _sizes(before.shape[-2:]) == _sizes(after.shape[-2:]))
+
+
+def _sizes(shape) -> tuple:
+    """``shape`` comparable without guards: a symbolic size as its expression."""
+    return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in shape)
 
 
 def _has_active_dropout(start: Node, end: Node) -> bool:
@@ -238,18 +436,36 @@ def layer_index(node: Node) -> int | None:
 
 ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
     AttentionPattern(
-        "sdpa", families="every transformers model under attn_implementation='sdpa' (sdpa_attention_forward)",
-        implementation="sdpa", anchors=frozenset({aten.scaled_dot_product_attention.default}), match=_sdpa_site),
+        "sdpa", families="every transformers model under attn_implementation='sdpa' (sdpa_attention_forward); "
+        "Falcon with alibi=True puts its ALiBi bias in the float attn_mask (FalconModel.forward), read by "
+        "verify_attention", implementation="sdpa", anchors=frozenset({aten.scaled_dot_product_attention.default}),
+        match=_sdpa_site),
     AttentionPattern(
         "eager_mul_scale", families="Llama, Mistral, Qwen2 and every model sharing their eager_attention_forward "
         "(matmul(q, k^T) * scaling)", implementation="eager", anchors=SOFTMAX,
-        match=partial(_eager_site, scaling=_mul_scale)),
+        match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_mul_scale))),
     AttentionPattern(
-        "eager_div_scale", families="BERT-era self-attention: BigBird, Canine, ConvBERT, CPM-Ant "
-        "(matmul(q, k^T) / math.sqrt(head_size))", implementation="eager", anchors=SOFTMAX,
-        match=partial(_eager_site, scaling=_div_scale)),
+        "eager_soft_cap", families="Gemma 2 (eager_attention_forward with attn_logit_softcapping: "
+        "cap * tanh(matmul(q, k^T) * scaling / cap))", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_mul_scale, soft_cap=True))),
+    AttentionPattern(
+        "eager_div_scale", families="Falcon (scores /= sqrt(head_dim)); BERT-era self-attention: BigBird, "
+        "Canine, ConvBERT, CPM-Ant (matmul(q, k^T) / math.sqrt(head_size))", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_div_scale))),
     AttentionPattern(
         "eager_unscaled", families="T5-style attention, the scale folded into the query projection "
         "(matmul(q, k^T))", implementation="eager", anchors=SOFTMAX,
-        match=partial(_eager_site, scaling=_unscaled)),
+        match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_unscaled))),
+    AttentionPattern(
+        "eager_alibi_baddbmm", families="BLOOM (BloomAttention: baddbmm(alibi, q, k^T, beta, alpha=inv_norm_factor) "
+        "on [H, T, D] tensors, + mask; bmm(probs, v))", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=_baddbmm_alibi_scores)),
+    AttentionPattern(
+        "eager_alibi_masked_fill", families="MPT (MptAttention: (matmul(q, k^T) * softmax_scale + position_bias)"
+        ".masked_fill(mask, min))", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=_masked_fill_alibi_scores)),
+    AttentionPattern(
+        "eager_alibi_falcon", families="Falcon with alibi=True (FalconAttention: (matmul(q, k^T) + alibi) "
+        "*= inv_norm_factor, + a mask that carries alibi / sqrt(head_dim) too)", implementation="eager",
+        anchors=SOFTMAX, match=partial(_eager_site, scores_of=_falcon_alibi_scores)),
 )

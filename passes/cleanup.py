@@ -16,17 +16,23 @@ class StripExportChecks(Pass):
     name = "strip_export_checks"
 
     def __call__(self, ctx: PassContext) -> PassResult:
-        module, removed = ctx.graph_module, 0
-        for node in list(module.graph.nodes):
-            guard = node.op == "call_module" and node.target == "_guards_fn"
-            assert_meta = node.op == "call_function" and node.target is aten._assert_tensor_metadata.default
-            if guard or assert_meta:
-                module.graph.erase_node(node)
-                removed += 1
-        if hasattr(module, "_guards_fn"):
-            delattr(module, "_guards_fn")
+        removed = strip_export_checks(ctx.graph_module)
         ctx.report.notes.append(f"removed {removed} export guard/assert nodes")
         return PassResult(matched=removed, rewritten=removed)
+
+
+def strip_export_checks(module: torch.fx.GraphModule) -> int:
+    """Remove export's guards and metadata asserts from ``module``'s graph; returns how many."""
+    removed = 0
+    for node in list(module.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        assert_meta = node.op == "call_function" and node.target is aten._assert_tensor_metadata.default
+        if guard or assert_meta:
+            module.graph.erase_node(node)
+            removed += 1
+    if hasattr(module, "_guards_fn"):
+        delattr(module, "_guards_fn")
+    return removed
 
 
 class EliminateDeadCode(Pass):

@@ -24,10 +24,12 @@ from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.report import SiteRecord, UnmatchedSoftmax, op_name
 
 aten = torch.ops.aten
-# Element-wise ops that may sit between the scores and the softmax (scale, soft-cap, mask, casts).
-_SCORE_OPS = PASS_THROUGH | {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.add.Tensor,
-                             aten.add.Scalar, aten.sub.Tensor, aten.tanh.default}
-SOFT_CAP = "a tanh between the scores and the softmax: attention logit soft-capping is not supported yet"
+# Ops that may sit between the scores and the softmax (scale, soft-cap, bias, mask, casts, views).
+_SCORE_OPS = PASS_THROUGH | {aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.div.Tensor, aten.div.Scalar,
+                             aten.div_.Tensor, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.tanh.default,
+                             aten.masked_fill.Scalar, aten.view.default, aten.reshape.default}
+SOFT_CAP = ("a tanh between the scores and the softmax: attention logit soft-capping in a form other than "
+            "cap * tanh(scores / cap) after the scale (Gemma 2's) is not supported")
 
 
 class FindAttention(Pass):
@@ -49,7 +51,8 @@ class FindAttention(Pass):
         for node in graph.nodes:
             if node in taken or not is_call(node, *SOFTMAX):
                 continue
-            reason, shaped = explain_unmatched_softmax(node), is_attention_shaped(node, sizes)
+            shaped = is_attention_shaped(node, sizes)
+            reason = explain_unmatched_softmax(node, attention_shaped=shaped)
             report.unmatched_softmaxes.append(UnmatchedSoftmax(node.name, reason, refused=shaped))
             if shaped:
                 report.sites.append(SiteRecord(node.name, "softmax", layer_index(node), reason=reason))
@@ -60,8 +63,9 @@ class FindAttention(Pass):
         return PassResult(matched=len(ctx.sites), refused=refused)
 
 
-def explain_unmatched_softmax(softmax: Node) -> str:
-    """Why no attention pattern took ``softmax``: not attention, a soft-cap, or another shape of attention."""
+def explain_unmatched_softmax(softmax: Node, *, attention_shaped: bool = False) -> str:
+    """Why no attention pattern took ``softmax``: not attention, a soft-cap, or another shape of
+    attention (``attention_shaped``: its input is ``[1, heads, T, T]``)."""
     node, between = softmax.args[0], []
     while is_call(node, *_SCORE_OPS):
         between.append(op_name(node.target))
@@ -69,6 +73,10 @@ def explain_unmatched_softmax(softmax: Node) -> str:
     query, key_t = node.args[:2] if is_call(node, aten.matmul.default) else (None, None)
     if not (_activation(query) and is_key_transpose(key_t) and _activation(key_t.args[0])):
         source = op_name(node.target) if isinstance(node, Node) and node.op == "call_function" else repr(node)
+        if attention_shaped:
+            return (f"attention-shaped scores [1, heads, T, T] computed through {source} (after: "
+                    f"{', '.join(reversed(between)) or 'nothing'}), a form no entry of ATTENTION_PATTERNS matches "
+                    "(each entry names the transformers code it reads)")
         return f"not attention (its input comes from {source}, not from a matmul of a query and a transposed key)"
     if op_name(aten.tanh.default) in between:
         return SOFT_CAP

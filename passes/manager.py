@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,9 @@ class PassContext:
     values: dict[Node, torch.Tensor] = field(default_factory=dict)  # verify_attention: sampled values
     inputs: dict[str, Node] = field(default_factory=dict)  # the step's inputs by name (the *_inputs passes)
     kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per layer
+    reference: torch.fx.GraphModule | None = None  # the captured graph, kept apart (parameters shared)
+    make_sample: Callable[[int], tuple] | None = None  # inputs of one sequence of n tokens (mask probes)
+    window_hint: int | None = None  # the largest sliding window the model's config declares
 
     @property
     def graph(self) -> torch.fx.Graph:

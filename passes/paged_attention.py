@@ -1,13 +1,16 @@
 """Rewrite one attention site to ``reshape_and_cache`` + ``paged_attention``.
 
-Before (one sequence, batch 1): ``out [1, H, T, D] = attention(q [1, H, T, D], repeat_kv(k), repeat_kv(v), mask)``.
-After (a packed step of many sequences)::
+Before (one sequence, batch 1): ``out = attention(q, repeat_kv(k), repeat_kv(v), mask)``, all in the
+site's layout (``[1, H, T, D]``, or BLOOM's ``[H, T, D]``). After (a packed step of many sequences)::
 
     reshape_and_cache(k [T, Hkv, D], v [T, Hkv, D], key_cache, value_cache, slot_mapping)
     out [T, H, D] = paged_attention(q [T, H, D], key_cache, value_cache, block_table,
-                                    cu_seqlens_q, seq_lens, scale)
+                                    cu_seqlens_q, seq_lens, scale, sliding_window=, logits_soft_cap=,
+                                    alibi_slopes=)
 
-and ``out`` is viewed back to ``[1, H, T, D]`` for the unchanged code after the site.
+and ``out`` is put back in the site's layout for the unchanged code after the site. Tensor
+parameters (ALiBi slopes) become buffers of the graph module, read with ``get_attr``, so that the
+``.pt2`` and ONNX exports carry them.
 """
 from __future__ import annotations
 
@@ -16,34 +19,37 @@ from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import KVCacheSpec
-from pagedpack.passes.attention_sites import AttentionSite, default_scale
+from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
 from pagedpack.passes.manager import PassContext, SiteRewritePass
 
-aten = torch.ops.aten
 
-
-def heads_first_to_tokens_first(graph: torch.fx.Graph, node: Node) -> Node:
-    """``[1, heads, T, D] -> [T, heads, D]``."""
-    squeezed = graph.call_function(aten.squeeze.dim, (node, 0))
-    return graph.call_function(aten.transpose.int, (squeezed, 0, 1))
+def params_kwargs(graph: torch.fx.Graph, site: AttentionSite) -> dict:
+    """``site.params().op_kwargs()`` for a call emitted into ``graph``: each tensor (the ALiBi
+    slopes) registered as a buffer ``<site>_<parameter>`` of the graph's module and passed as the
+    ``get_attr`` node that reads it."""
+    kwargs = site.params().op_kwargs()
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            target = f"{site.name}_{name}"
+            graph.owning_module.register_buffer(target, value)
+            kwargs[name] = graph.get_attr(target)
+    return kwargs
 
 
 def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node, value_cache: Node,
                  metadata: dict[str, Node]) -> Node:
     """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node."""
     with graph.inserting_before(site.output):
-        query = heads_first_to_tokens_first(graph, site.query)
-        key = heads_first_to_tokens_first(graph, site.key_source)
-        value = heads_first_to_tokens_first(graph, site.value_source)
+        query, key, value = (to_tokens_first(n, site.layout, graph.call_function)
+                             for n in (site.query, site.key_source, site.value_source))
         graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
                             (key, value, key_cache, value_cache, metadata["slot_mapping"]))
         attention = graph.call_function(
             torch.ops.pagedpack.paged_attention.default,
-            (query, key_cache, value_cache, metadata["block_table"], metadata["cu_seqlens_q"],
-             metadata["seq_lens"], default_scale(site)),
+            (query, key_cache, value_cache, metadata["block_table"], metadata["cu_seqlens_q"], metadata["seq_lens"]),
+            params_kwargs(graph, site),  # scale and the per-call parameters, by name
         )
-        heads_first = graph.call_function(aten.transpose.int, (attention, 0, 1))
-        out = graph.call_function(aten.unsqueeze.default, (heads_first, 0))
+        out = from_tokens_first(attention, site.layout, graph.call_function)
     site.output.replace_all_uses_with(out)
     return attention
 
@@ -61,7 +67,8 @@ class PagedAttention(SiteRewritePass):
 
 
 def _cache_spec(site: AttentionSite) -> KVCacheSpec:
-    """The cache pair of ``site``, read off its pre-repeat K/V tensors ``[1, kv_heads, T, head_size]``."""
+    """The cache pair of ``site``, read off its pre-repeat K/V tensors (``[..., kv_heads, T, head_size]``
+    in either layout)."""
     key, value = site.key_source.meta["val"], site.value_source.meta["val"]
-    return KVCacheSpec(num_kv_heads=key.shape[1], key_head_size=key.shape[-1],
+    return KVCacheSpec(num_kv_heads=key.shape[-3], key_head_size=key.shape[-1],
                        value_head_size=value.shape[-1], dtype=key.dtype)

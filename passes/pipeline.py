@@ -14,15 +14,17 @@ site cannot be rewritten safely, nothing is changed and the report says why.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, bytes_per_token, cache_input_names
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, UnsupportedModelError, bytes_per_token, cache_input_names
 from pagedpack.models.capture import CapturedModel
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
+from pagedpack.passes.independence import SequenceIndependence
 from pagedpack.passes.logits import GatherLogits
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
 from pagedpack.passes.paged_attention import PagedAttention
@@ -32,14 +34,6 @@ from pagedpack.passes.verify import VerifyAttention
 
 aten = torch.ops.aten
 _VERIFY_NUM_TOKENS = 7
-
-
-class UnsupportedModelError(ValueError):
-    """The rewrite refused the model (a site, or the graph as a whole); ``report`` says which and why."""
-
-    def __init__(self, report: PassReport):
-        super().__init__("pagedpack cannot rewrite this model:\n" + report.format())
-        self.report = report
 
 
 @dataclass
@@ -73,7 +67,7 @@ class RewrittenModel:
 
     def raise_if_refused(self) -> None:
         if not self.ok:
-            raise UnsupportedModelError(self.report)
+            raise UnsupportedModelError(self.report.format(), self.report)
 
 
 class AddStepInputs(Pass):
@@ -111,7 +105,7 @@ class AddStepInputs(Pass):
 
 STEP_PIPELINE: tuple[Pass, ...] = (
     FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(), PagedAttention(),
-    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
+    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), SequenceIndependence(),
 )
 
 
@@ -120,8 +114,8 @@ def rewrite(captured: CapturedModel) -> RewrittenModel:
     docstring for the result). A refused model comes back untouched, its report saying why."""
     gm = captured.graph_module
     n = min(_VERIFY_NUM_TOKENS, captured.example_num_tokens)
-    device = next(gm.parameters()).device
-    sample = (torch.zeros(1, n, dtype=torch.long, device=device), torch.arange(n, device=device)[None])
-    ctx = PassContext(gm, PassReport(), sample, n)
+    ctx = PassContext(gm, PassReport(), captured.sample(n), n,
+                      reference=torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
+                      make_sample=captured.sample, window_hint=captured.window_hint)
     done = PassManager(STEP_PIPELINE).run(ctx)
     return RewrittenModel(gm, ctx.report, ctx.kv_cache_specs if done else [])

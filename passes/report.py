@@ -28,6 +28,7 @@ class SiteRecord:
     layer: int | None = None
     rewritten: bool = False
     reason: str | None = None  # why it was refused
+    params: str = ""  # the attention parameters read off the graph (window, soft-cap, ...)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class PassReport:
                 state = "rewritten"
             else:
                 state = f"REFUSED: {s.reason}" if s.reason else f"not rewritten (stopped at {self.stopped_at})"
-            lines.append(f"  {s.name:<40} {s.form:<7} {state}")
+            lines.append(f"  {s.name:<40} {s.form:<7} {state}" + (f" ({s.params})" if s.params else ""))
         lines.append("graph inputs added: " + ", ".join(self.inputs_added))
         lines += [f"note: {n}" for n in self.notes]
         lines.append("passes: matched / rewritten / refused, time")

@@ -15,16 +15,18 @@ cu_seqlens [B+1] int32)``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx
 from torch.fx import Node
 
 import pagedpack.kernels.varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
-from pagedpack.passes.attention_sites import AttentionSite, default_scale
+from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult, SiteRewritePass
-from pagedpack.passes.paged_attention import heads_first_to_tokens_first
+from pagedpack.passes.paged_attention import params_kwargs
 from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.verify import CAUSAL, VerifyAttention
@@ -32,15 +34,17 @@ from pagedpack.passes.verify import CAUSAL, VerifyAttention
 aten = torch.ops.aten
 
 
-def rewrite_varlen(gm: torch.fx.GraphModule, sample_inputs: tuple, num_tokens: int) -> PassReport:
+def rewrite_varlen(gm: torch.fx.GraphModule, sample_inputs: tuple, num_tokens: int, *,
+                   make_sample: Callable[[int], tuple] | None = None, window_hint: int | None = None) -> PassReport:
     """Rewrite ``gm`` in place with :data:`VARLEN_PIPELINE` (unless a site is refused; then it is
     left as it was).
 
     ``sample_inputs`` is one sequence of ``num_tokens`` tokens in ``gm``'s calling convention,
-    used to verify masks and find position ids. Returns the report; ``report.ok`` means the
-    rewrite happened.
+    used to verify masks and find position ids; ``make_sample(n)`` makes such inputs for ``n``
+    tokens, to check the masks past ``window_hint`` tokens too (sliding windows). Returns the
+    report; ``report.ok`` means the rewrite happened.
     """
-    ctx = PassContext(gm, PassReport(), sample_inputs, num_tokens)
+    ctx = PassContext(gm, PassReport(), sample_inputs, num_tokens, make_sample=make_sample, window_hint=window_hint)
     PassManager(VARLEN_PIPELINE).run(ctx)
     return ctx.report
 
@@ -85,20 +89,22 @@ class PositionsInput(Pass):
 
 
 class VarlenAttention(SiteRewritePass):
-    """``varlen_attention``: every site -> ``pagedpack.varlen_attention(q, k, v, cu_seqlens, scale,
-    causal)``, causal or bidirectional as verified."""
+    """``varlen_attention``: every site -> ``pagedpack.varlen_attention(q, k, v, cu_seqlens, scale=,
+    causal=, sliding_window=, logits_soft_cap=, alibi_slopes=, ...)``, causal or bidirectional as
+    verified, the site's parameters by name (tensors as buffers, :func:`params_kwargs`), q/k/v/out
+    converted from and to the site's layout."""
 
     name = "varlen_attention"
 
     def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
         graph = ctx.graph
         with graph.inserting_before(site.output):
-            q, k, v = (heads_first_to_tokens_first(graph, n) for n in (site.query, site.key_source, site.value_source))
+            q, k, v = (to_tokens_first(n, site.layout, graph.call_function)
+                       for n in (site.query, site.key_source, site.value_source))
             attention = graph.call_function(torch.ops.pagedpack.varlen_attention.default,
-                                            (q, k, v, ctx.inputs["cu_seqlens"], default_scale(site),
-                                             ctx.kinds[index] == CAUSAL))
-            out = graph.call_function(aten.unsqueeze.default,
-                                      (graph.call_function(aten.transpose.int, (attention, 0, 1)), 0))
+                                            (q, k, v, ctx.inputs["cu_seqlens"]),
+                                            {**params_kwargs(graph, site), "causal": ctx.kinds[index] == CAUSAL})
+            out = from_tokens_first(attention, site.layout, graph.call_function)
         site.output.replace_all_uses_with(out)
 
 

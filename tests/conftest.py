@@ -17,9 +17,12 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The unmodified model's greedy ``generate`` on ``prompt`` alone: the new tokens."""
+    """The unmodified model's greedy ``generate`` on ``prompt`` alone: the new tokens. The attention
+    mask is given (all ones): otherwise ``generate`` masks every prompt token equal to the pad id."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)
     return out[0, len(prompt):].tolist()
 
 

@@ -10,7 +10,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import tomllib
 import torch
-from test_ops import make_step, reference_attention
+from test_ops import make_params, make_step, reference_attention
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pagedpack import LLM, SamplingParams
@@ -113,6 +113,88 @@ def test_mixed_prefill_decode_and_chunk_in_one_step(lowered):
     _check_step(lowered, [(0, 37), (20, 1), (130, 30), (255, 1), (127, 1)])
 
 
+# ---------------------------------------------------------------- attention parameters
+
+
+def _windowed_step(window):
+    def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
+        pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                             128**-0.5, sliding_window=window)
+    return step
+
+
+WINDOW = 200  # keys; a 200-key window of a row at position 255 starts at 56, mid-block (blocks of 128)
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    example, _ = _step_inputs([(3, 2)])
+    gm = make_fx(_windowed_step(WINDOW))(*example)
+    shapes = lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
+    assert [s.sliding_window for s in shapes] == [WINDOW]
+    return gm
+
+
+def _check_windowed_step(gm, seqs, window, seed=0):
+    inputs, full_kv = _step_inputs(seqs, seed)
+    query, cu = inputs[0], inputs[6].tolist()
+    out = gm(*inputs)
+    exact = torch.cat([reference_attention(query[cu[b]:cu[b + 1]], k, v, 128**-0.5, sliding_window=window)
+                       for b, (k, v) in enumerate(full_kv)])
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-5)
+    full = torch.cat([reference_attention(query[cu[b]:cu[b + 1]], k, v, 128**-0.5) for b, (k, v) in enumerate(full_kv)])
+    return (exact - full).abs().max()  # how much the window changed the result
+
+
+def test_window_is_lowered_to_the_band_with_a_dummy_sequence(windowed):
+    (fia,) = [n for n in windowed.graph.nodes if n.target == EMULATED.fused_infer_attention_score]
+    assert (fia.kwargs["sparse_mode"], fia.kwargs["pre_tokens"], fia.kwargs["next_tokens"]) == (4, WINDOW - 1, 0)
+    assert fia.kwargs["input_layout"] == "TND" and fia.kwargs["block_size"] == BLOCK
+    targets = {getattr(n.target, "namespace", None) for n in windowed.graph.nodes if n.op == "call_function"}
+    assert targets <= {"aten", "pagedpack_npu", None}
+
+
+@pytest.mark.parametrize("seqs", [
+    [(0, 300), (260, 1), (180, 75), (40, 1), (0, 7)],  # prefill past the window, decodes, a chunk resuming mid-block
+    [(255, 1), (1000, 1), (3, 1), (199, 1)],  # decodes only: FIA's Q_S == 1 branch would ignore the band
+    [(0, 2049)],  # a prefill longer than the compressed mask
+], ids=["mixed", "decode-only", "long-prefill"])
+def test_windowed_step_matches_the_reference(windowed, seqs):
+    assert _check_windowed_step(windowed, seqs, WINDOW) > 0.01  # the window mattered
+
+
+@pytest.mark.parametrize("window", [1, 130, 255, 256, 1000])
+def test_windows_below_at_and_above_the_kv_length(window):
+    """kv lengths 256 (chunk of 56 after 200 cached) and 130/129 (decode, fresh prefill): windows
+    of one key, starting mid-block, equal to and longer than the sequences."""
+    example, _ = _step_inputs([(3, 2)])
+    gm = make_fx(_windowed_step(window))(*example)
+    lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
+    _check_windowed_step(gm, [(200, 56), (129, 1), (0, 129)], window, seed=window)
+
+
+REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=True), "sinks": dict(sinks=True)}
+
+
+@pytest.mark.parametrize("param", REFUSED)
+def test_soft_cap_alibi_and_sinks_are_refused_naming_the_parameter(param):
+    params = make_params(4, window=64, **REFUSED[param])
+
+    def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
+        pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                             128**-0.5, **params)
+
+    example, _ = _step_inputs([(3, 2)])
+    gm = make_fx(step)(*example)
+    before = gm.code
+    with pytest.raises(AscendLoweringError, match=rf"(?s)sparse_mode=4 band.*\n  {param}\b.*_op_plugin_docs.py"):
+        lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
+    assert gm.code == before
+
+
 # ---------------------------------------------------------------- documented limits
 
 
@@ -133,6 +215,11 @@ LIMITS = {
     "block_size 640": (dict(block_size=640), {}, "128..512"),
     "T over 65536": ({}, dict(max_num_tokens=65537), "TND needs T <= 65536"),
     "B over 4096": ({}, dict(max_num_seqs=4097), "at most 4096 sequence lengths"),
+    "window: T + dummy over 65536": (dict(sliding_window=512), dict(max_num_tokens=65535), "TND needs T <= 65536"),
+    "window: B + dummy over 4096": (dict(sliding_window=512), dict(max_num_seqs=4096), "at most 4096 sequence"),
+    "soft cap": (dict(logits_soft_cap=30.0), {}, "logits_soft_cap=30.0: FIA computes softmax"),
+    "alibi": (dict(alibi=True), {}, "alibi_slopes: FIA's only score bias is pse_shift"),
+    "sinks": (dict(sinks=True), {}, "sinks: FIA has no sink logit"),
 }
 
 
@@ -150,6 +237,8 @@ def test_each_documented_limit_refuses_a_violating_configuration(case):
                                     dict(block_size=512), dict(num_heads=64, num_kv_heads=1)])
 def test_configurations_inside_the_limits_pass(change):
     assert violations(AttentionShape(**{**SHAPE.__dict__, **change}), StepBounds(65536, 4096)) == []
+    windowed = AttentionShape(**{**SHAPE.__dict__, **change, "sliding_window": 4096})
+    assert violations(windowed, StepBounds(65534, 4095)) == []
 
 
 @pytest.mark.parametrize("case", [dict(dtype=torch.float16), dict(head_dim=64), dict(block_size=16)])

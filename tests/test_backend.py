@@ -135,3 +135,19 @@ def test_unknown_option_is_a_clear_error():
     compiled = torch.compile(tiny_model("llama"), backend="pagedpack", options={"inductr": True})
     with pytest.raises(Exception, match=r"options: expected keys among \['inductor'\], got \['inductr'\]"):
         compiled(input_ids=torch.ones(1, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_sliding_window_rows_longer_than_the_window(attn):
+    """Mistral's window (24) is read off the mask probed past it; rows of 5..70 tokens match."""
+    model = tiny_model("mistral", sliding_window=24, attn_implementation=attn)
+    torch._dynamo.reset()
+    backend.LAST_REPORTS.clear()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    ids, mask = padded_batch(random.Random(3), 3, 70, left=False)
+    mask[:, :5] = 1
+    mask[1, :] = 1
+    with torch.no_grad():
+        logits = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert [s.params for s in backend.LAST_REPORTS[-1].sites] == ["window=24"] * 2
+    assert_matches_per_sequence(model, ids, mask, logits)

@@ -45,13 +45,13 @@ def test_inspect_prints_the_pass_report(model_dir):
 
 
 def test_a_bad_argument_is_reported_without_traceback():
-    result = run("generate", "--block-size", "0")
+    result = run("generate", "--model", "tiny", "--block-size", "0")
     assert result.returncode != 0
     assert "block_size: expected an int >= 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_generate_on_the_ascend_target_runs_on_the_emulation():
-    result = run("generate", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "4")
+    result = run("generate", "--model", "tiny", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert "1 (0 failed)" in result.stdout and "x 128 tokens" in result.stdout

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch.export import Dim
 
 import pagedpack.kernels  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.kernels.attention_params import AttentionParams
 
 ops = torch.ops.pagedpack
 PAIRS = [(1, 1), (1, 147), (3, 799), (127, 512), (127, 513), (64, 64), (0, 5)]  # (q_len, kv_len)
@@ -30,24 +31,43 @@ def gather_kv(cache, block_row, kv_len):
     return torch.stack(rows) if rows else cache.new_zeros(0, *cache.shape[2:])
 
 
-def reference_attention(q, k, v, scale, dtype=torch.float32):
-    """One sequence: ``q [q_len, H, D]``, ``k``/``v [kv_len, H_kv, D]``, computed in ``dtype``."""
+def reference_attention(q, k, v, scale, dtype=torch.float32, *, sliding_window=None, logits_soft_cap=None,
+                        alibi_slopes=None, sinks=None, causal=True):
+    """One sequence: ``q [q_len, H, D]``, ``k``/``v [kv_len, H_kv, D]``, computed in ``dtype``.
+
+    Row ``i`` sits at position ``p = kv_len - q_len + i``; it sees key ``j`` if ``j <= p`` (causal)
+    and ``j > p - sliding_window``. Scores ``q.k * scale``, then ``cap * tanh(s / cap)``, then
+    ``+ slope[h] * (j - p)``, then the mask; a sink logit per head joins the softmax and its
+    column is dropped. A row that sees no key is NaN here (without sinks)."""
     q_len, kv_len = q.shape[0], k.shape[0]
     i, j = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
-    mask = j <= kv_len - q_len + i
+    position = kv_len - q_len + i
+    mask = j <= position if causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+    if sliding_window is not None:
+        mask = mask & (j >= position - sliding_window + 1)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1).to(dtype), v.repeat_interleave(n_rep, dim=1).to(dtype)
     bias = torch.where(mask, 0.0, float("-inf")).to(dtype)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale + bias
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+    if logits_soft_cap is not None:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.to(dtype)[:, None, None] * (j - position).to(dtype)
+    scores = scores + bias
+    if sinks is not None:
+        sink_column = sinks.to(dtype)[:, None, None].expand(-1, q_len, 1)
+        weights = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
 
 
 def reference_paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                              dtype=torch.float32):
+                              dtype=torch.float32, **params):
     cu = cu_seqlens_q.tolist()
     return torch.cat([
         reference_attention(query[cu[b]:cu[b + 1]], gather_kv(key_cache, block_table[b], kv_len),
-                            gather_kv(value_cache, block_table[b], kv_len), scale, dtype)
+                            gather_kv(value_cache, block_table[b], kv_len), scale, dtype, **params)
         for b, kv_len in enumerate(seq_lens.tolist())
     ])
 
@@ -109,6 +129,26 @@ def make_step(seqs, *, slot_dtype=torch.int64, g=None, **kw):
     return batch, dict(key=torch.cat(new_k), value=torch.cat(new_v), slot_mapping=slot_mapping), full_kv
 
 
+def alibi_slopes(num_heads):
+    """BLOOM's slopes ``2 ** (-8 (h + 1) / H)`` (for a power-of-two ``H``; any H works here)."""
+    return torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)], dtype=torch.float32)
+
+
+def make_params(num_heads, *, window=None, soft_cap=None, alibi=False, sinks=False, seed=0):
+    """Keyword arguments of the attention parameters: the scalars as given, ALiBi slopes and
+    random sink logits for ``num_heads`` heads if asked."""
+    params = {}
+    if window is not None:
+        params["sliding_window"] = window
+    if soft_cap is not None:
+        params["logits_soft_cap"] = soft_cap
+    if alibi:
+        params["alibi_slopes"] = alibi_slopes(num_heads)
+    if sinks:
+        params["sinks"] = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) + 1.0
+    return params
+
+
 # ---------------------------------------------------------------- paged_attention numerics
 
 
@@ -129,14 +169,56 @@ def test_paged_attention_matches_reference_fp32(pair, block_size, head_dim, rati
     torch.testing.assert_close(out, reference_paged_attention(**batch), atol=1e-5, rtol=1e-5)
 
 
+def windows(kv_len, block_size):
+    """Sliding windows smaller than (one key; one that starts mid-block), equal to and larger than ``kv_len``."""
+    mid = max(1, kv_len // 2 + block_size // 2 + 1)  # the last row's window starts inside a block
+    return {"w1": 1, "mid": mid, "eq": max(kv_len, 1), "over": kv_len + 7}
+
+
+# Each GRID case with every parameter alone and all together; windows per ``windows``.
+PARAM_SETS = {"softcap": dict(soft_cap=5.0), "alibi": dict(alibi=True), "sinks": dict(sinks=True),
+              "all": dict(window="mid", soft_cap=20.0, alibi=True, sinks=True),
+              **{f"window-{name}": dict(window=name) for name in ("w1", "mid", "eq", "over")}}
+PARAM_GRID = [(case, name) for case in GRID for name in PARAM_SETS]
+
+
+def grid_params(name, kv_len, block_size, num_heads, seed=0):
+    chosen = dict(PARAM_SETS[name])
+    if "window" in chosen:
+        chosen["window"] = windows(kv_len, block_size)[chosen["window"]]
+    return make_params(num_heads, seed=seed, **chosen)
+
+
+@pytest.mark.parametrize(("case", "param_set"), PARAM_GRID,
+                         ids=[f"q{p[0]}-kv{p[1]}-bs{bs}-d{d}-gqa{r}-{name}" for (p, bs, d, r), name in PARAM_GRID])
+def test_paged_attention_with_params_matches_reference_fp32(case, param_set, monkeypatch):
+    monkeypatch.setenv("PAGEDPACK_VALIDATE", "1")
+    (q_len, kv_len), block_size, head_dim, ratio = case
+    batch = make_batch([q_len], [kv_len], ratio=ratio, head_dim=head_dim, block_size=block_size)
+    params = grid_params(param_set, kv_len, block_size, 2 * ratio)
+    out = ops.paged_attention(**batch, **params)
+    assert out.shape == (q_len, 2 * ratio, head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_paged_attention(**batch, **params), atol=1e-5, rtol=1e-5)
+
+
+def test_each_parameter_changes_the_result():
+    """Guard against a parameter being dropped silently: each one alone moves the output."""
+    batch = make_batch([5, 1], [40, 33], block_size=4)
+    plain = ops.paged_attention(**batch)
+    for params in (dict(window=9), dict(soft_cap=0.5), dict(alibi=True), dict(sinks=True)):
+        assert (ops.paged_attention(**batch, **make_params(4, **params)) - plain).abs().max() > 1e-3, params
+
+
+@pytest.mark.parametrize("with_params", [False, True], ids=["plain", "params"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_attention_low_precision(dtype):
+def test_paged_attention_low_precision(dtype, with_params):
     """Error against the fp32 reference is within 2x what the reference itself loses in ``dtype``."""
     batch = make_batch([127, 1], [513, 147], ratio=4, head_dim=128, dtype=dtype)
-    out = ops.paged_attention(**batch)
+    params = make_params(8, window=200, soft_cap=30.0, alibi=True, sinks=True) if with_params else {}
+    out = ops.paged_attention(**batch, **params)
     assert out.dtype == dtype
-    exact = reference_paged_attention(**batch)
-    ref_error = (reference_paged_attention(**batch, dtype=dtype).float() - exact).abs().max()
+    exact = reference_paged_attention(**batch, **params)
+    ref_error = (reference_paged_attention(**batch, dtype=dtype, **params).float() - exact).abs().max()
     assert ref_error > 0
     assert (out.float() - exact).abs().max() <= 2 * ref_error
 
@@ -153,18 +235,25 @@ PACKED_STEPS = dict(
 )
 
 
+# Random attention parameters for ``make_params`` (``@given(params=PARAMS)``; also used by the ONNX tests).
+PARAMS = st.fixed_dictionaries({}, optional=dict(
+    window=st.integers(1, 45), soft_cap=st.floats(0.5, 30.0), alibi=st.just(True), sinks=st.just(True)))
+
+
 @settings(max_examples=25, deadline=None)
-@given(**PACKED_STEPS)
-def test_packed_step_matches_reference(seqs, block_size, head_dim, ratio, slot_dtype, seed):
-    """Prefill (0 cached), decode (q_len 1), chunked prefill and q_len 0 sequences, packed."""
+@given(**PACKED_STEPS, params=PARAMS)
+def test_packed_step_matches_reference(seqs, block_size, head_dim, ratio, slot_dtype, seed, params):
+    """Prefill (0 cached), decode (q_len 1), chunked prefill and q_len 0 sequences, packed, with
+    random attention parameters (none, some or all)."""
     seqs = [(c, q) if c + q else (c, 1) for c, q in seqs]  # a sequence holds at least one token
     batch, write, full_kv = make_step(seqs, slot_dtype=slot_dtype, g=torch.Generator().manual_seed(seed),
                                       ratio=ratio, head_dim=head_dim, block_size=block_size, num_kv_heads=1)
+    params = make_params(ratio, seed=seed, **params)
     ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
                           write["slot_mapping"])
-    out = ops.paged_attention(**batch)
+    out = ops.paged_attention(**batch, **params)
     cu = batch["cu_seqlens_q"].tolist()
-    expected = torch.cat([reference_attention(batch["query"][cu[b]:cu[b + 1]], k, v, batch["scale"])
+    expected = torch.cat([reference_attention(batch["query"][cu[b]:cu[b + 1]], k, v, batch["scale"], **params)
                           for b, (k, v) in enumerate(full_kv)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -181,6 +270,20 @@ def test_fully_masked_rows_are_zero(monkeypatch):
     assert (out[:2] == 0).all() and (out[4:] == 0).all()
     k, v = (gather_kv(c, batch["block_table"][0], 2) for c in (batch["key_cache"], batch["value_cache"]))
     expected = reference_attention(batch["query"][:4], k, v, batch["scale"])  # rows 0, 1 are NaN here
+    torch.testing.assert_close(out[2:4], expected[2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("param_set", ["window-w1", "sinks", "all"])
+def test_fully_masked_rows_are_zero_with_params(param_set, monkeypatch):
+    """The same degenerate step through the explicit path (a decode with no key, too)."""
+    monkeypatch.delenv("PAGEDPACK_VALIDATE", raising=False)
+    batch = make_batch([4, 2, 1], [2, 0, 0])
+    params = grid_params(param_set, 2, 16, 4)
+    out = ops.paged_attention(**batch, **params)
+    assert not out.isnan().any()
+    assert (out[:2] == 0).all() and (out[4:] == 0).all()
+    k, v = (gather_kv(c, batch["block_table"][0], 2) for c in (batch["key_cache"], batch["value_cache"]))
+    expected = reference_attention(batch["query"][:4], k, v, batch["scale"], **params)
     torch.testing.assert_close(out[2:4], expected[2:], atol=1e-5, rtol=1e-5)
 
 
@@ -214,9 +317,13 @@ def _attention_samples():
     yield make_batch([3, 1, 5], [7, 20, 5], block_size=4)  # chunked prefill, decode, prefill
     yield make_batch([0, 2], [5, 2], ratio=1, head_dim=80, block_size=16)  # a q_len 0 sequence
     yield make_batch([4], [9], ratio=7, num_kv_heads=1, block_size=1, dtype=torch.bfloat16)
+    mixed = make_batch([3, 1, 5], [7, 20, 5], block_size=4)
+    yield dict(mixed, **make_params(4, window=3, soft_cap=10.0, alibi=True, sinks=True))
+    yield dict(mixed, **make_params(4, window=6))  # a parameter alone; the others by default
 
 
-@pytest.mark.parametrize("batch", list(_attention_samples()), ids=["mixed", "qlen0", "bf16-gqa7"])
+@pytest.mark.parametrize("batch", list(_attention_samples()),
+                         ids=["mixed", "qlen0", "bf16-gqa7", "mixed-all-params", "mixed-window"])
 def test_opcheck_paged_attention(batch):
     torch.library.opcheck(ops.paged_attention.default, (), batch)
 
@@ -229,16 +336,18 @@ def test_opcheck_reshape_and_cache(slot_dtype):
                           dict(write, key_cache=batch["key_cache"], value_cache=batch["value_cache"]))
 
 
+@pytest.mark.parametrize("with_params", [False, True], ids=["plain", "params"])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_paged_attention_functional(slot_dtype):
+def test_paged_attention_functional(slot_dtype, with_params):
     """The functional pair (ONNX export's form): same output as the reference, the caches come
     back written, the inputs are left as they were."""
     batch, write, full_kv = make_step([(3, 2), (0, 4), (17, 1)], slot_dtype=slot_dtype, block_size=4)
+    params = make_params(4, window=5, soft_cap=8.0, alibi=True, sinks=True) if with_params else {}
     before = batch["key_cache"].clone(), batch["value_cache"].clone()
-    args = dict(batch, **write)
+    args = dict(batch, **write, **params)
     out, key_cache, value_cache = ops.paged_attention_functional(**args)
     cu = batch["cu_seqlens_q"].tolist()
-    expected = torch.cat([reference_attention(batch["query"][cu[b]:cu[b + 1]], k, v, batch["scale"])
+    expected = torch.cat([reference_attention(batch["query"][cu[b]:cu[b + 1]], k, v, batch["scale"], **params)
                           for b, (k, v) in enumerate(full_kv)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(batch["key_cache"], before[0]) and torch.equal(batch["value_cache"], before[1])
@@ -274,6 +383,82 @@ def test_export_with_dynamic_token_and_batch_dims():
         assert torch.equal(exported["key_cache"], eager["key_cache"])  # the cache write is kept
 
 
+class _StepWithParams(_Step):
+    """``_Step`` with every attention parameter, the tensors as buffers, passed by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(4))
+        self.register_buffer("sinks", torch.randn(4, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, query, key, value, key_cache, value_cache, slot_mapping, block_table, cu_seqlens_q,
+                seq_lens):
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, 0.125,
+                                   sliding_window=5, logits_soft_cap=12.5, alibi_slopes=self.slopes, sinks=self.sinks)
+
+
+def test_export_keeps_the_attention_params():
+    """A ``.pt2``-style program carries the parameters; they read back by name off its graph."""
+    batch, write, full_kv = make_step([(3, 4), (9, 1)], block_size=4)
+    inputs = dict(write, **{k: v for k, v in batch.items() if k != "scale"})
+    module = _StepWithParams()
+    program = torch.export.export(module, (), {k: v.clone() for k, v in inputs.items()})
+    (node,) = [n for n in program.graph.nodes if n.target is ops.paged_attention.default]
+    params = AttentionParams.from_node(node)
+    assert (params.scale, params.sliding_window, params.logits_soft_cap) == (0.125, 5, 12.5)
+    assert all(isinstance(t, torch.fx.Node) for t in (params.alibi_slopes, params.sinks))
+    got = program.module()(**{k: v.clone() for k, v in inputs.items()})
+    expected = torch.cat([reference_attention(batch["query"][a:b], k, v, 0.125, sliding_window=5,
+                                              logits_soft_cap=12.5, alibi_slopes=module.slopes, sinks=module.sinks)
+                          for (a, b), (k, v) in zip([(0, 4), (4, 5)], full_kv)])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- AttentionParams
+
+
+def _call_node(op, args, kwargs):
+    graph = torch.fx.Graph()
+    placeholders = [graph.placeholder(f"x{i}") if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    kw = {k: graph.placeholder(k) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return graph.call_function(op, tuple(placeholders), kw)
+
+
+def test_params_read_back_by_name_however_the_call_spells_them():
+    b = make_batch([3, 1], [7, 2], block_size=4)
+    tensors = [b[k] for k in ("query", "key_cache", "value_cache", "block_table", "cu_seqlens_q", "seq_lens")]
+    params = AttentionParams(0.5, sliding_window=7, logits_soft_cap=30.0, alibi_slopes=alibi_slopes(4),
+                             sinks=torch.zeros(4))
+    by_keyword = AttentionParams.from_node(_call_node(ops.paged_attention.default, tensors, params.op_kwargs()))
+    positional = AttentionParams.from_node(_call_node(
+        ops.paged_attention.default, [*tensors, *params.op_kwargs().values()], {}))
+    old_style = AttentionParams.from_node(_call_node(ops.paged_attention.default, [*tensors, 0.25], {}))
+    for read in (by_keyword, positional):
+        assert (read.scale, read.sliding_window, read.logits_soft_cap) == (0.5, 7, 30.0)
+        assert read.alibi_slopes.op == read.sinks.op == "placeholder"
+    assert old_style.scale == 0.25 and old_style.is_default and old_style.describe() == ""
+    assert params.describe() == "window=7, soft_cap=30.0, alibi, sinks"
+    assert AttentionParams(1.0, sliding_window=512, logits_soft_cap=50.0).describe() == "window=512, soft_cap=50.0"
+    assert list(params.op_kwargs()) == ["scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks"]
+    varlen = _call_node(ops.varlen_attention.default, [*tensors[:3], tensors[4], 0.5, True], dict(sliding_window=3))
+    assert AttentionParams.from_node(varlen).sliding_window == 3
+
+
+@pytest.mark.parametrize(("field", "value"), [("sliding_window", 0), ("sliding_window", 2.0), ("sliding_window", True),
+                                              ("logits_soft_cap", -1.0), ("logits_soft_cap", float("nan")),
+                                              ("alibi_slopes", torch.ones(2, 2)), ("sinks", torch.ones(4).long())])
+def test_params_record_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        AttentionParams(1.0, **{field: value})
+
+
+def test_from_node_refuses_a_node_without_scale():
+    node = _call_node(ops.reshape_and_cache.default, [torch.zeros(1)] * 5, {})
+    with pytest.raises(ValueError, match="attention op"):
+        AttentionParams.from_node(node)
+
+
 # ---------------------------------------------------------------- argument checks
 
 
@@ -291,6 +476,13 @@ def _bad_attention_args():
         ("cu_seqlens_q", dict(b, cu_seqlens_q=b["cu_seqlens_q"][:-1])),
         ("block_table", dict(b, block_table=b["block_table"][:1])),
         ("seq_lens", dict(b, seq_lens=b["seq_lens"].to("meta"))),  # the one cpu tensor on the meta run
+        ("sliding_window", dict(b, sliding_window=0)),
+        ("logits_soft_cap", dict(b, logits_soft_cap=0.0)),
+        ("logits_soft_cap", dict(b, logits_soft_cap=float("inf"))),
+        ("alibi_slopes", dict(b, alibi_slopes=torch.ones(3))),  # 3 slopes for 4 heads
+        ("alibi_slopes", dict(b, alibi_slopes=torch.ones(4, dtype=torch.int64))),
+        ("sinks", dict(b, sinks=torch.ones(1, 4))),
+        ("sinks", dict(b, sinks=torch.ones(4, device="meta"))),
     ]
 
 

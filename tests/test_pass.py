@@ -67,24 +67,25 @@ def test_cache_spec_comes_from_the_graph():
 class _Bidirectional(torch.nn.Module):
     """SDPA with no mask and is_causal=False: an encoder-style site, not causal."""
 
-    def __init__(self, causal_mask: bool):
+    def __init__(self, dilated_mask: bool):
         super().__init__()
         self.proj = torch.nn.Linear(16, 48)
-        self.causal_mask = causal_mask
+        self.dilated_mask = dilated_mask
 
     def forward(self, input_ids, position_ids, use_cache=False):
         x = torch.nn.functional.one_hot(input_ids, 16).float()
         q, k, v = self.proj(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
         mask = None
-        if self.causal_mask:  # a sliding window of 2: not the causal mask
+        if self.dilated_mask:  # every other earlier key: neither causal, nor a window, nor full
             i = torch.arange(q.shape[2])
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 2)
+            mask = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :]) % 2 == 0)
         return SimpleNamespace(logits=F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum(1))
 
 
-@pytest.mark.parametrize("windowed, reason", [(False, "bidirectional"), (True, "neither causal nor full")])
-def test_unsafe_sites_are_refused_and_left_unchanged(windowed, reason):
-    captured = capture(_Bidirectional(windowed))
+@pytest.mark.parametrize("dilated, reason", [(False, "bidirectional"),
+                                             (True, "neither causal, causal within a window, nor full")])
+def test_unsafe_sites_are_refused_and_left_unchanged(dilated, reason):
+    captured = capture(_Bidirectional(dilated))
     before = captured.graph_module.code
     result = rewrite(captured)
     assert not result.ok

@@ -4,18 +4,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, MixtralConfig
+from transformers import AutoModelForCausalLM, MixtralConfig
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import FAMILIES, VOCAB_SIZE, tiny_model
 from pagedpack.passes import paged_attention
-from pagedpack.passes.attention_sites import ATTENTION_PATTERNS, find_attention_sites
+from pagedpack.passes.attention_sites import ATTENTION_PATTERNS, HEADS_FIRST, MERGED_HEADS, find_attention_sites
 from pagedpack.passes.pipeline import STEP_PIPELINE, UnsupportedModelError, rewrite
 from pagedpack.passes.varlen import VARLEN_PIPELINE, rewrite_varlen
+from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
 from pagedpack.runtime.request import Request
 
 from conftest import hf_greedy, hf_last_logits, random_prompts, run_step
+from test_families import REFUSED, SERVED, family_model
 
 LAYERS = 3
 SITE_PASSES = ("find_attention", "verify_attention", "paged_attention")
@@ -66,19 +69,131 @@ def test_varlen_pipeline_reports_its_matches():
     assert rows["no_attention_left"].refused == 0
 
 
-def _gemma2_softcapped():
-    config = Gemma2Config(**{**_SMALL, "head_dim": 16}, attn_logit_softcapping=50.0)
-    with torch.random.fork_rng(devices=[]):
+# (family, attn_implementation): the ATTENTION_PATTERNS entry its sites match
+ALIBI = {("bloom", "eager"): "eager_alibi_baddbmm", ("mpt", "eager"): "eager_alibi_masked_fill",
+         ("falcon-alibi", "eager"): "eager_alibi_falcon", ("falcon-alibi", "sdpa"): "sdpa"}
+# The slopes of 4 heads in BLOOM's build_alibi_tensor, MPT's build_mpt_alibi_tensor and Falcon's.
+SLOPES = 0.25 ** torch.arange(1.0, 5.0)
+
+
+def _alibi_model(family, attn):
+    return family_model({**SERVED, **REFUSED}, family, attn)
+
+
+@pytest.mark.parametrize("family, attn", list(ALIBI))
+def test_alibi_patterns_name_their_family_and_layout(family, attn):
+    sites = find_attention_sites(capture(_alibi_model(family, attn)).graph_module.graph)
+    assert [s.pattern for s in sites] == [ALIBI[family, attn]] * 2
+    assert {s.layout for s in sites} == {MERGED_HEADS if family == "bloom" else HEADS_FIRST}
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_alibi_slopes_are_read_off_the_bias_and_emitted_as_buffers(family):
+    result = rewrite(capture(_alibi_model(family, "eager")))
+    assert result.ok, result.report.format()
+    assert [s.params for s in result.report.sites] == ["alibi"] * 2
+    gm = result.graph_module
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.pagedpack.paged_attention.default]
+    assert len(calls) == 2
+    for call in calls:
+        slopes = AttentionParams.from_node(call).alibi_slopes
+        assert slopes.op == "get_attr"
+        torch.testing.assert_close(gm.get_buffer(slopes.target), SLOPES, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("attn, factor", [("sdpa", 1), ("eager", 2)])
+def test_falcon_alibi_is_read_and_refused_for_its_bfloat16_bias(attn, factor):
+    """On the short sample the slopes are alibi / sqrt(head_dim) (sdpa: the float mask carries it) or
+    twice that (eager adds alibi * inv_norm_factor to the scores and the mask's copy again,
+    modeling_falcon); build_alibi_tensor rounds slope * key_pos to bfloat16, which the probe past
+    256 positions sees: refused."""
+    captured = capture(_alibi_model("falcon-alibi", attn))
+    sites = find_attention_sites(captured.graph_module.graph)
+    nodes = {n for s in sites for n in s.sampled_nodes}
+    values = sample_values(captured.graph_module, lambda n: n in nodes, captured.sample(7))
+    for site in sites:
+        assert classify_site(site, values, 7) == (CAUSAL, None)
+        torch.testing.assert_close(site.alibi_slopes, factor * SLOPES / 4, rtol=1e-6, atol=0)
+    result = rewrite(captured)
+    assert result.report.stopped_at == "verify_attention"
+    assert len(result.report.refused) == 2
+    assert all(s.reason.startswith("score bias is not ALiBi") and "T=261" in s.reason for s in result.report.refused)
+
+
+class _QuadraticBias(torch.nn.Module):
+    """One eager causal attention layer whose additive mask carries ``0.01 * key_pos ** 2``: a
+    score bias, but not ALiBi."""
+
+    def __init__(self):
+        super().__init__()
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        self.embed, self.head = torch.nn.Embedding(VOCAB_SIZE, 16), torch.nn.Linear(16, VOCAB_SIZE)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        x = self.embed(input_ids)
+        n = x.shape[1]
+        j = torch.arange(n)
+        mask = torch.where(j[None, :] <= j[:, None], 0.01 * j.float() ** 2, float("-inf"))
+        q, k, v = self.qkv(x).view(1, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.35 + mask
+        return SimpleNamespace(logits=self.head(torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2)
+                                                .reshape(1, n, 16)))
 
 
-def test_attention_soft_capping_is_refused_by_name():
-    captured = capture(_gemma2_softcapped())
+def test_a_bias_that_is_not_alibi_is_refused_by_name():
+    captured = capture(_QuadraticBias())
+    before = captured.graph_module.code
+    result = rewrite(captured)
+    [site] = result.report.sites
+    assert site.reason.startswith("score bias is not ALiBi") and "T=7" in site.reason
+    assert result.report.stopped_at == "verify_attention" and result.graph_module.code == before
+
+
+def test_varlen_pipeline_serves_merged_head_alibi_sites():
+    """BLOOM's [H, T, D] sites packed without a cache: each sequence's logits as if run alone."""
+    model = _alibi_model("bloom", "eager")
+    captured = capture(model)
+    gm = captured.graph_module
+    report = rewrite_varlen(gm, captured.sample(7), 7, make_sample=captured.sample)
+    assert report.ok, report.format()
+    assert [s.params for s in report.sites] == ["alibi"] * 2
+    prompts = random_prompts((5, 9), seed=3)
+    ids = torch.tensor([prompts[0] + prompts[1]])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    with torch.no_grad():
+        (logits,) = gm(ids, positions[None], positions, torch.tensor([0, 5, 14], dtype=torch.int32))
+        for rows, prompt in ((slice(0, 5), prompts[0]), (slice(5, 14), prompts[1])):
+            torch.testing.assert_close(logits[0, rows], model(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=0)
+
+
+class _TanhCapped(torch.nn.Module):
+    """Two eager causal attention layers whose scores pass ``30 * tanh(scores)`` before the mask: a
+    soft-cap in another form than Gemma 2's ``cap * tanh(scores / cap)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB_SIZE, 16), torch.nn.Linear(16, VOCAB_SIZE)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(16, 48) for _ in range(2))
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        x = self.embed(input_ids)
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(1, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            scores = 30.0 * torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.35) + mask
+            x = x + torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2).reshape(1, n, 16)
+        return SimpleNamespace(logits=self.head(x))
+
+
+def test_an_unsupported_soft_capping_form_is_refused_by_name():
+    captured = capture(_TanhCapped())
     before = captured.graph_module.code
     result = rewrite(captured)
     report = result.report
-    with pytest.raises(UnsupportedModelError, match="attention logit soft-capping is not supported yet"):
+    with pytest.raises(UnsupportedModelError, match="soft-capping in a form other than cap \\* tanh"):
         result.raise_if_refused()
     assert "no attention site found" not in report.format()
     assert len(report.refused) == 2 and all("tanh" in s.reason for s in report.refused)

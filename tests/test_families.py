@@ -1,0 +1,96 @@
+"""Every model family people run, as tiny random configs: the rewritten model's greedy tokens equal
+the unmodified model's ``generate`` run one prompt at a time, on 12 prompts of lengths 1 to 300
+batched together (block 16, a 96-token step budget, so long prompts are chunked and sliding
+windows cross block boundaries); families the pass cannot serve exactly are refused with a reason.
+Each family runs under every ``attn_implementation`` transformers offers it (``sdpa``, ``eager``)."""
+import pytest
+import torch
+import transformers as T
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.contract import UnsupportedModelError
+
+from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts
+
+V = 258
+_BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+WINDOW = 24  # smaller than most prompts, not a multiple of the block size
+BOTH, EAGER = ("sdpa", "eager"), ("eager",)
+
+# family: (config class, config, attention implementations transformers offers, what the report shows)
+SERVED = {
+    "gemma": (T.GemmaConfig, dict(_BASE, head_dim=16), BOTH, []),
+    "gemma2": (T.Gemma2Config, dict(_BASE, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0), EAGER,
+               [f"window={WINDOW}, soft_cap=50.0", "soft_cap=50.0"]),
+    "gemma3": (T.Gemma3TextConfig, dict(_BASE, head_dim=16, sliding_window=WINDOW,
+                                        layer_types=["sliding_attention", "full_attention"]), BOTH,
+               [f"window={WINDOW}", ""]),
+    "mistral": (T.MistralConfig, dict(_BASE, sliding_window=WINDOW), BOTH, [f"window={WINDOW}"] * 2),
+    "qwen2": (T.Qwen2Config, dict(_BASE, sliding_window=WINDOW, use_sliding_window=True, max_window_layers=0), BOTH,
+              [f"window={WINDOW}"] * 2),
+    "falcon": (T.FalconConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    new_decoder_architecture=False, multi_query=True, alibi=False), BOTH, []),
+    "gpt2": (T.GPT2Config, dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                bos_token_id=V - 2, eos_token_id=V - 1), BOTH, []),
+    "gpt_neox": (T.GPTNeoXConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, rotary_pct=0.25, max_position_embeddings=512), BOTH, []),
+    "opt": (T.OPTConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                              word_embed_proj_dim=64, max_position_embeddings=512), BOTH, []),
+    "phi": (T.PhiConfig, dict(_BASE, partial_rotary_factor=0.5), BOTH, []),
+    "phi3": (T.Phi3Config, dict(_BASE, pad_token_id=0, eos_token_id=V - 1, partial_rotary_factor=0.5), BOTH, []),
+    "qwen3": (T.Qwen3Config, dict(_BASE, head_dim=16), BOTH, []),
+    "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
+    "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
+    "bloom": (T.BloomConfig, dict(vocab_size=V, hidden_size=64, n_layer=2, n_head=4), EAGER, ["alibi"] * 2),
+    "mpt": (T.MptConfig, dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), EAGER,
+            ["alibi"] * 2),
+}
+# family: (config class, config, implementations, what the refusal names)
+REFUSED = {
+    # build_alibi_tensor rounds slope * key_pos to bfloat16 (modeling_falcon), so in a float32 model the
+    # bias stops being linear past 256 positions: the slopes of paged_attention cannot reproduce it.
+    "falcon-alibi": (T.FalconConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          new_decoder_architecture=False, multi_query=True, alibi=True), BOTH,
+                     "score bias is not ALiBi .* at T=261"),
+}
+
+
+def family_model(table, family, attn):
+    config_class, config = table[family][:2]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return T.AutoModelForCausalLM.from_config(config_class(**config), attn_implementation=attn).eval()
+
+
+@pytest.mark.parametrize("family, attn", [(f, a) for f, entry in SERVED.items() for a in entry[2]])
+def test_family_is_served_token_for_token(family, attn):
+    model = family_model(SERVED, family, attn)
+    llm = LLM(model, block_size=16, num_blocks=512, max_num_batched_tokens=96)
+    params = [s.params for s in llm.report.sites]
+    assert params == (SERVED[family][3] or [""] * len(params)), llm.report.format()
+    prompts = random_prompts(MIXED_PROMPT_LENS, seed=1, vocab=V)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.error is None
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6), f"prompt length {len(prompt)}"
+
+
+@pytest.mark.parametrize("family, attn", [(f, a) for f, entry in REFUSED.items() for a in entry[2]])
+def test_family_is_refused_with_a_reason(family, attn):
+    with pytest.raises(UnsupportedModelError, match=REFUSED[family][3]):
+        LLM(family_model(REFUSED, family, attn), num_blocks=64)
+
+
+@pytest.mark.parametrize("family, attn", [("gemma2", "eager"), ("mistral", "sdpa"), ("bloom", "eager")])
+def test_window_and_soft_cap_survive_the_onnx_target_and_the_pt2_export(family, attn, tmp_path):
+    model = family_model(SERVED, family, attn)
+    prompts = random_prompts((3, 40, 100), seed=2, vocab=V)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [hf_greedy(model, p, 6) for p in prompts]
+    onnx = LLM(model, target="onnx", num_blocks=64, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in onnx.generate(prompts, params, use_tqdm=False)] == want
+    path = LLM(model, num_blocks=4).export(tmp_path / "m.pt2")
+    served = LLM.from_exported(path, num_blocks=64, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == want

