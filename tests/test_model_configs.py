@@ -34,11 +34,12 @@ def test_alibi_models_without_a_position_limit_get_the_default_with_a_note():
     assert limit == 2048 and "no position limit" in note
 
 
-def test_bloom_is_refused_with_a_reason_not_an_attribute_error():
+def test_bloom_loads_with_and_without_max_model_len():
     # Regression: AttributeError 'max_position_embeddings' from llm.py before the pass ran.
     model = BloomForCausalLM(BloomConfig(vocab_size=VOCAB_SIZE, hidden_size=64, n_layer=2, n_head=4)).eval()
-    with pytest.raises(UnsupportedModelError, match="attention-shaped scores .* baddbmm"):
-        LLM(model, max_model_len=256, num_blocks=8)
+    assert LLM(model, max_model_len=256, num_blocks=8).max_model_len == 256
+    llm = LLM(model, num_blocks=8)
+    assert llm.max_model_len == 2048 and any("no position limit" in n for n in llm.report.notes)
 
 
 def test_eos_id_0_in_the_generation_config_wins_over_the_config():
