@@ -55,7 +55,9 @@ class SequenceIndependence(Pass):
         worst = {name: (packed[name] - single[name]).abs().max().item() for name in single}
         if all(err <= _FLOOR * (1 + single[name].abs().max().item()) for name, err in worst.items()):
             return PassResult(matched=len(single))
-        exact = {name: sample.run_single(tokens, float64=True) for name, tokens in sample.tokens.items()}
+        float64 = _float64_copy(ctx.reference)
+        exact = {name: sample.run_single(tokens, float64) for name, tokens in sample.tokens.items()}
+        del float64
         coupled = [name for name in single if not _within(packed[name], single[name], exact[name])]
         if not coupled:
             return PassResult(matched=len(single))
@@ -84,11 +86,9 @@ class _Sample:
         g = torch.Generator().manual_seed(0)
         self.tokens = {name: torch.randint(0, vocab, (n,), generator=g).tolist() for name, n in _LENGTHS.items()}
 
-    def run_single(self, tokens: list[int], *, float64: bool = False) -> torch.Tensor:
-        """``[n, vocab]`` logits of the captured graph on ``tokens`` alone."""
-        module = self.ctx.reference
-        if float64:
-            module = _float64_copy(module)
+    def run_single(self, tokens: list[int], module: torch.fx.GraphModule | None = None) -> torch.Tensor:
+        """``[n, vocab]`` logits of the captured graph (or of ``module``, its float64 copy) on ``tokens`` alone."""
+        module = module or self.ctx.reference
         ids = torch.tensor([tokens], device=self.device)
         with torch.no_grad():
             out = module(ids, torch.arange(len(tokens), device=self.device)[None])
