@@ -102,7 +102,8 @@ class PassReport:
             lines.append(f"  {s.name:<40} {s.form:<7} {state}" + (f" ({s.params})" if s.params else ""))
         lines.append("graph inputs added: " + ", ".join(self.inputs_added))
         lines += [f"note: {n}" for n in self.notes]
-        lines.append("passes: matched / rewritten / refused, time")
+        lines.append("passes: matched / rewritten / refused (in what each pass counts: sites, nodes, inputs, "
+                     "sequences; see docs/design.md), time")
         for p in self.passes:
             lines.append(f"  {p.name:<24} {p.matched:>4} / {p.rewritten:>4} / {p.refused:>4} {p.ms:>9.1f} ms")
         if self.stopped_at is not None:
