@@ -260,15 +260,14 @@ def paged_attention(
     return out
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams | float, causal: bool = True) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, causal: bool = True) -> Tensor:
     """One sequence, tokens first: ``q [q_len, H, D]``, ``k [kv_len, Hkv, D]``, ``v [kv_len,
     Hkv, D_v]`` -> ``[q_len, H, D_v]`` in fp32; causal aligned bottom-right (row ``i`` sees keys
     ``0 .. kv_len - q_len + i``), or every key if not ``causal``. Grouped-query via SDPA's
     ``enable_gqa`` (head ``h`` reads KV head ``h // (H // Hkv)``). 4-D inputs keep SDPA on its
-    fused CPU kernel. ``params``: an :class:`AttentionParams` (or just the scale); with any
+    fused CPU kernel. ``params``: the call's :class:`AttentionParams`; with any
     parameter set, :func:`explicit_attention` computes the sequence (a non-causal window bounds
     the left only)."""
-    params = params if isinstance(params, AttentionParams) else AttentionParams(params)
     scale = params.scale
     q_len, kv_len = q.shape[0], k.shape[0]
     q4, k4, v4 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]

@@ -118,10 +118,14 @@ class _Sample:
     def num_blocks(self) -> int:
         return sum(-(-n // _BLOCK_SIZE) for n in _LENGTHS.values())
 
+    def empty_caches(self) -> list[torch.Tensor]:
+        """Zeroed KV caches for the sample, one pair per layer."""
+        return [torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
+                for shape in spec.cache_shapes(self.num_blocks, _BLOCK_SIZE)]
+
     def run_packed(self) -> dict[str, torch.Tensor]:
         """Each sequence's ``[n, vocab]`` logits, assembled from the packed steps."""
-        caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
-                  for shape in spec.cache_shapes(self.num_blocks, _BLOCK_SIZE)]
+        caches = self.empty_caches()
         rows: dict[str, list[torch.Tensor]] = {name: [] for name in self.tokens}
         for order, inputs in self.steps():
             with torch.no_grad():
@@ -138,8 +142,7 @@ class _Sample:
         lens = [_STEPS[0][name] for name in order]
         shared = {n.name for n in self.ctx.reference.graph.nodes} & {n.name for n in self.ctx.graph.nodes}
         wanted = lambda node: node.name in shared and node.op == "call_function"  # noqa: E731
-        caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
-                  for shape in spec.cache_shapes(self.num_blocks, _BLOCK_SIZE)]
+        caches = self.empty_caches()
         packed = sample_values(self.ctx.graph_module, wanted,
                                (*(inputs[name] for name in METADATA_INPUTS), *caches))
         singles = []
