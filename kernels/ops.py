@@ -1,13 +1,17 @@
-"""The project's reference ops: ``torch.ops.pagedpack.reshape_and_cache`` and ``paged_attention``.
+"""The project's ops: ``torch.ops.pagedpack.reshape_and_cache`` and ``paged_attention``.
 
 Both are ``torch.library.custom_op`` definitions with a fake (meta) kernel, so a graph calling
 them traces under ``torch.export`` with symbolic ``T`` (tokens), ``B`` (sequences) and
-``max_blocks_per_seq``. The real kernels are plain PyTorch and run on any device.
+``max_blocks_per_seq``. The reference kernels here are plain PyTorch and run on any device.
 
-Shape, dtype and device checks always run, in the real and in the fake kernel (through
-``torch._check_value``, which raises ``ValueError`` on concrete sizes and records a guard on
-symbolic ones). Checks on metadata *values* need a device sync; the real kernels run them only
-when ``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`).
+Shape, dtype and device checks run in the fake kernel (through ``torch._check_value``, which
+raises ``ValueError`` on concrete sizes and records a guard on symbolic ones) and in the real
+kernels, except inside the runner's step (:func:`pagedpack.kernels.validation.checked_step`),
+where they were done once for all layers. On the CPU the real kernels are the native ones
+(:mod:`pagedpack.kernels.native`) when they build, else the PyTorch reference kernels here.
+Checks on metadata *values* need a device sync; the reference kernels run them only when
+``PAGEDPACK_VALIDATE=1`` (see :mod:`pagedpack.kernels.validation`); the native ones check block
+ids and slots always (no sync on the CPU).
 
 The attention ops take the per-call parameters of
 :class:`pagedpack.kernels.attention_params.AttentionParams` as keyword arguments with defaults
@@ -24,7 +28,13 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from pagedpack.kernels.attention_params import AttentionParams
-from pagedpack.kernels.validation import check_paged_metadata, check_slot_mapping, validation_enabled
+from pagedpack.kernels.native import native_ops
+from pagedpack.kernels.validation import (
+    arguments_checked,
+    check_paged_metadata,
+    check_slot_mapping,
+    validation_enabled,
+)
 
 _CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 
@@ -169,10 +179,15 @@ def reshape_and_cache(
         ValueError: a rank, shape, dtype or device mismatch (always); a slot outside the pool
             (only with ``PAGEDPACK_VALIDATE=1``).
     """
-    _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    if not arguments_checked():
+        _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     block_size = key_cache.shape[1]
     if validation_enabled():
         check_slot_mapping(slot_mapping, key_cache.shape[0], block_size)
+    native = native_ops() if key_cache.device.type == "cpu" else None
+    if native is not None:
+        native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
     write = slot_mapping >= 0
     slots = slot_mapping[write].long()
     blocks, offsets = slots // block_size, slots % block_size
@@ -231,16 +246,31 @@ def paged_attention(
             inconsistent metadata values (only with ``PAGEDPACK_VALIDATE=1``, see
             ``check_paged_metadata``).
     """
-    _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
-    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, head_dim_v = value_cache.shape
+    if not arguments_checked():
+        _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+        check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
     if validation_enabled():
         check_paged_metadata(
-            num_tokens=num_tokens, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
-            block_table=block_table, slot_mapping=None, num_blocks=num_blocks, block_size=block_size,
+            num_tokens=query.shape[0], cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+            block_table=block_table, slot_mapping=None, num_blocks=key_cache.shape[0], block_size=key_cache.shape[1],
         )
+    native = native_ops() if query.device.type == "cpu" else None
+    if native is not None:
+        return native.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                                      sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    return reference_paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, params)
+
+
+def reference_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                              cu_seqlens_q: Tensor, seq_lens: Tensor, params: AttentionParams) -> Tensor:
+    """:func:`paged_attention` in plain PyTorch (any device): the semantics' reference kernel.
+
+    Decode rows are batched (:func:`_decode_attention`); every other sequence's blocks are gathered
+    and run through :func:`causal_attention`. Arguments as in :func:`paged_attention`, checked."""
+    num_tokens, num_heads, head_dim = query.shape
+    head_dim_v = value_cache.shape[3]
+    block_size = key_cache.shape[1]
     out = query.new_zeros(num_tokens, num_heads, head_dim_v)
     cu, kv_lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     decodes = [b for b in range(len(kv_lens)) if cu[b + 1] - cu[b] == 1]

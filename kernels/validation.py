@@ -3,17 +3,41 @@
 The batch builder always runs them; the ops run them when ``PAGEDPACK_VALIDATE=1`` (they need
 the metadata's values, i.e. a device sync, so they stay off the hot path by default).
 Every failure is a ``ValueError`` naming the argument, what was expected and what came.
+
+Inside :func:`checked_step` (the runner's step, whose metadata the batch builder checked once and
+whose caches the runner allocated to the program's specs) the ops also skip their per-call
+argument checks; called directly, or with ``PAGEDPACK_VALIDATE=1``, they always run them.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
+
+_STEP_CHECKED = contextvars.ContextVar("pagedpack_step_checked", default=False)
 
 
 def validation_enabled() -> bool:
     """True when ``PAGEDPACK_VALIDATE=1`` asks the ops to check metadata values."""
     return os.environ.get("PAGEDPACK_VALIDATE", "0") == "1"
+
+
+def arguments_checked() -> bool:
+    """True inside :func:`checked_step` unless ``PAGEDPACK_VALIDATE=1``: the ops' argument checks
+    were done once for the whole step."""
+    return _STEP_CHECKED.get() and not validation_enabled()
+
+
+@contextlib.contextmanager
+def checked_step():
+    """Run one step whose metadata and caches were checked once (see the module docstring)."""
+    token = _STEP_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _STEP_CHECKED.reset(token)
 
 
 def check_cu_seqlens_q(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:

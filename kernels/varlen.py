@@ -5,11 +5,16 @@ each sequence attends only to its own tokens, causally (top-left = bottom-right 
 and key lengths are equal) or bidirectionally. Used by the ``torch.compile`` backend, where
 padded forward passes are packed and no cache is kept. The per-call attention parameters are
 those of ``paged_attention`` (:class:`pagedpack.kernels.attention_params.AttentionParams`).
+
+On the CPU a causal call runs the native paged-attention kernel (:mod:`pagedpack.kernels.native`)
+over the packed keys seen as a cache of one-token blocks, each sequence's block table pointing at
+its own rows; the reference kernel below serves every other case.
 """
 import torch
 from torch import Tensor
 
 from pagedpack.kernels.attention_params import AttentionParams
+from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import (
     _check_dtype,
     _check_floating,
@@ -71,6 +76,13 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     head_dim_v = value.shape[2]
     if validation_enabled():
         check_cu_seqlens_q(cu_seqlens, num_tokens)
+    native = native_ops() if causal and query.device.type == "cpu" else None
+    if native is not None:
+        lens = cu_seqlens.diff()
+        width = max(int(lens.max()), 1) if lens.numel() else 1
+        block_table = (cu_seqlens[:-1, None] + torch.arange(width, dtype=torch.int32)).clamp(max=max(num_tokens - 1, 0))
+        return native.paged_attention(query, key[:, None], value[:, None], block_table, cu_seqlens, lens, scale,
+                                      sliding_window, logits_soft_cap, alibi_slopes, sinks)
     out = query.new_empty(num_tokens, num_heads, head_dim_v)
     cu = cu_seqlens.tolist()
     for start, end in zip(cu[:-1], cu[1:]):

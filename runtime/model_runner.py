@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagedpack.contract import METADATA_INPUTS, StepProgram
+from pagedpack.kernels.validation import checked_step
 from pagedpack.runtime.batch import BatchMetadata
 
 
@@ -29,8 +30,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchMetadata) -> torch.Tensor:
         """Run one step; returns ``logits [B, vocab]`` (one row per sequence: its last token)."""
-        inputs = batch.as_inputs()
-        out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+        inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
+        with checked_step():
+            out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
         if self.program.functional:
             out, *self.kv_caches = out
         return out

@@ -1,4 +1,6 @@
 """Shared test inputs and the independent reference: the unmodified HF model, one sequence at a time."""
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,20 @@ MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
 def random_prompts(lens, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module", params=["native", "reference"])
+def cpu_kernels(request):
+    """Runs a module's tests with each CPU kernel set: the native kernels and the PyTorch reference
+    ones (``PAGEDPACK_NATIVE=0``). Module-scoped, so ``hypothesis`` tests may use it; apply with
+    ``pytestmark = pytest.mark.usefixtures("cpu_kernels")``."""
+    before = os.environ.get("PAGEDPACK_NATIVE")
+    os.environ["PAGEDPACK_NATIVE"] = "1" if request.param == "native" else "0"
+    yield request.param
+    if before is None:
+        del os.environ["PAGEDPACK_NATIVE"]
+    else:
+        os.environ["PAGEDPACK_NATIVE"] = before
 
 
 @pytest.fixture(scope="session")

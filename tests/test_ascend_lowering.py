@@ -10,7 +10,6 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import tomllib
 import torch
-from test_ops import make_params, make_step, reference_attention
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pagedpack import LLM, SamplingParams
@@ -28,6 +27,7 @@ from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
 from conftest import hf_last_logits, random_prompts
+from test_ops import make_params, make_step, reference_attention
 
 pagedpack_ops = torch.ops.pagedpack
 EMULATED = emulated_ops()

@@ -17,18 +17,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from onnx import helper
-from test_ops import (
-    GRID,
-    PACKED_STEPS,
-    PARAM_GRID,
-    PARAMS,
-    grid_params,
-    make_batch,
-    make_params,
-    make_step,
-    reference_attention,
-    reference_paged_attention,
-)
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from pagedpack.lowering.onnx import (
@@ -40,6 +28,19 @@ from pagedpack.lowering.onnx import (
     reshape_and_cache,
     translation_table,
     unsupported_params,
+)
+
+from test_ops import (
+    GRID,
+    PACKED_STEPS,
+    PARAM_GRID,
+    PARAMS,
+    grid_params,
+    make_batch,
+    make_params,
+    make_step,
+    reference_attention,
+    reference_paged_attention,
 )
 
 # The input whose dtype each function output has.

@@ -1,7 +1,9 @@
 """Tests of ``torch.ops.pagedpack.reshape_and_cache`` and ``paged_attention``.
 
 The ops are compared with a reference written plainly here (token-by-token gathers, an explicit
-boolean mask, ``repeat_interleave`` for grouped-query heads), never with themselves.
+boolean mask, ``repeat_interleave`` for grouped-query heads), never with themselves. The whole
+module runs twice: with the native CPU kernels and with the PyTorch reference kernels
+(``PAGEDPACK_NATIVE=0``).
 """
 import itertools
 
@@ -15,6 +17,9 @@ import pagedpack.kernels  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels.attention_params import AttentionParams
 
 ops = torch.ops.pagedpack
+
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # each test with both kernel sets (conftest)
 PAIRS = [(1, 1), (1, 147), (3, 799), (127, 512), (127, 513), (64, 64), (0, 5)]  # (q_len, kv_len)
 BLOCK_SIZES = [1, 16, 128]
 HEAD_DIMS = [64, 80, 128]

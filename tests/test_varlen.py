@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 
 import pagedpack.kernels.varlen  # noqa: F401  (registers the op)
 
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # each test with both kernel sets (conftest)
+
 
 def reference(q, k, v, cu, scale, causal, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None):
     """Per sequence: repeat KV heads, explicit mask (row ``i`` sees ``j <= i`` if causal and

@@ -1,0 +1,99 @@
+"""Paged attention alone: ``pagedpack::paged_attention`` vs SDPA on the same K/V stored contiguously.
+
+Decode (one query row per sequence) of 32 sequences at each KV length, and one prefill of a
+512-token prompt, for the W1 head shape (8 query / 2 KV heads, head_dim 64) and SmolLM2-135M's
+(9 / 3, 64). ``native`` is the C++ kernel (``kernels/csrc``), ``reference`` the PyTorch reference
+kernel (``PAGEDPACK_NATIVE=0``), ``sdpa_contiguous`` ``F.scaled_dot_product_attention`` with
+``enable_gqa`` on K/V already laid out ``[B, Hkv, L, D]`` (no paging: the floor). Blocks of a
+sequence are scattered over the pool (a random permutation). Prints one JSON object with
+milliseconds per call (median of ``--repeat``) and the ratios. Run:
+``python benchmarks/paged_attention.py [--block-size 16] [--repeat 20]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
+from pagedpack.kernels.native import status
+
+SHAPES = {"w1": (8, 2, 64), "smollm2-135m": (9, 3, 64)}
+
+
+def _median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _case(num_heads, num_kv_heads, head_dim, q_len, kv_len, num_seqs, block_size, repeat) -> dict:
+    g = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-kv_len // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    k = torch.randn(num_seqs, kv_len, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(num_seqs, kv_len, num_kv_heads, head_dim, generator=g)
+    q = torch.randn(num_seqs * q_len, num_heads, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g).view(num_seqs, blocks_per_seq).int()
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    for b in range(num_seqs):
+        for p in range(kv_len):
+            key_cache[table[b, p // block_size], p % block_size] = k[b, p]
+            value_cache[table[b, p // block_size], p % block_size] = v[b, p]
+    cu = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
+    lens = torch.full((num_seqs,), kv_len, dtype=torch.int32)
+    scale = head_dim**-0.5
+    args = (q, key_cache, value_cache, table, cu, lens, scale)
+
+    def paged():
+        return torch.ops.pagedpack.paged_attention(*args)
+
+    q4 = q.view(num_seqs, q_len, num_heads, head_dim).transpose(1, 2)
+    k4, v4 = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    mask = None
+    if q_len > 1 and kv_len > q_len:
+        mask = torch.arange(kv_len)[None] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=q_len > 1 and mask is None,
+                                              scale=scale, enable_gqa=True)
+
+    torch.testing.assert_close(paged(), sdpa().transpose(1, 2).reshape_as(q), atol=1e-4, rtol=1e-4)
+    native_ms = _median_ms(paged, repeat)
+    os.environ["PAGEDPACK_NATIVE"] = "0"
+    reference_ms = _median_ms(paged, max(3, repeat // 4))
+    del os.environ["PAGEDPACK_NATIVE"]
+    sdpa_ms = _median_ms(sdpa, repeat)
+    return {"q_len": q_len, "kv_len": kv_len, "num_seqs": num_seqs, "native_ms": native_ms,
+            "reference_ms": reference_ms, "sdpa_contiguous_ms": sdpa_ms,
+            "native_vs_sdpa": round(native_ms / sdpa_ms, 2), "reference_vs_sdpa": round(reference_ms / sdpa_ms, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        load = float(f.read().split()[0])
+    result = {"kernels": status(), "threads": torch.get_num_threads(), "load_1min": load,
+              "block_size": args.block_size, "cases": {}}
+    for name, (h, hkv, d) in SHAPES.items():
+        rows = [_case(h, hkv, d, 1, kv, 32, args.block_size, args.repeat) for kv in (16, 128, 512, 2048)]
+        rows.append(_case(h, hkv, d, 512, 512, 1, args.block_size, args.repeat))
+        result["cases"][f"{name} (H={h}, Hkv={hkv}, D={d})"] = rows
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+// CPU kernels of pagedpack::paged_attention and pagedpack::reshape_and_cache.
+//
+// Semantics: kernels/ops.py (the Python reference, the ground truth in tests). Decision and
+// measurements: docs/cpu-kernels.md. In short:
+//   * Short query runs (decode, short chunks) and every call with attention parameters read K/V
+//     in place through block_table: one work item per (sequence, KV head, query tile, KV split),
+//     the query heads of a GQA group sharing each K/V row, online softmax in fp32 per KV chunk,
+//     split-KV partials merged at the end. at::parallel_for spreads the items over threads.
+//   * Long query runs without parameters (prefill) copy the sequence's K/V once into a contiguous
+//     buffer and run ATen's flash SDPA (GEMM tiles); the copy is ~1/q_len of the work.
+// Metadata values are bounds-checked here on every call (cheap on the CPU, no sync), so bad
+// metadata raises instead of reading outside the cache.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kSdpaMinRows = 32;   // query rows from which a parameter-free sequence uses SDPA
+constexpr int64_t kQueryTile = 16;     // query rows per work item
+constexpr int64_t kKvChunk = 32;       // KV tokens per online-softmax update
+constexpr int64_t kMinSplitTokens = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Params {
+  double scale;
+  int64_t window;      // 0: none
+  double soft_cap;     // 0: none
+  const float* alibi;  // [H] or nullptr
+  const float* sinks;  // [H] or nullptr
+};
+
+// One work item: query rows [r0, r1) of sequence b (rows relative to its first row), KV head g,
+// keys [lo, hi) of the sequence.
+struct Item {
+  int64_t b, g, r0, r1, lo, hi;
+};
+
+inline float reduce_add(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {  // y += alpha * x
+  const Vec va(alpha);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(va, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += alpha * x[d];
+}
+
+inline void scale_row(float alpha, float* y, int64_t n) {
+  at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, y, y, n);
+}
+
+// Scores and weighted values of one query vector against n key rows, head dims known at
+// compile time (D == Dv, a multiple of the vector width): the query and the accumulator stay in
+// registers. D == 0: any head dims, through memory.
+template <int64_t D>
+struct Row {
+  static constexpr int64_t kVecs = D / Vec::size();
+  static void scores(const float* q, const float* const* k, int64_t n, int64_t d, float* s) {
+    if constexpr (D == 0) {
+      for (int64_t t = 0; t < n; ++t) {
+        Vec acc(0.f);
+        int64_t e = 0;
+        for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), Vec::loadu(k[t] + e), acc);
+        float x = reduce_add(acc);
+        for (; e < d; ++e) x += q[e] * k[t][e];
+        s[t] = x;
+      }
+    } else {
+      Vec qv[kVecs];
+      for (int64_t i = 0; i < kVecs; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
+      for (int64_t t = 0; t < n; ++t) {
+        Vec acc = qv[0] * Vec::loadu(k[t]);
+        for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k[t] + i * Vec::size()), acc);
+        s[t] = reduce_add(acc);
+      }
+    }
+  }
+  static void accumulate(const float* w, const float* const* v, int64_t n, int64_t dv, float* out) {
+    if constexpr (D == 0) {
+      for (int64_t t = 0; t < n; ++t) axpy(w[t], v[t], out, dv);
+    } else {
+      Vec acc[kVecs];
+      for (int64_t i = 0; i < kVecs; ++i) acc[i] = Vec::loadu(out + i * Vec::size());
+      for (int64_t t = 0; t < n; ++t) {
+        const Vec wt(w[t]);
+        for (int64_t i = 0; i < kVecs; ++i) acc[i] = at::vec::fmadd(wt, Vec::loadu(v[t] + i * Vec::size()), acc[i]);
+      }
+      for (int64_t i = 0; i < kVecs; ++i) acc[i].store(out + i * Vec::size());
+    }
+  }
+};
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// Metadata read once on the host side of the call (CPU tensors: no copy).
+struct Meta {
+  int64_t num_seqs, max_blocks, block_size, num_blocks;
+  const int32_t* cu;
+  const int32_t* kv_lens;
+  const int32_t* table;
+  int64_t table_stride;
+};
+
+// Physical row of token j of sequence b (block id range-checked by the caller's validation).
+inline int64_t block_of(const Meta& m, int64_t b, int64_t j) { return m.table[b * m.table_stride + j / m.block_size]; }
+
+void check_metadata(const Meta& m, int64_t num_tokens) {
+  TORCH_CHECK_VALUE(m.cu[0] == 0, "paged_attention: cu_seqlens_q: expected cu_seqlens_q[0] == 0, got ", m.cu[0]);
+  for (int64_t b = 0; b < m.num_seqs; ++b) {
+    const int64_t q_len = m.cu[b + 1] - m.cu[b];
+    TORCH_CHECK_VALUE(q_len >= 0, "paged_attention: cu_seqlens_q: expected a non-decreasing sequence, got cu_seqlens_q[",
+                      b, "]=", m.cu[b], " > cu_seqlens_q[", b + 1, "]=", m.cu[b + 1]);
+    const int64_t kv_len = std::max<int64_t>(m.kv_lens[b], 0);
+    const int64_t needed = (kv_len + m.block_size - 1) / m.block_size;
+    TORCH_CHECK_VALUE(needed <= m.max_blocks, "paged_attention: block_table: expected at least ", needed,
+                      " columns for seq_lens[", b, "]=", kv_len, " with block_size=", m.block_size, ", got ",
+                      m.max_blocks);
+    for (int64_t i = 0; i < needed; ++i) {
+      const int64_t id = m.table[b * m.table_stride + i];
+      TORCH_CHECK_VALUE(id >= 0 && id < m.num_blocks, "paged_attention: block_table: expected block ids in [0, ",
+                        m.num_blocks, "), got block_table[", b, ", ", i, "]=", id);
+    }
+  }
+  TORCH_CHECK_VALUE(m.cu[m.num_seqs] == num_tokens, "paged_attention: cu_seqlens_q: expected the last entry to equal ",
+                    "num_tokens=", num_tokens, ", got ", m.cu[m.num_seqs]);
+}
+
+// Online-softmax state of one work item: per query vector (row x group head) its running max,
+// denominator and unnormalised output. Stored as [R, 2 + Dv] floats: m, l, acc[Dv].
+template <typename T, int64_t D>
+void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Tensor& query, const T* k_base,
+                 const T* v_base, at::IntArrayRef k_strides, at::IntArrayRef v_strides, int64_t group, int64_t dv,
+                 float* state) {
+  const int64_t d = query.size(2);
+  const int64_t rows = it.r1 - it.r0, nvec = rows * group;
+  const int64_t q_len = meta.cu[it.b + 1] - meta.cu[it.b];
+  const int64_t kv_len = std::max<int64_t>(meta.kv_lens[it.b], 0);
+  const int64_t first_pos = kv_len - q_len;  // absolute position of the sequence's query row 0
+  const int64_t width = 2 + dv;
+
+  std::vector<float> q(nvec * d), kbuf(kKvChunk * d), vbuf(kKvChunk * dv), s(kKvChunk);
+  std::vector<int64_t> pos(nvec);
+  std::vector<const float*> kp(kKvChunk), vp(kKvChunk);
+  const float* qf = query.data_ptr<float>();  // query is fp32 contiguous [T, H, D] (converted by the caller)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < group; ++i) {
+      const int64_t h = it.g * group + i, v = r * group + i;
+      const float* src = qf + ((meta.cu[it.b] + it.r0 + r) * query.size(1) + h) * d;
+      for (int64_t e = 0; e < d; ++e) q[v * d + e] = src[e] * static_cast<float>(p.scale);
+      pos[v] = first_pos + it.r0 + r;
+      float* st = state + v * width;
+      st[0] = kNegInf;
+      st[1] = 0.f;
+      std::fill(st + 2, st + width, 0.f);
+    }
+  }
+  for (int64_t c0 = it.lo; c0 < it.hi; c0 += kKvChunk) {
+    const int64_t n = std::min(kKvChunk, it.hi - c0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t tok = c0 + j, blk = block_of(meta, it.b, tok), off = tok % meta.block_size;
+      const T* k = k_base + blk * k_strides[0] + off * k_strides[1] + it.g * k_strides[2];
+      const T* v = v_base + blk * v_strides[0] + off * v_strides[1] + it.g * v_strides[2];
+      if constexpr (std::is_same_v<T, float>) {
+        kp[j] = k;
+        vp[j] = v;
+      } else {
+        to_float(k, kbuf.data() + j * d, d);
+        to_float(v, vbuf.data() + j * dv, dv);
+        kp[j] = kbuf.data() + j * d;
+        vp[j] = vbuf.data() + j * dv;
+      }
+    }
+    for (int64_t v = 0; v < nvec; ++v) {
+      const int64_t h = it.g * group + v % group;
+      // Keys this row sees: j <= pos (causal), j > pos - window, j < kv_len (item range).
+      const int64_t hi = std::min(c0 + n, pos[v] + 1);
+      const int64_t lo = p.window ? std::max(c0, pos[v] - p.window + 1) : c0;
+      if (hi <= lo) continue;
+      const int64_t n_row = hi - lo;
+      float* sc = s.data() + (lo - c0);
+      Row<D>::scores(q.data() + v * d, kp.data() + (lo - c0), n_row, d, sc);
+      for (int64_t t = 0; t < n_row; ++t) {
+        if (p.soft_cap > 0) sc[t] = static_cast<float>(p.soft_cap * std::tanh(sc[t] / p.soft_cap));
+        if (p.alibi) sc[t] += p.alibi[h] * static_cast<float>(lo + t - pos[v]);
+      }
+      const float chunk_max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sc, n_row);
+      float* st = state + v * width;
+      const float m_new = std::max(st[0], chunk_max);
+      if (st[0] != m_new && st[1] > 0.f) {
+        const float corr = std::exp(st[0] - m_new);
+        st[1] *= corr;
+        scale_row(corr, st + 2, dv);
+      }
+      st[0] = m_new;
+      at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, sc, sc, n_row);
+      st[1] += at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sc, n_row);
+      Row<D>::accumulate(sc, vp.data() + (lo - c0), n_row, dv, st + 2);
+    }
+  }
+}
+
+// Keys item rows [r0, r1) of sequence b can see: [lo, hi).
+std::pair<int64_t, int64_t> key_range(const Meta& m, const Params& p, int64_t b, int64_t r0, int64_t r1) {
+  const int64_t q_len = m.cu[b + 1] - m.cu[b], kv_len = std::max<int64_t>(m.kv_lens[b], 0);
+  const int64_t first = kv_len - q_len + r0, last = kv_len - q_len + r1 - 1;
+  const int64_t hi = std::clamp<int64_t>(last + 1, 0, kv_len);
+  const int64_t lo = p.window ? std::clamp<int64_t>(first - p.window + 1, 0, hi) : 0;
+  return {lo, hi};
+}
+
+// SDPA over the sequence's K/V copied out of the cache (parameter-free long query runs).
+void sdpa_sequence(const Meta& m, int64_t b, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, double scale, at::Tensor& out) {
+  const int64_t start = m.cu[b], q_len = m.cu[b + 1] - start, kv_len = m.kv_lens[b];
+  const int64_t nblk = (kv_len + m.block_size - 1) / m.block_size;
+  auto ids = at::from_blob(const_cast<int32_t*>(m.table + b * m.table_stride), {nblk}, at::kInt).to(at::kLong);
+  auto k = key_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
+  auto v = value_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
+  auto q = query.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
+  const auto dtype = at::kFloat;
+  std::optional<at::Tensor> mask;
+  if (kv_len > q_len) {  // bottom-right causal: row i sees keys <= kv_len - q_len + i
+    auto rows = at::arange(q_len, at::kLong).unsqueeze(1) + (kv_len - q_len);
+    mask = at::arange(kv_len, at::kLong).unsqueeze(0) <= rows;
+  }
+  auto o = at::scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.0,
+                                            /*is_causal=*/!mask.has_value(), scale, /*enable_gqa=*/true);
+  out.narrow(0, start, q_len).copy_(o.squeeze(0).transpose(0, 1));
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                               const at::Tensor& seq_lens, double scale, std::optional<int64_t> sliding_window,
+                               std::optional<double> logits_soft_cap, const std::optional<at::Tensor>& alibi_slopes,
+                               const std::optional<at::Tensor>& sinks) {
+  // The shape checks the runner's step skips in Python (kernels/ops.py), kept here because a
+  // wrong shape would read outside the tensors.
+  TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 && block_table.dim() == 2 &&
+                        seq_lens.dim() == 1 && cu_seqlens_q.dim() == 1,
+                    "paged_attention: expected query [T, H, D], caches [num_blocks, block_size, Hkv, D], "
+                    "block_table [B, max_blocks], seq_lens [B], cu_seqlens_q [B + 1]");
+  TORCH_CHECK_VALUE(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                        cu_seqlens_q.scalar_type() == at::kInt,
+                    "paged_attention: block_table, seq_lens, cu_seqlens_q: expected int32");
+  TORCH_CHECK_VALUE(key_cache.size(2) > 0 && query_in.size(1) % key_cache.size(2) == 0 &&
+                        query_in.size(2) == key_cache.size(3) && key_cache.sizes().slice(0, 3) == value_cache.sizes().slice(0, 3),
+                    "paged_attention: query ", query_in.sizes(), ", key_cache ", key_cache.sizes(), ", value_cache ",
+                    value_cache.sizes(), ": head counts or head dims do not match");
+  TORCH_CHECK_VALUE(block_table.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
+                    "paged_attention: block_table ", block_table.sizes(), ", seq_lens ", seq_lens.sizes(), ", cu_seqlens_q ",
+                    cu_seqlens_q.sizes(), ": expected B rows, B lengths and B + 1 offsets");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_attention: key_cache/value_cache: expected a contiguous last dimension");
+  const auto query = query_in.to(at::kFloat).contiguous();
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
+  const int64_t num_kv_heads = key_cache.size(2), dv = value_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const auto bt = block_table.contiguous();
+  const auto cu = cu_seqlens_q.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const Meta meta{lens.size(0),        bt.size(1),          key_cache.size(1), key_cache.size(0),
+                  cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), bt.size(1)};
+  check_metadata(meta, num_tokens);
+
+  at::Tensor alibi, sink;
+  if (alibi_slopes) alibi = alibi_slopes->to(at::kFloat).contiguous();
+  if (sinks) sink = sinks->to(at::kFloat).contiguous();
+  const Params p{scale, sliding_window.value_or(0), logits_soft_cap.value_or(0.0),
+                 alibi.defined() ? alibi.data_ptr<float>() : nullptr, sink.defined() ? sink.data_ptr<float>() : nullptr};
+  const bool plain = !p.window && !p.soft_cap && !p.alibi && !p.sinks;
+
+  auto out = at::zeros({num_tokens, num_heads, dv}, query.options());
+  std::vector<int64_t> sdpa_seqs;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < meta.num_seqs; ++b) {
+    const int64_t q_len = meta.cu[b + 1] - meta.cu[b];
+    if (plain && q_len >= kSdpaMinRows && meta.kv_lens[b] >= q_len) {
+      sdpa_seqs.push_back(b);
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) {
+      const int64_t r1 = std::min(q_len, r0 + kQueryTile);
+      const auto [lo, hi] = key_range(meta, p, b, r0, r1);
+      for (int64_t g = 0; g < num_kv_heads; ++g) items.push_back({b, g, r0, r1, lo, hi});
+    }
+  }
+  // Split long KV ranges when there are too few items to keep every thread busy.
+  const int64_t want = 4 * at::get_num_threads();
+  if (!items.empty() && static_cast<int64_t>(items.size()) < want) {
+    const int64_t splits = (want + items.size() - 1) / items.size();
+    std::vector<Item> split;
+    for (const Item& it : items) {
+      const int64_t n = std::clamp<int64_t>((it.hi - it.lo) / kMinSplitTokens, 1, splits);
+      const int64_t step = (it.hi - it.lo + n - 1) / n;
+      if (n == 1) {
+        split.push_back(it);
+        continue;
+      }
+      for (int64_t lo = it.lo; lo < it.hi; lo += step) split.push_back({it.b, it.g, it.r0, it.r1, lo, std::min(it.hi, lo + step)});
+    }
+    items.swap(split);
+  }
+
+  if (!items.empty()) {
+    // Partial states, [item][query vector][2 + dv]; merged per (b, g, r0) after the parallel pass.
+    std::vector<int64_t> offset(items.size() + 1, 0);
+    for (size_t i = 0; i < items.size(); ++i) offset[i + 1] = offset[i] + (items[i].r1 - items[i].r0) * group * (2 + dv);
+    std::vector<float> state(offset.back());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention_cpu", [&] {
+      const scalar_t* kb = key_cache.data_ptr<scalar_t>();
+      const scalar_t* vb = value_cache.data_ptr<scalar_t>();
+      const int64_t d = query.size(2);
+      auto run = [&](auto head_dim) {
+        constexpr int64_t D = decltype(head_dim)::value;
+        at::parallel_for(0, items.size(), 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i)
+            attend_item<scalar_t, D>(items[i], meta, p, query, kb, vb, key_cache.strides(), value_cache.strides(),
+                                     group, dv, state.data() + offset[i]);
+        });
+      };
+      if (d == dv && d == 64) run(std::integral_constant<int64_t, 64>{});
+      else if (d == dv && d == 128) run(std::integral_constant<int64_t, 128>{});
+      else if (d == dv && d == 256) run(std::integral_constant<int64_t, 256>{});
+      else run(std::integral_constant<int64_t, 0>{});
+    });
+    // Merge the splits of each (b, g, r0) run (consecutive items) and normalise.
+    float* o = out.data_ptr<float>();
+    const int64_t width = 2 + dv;
+    for (size_t i = 0; i < items.size();) {
+      size_t j = i + 1;
+      while (j < items.size() && items[j].b == items[i].b && items[j].g == items[i].g && items[j].r0 == items[i].r0) ++j;
+      const Item& it = items[i];
+      const int64_t nvec = (it.r1 - it.r0) * group;
+      for (int64_t v = 0; v < nvec; ++v) {
+        const int64_t h = it.g * group + v % group, row = meta.cu[it.b] + it.r0 + v / group;
+        float m = p.sinks ? p.sinks[h] : kNegInf;
+        for (size_t k = i; k < j; ++k) m = std::max(m, state[offset[k] + v * width]);
+        float l = p.sinks ? std::exp(p.sinks[h] - m) : 0.f;
+        float* dst = o + (row * num_heads + h) * dv;
+        for (size_t k = i; k < j; ++k) {
+          const float* st = state.data() + offset[k] + v * width;
+          if (st[1] == 0.f) continue;
+          const float w = std::exp(st[0] - m);
+          l += st[1] * w;
+          axpy(w, st + 2, dst, dv);
+        }
+        if (l > 0.f) scale_row(1.f / l, dst, dv);
+      }
+      i = j;
+    }
+  }
+  for (int64_t b : sdpa_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
+  return out.to(query_in.scalar_type());
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "reshape_and_cache: key_cache/value_cache: expected a contiguous last dimension");
+  TORCH_CHECK_VALUE(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 &&
+                        key.sizes().slice(1) == key_cache.sizes().slice(2) &&
+                        value.sizes().slice(1) == value_cache.sizes().slice(2) && slot_mapping.dim() == 1 &&
+                        key.size(0) == slot_mapping.size(0) && value.size(0) == slot_mapping.size(0),
+                    "reshape_and_cache: key ", key.sizes(), ", value ", value.sizes(), ", key_cache ", key_cache.sizes(),
+                    ", value_cache ", value_cache.sizes(), ", slot_mapping ", slot_mapping.sizes(),
+                    ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] and T slots");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1), block_size = key_cache.size(1);
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK_VALUE(s[t] >= -1 && s[t] < num_slots, "reshape_and_cache: slot_mapping: expected -1 or a slot in [0, ",
+                      num_slots, ") (num_blocks=", key_cache.size(0), " x block_size=", block_size, "), got slot_mapping[",
+                      t, "]=", s[t]);
+  for (auto [src_in, cache] : {std::pair{key, key_cache}, std::pair{value, value_cache}}) {
+    const auto src = src_in.to(cache.scalar_type()).contiguous();
+    const int64_t heads = cache.size(2), dim = cache.size(3);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "reshape_and_cache_cpu", [&] {
+      const scalar_t* in = src.data_ptr<scalar_t>();
+      scalar_t* dst = cache.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < slots.size(0); ++t) {
+        if (s[t] < 0) continue;
+        scalar_t* row = dst + (s[t] / block_size) * cache.stride(0) + (s[t] % block_size) * cache.stride(1);
+        for (int64_t h = 0; h < heads; ++h) std::copy(in + (t * heads + h) * dim, in + (t * heads + h + 1) * dim, row + h * cache.stride(2));
+      }
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedpack_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
+      "Tensor seq_lens, float scale, int? sliding_window=None, float? logits_soft_cap=None, "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> Tensor");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+}

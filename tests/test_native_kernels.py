@@ -1,0 +1,101 @@
+"""The native CPU kernels (``kernels/csrc``): the cases their own code paths add to ``test_ops``
+(split-KV merges over long contexts, the SDPA path of long query runs, low-precision caches,
+checks that must hold when the per-call Python checks are skipped), and the build's fallback.
+
+References are the explicit-mask attention of ``test_ops`` (independent) and, where the
+semantics are the reference kernel's own, ``PAGEDPACK_NATIVE=0``.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedpack.kernels import native
+from pagedpack.kernels.validation import checked_step
+
+from test_ops import make_params, make_step, reference_attention
+
+ops = torch.ops.pagedpack
+pytestmark = pytest.mark.skipif(native.native_ops() is None, reason=f"native kernels: {native.status()}")
+
+
+def run_step(seqs, params=None, *, dtype=torch.float32, **kw):
+    """Write a packed step's K/V, run ``paged_attention``; returns the output and, per sequence,
+    the explicit-mask reference in fp32."""
+    batch, write, full_kv = make_step(seqs, dtype=dtype, **kw)
+    params = params or {}
+    ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
+                          write["slot_mapping"])
+    out = ops.paged_attention(**batch, **params)
+    cu = batch["cu_seqlens_q"].tolist()
+    expected = [reference_attention(batch["query"][cu[b]:cu[b + 1]].float(), k.float(), v.float(), batch["scale"],
+                                    **params) for b, (k, v) in enumerate(full_kv)]
+    return out, torch.cat(expected)
+
+
+@pytest.mark.parametrize("q_len", [1, 3, 40])
+@pytest.mark.parametrize("with_params", [False, True])
+def test_long_context_split_kv(q_len, with_params):
+    """One sequence with 3000 keys: few work items, so the KV range is split and merged."""
+    params = make_params(4, window=700, soft_cap=20.0, alibi=True, sinks=True) if with_params else None
+    out, expected = run_step([(3000 - q_len, q_len)], params, num_kv_heads=1, ratio=4, head_dim=64, block_size=16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 70)), min_size=1, max_size=6),
+       head_dim=st.sampled_from([64, 80, 128, 256]), ratio=st.sampled_from([1, 3, 4]),
+       block_size=st.sampled_from([1, 16, 32]), seed=st.integers(0, 2**31))
+def test_mixed_steps_both_paths(seqs, head_dim, ratio, block_size, seed):
+    """Decode, short chunks (in-place path) and runs of >= 32 rows (SDPA path) in one step, for
+    every head-dim specialisation (64, 128, 256) and the generic one (80)."""
+    seqs = [(c, q) if c + q else (c, 1) for c, q in seqs]
+    out, expected = run_step(seqs, num_kv_heads=2, ratio=ratio, head_dim=head_dim, block_size=block_size,
+                             g=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_caches_match_the_reference_kernel(dtype, monkeypatch):
+    """bf16/fp16 query and caches: the fp32-accumulating native kernel and the reference kernel
+    agree to the inputs' rounding (the fp32-vs-dtype tolerance rule is in ``test_ops``)."""
+    seqs = [(0, 37), (100, 1), (5, 3), (600, 1)]
+    out, _ = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1))
+    monkeypatch.setenv("PAGEDPACK_NATIVE", "0")
+    reference, _ = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_bad_metadata_raises_inside_a_checked_step():
+    """In the runner's step the Python checks are skipped; the kernel still refuses a block id
+    outside the pool, a slot outside the pool and mismatched head dims instead of reading
+    outside the caches."""
+    batch, write, _ = make_step([(20, 1)], num_kv_heads=2, ratio=2, head_dim=64, block_size=16)
+    with checked_step():
+        bad = dict(batch, block_table=batch["block_table"].clone().fill_(10**6))
+        with pytest.raises(ValueError, match=r"block_table: expected block ids in \[0, "):
+            ops.paged_attention(**bad)
+        with pytest.raises(ValueError, match="head dims do not match"):
+            ops.paged_attention(**dict(batch, query=batch["query"][..., :32]))
+        with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot in \[0, "):
+            ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
+                                  torch.full_like(write["slot_mapping"], 10**7))
+
+
+def test_without_a_compiler_the_reference_kernels_run():
+    """No C++ compiler (and a cache with no build): the ops say so and still compute."""
+    code = ("import torch, pagedpack.kernels.ops\n"
+            "from pagedpack.kernels import native\n"
+            "print(native.status())\n"
+            "q = torch.randn(3, 2, 8); kc = torch.randn(4, 2, 1, 8)\n"
+            "out = torch.ops.pagedpack.paged_attention(q, kc, kc, torch.tensor([[0, 1]], dtype=torch.int32),\n"
+            "    torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 0.3)\n"
+            "print(tuple(out.shape))\n")
+    env = dict(os.environ, CXX="no-such-compiler", PAGEDPACK_CACHE=os.devnull + "-missing")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["reference kernels (no C++ compiler 'no-such-compiler' on PATH)", "(3, 2, 8)"]
