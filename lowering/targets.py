@@ -76,10 +76,21 @@ class Target:
 
 @dataclass
 class ReferenceTarget(Target):
-    """The project's own ops, run as the rewrite left them (any device PyTorch runs)."""
+    """The project's own ops, run as the rewrite left them (any device PyTorch runs); on the CPU the
+    linears of a copy run on prepacked oneDNN weights (:meth:`lower`)."""
 
     name: str = "reference"
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
+
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds,
+              device: torch.device | str) -> LoweredStep:
+        """``rewritten`` as it is, except on the CPU: there a copy of its graph whose fp32 linears
+        run on prepacked oneDNN weights (:mod:`pagedpack.lowering.cpu_linear`); the rewritten
+        graph itself, which ``LLM.export`` writes, stays as it is."""
+        from pagedpack.lowering.cpu_linear import prepacked_step
+
+        program, note = prepacked_step(rewritten, device)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note)
 
 
 # name -> "module:attribute" of a Target subclass, imported on first use.

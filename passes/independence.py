@@ -55,7 +55,7 @@ class SequenceIndependence(Pass):
         worst = {name: (packed[name] - single[name]).abs().max().item() for name in single}
         if all(err <= _FLOOR * (1 + single[name].abs().max().item()) for name, err in worst.items()):
             return PassResult(matched=len(single))
-        float64 = _float64_copy(ctx.reference)
+        float64 = float64_copy(ctx.reference)
         exact = {name: sample.run_single(tokens, float64) for name, tokens in sample.tokens.items()}
         del float64
         coupled = [name for name in single if not _within(packed[name], single[name], exact[name])]
@@ -182,7 +182,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= 1e-3 * (1 + b.abs().max())).all())
 
 
-def _float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A float64 copy of ``module`` (parameters copied, the model's stay as they are): casts the
     graph hard-codes to a floating dtype (``x.to(torch.float32)`` in RMSNorm, softmax's
     ``dtype=``) cast to float64 instead, and export's dtype asserts are dropped."""

@@ -25,6 +25,7 @@ from pagedpack.models.capture import CapturedModel
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
 from pagedpack.passes.independence import SequenceIndependence
+from pagedpack.passes.linear_merge import MergeLinears
 from pagedpack.passes.logits import GatherLogits
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
 from pagedpack.passes.paged_attention import PagedAttention
@@ -105,7 +106,7 @@ class AddStepInputs(Pass):
 
 STEP_PIPELINE: tuple[Pass, ...] = (
     FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(), PagedAttention(),
-    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), SequenceIndependence(),
+    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), MergeLinears(), SequenceIndependence(),
 )
 
 

@@ -1,0 +1,151 @@
+"""fp32 linears on the CPU as oneDNN GEMMs on weights prepacked once.
+
+:func:`prepack_linears` replaces each ``aten.linear.default(x, weight[, bias])`` of a step graph
+whose weight is a ``get_attr`` fp32 CPU tensor by::
+
+    torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+with ``packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)`` computed once, at
+lowering, and kept as a buffer of the graph module (``<weight>_packed``; an opaque oneDNN tensor
+in the layout oneDNN's inner product wants, so the per-call reorder of ``F.linear``'s MKL path
+and its primitive setup are gone). This is how Inductor packs bf16/fp16 weights (and fp32
+ones in AOT mode) in ``torch/_inductor/fx_passes/mkldnn_fusion.py``; the batch-size hint is
+None because a step's row count varies.
+
+Measured with ``benchmarks/linear.py`` (2 threads on an AMD EPYC with AVX-512, torch 2.13, load
+0.77 at the start): time of oneDNN on the packed weight over ``F.linear``'s (MKL sgemm),
+geometric mean over each model's linear shapes (q/o, k/v, merged qkv, gate/up, merged gate_up,
+down; the LM head at decode only, as the step applies it to one row per sequence):
+
+    rows M                 W1 (hidden 512)   SmolLM2-135M (hidden 576)
+    decode  1 .. 32             0.62              0.58
+    prefill 256 .. 2048         0.89              0.85
+
+oneDNN loses only at M = 1 on the narrow k/v projections (N = 128 / 192: 18-21 us against
+7-10 us, a fixed cost of ~10 us a call), which ``merge_linears`` folds into the qkv GEMM (0.79
+there), and ties on q/o at M = 1; the LM head gains most (0.2-0.4 at decode; SmolLM2's: 9.7 ms
+-> 3.8 ms at M = 1). Hence one path, oneDNN for every fp32 linear, without a dispatch on rows.
+
+Memory: the packed weights are a second copy of the linear weights, held by the lowered copy of
+the graph only (the rewritten graph, which ``LLM.export`` writes, and the ``transformers``
+model keep the plain ones).
+
+:func:`prepacked_step` is the reference target's CPU lowering: it prepacks a copy of the
+rewritten graph (parameters shared), never the rewritten graph itself, checks the copy on an
+example step against the graph it came from (fp32 tolerance: ``1e-4 * (1 + max |logits|)``,
+as ``verify_attention`` checks a site's output) and falls back to the rewritten graph, with a
+note, if it differs or does not run.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx
+
+from pagedpack.contract import METADATA_INPUTS
+from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_size
+from pagedpack.runtime.batch import example_batch
+
+aten = torch.ops.aten
+FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
+_CHECK_BLOCK_SIZE = 4
+_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3], [0, 6, 9]  # a prefill, a decode, a chunk
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """oneDNN is built in and enabled, and ``device`` is the CPU."""
+    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.enabled)
+
+
+
+
+def _packable(weight: torch.Tensor | None, bias: torch.Tensor | None, has_bias: bool) -> bool:
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.layout != torch.strided:
+        return False
+    if has_bias:
+        return bias is not None and bias.dtype == torch.float32 and bias.shape == (weight.shape[0],)
+    return True
+
+
+def prepack_linears(graph_module: torch.fx.GraphModule) -> int:
+    """Replace every fp32 CPU ``aten.linear.default`` of ``graph_module`` (weight, and bias if
+    any, read with ``get_attr``) by oneDNN's linear on its weight prepacked now (module
+    docstring); a weight read by several linears is packed once. Returns how many linears were
+    replaced; 0, graph untouched, without oneDNN."""
+    if not available():
+        return 0
+    graph, packed_names, replaced = graph_module.graph, {}, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        args = list(node.args) + [None] * (3 - len(node.args))
+        x, weight_node, bias_node = args[0], args[1], node.kwargs.get("bias", args[2])
+        weight, bias = attr_tensor(graph_module, weight_node), attr_tensor(graph_module, bias_node)
+        if not _packable(weight, bias, bias_node is not None):
+            continue
+        if weight_node.target not in packed_names:
+            name = fresh_attr_name(graph_module, weight_node.target.replace(".", "_") + "_packed")
+            with torch.no_grad():
+                graph_module.register_buffer(name, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            packed_names[weight_node.target] = name
+        with graph.inserting_before(node):
+            packed = graph.get_attr(packed_names[weight_node.target])
+            linear = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                         (x, packed, bias_node, "none", [], ""))
+        linear.meta.update(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        graph.eliminate_dead_code()
+        graph.lint()
+        graph_module.recompile()
+    return replaced
+
+
+
+
+def prepacked_step(rewritten, device: torch.device | str) -> tuple[object, str | None]:
+    """``(program, note)``: the reference target's step program on ``device`` and what was done.
+    On the CPU with oneDNN and fp32 linears, a prepacked copy of ``rewritten.graph_module``
+    (module docstring; parameters shared), else ``rewritten`` itself (note None).
+    ``rewritten.graph_module`` is never changed."""
+    gm = rewritten.graph_module
+    if not available(device):
+        return rewritten, None
+    lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    count = prepack_linears(lowered)
+    if not count:
+        return rewritten, None
+    reason = _check(gm, lowered, rewritten.kv_cache_specs)
+    if reason:
+        return rewritten, f"cpu linears: kept F.linear, the prepacked oneDNN graph {reason}"
+    return lowered, f"cpu linears: {count} fp32 linears run as oneDNN GEMMs on weights prepacked once"
+
+
+def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs) -> str | None:
+    """None if ``lowered`` computes ``reference``'s logits on an example step (all rows, random
+    tokens and caches) to :data:`FP32_RTOL`; else what differs."""
+    num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS))
+    batch = example_batch(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
+    g = torch.Generator().manual_seed(0)
+    batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
+    batch.logits_indices = torch.arange(batch.num_tokens)
+    inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
+    caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
+              for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
+    with torch.no_grad():
+        expected = reference(*inputs, *(c.clone() for c in caches))
+        try:
+            got = lowered(*inputs, *(c.clone() for c in caches))
+        except RuntimeError as err:
+            return f"does not run ({type(err).__name__}: {str(err)[:160]})"
+    if got.shape != expected.shape:
+        return f"returns logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    diff = (got.double() - expected.double()).abs().max().item()
+    tolerance = FP32_RTOL * (1 + expected.abs().max().item())
+    return None if diff <= tolerance else f"differs by {diff:.3g} (tolerance {tolerance:.3g}) on an example step"
