@@ -93,15 +93,13 @@ def check_block_table(
             f"block_table: expected at least {int(needed[b])} columns for seq_lens[{b}]={int(kv[b])} "
             f"with block_size={block_size}, got {bt.shape[1]}"
         )
-    for b in range(bt.shape[0]):
-        used = bt[b, : int(needed[b])]
-        bad = torch.nonzero((used < 0) | (used >= num_blocks))
-        if bad.numel():
-            j = int(bad[0])
-            raise ValueError(
-                f"block_table: expected block ids in [0, {num_blocks}), got block_table[{b}, {j}]="
-                f"{int(used[j])}"
-            )
+    used = torch.arange(bt.shape[1]) < needed[:, None]  # the columns each sequence reads
+    bad = torch.nonzero(used & ((bt < 0) | (bt >= num_blocks)))
+    if bad.numel():
+        b, j = bad[0].tolist()
+        raise ValueError(
+            f"block_table: expected block ids in [0, {num_blocks}), got block_table[{b}, {j}]={int(bt[b, j])}"
+        )
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:

@@ -46,7 +46,10 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         rows = [i for i, s in enumerate(output.scheduled) if s.needs_sample]
         to_sample = [output.scheduled[i].request for i in rows]
-        tokens = self.sampler(logits[rows], to_sample) if rows else []
+        if rows:
+            tokens = self.sampler(logits if len(rows) == logits.shape[0] else logits[rows], to_sample)
+        else:
+            tokens = []
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += output.num_batched_tokens
         self.stats.num_preemptions += len(output.preempted)

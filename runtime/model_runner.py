@@ -1,6 +1,9 @@
 """Runs a step program over the paged KV caches it owns."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from pagedpack.contract import METADATA_INPUTS, StepProgram
@@ -12,7 +15,8 @@ class ModelRunner:
     """A :class:`~pagedpack.contract.StepProgram` plus its per-layer KV caches.
 
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer
-    for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``. An in-place
+    for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``; on the CPU
+    their pages become resident as blocks are first written (:func:`_zeros`). An in-place
     program writes them during the step; a functional one (ONNX) returns
     ``(logits, *updated caches)``, which replace them.
     """
@@ -24,7 +28,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         for spec in program.kv_cache_specs:
             for shape in spec.cache_shapes(num_blocks, block_size):
-                self.kv_caches.append(torch.zeros(shape, dtype=spec.dtype, device=self.device))
+                self.kv_caches.append(_zeros(shape, spec.dtype, self.device))
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
@@ -36,3 +40,13 @@ class ModelRunner:
         if self.program.functional:
             out, *self.kv_caches = out
         return out
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On the CPU from ``numpy.zeros`` (``calloc``: the OS maps zero pages on first
+    touch), so a pool sized for the worst case costs memory only for the blocks in use, as
+    ``torch.zeros`` (which writes every byte) would not."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

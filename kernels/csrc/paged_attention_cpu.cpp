@@ -65,6 +65,7 @@ inline void scale_row(float alpha, float* y, int64_t n) {
 // registers. D == 0: any head dims, through memory.
 template <int64_t D>
 struct Row {
+  static_assert(D % Vec::size() == 0, "head dims of the register kernels are multiples of the vector width");
   static constexpr int64_t kVecs = D / Vec::size();
   static void scores(const float* q, const float* const* k, int64_t n, int64_t d, float* s) {
     if constexpr (D == 0) {
@@ -336,9 +337,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                                      group, dv, state.data() + offset[i]);
         });
       };
-      if (d == dv && d == 64) run(std::integral_constant<int64_t, 64>{});
-      else if (d == dv && d == 128) run(std::integral_constant<int64_t, 128>{});
-      else if (d == dv && d == 256) run(std::integral_constant<int64_t, 256>{});
+      // Head dims of common models get the register kernels; any other runs the generic one.
+      if (d != dv) run(std::integral_constant<int64_t, 0>{});
+      else if (d == 16) run(std::integral_constant<int64_t, 16>{});
+      else if (d == 32) run(std::integral_constant<int64_t, 32>{});
+      else if (d == 64) run(std::integral_constant<int64_t, 64>{});
+      else if (d == 80) run(std::integral_constant<int64_t, 80>{});
+      else if (d == 96) run(std::integral_constant<int64_t, 96>{});
+      else if (d == 128) run(std::integral_constant<int64_t, 128>{});
+      else if (d == 256) run(std::integral_constant<int64_t, 256>{});
       else run(std::integral_constant<int64_t, 0>{});
     });
     // Merge the splits of each (b, g, r0) run (consecutive items) and normalise.
