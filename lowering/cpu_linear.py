@@ -30,27 +30,17 @@ Memory: the packed weights are a second copy of the linear weights, held by the 
 the graph only (the rewritten graph, which ``LLM.export`` writes, and the ``transformers``
 model keep the plain ones).
 
-:func:`prepacked_step` is the reference target's CPU lowering: it prepacks a copy of the
-rewritten graph (parameters shared), never the rewritten graph itself, checks the copy on an
-example step against the graph it came from (fp32 tolerance: ``1e-4 * (1 + max |logits|)``,
-as ``verify_attention`` checks a site's output) and falls back to the rewritten graph, with a
-note, if it differs or does not run.
+The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies it to a copy of the
+rewritten graph and checks the result.
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_size
-from pagedpack.runtime.batch import example_batch
+from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
 
 aten = torch.ops.aten
-FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
-_CHECK_BLOCK_SIZE = 4
-_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3], [0, 6, 9]  # a prefill, a decode, a chunk
 
 
 def available(device: torch.device | str = "cpu") -> bool:
@@ -105,47 +95,3 @@ def prepack_linears(graph_module: torch.fx.GraphModule) -> int:
         graph.lint()
         graph_module.recompile()
     return replaced
-
-
-
-
-def prepacked_step(rewritten, device: torch.device | str) -> tuple[object, str | None]:
-    """``(program, note)``: the reference target's step program on ``device`` and what was done.
-    On the CPU with oneDNN and fp32 linears, a prepacked copy of ``rewritten.graph_module``
-    (module docstring; parameters shared), else ``rewritten`` itself (note None).
-    ``rewritten.graph_module`` is never changed."""
-    gm = rewritten.graph_module
-    if not available(device):
-        return rewritten, None
-    lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    count = prepack_linears(lowered)
-    if not count:
-        return rewritten, None
-    reason = _check(gm, lowered, rewritten.kv_cache_specs)
-    if reason:
-        return rewritten, f"cpu linears: kept F.linear, the prepacked oneDNN graph {reason}"
-    return lowered, f"cpu linears: {count} fp32 linears run as oneDNN GEMMs on weights prepacked once"
-
-
-def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs) -> str | None:
-    """None if ``lowered`` computes ``reference``'s logits on an example step (all rows, random
-    tokens and caches) to :data:`FP32_RTOL`; else what differs."""
-    num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS))
-    batch = example_batch(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
-    g = torch.Generator().manual_seed(0)
-    batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
-    batch.logits_indices = torch.arange(batch.num_tokens)
-    inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
-    caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
-              for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
-    with torch.no_grad():
-        expected = reference(*inputs, *(c.clone() for c in caches))
-        try:
-            got = lowered(*inputs, *(c.clone() for c in caches))
-        except RuntimeError as err:
-            return f"does not run ({type(err).__name__}: {str(err)[:160]})"
-    if got.shape != expected.shape:
-        return f"returns logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-    diff = (got.double() - expected.double()).abs().max().item()
-    tolerance = FP32_RTOL * (1 + expected.abs().max().item())
-    return None if diff <= tolerance else f"differs by {diff:.3g} (tolerance {tolerance:.3g}) on an example step"

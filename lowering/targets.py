@@ -84,12 +84,12 @@ class ReferenceTarget(Target):
 
     def lower(self, rewritten, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
-        """``rewritten`` as it is, except on the CPU: there a copy of its graph whose fp32 linears
-        run on prepacked oneDNN weights (:mod:`pagedpack.lowering.cpu_linear`); the rewritten
-        graph itself, which ``LLM.export`` writes, stays as it is."""
-        from pagedpack.lowering.cpu_linear import prepacked_step
+        """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
+        oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.cpu`); the
+        rewritten graph itself, which ``LLM.export`` writes, stays as it is."""
+        from pagedpack.lowering.cpu import cpu_step
 
-        program, note = prepacked_step(rewritten, device)
+        program, note = cpu_step(rewritten, device)
         return LoweredStep(program, rewritten.kv_cache_specs, note=note)
 
 

@@ -1,0 +1,97 @@
+"""The reference target's CPU lowering: a copy of the step graph with the CPU's fastest kernels.
+
+On the CPU, :func:`cpu_step` copies the rewritten step graph (parameters shared; the rewritten
+graph itself, which ``LLM.export`` writes, is never changed) and in the copy
+
+* runs fp32 linears as oneDNN GEMMs on weights prepacked once
+  (:func:`pagedpack.lowering.cpu_linear.prepack_linears`);
+* calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
+  (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
+  them, which saves each call the custom op's Python layer (argument checks, mutation
+  bookkeeping: tens of microseconds a call, two calls a layer). The native kernels check shapes
+  and metadata bounds themselves.
+
+The copy is checked on an example step (a prefill, a decode and a chunk, random tokens and
+caches) against the rewritten graph, every row's logits within ``1e-4 * (1 + max |logits|)``
+(fp32, as ``verify_attention`` checks a site's output); if it differs or does not run, the
+rewritten graph runs instead and the report's note says why. Measurements: ``docs/cpu-kernels.md``.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx
+
+from pagedpack.contract import METADATA_INPUTS
+from pagedpack.kernels.native import native_ops
+from pagedpack.lowering.cpu_linear import available as onednn_available
+from pagedpack.lowering.cpu_linear import prepack_linears
+from pagedpack.passes.graph_attrs import vocab_size
+from pagedpack.runtime.batch import example_batch
+
+FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
+_CHECK_BLOCK_SIZE = 4
+_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3], [0, 6, 9]  # a prefill, a decode, a chunk
+
+
+def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
+    """Point every ``pagedpack::reshape_and_cache`` / ``paged_attention`` call of ``graph_module``
+    at the native CPU kernel of the same schema; returns how many (0 without native kernels)."""
+    native = native_ops()
+    if native is None:
+        return 0
+    ops = torch.ops.pagedpack
+    swap = {ops.reshape_and_cache.default: native.reshape_and_cache.default,
+            ops.paged_attention.default: native.paged_attention.default}
+    count = 0
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in swap:
+            node.target = swap[node.target]
+            count += 1
+    if count:
+        graph_module.recompile()
+    return count
+
+
+def cpu_step(rewritten, device: torch.device | str) -> tuple[object, str | None]:
+    """``(program, note)``: the step program the reference target runs on ``device`` and what was
+    lowered. Off the CPU, or with nothing to lower, ``rewritten`` itself (note None)."""
+    if torch.device(device).type != "cpu":
+        return rewritten, None
+    gm = rewritten.graph_module
+    lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    linears = prepack_linears(lowered) if onednn_available(device) else 0
+    kernels = use_native_kernels(lowered)
+    if not linears and not kernels:
+        return rewritten, None
+    done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
+            f"{kernels} attention/cache ops as native kernel calls")
+    reason = _check(gm, lowered, rewritten.kv_cache_specs)
+    if reason:
+        return rewritten, f"cpu lowering: kept the rewritten graph; the lowered one ({done}) {reason}"
+    return lowered, f"cpu lowering: {done}"
+
+
+def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs) -> str | None:
+    """None if ``lowered`` computes ``reference``'s logits on an example step (all rows, random
+    tokens and caches) to :data:`FP32_RTOL`; else what differs."""
+    num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS))
+    batch = example_batch(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
+    g = torch.Generator().manual_seed(0)
+    batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
+    batch.logits_indices = torch.arange(batch.num_tokens)
+    inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
+    caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
+              for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
+    with torch.no_grad():
+        expected = reference(*inputs, *(c.clone() for c in caches))
+        try:
+            got = lowered(*inputs, *(c.clone() for c in caches))
+        except RuntimeError as err:
+            return f"does not run ({type(err).__name__}: {str(err)[:160]})"
+    if got.shape != expected.shape:
+        return f"returns logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    diff = (got.double() - expected.double()).abs().max().item()
+    tolerance = FP32_RTOL * (1 + expected.abs().max().item())
+    return None if diff <= tolerance else f"differs by {diff:.3g} (tolerance {tolerance:.3g}) on an example step"
