@@ -1,126 +1,236 @@
-"""Generation throughput: pagedpack ``LLM.generate`` vs the unmodified model's padded batch ``generate``.
+"""Generation throughput, side by side in one run: pagedpack ``LLM.generate``, the unmodified
+model's padded batch ``generate`` and, when given, vLLM CPU, on the same prompts.
 
-Same model, same prompts, same number of greedy tokens per request, side by side in one run.
-With ``--onnx`` the pagedpack step also runs exported to ONNX on onnxruntime (CPU).
-``--model smollm2-135m`` (or ``gemma3-270m``) runs a real small model, fetched and converted on
-first use (``pagedpack.models.aliases``); ``greedy_agreement`` then says how many requests got the
-same greedy tokens from both. Prints one JSON object. Run:
-``python benchmarks/generate.py [--model M] [--repeat N] [--onnx]``.
+Workloads:
+  * ``--workload w1`` (default): W1 exactly as ``../shared/bench/workload.py`` defines it (a Llama
+    shape with seed-0 random weights, 32 prompts of lengths 32, 50, 128, 256, 512, 64, 16, 256 x4,
+    32 greedy tokens each, EOS ignored). With ``--model smollm2-135m`` (or any model), the same
+    prompt lengths cut from English text (Python's own documentation) through the model's tokenizer.
+  * ``--workload random``: ``--model`` on random token ids of those lengths, ``--repeat`` times.
+
+Timing follows ``../shared/bench/SETUP.md``: load and capture excluded, one warm-up run over all
+prompts, best of ``--runs``. Each engine's first 4 outputs are compared with the unmodified
+model's greedy tokens, prompt by prompt (``first4_match``); pagedpack's ``peak_rss_mb`` is this
+process's peak RSS during its runs (loaded model, rewritten graph and KV pool included; the
+transient peak of loading and rewriting is reported apart), vLLM's the peak sum over its
+processes during its runs (``vllm_cpu.py`` samples it; its main-process figure inherits this
+process's peak through ``fork``). ``--vllm-python`` runs
+``vllm_cpu.py`` from ``--bench-dir`` with that interpreter (Intel OpenMP preloaded from its venv,
+no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. Start only when
+the 1-minute load is below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
+``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx]``.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import pydoc
+import resource
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.models.loading import DEFAULT_MODEL
+from pagedpack.kernels.native import status as kernel_status
 
 PROMPT_LENS = (32, 50, 128, 256, 512, 64, 16, 256)
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="an alias (tiny, smollm2-135m, gemma3-270m), a Hugging Face directory or hub id; "
-                             "default: the built-in tiny model")
-    parser.add_argument("--repeat", type=int, default=4, help="times the prompt-length list is repeated")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("w1", "random"), default="w1")
+    parser.add_argument("--model", default=None,
+                        help="an alias (tiny, smollm2-135m, gemma3-270m) or a Hugging Face directory; "
+                             "default: W1's model for --workload w1, tiny otherwise")
+    parser.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench",
+                        help="folder of workload.py and vllm_cpu.py (default: ../shared/bench)")
+    parser.add_argument("--w1-dir", type=Path, default=Path.home() / ".cache" / "pagedpack" / "w1",
+                        help="where W1's model is written on first use")
+    parser.add_argument("--vllm-python", help="python of a vLLM CPU venv: also run vLLM on the same prompts")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per engine (best is reported)")
+    parser.add_argument("--repeat", type=int, default=4, help="--workload random: times the length list repeats")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-transformers", action="store_true", help="skip the padded transformers baseline")
     parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
     args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        load = float(f.read().split()[0])
 
-    llm = LLM(args.model, block_size=args.block_size)
-    model, vocab = llm.model, llm.model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    lens = list(PROMPT_LENS) * args.repeat
-    prompts = [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist() for n in lens]
-    n_new = args.max_tokens
+    model_dir, prompts = _workload(args)
+    llm = LLM(model_dir, block_size=args.block_size)
+    reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
 
-    # pagedpack: packed steps, paged KV cache, continuous batching.
-    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
-    paged_s, paged_outputs = _timed_generate(llm, prompts, params)
-    paged_tokens = sum(len(o.outputs[0].token_ids) for o in paged_outputs)
-    kv = llm.llm_engine.scheduler.kv_cache_manager
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    _reset_peak_rss()
+    paged_s, paged_outputs = _timed(lambda: _generate(llm, prompts, params), args.runs)
+    eos = llm.description.eos_token_ids
+    engines = {"pagedpack": _row(paged_s, paged_outputs, prompts, reference, args.max_tokens, eos)}
+    engines["pagedpack"]["peak_rss_mb"] = _peak_rss_mb()
+    engines["pagedpack"]["peak_rss_mb_with_load_and_rewrite"] = round(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    engines["pagedpack"]["steps_per_run"] = llm.llm_engine.stats.num_steps // (args.runs + 1)
+    if args.onnx:
+        engines["pagedpack_onnxruntime"] = _onnxruntime(llm, prompts, params, reference, args, eos)
+    if not args.no_transformers:
+        hf_s, hf_outputs = _timed(lambda: _padded_generate(llm.model, prompts, args.max_tokens), args.runs)
+        engines["transformers_padded"] = _row(hf_s, hf_outputs, prompts, reference, args.max_tokens)
+    if args.vllm_python:
+        engines["vllm_cpu"] = _vllm(args, model_dir, prompts, reference)
 
-    # transformers: one left-padded batch through model.generate (warm-up run first).
-    width = max(lens)
+    result = {
+        "workload": args.workload, "model": str(args.model or model_dir), "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)), "new_tokens_per_request": args.max_tokens,
+        "engines": engines,
+        "ratios_to_pagedpack_time": {name: round(row["seconds"] / paged_s, 2)
+                                     for name, row in engines.items() if name != "pagedpack" and "seconds" in row},
+        "load_1min": load, "kernels": kernel_status(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+def _workload(args) -> tuple[str, list[list[int]]]:
+    """The model (alias or directory) and the prompts' token ids."""
+    if args.workload == "random":
+        model = args.model or "tiny"
+        vocab = LLM(model).model.config.vocab_size if model != "tiny" else 256
+        g = torch.Generator().manual_seed(0)
+        return model, [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist()
+                       for n in list(PROMPT_LENS) * args.repeat]
+    spec = importlib.util.spec_from_file_location("workload", args.bench_dir / "workload.py")
+    workload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    if args.model is None:
+        return workload.save_model(str(args.w1_dir)), workload.prompts_w1()
+    from pagedpack.models.aliases import resolve
+    from pagedpack.models.loading import load_tokenizer
+
+    model_dir = resolve(args.model)
+    ids = load_tokenizer(model_dir)(_english_text())["input_ids"]
+    prompts, start = [], 0
+    for n in workload.LENGTHS_W1:  # consecutive windows of the text, W1's lengths
+        prompts.append(ids[start:start + n])
+        start = (start + n) % (len(ids) - 512)
+    return model_dir, prompts
+
+
+def _english_text() -> str:
+    """About 20k tokens of English prose: the documentation of a few standard modules."""
+    import argparse as a
+    import collections
+    import json as j
+    import logging
+    import pathlib
+    import subprocess as s
+    import threading
+    import unittest
+    return "\n\n".join(pydoc.getdoc(m) + "\n" + "\n".join(pydoc.getdoc(getattr(m, n)) for n in dir(m)
+                                                          if not n.startswith("_") and callable(getattr(m, n)))
+                       for m in (unittest, logging, a, threading, collections, s, pathlib, j))
+
+
+def _reset_peak_rss() -> None:
+    """Restart this process's peak-RSS count (Linux: ``5`` to ``/proc/self/clear_refs``), so that
+    :func:`_peak_rss_mb` measures the runs, as vllm_cpu.py samples its RSS during its runs."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_mb() -> int:
+    """This process's peak RSS since :func:`_reset_peak_rss` (``VmHWM``), in MiB."""
+    with open("/proc/self/status") as f:
+        return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024)
+
+
+def _generate(llm, prompts, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _timed(run, runs: int) -> tuple[float, list[list[int]]]:
+    """Best of ``runs`` timed calls of ``run`` after one warm-up call, and the last outputs."""
+    run()
+    best, outputs = float("inf"), None
+    for _ in range(runs):
+        start = time.perf_counter()
+        outputs = run()
+        best = min(best, time.perf_counter() - start)
+    return best, outputs
+
+
+def _row(seconds: float, outputs, prompts, reference, max_tokens: int, eos_ids=()) -> dict:
+    """Time, throughput and ``first4_match``. The reference masks EOS until ``max_tokens``
+    (``min_new_tokens``, as vllm_cpu.py's ``min_tokens``); pagedpack's ``ignore_eos`` only keeps
+    going, so its outputs (``eos_ids`` given) are compared up to their first EOS."""
+    assert all(len(o) == max_tokens for o in outputs), [len(o) for o in outputs]
+    same = 0
+    for got, ref in zip(outputs, reference):
+        stop = next((i for i, t in enumerate(got) if t in eos_ids), len(got))
+        same += list(got[:stop]) == ref[:stop]
+    return {"seconds": round(seconds, 3), "generated_tokens_per_s": round(len(prompts) * max_tokens / seconds, 1),
+            "first4_match": f"{same}/4"}
+
+
+def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The unmodified model's greedy tokens for ``prompt`` alone (EOS ignored)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _padded_generate(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    """One left-padded batch through ``model.generate`` (what users start from)."""
+    width = max(map(len, prompts))
     input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p)
         attention_mask[i, width - len(p):] = 1
-    hf_kwargs = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(input_ids[:2], attention_mask=attention_mask[:2], **hf_kwargs)
-        start = time.perf_counter()
-        hf_out = model.generate(input_ids, attention_mask=attention_mask, **hf_kwargs)
-        hf_s = time.perf_counter() - start
-    hf_tokens = (hf_out.shape[1] - width) * len(prompts)
-
-    per_token = llm.bytes_per_token
-    result = {
-        "model": args.model,
-        "requests": len(prompts),
-        "prompt_tokens": sum(lens),
-        "new_tokens_per_request": n_new,
-        "pagedpack": {
-            "seconds": round(paged_s, 3),
-            "generated_tokens_per_s": round(paged_tokens / paged_s, 1),
-            "steps": llm.llm_engine.stats.num_steps,
-            "kv_peak_mib": round(kv.peak_used_blocks * args.block_size * per_token / 2**20, 2),
-        },
-        "transformers_padded": {
-            "seconds": round(hf_s, 3),
-            "generated_tokens_per_s": round(hf_tokens / hf_s, 1),
-            "padded_prompt_tokens": width * len(prompts),
-            "kv_mib": round(len(prompts) * (width + n_new) * per_token / 2**20, 2),
-        },
-        "speedup": round(hf_s / paged_s, 2),
-        "greedy_agreement": _agreement(paged_outputs, hf_out[:, width:].tolist(), llm.description.eos_token_ids),
-        **(_onnxruntime(llm, prompts, params, args.block_size) if args.onnx else {}),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-    }
-    print(json.dumps(result, indent=2))
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[:, width:].tolist()
 
 
-def _timed_generate(llm, prompts, params) -> tuple[float, list]:
-    """Seconds and outputs of ``llm.generate`` on ``prompts``, after a warm-up run."""
-    llm.generate(prompts[:2], params, use_tqdm=False)
-    llm.llm_engine.scheduler.kv_cache_manager.allocator.reset_peak()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, outputs
+def _vllm(args, model_dir: str, prompts, reference) -> dict:
+    """``vllm_cpu.py`` on the same model and prompts, in a child process of ``--vllm-python``."""
+    venv = Path(args.vllm_python).absolute().parent.parent  # the venv, not the interpreter it links to
+    iomp = next(venv.glob("lib/libiomp5.so"), None)
+    env = dict(os.environ, **({"LD_PRELOAD": str(iomp)} if iomp else {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_json, ref_json = Path(tmp, "prompts.json"), Path(tmp, "ref.json")
+        prompts_json.write_text(json.dumps({"prompts": prompts, "max_new_tokens": args.max_tokens}))
+        ref_json.write_text(json.dumps({"first4": reference}))
+        done = subprocess.run([args.vllm_python, str(args.bench_dir / "vllm_cpu.py"), model_dir, str(prompts_json),
+                               "--ref", str(ref_json), "--reserved-cpus", "0", "--runs", str(args.runs)],
+                              env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
+    if done.returncode or not lines:
+        return {"error": (done.stdout + done.stderr).strip()[-2000:]}
+    row = json.loads(lines[-1])
+    return {"seconds": row["seconds"], "generated_tokens_per_s": row["tokens_per_s"],
+            "first4_match": f"{row['first4_match']}/4",
+            # its engine core runs in a second process: the sum over its processes during the runs
+            "peak_rss_mb": row["peak_rss_mb_sum_all_procs_during_runs"],
+            "version": row["version"], "ld_preload": bool(iomp)}
 
 
-def _agreement(paged_outputs, hf_tokens: list[list[int]], eos_ids: list[int]) -> str:
-    """How many requests got the same greedy tokens from pagedpack and the padded batch, each
-    compared before pagedpack's first EOS (``min_new_tokens`` masks EOS on the transformers
-    side, ``ignore_eos`` only keeps pagedpack going)."""
-    same = 0
-    for out, ref in zip(paged_outputs, hf_tokens):
-        got = out.outputs[0].token_ids
-        stop = next((i for i, t in enumerate(got) if t in eos_ids), len(got))
-        same += got[:stop] == ref[:stop]
-    return f"{same}/{len(hf_tokens)}"
-
-
-def _onnxruntime(llm, prompts, params, block_size) -> dict:
+def _onnxruntime(llm, prompts, params, reference, args, eos_ids) -> dict:
     """The same requests, the step exported to ONNX and run by onnxruntime's CPU provider."""
     with tempfile.TemporaryDirectory() as tmp:
         path = llm.export(os.path.join(tmp, "step.onnx"), format="onnx")
-        served = LLM.from_exported(path, block_size=block_size, num_blocks=llm.num_blocks)
-        seconds, outputs = _timed_generate(served, prompts, params)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"pagedpack_onnxruntime": {"seconds": round(seconds, 3),
-                                      "generated_tokens_per_s": round(tokens / seconds, 1)}}
+        served = LLM.from_exported(path, block_size=args.block_size, num_blocks=llm.num_blocks)
+        seconds, outputs = _timed(lambda: _generate(served, prompts, params), args.runs)
+    return _row(seconds, outputs, prompts, reference, args.max_tokens, eos_ids)
 
 
 if __name__ == "__main__":

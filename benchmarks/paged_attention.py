@@ -2,12 +2,13 @@
 
 Decode (one query row per sequence) of 32 sequences at each KV length, and one prefill of a
 512-token prompt, for the W1 head shape (8 query / 2 KV heads, head_dim 64) and SmolLM2-135M's
-(9 / 3, 64). ``native`` is the C++ kernel (``kernels/csrc``), ``reference`` the PyTorch reference
-kernel (``PAGEDPACK_NATIVE=0``), ``sdpa_contiguous`` ``F.scaled_dot_product_attention`` with
-``enable_gqa`` on K/V already laid out ``[B, Hkv, L, D]`` (no paging: the floor). Blocks of a
-sequence are scattered over the pool (a random permutation). Prints one JSON object with
-milliseconds per call (median of ``--repeat``) and the ratios. Run:
-``python benchmarks/paged_attention.py [--block-size 16] [--repeat 20]``.
+(9 / 3, 64). ``native`` is the C++ kernel (``kernels/csrc``) called as the CPU-lowered step
+calls it; ``native_via_op`` the same through the ``pagedpack::paged_attention`` custom op (its
+Python layer and checks); ``reference`` the PyTorch reference kernel (``PAGEDPACK_NATIVE=0``);
+``sdpa_contiguous`` ``F.scaled_dot_product_attention`` with ``enable_gqa`` on K/V already laid out
+``[B, Hkv, L, D]`` (no paging: the floor). Blocks of a sequence are scattered over the pool (a
+random permutation). Prints one JSON object with milliseconds per call (median of ``--repeat``)
+and the ratios. Run: ``python benchmarks/paged_attention.py [--block-size 16] [--repeat 20]``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
-from pagedpack.kernels.native import status
+from pagedpack.kernels.native import native_ops, status
 
 SHAPES = {"w1": (8, 2, 64), "smollm2-135m": (9, 3, 64)}
 
@@ -58,6 +59,9 @@ def _case(num_heads, num_kv_heads, head_dim, q_len, kv_len, num_seqs, block_size
     def paged():
         return torch.ops.pagedpack.paged_attention(*args)
 
+    def direct():  # what the CPU-lowered step graph calls (no custom-op Python layer)
+        return torch.ops.pagedpack_cpu.paged_attention(*args)
+
     q4 = q.view(num_seqs, q_len, num_heads, head_dim).transpose(1, 2)
     k4, v4 = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     mask = None
@@ -69,12 +73,13 @@ def _case(num_heads, num_kv_heads, head_dim, q_len, kv_len, num_seqs, block_size
                                               scale=scale, enable_gqa=True)
 
     torch.testing.assert_close(paged(), sdpa().transpose(1, 2).reshape_as(q), atol=1e-4, rtol=1e-4)
-    native_ms = _median_ms(paged, repeat)
+    native_ms = _median_ms(direct, repeat)
+    op_ms = _median_ms(paged, repeat)
     os.environ["PAGEDPACK_NATIVE"] = "0"
     reference_ms = _median_ms(paged, max(3, repeat // 4))
     del os.environ["PAGEDPACK_NATIVE"]
     sdpa_ms = _median_ms(sdpa, repeat)
-    return {"q_len": q_len, "kv_len": kv_len, "num_seqs": num_seqs, "native_ms": native_ms,
+    return {"q_len": q_len, "kv_len": kv_len, "num_seqs": num_seqs, "native_ms": native_ms, "native_via_op_ms": op_ms,
             "reference_ms": reference_ms, "sdpa_contiguous_ms": sdpa_ms,
             "native_vs_sdpa": round(native_ms / sdpa_ms, 2), "reference_vs_sdpa": round(reference_ms / sdpa_ms, 2)}
 
@@ -84,6 +89,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
+    if native_ops() is None:
+        raise SystemExit(f"no native kernels: {status()}")
     with open("/proc/loadavg") as f:
         load = float(f.read().split()[0])
     result = {"kernels": status(), "threads": torch.get_num_threads(), "load_1min": load,

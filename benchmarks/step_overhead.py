@@ -1,0 +1,68 @@
+"""Fixed cost of one decode step: the engine's step time minus the time spent in GEMMs.
+
+32 requests (prompt length ``--prompt-len``) are prefilled, then ``--steps`` decode steps of all
+32 are timed through ``LLMEngine.step`` (scheduling, metadata, the step program, sampling), once
+plainly and once under ``torch.profiler`` to sum the self time of the matrix-multiply ops.
+``fixed_overhead_ms`` = median step time - GEMM time per step (profiler overhead excluded by
+taking the step time from the unprofiled run). Default model: the built-in tiny one. Prints one
+JSON object with the top ops by self time. Run: ``python benchmarks/step_overhead.py [--model M]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.kernels.native import status
+from pagedpack.runtime.request import Request
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
+            "mkl::_mkl_linear")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--num-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        load = float(f.read().split()[0])
+
+    llm = LLM(args.model)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 4, ignore_eos=True)
+    for i in range(args.num_seqs):
+        engine.add_request(Request(f"r{i}", [1 + i % 50] * args.prompt_len, params))
+    scheduler = engine.scheduler
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in [*scheduler.running, *scheduler.waiting]):
+        engine.step()
+
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    events = prof.key_averages()
+    gemm_ms = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / args.steps
+    step_ms = statistics.median(times) * 1e3
+    top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    print(json.dumps({
+        "model": args.model, "num_seqs": args.num_seqs, "context_len": args.prompt_len,
+        "step_ms": round(step_ms, 3), "gemm_ms": round(gemm_ms, 3), "fixed_overhead_ms": round(step_ms - gemm_ms, 3),
+        "top_self_ms_per_step": {e.key: round(e.self_cpu_time_total / 1e3 / args.steps, 3) for e in top},
+        "kernels": status(), "threads": torch.get_num_threads(), "load_1min": load,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
