@@ -103,6 +103,12 @@ struct Row {
 };
 
 template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
+}
+
+template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     std::copy(src, src + n, dst);
@@ -188,6 +194,13 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
         kp[j] = kbuf.data() + j * d;
         vp[j] = vbuf.data() + j * dv;
       }
+    }
+    // The next chunk's rows sit in other blocks the hardware prefetcher cannot guess: ask for them
+    // now, so that they arrive while this chunk computes.
+    for (int64_t tok = c0 + n; tok < std::min(it.hi, c0 + n + kKvChunk); ++tok) {
+      const int64_t blk = block_of(meta, it.b, tok), off = tok % meta.block_size;
+      prefetch_row(k_base + blk * k_strides[0] + off * k_strides[1] + it.g * k_strides[2], d);
+      prefetch_row(v_base + blk * v_strides[0] + off * v_strides[1] + it.g * v_strides[2], dv);
     }
     for (int64_t v = 0; v < nvec; ++v) {
       const int64_t h = it.g * group + v % group;
