@@ -16,6 +16,7 @@ from pagedpack.models.loading import describe_model, load, load_tokenizer
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.engine import LLMEngine
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
@@ -136,6 +137,7 @@ class LLM:
         program = target.lower(self.rewritten, block_size=args.block_size, bounds=args.step_bounds, device=args.device)
         if program.note:
             self.rewritten.report.notes.append(program.note)
+        release_memory()  # the rewrite's float64 checks are done: give their memory back
         return program, description
 
     @property
