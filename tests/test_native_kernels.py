@@ -87,6 +87,22 @@ def test_bad_metadata_raises_inside_a_checked_step():
                                   torch.full_like(write["slot_mapping"], 10**7))
 
 
+@pytest.mark.parametrize(("params", "message"), [
+    (dict(sliding_window=0), "sliding_window: expected None or an int >= 1"),
+    (dict(logits_soft_cap=float("nan")), "logits_soft_cap: expected None or a finite float > 0"),
+    (dict(logits_soft_cap=-1.0), "logits_soft_cap: expected None or a finite float > 0"),
+    (dict(sinks=torch.zeros(1)), r"sinks: expected a floating tensor of shape \[num_heads\] = \(4,\)"),
+    (dict(alibi_slopes=torch.zeros(4, dtype=torch.int32)), "alibi_slopes: expected a floating tensor"),
+])
+def test_bad_attention_parameters_raise_inside_a_checked_step(params, message):
+    """The parameters' Python checks are skipped in the runner's step too; the kernel refuses
+    values it would read out of bounds with (a sinks tensor shorter than the heads) or compute
+    garbage from."""
+    batch, _, _ = make_step([(20, 1)], num_kv_heads=2, ratio=2, head_dim=64, block_size=16)
+    with checked_step(), pytest.raises(ValueError, match=message):
+        ops.paged_attention(**batch, **params)
+
+
 def test_without_a_compiler_the_reference_kernels_run():
     """No C++ compiler (and a cache with no build): the ops say so and still compute."""
     code = ("import torch, pagedpack.kernels.ops\n"

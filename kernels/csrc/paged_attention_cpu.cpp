@@ -294,6 +294,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                   cu.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), bt.data_ptr<int32_t>(), bt.size(1)};
   check_metadata(meta, num_tokens);
 
+  TORCH_CHECK_VALUE(!sliding_window || *sliding_window >= 1,
+                    "paged_attention: sliding_window: expected None or an int >= 1, got ", sliding_window.value_or(0));
+  TORCH_CHECK_VALUE(!logits_soft_cap || (std::isfinite(*logits_soft_cap) && *logits_soft_cap > 0),
+                    "paged_attention: logits_soft_cap: expected None or a finite float > 0, got ",
+                    logits_soft_cap.value_or(0.0));
+  for (const auto& [name, t] : {std::pair{"alibi_slopes", alibi_slopes}, std::pair{"sinks", sinks}}) {
+    TORCH_CHECK_VALUE(!t || (t->dim() == 1 && t->size(0) == query_in.size(1) && t->is_floating_point()),
+                      "paged_attention: ", name, ": expected a floating tensor of shape [num_heads] = (",
+                      query_in.size(1), ",), got ", t ? t->sizes() : at::IntArrayRef{});
+  }
   at::Tensor alibi, sink;
   if (alibi_slopes) alibi = alibi_slopes->to(at::kFloat).contiguous();
   if (sinks) sink = sinks->to(at::kFloat).contiguous();
