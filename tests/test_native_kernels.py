@@ -85,6 +85,9 @@ def test_bad_metadata_raises_inside_a_checked_step():
         with pytest.raises(ValueError, match=r"slot_mapping: expected -1 or a slot in \[0, "):
             ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
                                   torch.full_like(write["slot_mapping"], 10**7))
+        with pytest.raises(ValueError, match="slot_mapping: expected dtype int32 or int64, got Float"):
+            ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
+                                  write["slot_mapping"].float())
 
 
 @pytest.mark.parametrize(("params", "message"), [

@@ -412,6 +412,11 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                     "reshape_and_cache: key ", key.sizes(), ", value ", value.sizes(), ", key_cache ", key_cache.sizes(),
                     ", value_cache ", value_cache.sizes(), ", slot_mapping ", slot_mapping.sizes(),
                     ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] and T slots");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
+                    "reshape_and_cache: slot_mapping: expected dtype int32 or int64, got ", slot_mapping.scalar_type());
+  TORCH_CHECK_VALUE(key.is_floating_point() && value.is_floating_point(),
+                    "reshape_and_cache: key, value: expected a floating-point dtype, got ", key.scalar_type(), ", ",
+                    value.scalar_type());
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1), block_size = key_cache.size(1);
