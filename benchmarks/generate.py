@@ -50,8 +50,9 @@ def main() -> None:
                              "default: W1's model for --workload w1, tiny otherwise")
     parser.add_argument("--bench-dir", type=Path, default=REPO.parent / "shared" / "bench",
                         help="folder of workload.py and vllm_cpu.py (default: ../shared/bench)")
-    parser.add_argument("--w1-dir", type=Path, default=Path.home() / ".cache" / "pagedpack" / "w1",
-                        help="where W1's model is written on first use")
+    parser.add_argument("--w1-dir", type=Path, default=None,
+                        help="where W1's model is written on first use (default: $PAGEDPACK_CACHE/w1, "
+                             "else ~/.cache/pagedpack/w1)")
     parser.add_argument("--vllm-python", help="python of a vLLM CPU venv: also run vLLM on the same prompts")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per engine (best is reported)")
     parser.add_argument("--repeat", type=int, default=4, help="--workload random: times the length list repeats")
@@ -104,11 +105,17 @@ def _workload(args) -> tuple[str, list[list[int]]]:
         g = torch.Generator().manual_seed(0)
         return model, [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist()
                        for n in list(PROMPT_LENS) * args.repeat]
-    spec = importlib.util.spec_from_file_location("workload", args.bench_dir / "workload.py")
+    source = args.bench_dir / "workload.py"
+    if not source.is_file():  # ../shared/bench lives beside the repository, not in it
+        raise SystemExit(f"--bench-dir: expected a folder holding workload.py (the shared benchmark folder), "
+                         f"got {str(args.bench_dir)!r}; give --bench-dir, or use --workload random")
+    spec = importlib.util.spec_from_file_location("workload", source)
     workload = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(workload)
     if args.model is None:
-        return workload.save_model(str(args.w1_dir)), workload.prompts_w1()
+        from pagedpack.models.aliases import cache_dir
+
+        return workload.save_model(str(args.w1_dir or cache_dir() / "w1")), workload.prompts_w1()
     from pagedpack.models.aliases import resolve
     from pagedpack.models.loading import load_tokenizer
 

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -90,6 +91,8 @@ def _load():
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:
     """Compile into a temporary file beside ``library``, then rename (safe with concurrent builds)."""
+    print(f"pagedpack: building the native CPU kernels into {library.parent} (first use only, about 30 s)",
+          file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
