@@ -106,6 +106,15 @@ def test_bad_attention_parameters_raise_inside_a_checked_step(params, message):
         ops.paged_attention(**batch, **params)
 
 
+def test_a_cache_of_empty_blocks_is_refused_not_divided_by():
+    """block_size 0 (a zero-size cache dimension) raised SIGFPE in the kernel's metadata check."""
+    cache = torch.empty(4, 0, 1, 16)
+    int32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="key_cache: expected block_size >= 1"):
+        torch.ops.pagedpack_cpu.paged_attention(torch.randn(0, 1, 16), cache, cache, torch.zeros(1, 1, **int32),
+                                                torch.tensor([0, 0], **int32), torch.tensor([0], **int32), 0.25)
+
+
 def test_without_a_compiler_the_reference_kernels_run():
     """No C++ compiler (and a cache with no build): the ops say so and still compute."""
     code = ("import torch, pagedpack.kernels.ops\n"

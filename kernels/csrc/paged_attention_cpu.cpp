@@ -281,6 +281,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   TORCH_CHECK_VALUE(block_table.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
                     "paged_attention: block_table ", block_table.sizes(), ", seq_lens ", seq_lens.sizes(), ", cu_seqlens_q ",
                     cu_seqlens_q.sizes(), ": expected B rows, B lengths and B + 1 offsets");
+  TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "paged_attention: key_cache: expected block_size >= 1, got ",
+                    key_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
+                    "paged_attention: value_cache: expected the dtype of key_cache (", key_cache.scalar_type(),
+                    ") in the native kernel, got ", value_cache.scalar_type());
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_attention: key_cache/value_cache: expected a contiguous last dimension");
   const auto query = query_in.to(at::kFloat).contiguous();
@@ -403,8 +408,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "reshape_and_cache: key_cache/value_cache: expected a contiguous last dimension");
   TORCH_CHECK_VALUE(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 &&
                         key.sizes().slice(1) == key_cache.sizes().slice(2) &&
                         value.sizes().slice(1) == value_cache.sizes().slice(2) && slot_mapping.dim() == 1 &&
@@ -412,6 +415,10 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                     "reshape_and_cache: key ", key.sizes(), ", value ", value.sizes(), ", key_cache ", key_cache.sizes(),
                     ", value_cache ", value_cache.sizes(), ", slot_mapping ", slot_mapping.sizes(),
                     ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] and T slots");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "reshape_and_cache: key_cache/value_cache: expected a contiguous last dimension");
+  TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "reshape_and_cache: key_cache: expected block_size >= 1, got ",
+                    key_cache.sizes());
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
                     "reshape_and_cache: slot_mapping: expected dtype int32 or int64, got ", slot_mapping.scalar_type());
   TORCH_CHECK_VALUE(key.is_floating_point() && value.is_floating_point(),
