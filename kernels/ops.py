@@ -268,7 +268,7 @@ def reference_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
 
     Decode rows are batched (:func:`_decode_attention`); every other sequence's blocks are gathered
     and run through :func:`causal_attention`. Arguments as in :func:`paged_attention`, checked."""
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, num_heads, _ = query.shape
     head_dim_v = value_cache.shape[3]
     block_size = key_cache.shape[1]
     out = query.new_zeros(num_tokens, num_heads, head_dim_v)

@@ -248,14 +248,13 @@ void sdpa_sequence(const Meta& m, int64_t b, const at::Tensor& query, const at::
   auto ids = at::from_blob(const_cast<int32_t*>(m.table + b * m.table_stride), {nblk}, at::kInt).to(at::kLong);
   auto k = key_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
   auto v = value_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
-  auto q = query.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);
-  const auto dtype = at::kFloat;
+  auto q = query.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);  // already fp32
   std::optional<at::Tensor> mask;
   if (kv_len > q_len) {  // bottom-right causal: row i sees keys <= kv_len - q_len + i
     auto rows = at::arange(q_len, at::kLong).unsqueeze(1) + (kv_len - q_len);
     mask = at::arange(kv_len, at::kLong).unsqueeze(0) <= rows;
   }
-  auto o = at::scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.0,
+  auto o = at::scaled_dot_product_attention(q, k.to(at::kFloat), v.to(at::kFloat), mask, 0.0,
                                             /*is_causal=*/!mask.has_value(), scale, /*enable_gqa=*/true);
   out.narrow(0, start, q_len).copy_(o.squeeze(0).transpose(0, 1));
 }
