@@ -65,7 +65,8 @@ def main() -> None:
         load = float(f.read().split()[0])
 
     model_dir, prompts = _workload(args)
-    llm = LLM(model_dir, block_size=args.block_size)
+    # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
+    llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False)
     reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -116,6 +116,7 @@ def _generate(args) -> int:
 def _summary(llm: LLM, outputs, elapsed: float) -> Table:
     engine = llm.llm_engine
     kv = engine.scheduler.kv_cache_manager
+    stats = llm.get_stats()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not o.error)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     per_token = llm.bytes_per_token
@@ -129,8 +130,12 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
         ("generation time", f"{elapsed:.2f} s (after loading and capture)"),
         ("throughput", f"{generated / elapsed:.1f} generated tokens/s, "
                        f"{(prompt_tokens + generated) / elapsed:.1f} total tokens/s"),
-        ("steps", f"{engine.stats.num_steps} ({engine.stats.num_preemptions} preemptions)"),
-        ("KV blocks", f"peak {kv.peak_used_blocks}, in use {kv.num_used_blocks}, pool {kv.num_blocks} "
+        ("steps", f"{stats.num_steps} ({stats.num_preemptions} preemptions)"),
+        ("prefix cache", f"{stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens found cached "
+                         f"({100 * stats.prefix_cache_hit_rate:.1f}%), {stats.num_prompt_tokens_computed} computed, "
+                         f"{stats.num_evictions} blocks evicted" if kv.enable_prefix_caching else "off"),
+        ("KV blocks", f"peak {stats.kv_blocks_peak_used}, in use {stats.kv_blocks_used}, cached and free "
+                      f"{stats.kv_blocks_cached_free}, free {stats.kv_blocks_free}, pool {stats.kv_blocks_total} "
                       f"x {llm.block_size} tokens"),
         ("KV memory", f"peak {_mib(used)} used of a {_mib(kv.num_blocks * llm.block_size * per_token)} pool; "
                       f"a contiguous {len(outputs)} x max_len={llm.max_model_len} preallocation takes "

@@ -37,6 +37,8 @@ class EngineArgs:
         max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
         max_num_seqs: most sequences per step.
         max_model_len: most tokens per request (default: the model's limit).
+        enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes
+            (:mod:`pagedpack.runtime.block_pool`; on by default, as in vLLM v1).
         dtype: ``torch.dtype`` or its name (``"bfloat16"``); None keeps the checkpoint's.
         device: where the model runs.
     Raises:
@@ -52,6 +54,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
     device: str | torch.device = "cpu"
 
@@ -65,6 +68,8 @@ class EngineArgs:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: expected a bool, got {self.enable_prefix_caching!r}")
         memory = self.kv_cache_memory
         if memory is not None and not (isinstance(memory, (int, float)) and not isinstance(memory, bool)
                                        and math.isfinite(memory) and memory > 0):
@@ -128,6 +133,8 @@ class EngineArgs:
                             help="tokens per step (longer prompts are prefilled in chunks)")
         parser.add_argument("--max-model-len", type=int, default=None,
                             help="most tokens per request; default: the model's limit")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="reuse the KV blocks of prefixes earlier requests computed")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":

@@ -5,6 +5,7 @@ Every failure is a ``ValueError`` naming the argument, what was expected and wha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,25 +15,45 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _ATTENTION_FORMS = ("sdpa", "eager")
 
 
-def normalize_prompts(prompts) -> list[str | list[int]]:
-    """``prompts`` as a list of strings and token-id lists: a string, a list of ints or a 1-D
-    tensor is one prompt; a list of those (or a 2-D tensor) is several."""
-    if isinstance(prompts, str) or _is_token_list(prompts):
+@dataclass
+class Prompt:
+    """One prompt: ``content`` (text or token ids) and its ``cache_salt`` (None: unsalted)."""
+
+    content: str | list[int]
+    cache_salt: str | None = None
+
+
+def normalize_prompts(prompts) -> list[Prompt]:
+    """``prompts`` as a list of :class:`Prompt`: a string, a list of ints, a 1-D tensor or a dict
+    (vLLM's ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, either with an optional
+    ``"cache_salt"`` string) is one prompt; a list of those (or a 2-D tensor) is several."""
+    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
         prompts = [prompts]
     elif isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
         prompts = list(prompts)
     if not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts: expected a string, a list of token ids, or a list of those, "
+        raise ValueError(f"prompts: expected a string, a list of token ids, a dict, or a list of those, "
                          f"got {type(prompts).__name__}")
-    out = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            out.append(prompt)
-        elif _is_token_list(prompt):
-            out.append([int(t) for t in prompt])
-        else:
-            raise ValueError(f"prompts[{i}]: expected a string or a list of int token ids, got {prompt!r:.80}")
-    return out
+    return [_prompt(f"prompts[{i}]", prompt) for i, prompt in enumerate(prompts)]
+
+
+def _prompt(name: str, prompt) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(prompt)
+    if _is_token_list(prompt):
+        return Prompt([int(t) for t in prompt])
+    if isinstance(prompt, dict):
+        keys = set(prompt) - {"cache_salt"}
+        salt = prompt.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"{name}['cache_salt']: expected a string, got {salt!r:.80}")
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return Prompt(prompt["prompt"], salt)
+        if keys == {"prompt_token_ids"} and _is_token_list(prompt["prompt_token_ids"]):
+            return Prompt([int(t) for t in prompt["prompt_token_ids"]], salt)
+        raise ValueError(f"{name}: expected a dict of 'prompt' (a string) or 'prompt_token_ids' (a list of int "
+                         f"token ids), and optionally 'cache_salt', got {prompt!r:.80}")
+    raise ValueError(f"{name}: expected a string, a list of int token ids or a dict, got {prompt!r:.80}")
 
 
 def _is_token_list(value) -> bool:

@@ -10,11 +10,11 @@ from tqdm.auto import tqdm
 
 from pagedpack.contract import ModelDescription, StepProgram, bytes_per_token
 from pagedpack.engine_args import EngineArgs
-from pagedpack.inputs import check_causal_lm, check_token_ids, normalize_prompts, normalize_sampling_params
+from pagedpack.inputs import Prompt, check_causal_lm, check_token_ids, normalize_prompts, normalize_sampling_params
 from pagedpack.models.capture import capture
 from pagedpack.models.loading import describe_model, load, load_tokenizer
 from pagedpack.passes.pipeline import rewrite
-from pagedpack.runtime.engine import LLMEngine
+from pagedpack.runtime.engine import LLMEngine, Stats
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.model_runner import ModelRunner
@@ -56,7 +56,8 @@ class LLM:
 
     ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which
     documents them (``tokenizer``, ``target``, ``block_size``, ``num_blocks`` / ``kv_cache_memory``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``dtype``, ``device``).
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``,
+    ``device``).
 
     Attributes: ``model`` (the ``transformers`` module, None when served from a file),
     ``rewritten`` (the :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file),
@@ -88,7 +89,9 @@ class LLM:
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks(args)
         runner = ModelRunner(self.program, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device)
-        scheduler = Scheduler(KVCacheManager(self.num_blocks, self.block_size),
+        kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size,
+                                          enable_prefix_caching=args.enable_prefix_caching)
+        scheduler = Scheduler(kv_cache_manager,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
         self.llm_engine = LLMEngine(runner, scheduler)
@@ -145,6 +148,16 @@ class LLM:
         """The pass report (what ``pagedpack inspect`` prints); None when served from a file."""
         return self.rewritten.report if self.rewritten is not None else None
 
+    def get_stats(self) -> Stats:
+        """The engine's counters now (steps, tokens computed, preemptions, prefix-cache queries,
+        hits and evictions, KV blocks used / cached / free): a :class:`pagedpack.runtime.engine.Stats`."""
+        return self.llm_engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block nobody holds (as vLLM's ``LLM.reset_prefix_cache``); returns
+        False, changing nothing, while requests hold blocks."""
+        return self.llm_engine.scheduler.kv_cache_manager.pool.reset_cache()
+
     @property
     def bytes_per_token(self) -> int:
         """KV-cache bytes one token takes over all layers."""
@@ -183,7 +196,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for ``prompts`` (a string, a list of token ids, or a list of those), all
+        """Generate for ``prompts`` (a string, a list of token ids, a dict ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}`` with an optional ``"cache_salt"``, or a list of those), all
         submitted together; returns one :class:`RequestOutput` per prompt, in order.
 
         A request that can never run (token ids outside the vocabulary, prompt longer than
@@ -192,14 +206,14 @@ class LLM:
         """
         prompts = normalize_prompts(prompts)
         params = normalize_sampling_params(sampling_params, len(prompts))
-        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+        if any(isinstance(p.content, str) for p in prompts) and self.tokenizer is None:
             name = self.description.model_name or "given as an instance"
             raise ValueError(f"prompts: got a string but the model ({name}) has no tokenizer (no tokenizer files); "
                              "pass token ids, or a tokenizer with LLM(..., tokenizer=...) / --tokenizer")
         requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, params)]  # tokenize first
         outputs, live = [], {}
         for prompt, request in zip(prompts, requests):
-            out = RequestOutput(request.request_id, prompt if isinstance(prompt, str) else None,
+            out = RequestOutput(request.request_id, prompt.content if isinstance(prompt.content, str) else None,
                                 request.prompt_token_ids)
             outputs.append(out)
             try:
@@ -223,13 +237,13 @@ class LLM:
             raise
         return outputs
 
-    def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        ids = self.tokenizer(prompt.content).input_ids if isinstance(prompt.content, str) else prompt.content
         eos_ids = self.description.eos_token_ids
         eos = eos_ids[0] if eos_ids else None
         if len(eos_ids) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_ids[1:]])
-        return Request(str(next(self._ids)), ids, params, eos_token_id=eos)
+        return Request(str(next(self._ids)), ids, params, eos_token_id=eos, cache_salt=prompt.cache_salt)
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -1,140 +1,203 @@
-"""Physical KV blocks: who owns which, and how many are left.
+"""Each request's KV blocks: growing them, finding a cached prefix, copying, freeing.
 
-``BlockAllocator`` hands out block ids with reference counts (so blocks can later be shared by
-a prefix cache); ``KVCacheManager`` grows and frees each request's ``block_ids``.
+``KVCacheManager`` keeps every request's ``block_ids`` over a :class:`BlockPool`; with prefix
+caching on it names each full block by its content hash (:mod:`pagedpack.runtime.block_hash`),
+offers a computed block to the cache, and on admission finds the longest cached prefix of a new
+request in whole blocks (vLLM v1's ``KVCacheManager`` semantics, with one difference noted on
+:meth:`KVCacheManager.find_cached_prefix`).
 """
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass
 
+from pagedpack.runtime.block_hash import extend_block_hashes
+from pagedpack.runtime.block_pool import BlockPool
 from pagedpack.runtime.request import Request
 
 
-class BlockAllocator:
-    """Free list plus reference counts over block ids ``0 .. num_blocks - 1``.
+@dataclass
+class CachedPrefix:
+    """What the prefix cache holds of a waiting request.
 
-    Blocks are handed out in id order at first; a freed block goes to the front of the free
-    list and is the next one handed out, so a run keeps reusing the blocks whose cache lines
-    and pages are already warm instead of cycling through the whole pool (on the CPU the pool's
-    pages become resident only once written: ``ModelRunner``).
-
-    ``allocate`` raises ``RuntimeError`` when no block is free; ``free``/``incref`` raise
-    ``RuntimeError`` on a block that is not allocated and ``ValueError`` on an id out of range.
+    block_ids: the cached blocks of its first ``len(block_ids)`` full blocks, in order.
+    num_tokens: tokens whose K/V need not be computed (its ``num_computed_tokens`` once
+        admitted): ``len(block_ids) * block_size``, or one less when every token is cached, so
+        that the last one is computed and gives logits to sample from; the last block is then
+        copied into a block of the request's own before that token's K/V is written to it.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
-        self._peak_used = 0
+    block_ids: list[int]
+    num_tokens: int
+
+    def copies_last_block(self, block_size: int) -> bool:
+        return self.num_tokens < len(self.block_ids) * block_size
+
+
+NO_PREFIX = CachedPrefix([], 0)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, counted in tokens over admitted requests (as vLLM counts them):
+    ``queries`` their tokens, ``hits`` the tokens found cached (not computed)."""
+
+    queries: int = 0
+    hits: int = 0
 
     @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def peak_used_blocks(self) -> int:
-        """Most blocks in use at once since construction or the last ``reset_peak()``."""
-        return self._peak_used
-
-    def reset_peak(self) -> None:
-        self._peak_used = self.num_used_blocks
-
-    def ref_count(self, block_id: int) -> int:
-        self._check_id(block_id)
-        return self._ref_counts[block_id]
-
-    def allocate(self) -> int:
-        """Take a free block (reference count 1)."""
-        if not self._free:
-            raise RuntimeError(f"no free KV block (all {self.num_blocks} in use)")
-        block_id = self._free.popleft()
-        self._ref_counts[block_id] = 1
-        self._peak_used = max(self._peak_used, self.num_used_blocks)
-        return block_id
-
-    def incref(self, block_id: int) -> None:
-        """One more owner of an allocated block."""
-        self._check_allocated(block_id)
-        self._ref_counts[block_id] += 1
-
-    def free(self, block_id: int) -> None:
-        """Drop one owner; the block returns to the free list when none is left."""
-        self._check_allocated(block_id)
-        self._ref_counts[block_id] -= 1
-        if self._ref_counts[block_id] == 0:
-            self._free.appendleft(block_id)
-
-    def _check_id(self, block_id: int) -> None:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block_id: expected an id in [0, {self.num_blocks}), got {block_id}")
-
-    def _check_allocated(self, block_id: int) -> None:
-        self._check_id(block_id)
-        if self._ref_counts[block_id] == 0:
-            raise RuntimeError(f"block {block_id} is not allocated")
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
-    """Grows each request's ``block_ids`` to cover its tokens, and frees them.
+    """Grows each request's ``block_ids`` to cover its tokens, shares cached blocks, frees them.
 
     A request's blocks cover ``len(block_ids) * block_size`` token positions; block ``j``
     holds positions ``j * block_size .. (j + 1) * block_size - 1``.
+
+    Block copies (``(src, dst)`` pairs: copy-on-write of a shared last block) are registered
+    here, handed to the step that performs them by :meth:`take_block_copies`, and their sources
+    held (one reference each) until :meth:`end_step`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: expected >= 1, got {block_size}")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        self._pending_copies: list[tuple[int, int]] = []
+        self._copies_in_step: list[tuple[int, int]] = []
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.allocator.num_used_blocks
+        return self.pool.num_used_blocks
 
     @property
     def peak_used_blocks(self) -> int:
-        return self.allocator.peak_used_blocks
+        return self.pool.peak_used_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
 
-    def _num_missing_blocks(self, request: Request, num_new_tokens: int) -> int:
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(request.block_ids))
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of all full blocks of ``request.all_token_ids`` (extended as tokens come)."""
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        return request.block_hashes
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether ``allocate_slots(request, num_new_tokens)`` would succeed now."""
-        return self._num_missing_blocks(request, num_new_tokens) <= self.num_free_blocks
+    def find_cached_prefix(self, request: Request) -> list[CachedPrefix]:
+        """What the cache holds of ``request``'s leading full blocks, best first: the longest run
+        found, and, when that copies its last block, the same run without that block (the copy
+        needs one block more than the request's tokens: the fallback where the pool is short).
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        Unlike vLLM v1, which recomputes a whole block when every token is cached, a fully
+        cached request computes only its last token (into a copy of its last block)."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return [NO_PREFIX]
+        hits = []
+        for block_hash in self.block_hashes(request):
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        found = CachedPrefix(hits, min(len(hits) * self.block_size, request.num_tokens - 1))
+        if not found.copies_last_block(self.block_size):
+            return [found]
+        return [found, CachedPrefix(hits[:-1], (len(hits) - 1) * self.block_size)]
+
+    def _num_missing_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix) -> int:
+        kept = len(request.block_ids) or prefix.num_tokens // self.block_size
+        needed = self.num_blocks_for(max(request.num_computed_tokens, prefix.num_tokens) + num_new_tokens)
+        # touching a cached block nobody owns takes it out of the free queue
+        revived = sum(self.pool.ref_count(b) == 0 for b in prefix.block_ids)
+        return max(0, needed - kept) + revived
+
+    def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed now."""
+        return self._num_missing_blocks(request, num_new_tokens, prefix) <= self.num_free_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
         """Extend ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
 
-        All or nothing: returns ``False`` and changes nothing when too few blocks are free.
+        With ``prefix`` (from :meth:`find_cached_prefix`, for a request holding no blocks) the
+        request first takes the prefix's blocks and ``num_computed_tokens = prefix.num_tokens``,
+        and the admission is counted in :attr:`prefix_cache_stats`. All or nothing: returns
+        ``False`` and changes nothing when too few blocks are free.
         """
-        missing = self._num_missing_blocks(request, num_new_tokens)
-        if missing > self.num_free_blocks:
+        if not self.can_allocate(request, num_new_tokens, prefix):
             return False
-        request.block_ids.extend(self.allocator.allocate() for _ in range(missing))
+        if prefix is not NO_PREFIX:
+            self._take_prefix(request, prefix)
+        missing = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        request.block_ids.extend(self.pool.allocate() for _ in range(missing))
+        if prefix.copies_last_block(self.block_size):
+            self._pending_copies.append((prefix.block_ids[-1], request.block_ids[len(prefix.block_ids) - 1]))
         return True
 
+    def _take_prefix(self, request: Request, prefix: CachedPrefix) -> None:
+        for block_id in prefix.block_ids:
+            self.pool.touch(block_id)  # the copied last block: held as the copy's source
+        kept = prefix.num_tokens // self.block_size
+        request.block_ids.extend(prefix.block_ids[:kept])
+        request.num_computed_tokens = prefix.num_tokens
+        request.num_cached_blocks = kept
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += prefix.num_tokens
+
+    def cache_blocks(self, request: Request) -> None:
+        """Offer the request's newly computed full blocks to the prefix cache (call after the
+        step that computed them: ``num_computed_tokens`` counts written K/V only)."""
+        if not self.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_cached_blocks:
+            return
+        hashes = self.block_hashes(request)
+        for j in range(request.num_cached_blocks, full):
+            self.pool.cache_block(request.block_ids[j], hashes[j])
+        request.num_cached_blocks = full
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Register a copy of block ``src`` into the allocated block ``dst`` for the next step;
+        ``src`` is held until that step ends."""
+        self.pool.incref(src)
+        self._pending_copies.append((src, dst))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` copies the step being scheduled must perform before it runs."""
+        copies, self._pending_copies = self._pending_copies, []
+        self._copies_in_step.extend(copies)
+        return copies
+
+    def end_step(self) -> None:
+        """The step ran: release the sources of its copies."""
+        for src, _ in self._copies_in_step:
+            self.pool.free(src)
+        self._copies_in_step = []
+
     def free(self, request: Request) -> None:
-        """Release all blocks of ``request`` (last block first) and empty its ``block_ids``."""
+        """Release all blocks of ``request`` (last block first: its tail is evicted before its
+        prefix) and empty its ``block_ids``."""
         for block_id in reversed(request.block_ids):
-            self.allocator.free(block_id)
+            self.pool.free(block_id)
         request.block_ids.clear()
+        request.num_cached_blocks = 0
+
+    def reset(self) -> None:
+        """Drop pending copies (releasing their sources); after an abort."""
+        self._copies_in_step += self._pending_copies
+        self._pending_copies = []
+        self.end_step()

@@ -42,6 +42,15 @@ class ModelRunner:
         return out
 
 
+    @torch.inference_mode()
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy KV block ``src`` into block ``dst`` in every cache, for each ``(src, dst)``
+        (copy-on-write of a shared block, as vLLM's ``copy_blocks``)."""
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*blocks_to_copy))
+        for cache in self.kv_caches:
+            cache[dst] = cache[src]
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU from ``numpy.zeros`` (``calloc``: the OS maps zero pages on first
     touch), so a pool sized for the worst case costs memory only for the blocks in use, as

@@ -35,6 +35,10 @@ class Request:
         generator: the request's own ``torch.Generator`` when it has a seed (created lazily by
             the sampler).
         num_preemptions: how often the scheduler evicted it (its KV is then recomputed).
+        cache_salt: requests share cached KV blocks only if their salts are equal (None is a
+            salt of its own), as vLLM's ``cache_salt``.
+        block_hashes / num_cached_blocks: the content hashes of its full blocks and how many of
+            its leading blocks were offered to the prefix cache (the ``KVCacheManager``'s).
     """
 
     def __init__(
@@ -43,7 +47,10 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt: expected a string or None, got {cache_salt!r:.80}")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -57,6 +64,9 @@ class Request:
         self.error: str | None = None
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,11 @@ Priority is first come, first served. ``running`` stays in arrival order (a pree
 goes back to the front of ``waiting``, and waiting requests are admitted in order, never
 skipping one), so the last running request is always the latest arrived one, which is the one
 preempted when the KV pool runs out.
+
+With prefix caching (``KVCacheManager(enable_prefix_caching=True)``) a request being admitted
+first takes the longest cached prefix of its tokens and computes only the rest; blocks are
+offered to the cache once the step that wrote them has run; preemption frees blocks into the
+cache, so a preempted request coming back finds its own blocks unless they were evicted.
 """
 from __future__ import annotations
 
@@ -50,11 +55,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step: what to compute, and who was preempted to make room."""
+    """One step: what to compute, who was preempted to make room, and the ``(src, dst)`` KV
+    block copies to make (every layer's K and V) before the step runs."""
 
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_batched_tokens: int
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -147,8 +154,8 @@ class Scheduler:
         # As vLLM: a step that had to preempt admits nobody (the pool is under pressure).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache_manager.allocate_slots(request, num_new):
+            num_new = self._admit(request, budget)
+            if not num_new:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -156,13 +163,24 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget,
+                               self.kv_cache_manager.take_block_copies())
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Give a waiting ``request`` its cached prefix (if any) and blocks for its next chunk;
+        returns the chunk's token count, 0 if the pool cannot take it now."""
+        for prefix in self.kv_cache_manager.find_cached_prefix(request):
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, prefix):
+                return num_new
+        return 0
 
     def abort_all(self) -> list[Request]:
         """Drop every queued and running request (freeing their blocks); returns them."""
         aborted = [*self.running, *self.waiting]
         for request in self.running:
             self.kv_cache_manager.free(request)
+        self.kv_cache_manager.reset()
         self.running, self.waiting = [], deque()
         return aborted
 
@@ -190,6 +208,8 @@ class Scheduler:
             )
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache_manager.cache_blocks(s.request)
+        self.kv_cache_manager.end_step()
         finished = [
             s.request
             for s in sampled

@@ -1,11 +1,12 @@
-"""BlockAllocator and KVCacheManager: counts, all-or-nothing growth, freeing."""
+"""BlockPool and KVCacheManager: counts, all-or-nothing growth, freeing."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedpack.runtime.kv_cache_manager import BlockAllocator, KVCacheManager
+from pagedpack.runtime.block_pool import BlockPool
+from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -15,7 +16,7 @@ def make_request(request_id: str = "r", num_prompt_tokens: int = 1) -> Request:
 
 
 def test_allocator_counts_and_peak():
-    alloc = BlockAllocator(4)
+    alloc = BlockPool(4)
     assert (alloc.num_free_blocks, alloc.num_used_blocks, alloc.peak_used_blocks) == (4, 0, 0)
     a, b, c = alloc.allocate(), alloc.allocate(), alloc.allocate()
     assert len({a, b, c}) == 3
@@ -29,7 +30,7 @@ def test_allocator_counts_and_peak():
 
 
 def test_allocator_exhaustion_raises():
-    alloc = BlockAllocator(2)
+    alloc = BlockPool(2)
     alloc.allocate()
     alloc.allocate()
     with pytest.raises(RuntimeError, match="no free KV block"):
@@ -37,7 +38,7 @@ def test_allocator_exhaustion_raises():
 
 
 def test_allocator_refcounts():
-    alloc = BlockAllocator(2)
+    alloc = BlockPool(2)
     block = alloc.allocate()
     alloc.incref(block)
     assert alloc.ref_count(block) == 2
@@ -54,7 +55,7 @@ def test_allocator_refcounts():
 
 
 def test_allocator_reuses_freed_blocks():
-    alloc = BlockAllocator(1)
+    alloc = BlockPool(1)
     block = alloc.allocate()
     alloc.free(block)
     assert alloc.allocate() == block

@@ -8,6 +8,8 @@ request's stream must equal the stream of the same request run alone.
 """
 from __future__ import annotations
 
+import collections
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -42,18 +44,27 @@ def solo_stream(prompt: list[int], params: SamplingParams, eos: int | None,
 
 
 class PagedEchoModel:
-    """Stores token ids in a paged cache and samples ``next_token`` of the history it reads back."""
+    """Stores token ids in a paged cache and samples ``next_token`` of the history it reads back.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+    It makes the step's block copies first, and checks that a request writes only blocks that no
+    other running request holds (shared prefix blocks are read, never written)."""
+
+    def __init__(self, num_blocks: int, block_size: int, scheduler: Scheduler | None = None) -> None:
+        self.num_blocks, self.block_size, self.scheduler = num_blocks, block_size, scheduler
         self.cache = [-1] * (num_blocks * block_size)
 
     def __call__(self, output: SchedulerOutput) -> dict[str, int]:
-        md = build_batch(output.scheduled, block_size=self.block_size, num_blocks=self.num_blocks)
+        bs = self.block_size
+        for src, dst in output.blocks_to_copy:
+            self.cache[dst * bs:(dst + 1) * bs] = self.cache[src * bs:(src + 1) * bs]
+        md = build_batch(output.scheduled, block_size=bs, num_blocks=self.num_blocks)
+        if self.scheduler is not None:
+            holders = collections.Counter(b for r in self.scheduler.running for b in set(r.block_ids))
+            written = {slot // bs for slot in md.slot_mapping.tolist()}
+            assert all(holders[b] == 1 for b in written), "a step writes a block another request holds"
         for slot, tok in zip(md.slot_mapping.tolist(), md.input_ids.tolist()):
             self.cache[slot] = tok
         sampled = {}
-        bs = self.block_size
         for s, row, seq_len in zip(output.scheduled, md.block_table.tolist(), md.seq_lens.tolist()):
             history = [self.cache[row[p // bs] * bs + p % bs] for p in range(seq_len)]
             assert history == s.request.all_token_ids[:seq_len], "KV read back is not the request's own"
@@ -67,9 +78,12 @@ def make_request(request_id: str, num_prompt: int, eos: int | None = None, first
     return Request(request_id, prompt, SamplingParams(**params), eos_token_id=eos)
 
 
-def make_scheduler(num_blocks=64, block_size=4, **limits) -> tuple[Scheduler, PagedEchoModel]:
+def make_scheduler(num_blocks=64, block_size=4, enable_prefix_caching=True,
+                   **limits) -> tuple[Scheduler, PagedEchoModel]:
     limits = {"max_num_batched_tokens": 32, "max_num_seqs": 8, "max_model_len": 128} | limits
-    return Scheduler(KVCacheManager(num_blocks, block_size), **limits), PagedEchoModel(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+    scheduler = Scheduler(kv, **limits)
+    return scheduler, PagedEchoModel(num_blocks, block_size, scheduler)
 
 
 def step(scheduler: Scheduler, model: PagedEchoModel) -> tuple[SchedulerOutput, list[Request]]:
@@ -265,8 +279,8 @@ def test_waiting_queue_is_fifo_without_skipping():
     hog = make_request("hog", 16, max_tokens=8)  # 4 blocks now, 6 at most
     scheduler.add_request(hog)
     step(scheduler, model)
-    big = make_request("big", 12, max_tokens=1)  # needs 3 blocks, only 2 free
-    small = make_request("small", 2, max_tokens=1)  # would fit
+    big = make_request("big", 12, first=7, max_tokens=1)  # needs 3 blocks, only 2 free (no cached prefix)
+    small = make_request("small", 2, first=3, max_tokens=1)  # would fit
     scheduler.add_request(big)
     scheduler.add_request(small)
     out = scheduler.schedule()
@@ -327,11 +341,10 @@ def check_step_invariants(scheduler: Scheduler, out: SchedulerOutput, arrival: d
     assert {id(r) for r in scheduled} <= {id(r) for r in scheduler.running}
     if scheduler.has_unfinished():
         assert scheduled, "work left but nothing scheduled"
-    # Blocks: only running requests own any, nobody shares one, and the counts agree.
+    # Blocks: only running requests own any, and the pool agrees with the owners.
     assert all(r.block_ids == [] and r.num_computed_tokens == 0 for r in scheduler.waiting if r.num_preemptions)
     assert all(r.block_ids == [] for r in scheduler.waiting)
-    owned = [b for r in scheduler.running for b in r.block_ids]
-    assert len(owned) == len(set(owned)) == kv.num_used_blocks
+    check_pool(kv, scheduler.running, out.blocks_to_copy)
     # Coverage: exactly the blocks for computed + scheduled tokens (computed only when idle).
     new_tokens = {id(s.request): s.num_new_tokens for s in out.scheduled}
     for r in scheduler.running:
@@ -343,6 +356,30 @@ def check_step_invariants(scheduler: Scheduler, out: SchedulerOutput, arrival: d
         assert max(running_order) < min(arrival[r.request_id] for r in scheduler.waiting)
     for r in out.preempted:
         assert r.status is RequestStatus.WAITING and r in scheduler.waiting
+
+
+def check_pool(kv: KVCacheManager, owners: list[Request], blocks_to_copy=()) -> None:
+    """The pool's invariants: each block's reference count is its owners (each request holding
+    it, each copy source of the step), an owned block is not free, the free queue has no
+    duplicate, the counts add up, and every cached hash names a block that holds the tokens the
+    hash was computed from (the request's own, as the echo model's history check proves)."""
+    pool = kv.pool
+    expected = collections.Counter(b for r in owners for b in r.block_ids)
+    expected.update(src for src, _ in blocks_to_copy)
+    for r in owners:
+        assert len(set(r.block_ids)) == len(r.block_ids)
+    free = pool.free_block_ids()
+    assert len(free) == len(set(free)) == pool.num_free_blocks
+    assert all(pool.ref_count(b) == expected[b] for b in range(pool.num_blocks))
+    assert set(free) == {b for b in range(pool.num_blocks) if expected[b] == 0}
+    assert pool.num_used_blocks == len(expected)
+    for block_hash, block_id in pool.cached_blocks().items():
+        assert pool.block_hash(block_id) == block_hash
+    # a request's computed full blocks that the cache names are named by that request's hashes
+    for r in owners:
+        for j, block_id in enumerate(r.block_ids[: r.num_computed_tokens // kv.block_size]):
+            cached_as = pool.block_hash(block_id)
+            assert cached_as is None or cached_as == kv.block_hashes(r)[j]
 
 
 request_specs = st.tuples(
