@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed; default: not seeded")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt (the prompt's KV is computed once)")
 
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args) -> int:
     console = Console()
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)  # bad values fail before loading
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM.from_engine_args(engine_args)
@@ -107,8 +108,9 @@ def _generate(args) -> int:
         if out.error:
             console.print(f"[red]error:[/red] {out.error}")
         else:
-            completion = out.outputs[0]
-            console.print(f"[bold]completion[/bold] (finish reason: {completion.finish_reason}): {completion.text!r}")
+            for completion in out.outputs:
+                label = f"completion {completion.index}" if len(out.outputs) > 1 else "completion"
+                console.print(f"[bold]{label}[/bold] (finish reason: {completion.finish_reason}): {completion.text!r}")
     console.print(_summary(llm, outputs, elapsed))
     return 1 if all(o.error for o in outputs) else 0
 
@@ -118,7 +120,7 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
     kv = engine.scheduler.kv_cache_manager
     stats = llm.get_stats()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs if not o.error)
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     per_token = llm.bytes_per_token
     used = kv.peak_used_blocks * llm.block_size * per_token
     contiguous = len(outputs) * llm.max_model_len * per_token

@@ -212,38 +212,52 @@ class LLM:
                              "pass token ids, or a tokenizer with LLM(..., tokenizer=...) / --tokenizer")
         requests = [self._make_request(prompt, p) for prompt, p in zip(prompts, params)]  # tokenize first
         outputs, live = [], {}
-        for prompt, request in zip(prompts, requests):
-            out = RequestOutput(request.request_id, prompt.content if isinstance(prompt.content, str) else None,
+        for prompt, (request_id, request) in zip(prompts, requests):
+            out = RequestOutput(request_id, prompt.content if isinstance(prompt.content, str) else None,
                                 request.prompt_token_ids)
             outputs.append(out)
             try:
                 check_token_ids(request.prompt_token_ids, self.vocab_size)
                 self.llm_engine.add_request(request)
-                live[request.request_id] = (request, out)
+                live.update({r.request_id: (i, out) for i, r in enumerate([request, *request.forks])})
             except ValueError as err:
-                out.error = f"request {request.request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
+                out.error = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
                 out.outputs.append(CompletionOutput(0, "", [], "error"))
         try:
-            with tqdm(total=len(live), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(live), desc="generate", unit="completion", disable=not use_tqdm) as bar:
                 while self.llm_engine.has_unfinished():
                     for request in self.llm_engine.step():
-                        _, out = live[request.request_id]
-                        out.outputs.append(CompletionOutput(0, self._decode(request.output_token_ids),
+                        index, out = live[request.request_id]
+                        out.outputs.append(CompletionOutput(index, self._decode(request.output_token_ids),
                                                             list(request.output_token_ids), request.finish_reason))
-                        out.error = request.error
+                        out.error = out.error or request.error
                         bar.update(1)
         except BaseException:
             self.llm_engine.scheduler.abort_all()  # leave the engine usable for the next call
             raise
+        for out in outputs:
+            out.outputs.sort(key=lambda completion: completion.index)
         return outputs
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> tuple[str, Request]:
+        """``(request_id, request)``: with ``params.n > 1`` the request is the first of the ``n``
+        completions (id ``"0_<request_id>"``, as vLLM's child requests) and carries the others
+        as its ``forks``, seeded ``seed + i``."""
         ids = self.tokenizer(prompt.content).input_ids if isinstance(prompt.content, str) else prompt.content
         eos_ids = self.description.eos_token_ids
         eos = eos_ids[0] if eos_ids else None
         if len(eos_ids) > 1 and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_ids[1:]])
-        return Request(str(next(self._ids)), ids, params, eos_token_id=eos, cache_salt=prompt.cache_salt)
+        request_id = str(next(self._ids))
+        if params.n == 1:
+            return request_id, Request(request_id, ids, params, eos_token_id=eos, cache_salt=prompt.cache_salt)
+        first, *forks = [
+            Request(f"{i}_{request_id}", ids, dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i),
+                eos_token_id=eos, cache_salt=prompt.cache_salt)
+            for i in range(params.n)]
+        first.forks = forks
+        return request_id, first
 
     def _decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -90,10 +90,12 @@ class LLMEngine:
         batch = build_batch(output.scheduled, block_size=self.runner.block_size,
                             num_blocks=self.runner.num_blocks, device=self.runner.device)
         logits = self.runner.execute(batch)
-        rows = [i for i, s in enumerate(output.scheduled) if s.needs_sample]
-        to_sample = [output.scheduled[i].request for i in rows]
+        rows, to_sample = [], []
+        for i, s in enumerate(output.scheduled):
+            rows += [i] * len(s.sample_requests)
+            to_sample += s.sample_requests
         if rows:
-            tokens = self.sampler(logits if len(rows) == logits.shape[0] else logits[rows], to_sample)
+            tokens = self.sampler(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
         else:
             tokens = []
         self.stats.num_steps += 1

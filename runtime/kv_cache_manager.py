@@ -170,6 +170,23 @@ class KVCacheManager:
             self.pool.cache_block(request.block_ids[j], hashes[j])
         request.num_cached_blocks = full
 
+    def fork_blocks(self, parent: Request, child: Request) -> bool:
+        """Give ``child`` (holding no blocks) ``parent``'s computed tokens: it shares the full
+        blocks and gets a copy of the partial last one (registered for the next step). Returns
+        False, changing nothing, if no block is free for the copy."""
+        full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and not self.num_free_blocks:
+            return False
+        for block_id in parent.block_ids[:full]:
+            self.pool.incref(block_id)
+        child.block_ids = parent.block_ids[:full]
+        if partial:
+            child.block_ids.append(self.pool.allocate())
+            self.copy_block(parent.block_ids[full], child.block_ids[-1])
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_cached_blocks = min(parent.num_cached_blocks, full)
+        return True
+
     def copy_block(self, src: int, dst: int) -> None:
         """Register a copy of block ``src`` into the allocated block ``dst`` for the next step;
         ``src`` is held until that step ends."""

@@ -39,6 +39,9 @@ class Request:
             salt of its own), as vLLM's ``cache_salt``.
         block_hashes / num_cached_blocks: the content hashes of its full blocks and how many of
             its leading blocks were offered to the prefix cache (the ``KVCacheManager``'s).
+        forks: parallel samples of the same prompt (``SamplingParams.n``), not yet scheduled:
+            once this request's prompt is computed they take their first tokens from its last
+            logits row, share its full blocks and run on their own (``Scheduler``).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        self.forks: list[Request] = []
 
     def __repr__(self) -> str:
         return (

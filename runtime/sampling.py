@@ -32,6 +32,9 @@ def _is_real(value: object) -> bool:
 class SamplingParams:
     """How to pick each next token of one request (vLLM names and defaults).
 
+    n: completions of the prompt (parallel sampling, ``>= 1``): its KV is computed once and
+        shared; with a ``seed``, completion ``i`` is seeded ``seed + i`` (as vLLM v1's
+        ``ParentRequest``), so it equals the prompt run alone with that seed.
     temperature: ``>= 0``; ``0`` (anything below ``GREEDY_TEMPERATURE``) means greedy.
     top_p: nucleus mass in ``(0, 1]``; ``1`` disables it.
     top_k: keep the ``k`` most likely tokens; ``0`` or ``-1`` disables it.
@@ -43,6 +46,7 @@ class SamplingParams:
     Raises ``ValueError`` naming the field, the expectation and the value.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -52,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {self.n!r}")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
@@ -60,6 +66,9 @@ class SamplingParams:
             raise ValueError(f"top_k: expected an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if self.seed is not None and self.seed + self.n > 2**64:
+            raise ValueError(f"seed: with n={self.n} completions seeded seed + i, expected seed <= 2**64 - n, "
+                             f"got {self.seed}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: expected an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

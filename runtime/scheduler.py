@@ -52,6 +52,12 @@ class ScheduledRequest:
         it stays valid after ``update_from_output``)."""
         return self._needs_sample
 
+    @property
+    def sample_requests(self) -> list[Request]:
+        """Who takes a token from this chunk's last row: nobody unless ``needs_sample``; else
+        the request and the parallel samples still to be forked off it (``Request.forks``)."""
+        return [self.request, *self.request.forks] if self._needs_sample else []
+
 
 @dataclass
 class SchedulerOutput:
@@ -200,7 +206,7 @@ class Scheduler:
         Finished requests leave ``running`` and free their blocks; they are returned.
         """
         sampled = [s for s in output.scheduled if s.needs_sample]
-        expected = {s.request.request_id for s in sampled}
+        expected = {r.request_id for s in sampled for r in s.sample_requests}
         if expected != sampled_token_ids.keys():
             raise ValueError(
                 f"sampled_token_ids: expected tokens for exactly {sorted(expected)}, "
@@ -210,13 +216,39 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv_cache_manager.cache_blocks(s.request)
         self.kv_cache_manager.end_step()
-        finished = [
-            s.request
-            for s in sampled
-            if s.request.append_output(sampled_token_ids[s.request.request_id], self.max_model_len)
-        ]
+        finished = []
+        for s in sampled:
+            request, forks = s.request, s.request.forks
+            if request.append_output(sampled_token_ids[request.request_id], self.max_model_len):
+                finished.append(request)
+            if forks:
+                request.forks = []
+                finished += self._fork(request, forks, [sampled_token_ids[f.request_id] for f in forks])
         if finished:
             for request in finished:
                 self.kv_cache_manager.free(request)
             self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def _fork(self, parent: Request, forks: list[Request], tokens: list[int]) -> list[Request]:
+        """Start parallel samples off ``parent``'s computed prompt: each shares its full blocks,
+        gets a copy of its partial last block, and takes its own first token. One that finds no
+        room (``max_num_seqs``, a free block) waits first in line, as if preempted. Returns those
+        finished by their first token."""
+        finished, queued = [], []
+        at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
+        for fork, token in zip(forks, tokens):
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.status = RequestStatus.RUNNING
+            if fork.append_output(token, self.max_model_len):
+                fork.num_computed_tokens = 0
+                finished.append(fork)
+            elif len(self.running) < self.max_num_seqs and self.kv_cache_manager.fork_blocks(parent, fork):
+                self.running.insert(at, fork)
+                at += 1
+            else:
+                fork.num_computed_tokens = 0
+                fork.status = RequestStatus.WAITING
+                queued.append(fork)
+        self.waiting.extendleft(reversed(queued))
         return finished

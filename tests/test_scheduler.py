@@ -68,8 +68,8 @@ class PagedEchoModel:
         for s, row, seq_len in zip(output.scheduled, md.block_table.tolist(), md.seq_lens.tolist()):
             history = [self.cache[row[p // bs] * bs + p % bs] for p in range(seq_len)]
             assert history == s.request.all_token_ids[:seq_len], "KV read back is not the request's own"
-            if s.needs_sample:
-                sampled[s.request.request_id] = next_token(history)
+            for r in s.sample_requests:  # the request, and parallel samples forked off it
+                sampled[r.request_id] = next_token(history)
         return sampled
 
 
