@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import platform
-import pydoc
 import subprocess
 import tempfile
 import time
@@ -37,6 +36,8 @@ import torch
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import status as kernel_status
+
+from common import english_text, load_1min
 
 PROMPT_LENS = (32, 50, 128, 256, 512, 64, 16, 256)
 REPO = Path(__file__).resolve().parent.parent
@@ -61,8 +62,7 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip the padded transformers baseline")
     parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
     args = parser.parse_args()
-    with open("/proc/loadavg") as f:
-        load = float(f.read().split()[0])
+    load = load_1min()
 
     model_dir, prompts = _workload(args)
     # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
@@ -121,27 +121,12 @@ def _workload(args) -> tuple[str, list[list[int]]]:
     from pagedpack.models.loading import load_tokenizer
 
     model_dir = resolve(args.model)
-    ids = load_tokenizer(model_dir)(_english_text())["input_ids"]
+    ids = load_tokenizer(model_dir)(english_text())["input_ids"]
     prompts, start = [], 0
     for n in workload.LENGTHS_W1:  # consecutive windows of the text, W1's lengths
         prompts.append(ids[start:start + n])
         start = (start + n) % (len(ids) - 512)
     return model_dir, prompts
-
-
-def _english_text() -> str:
-    """About 20k tokens of English prose: the documentation of a few standard modules."""
-    import argparse as a
-    import collections
-    import json as j
-    import logging
-    import pathlib
-    import subprocess as s
-    import threading
-    import unittest
-    return "\n\n".join(pydoc.getdoc(m) + "\n" + "\n".join(pydoc.getdoc(getattr(m, n)) for n in dir(m)
-                                                          if not n.startswith("_") and callable(getattr(m, n)))
-                       for m in (unittest, logging, a, threading, collections, s, pathlib, j))
 
 
 def _reset_peak_rss() -> None:

@@ -26,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import load_1min
+
 # (K, N) of each linear, by name.
 MODELS = {
     "w1": {"q/o": (512, 512), "k/v": (512, 128), "qkv": (512, 768), "gate/up": (512, 1408),
@@ -38,17 +40,12 @@ PREFILL_M = (256, 512, 1024, 2048)
 DECODE_ONLY = {"lm_head"}
 
 
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
 def wait_for_quiet(max_load: float, max_wait: float) -> tuple[float, float]:
     """Wait until the 1-minute load is below ``max_load`` (at most ``max_wait`` s); (load, waited s)."""
     start = time.monotonic()
-    while load1() >= max_load and time.monotonic() - start < max_wait:
+    while load_1min() >= max_load and time.monotonic() - start < max_wait:
         time.sleep(5)
-    return load1(), round(time.monotonic() - start, 1)
+    return load_1min(), round(time.monotonic() - start, 1)
 
 
 def time_us(fn, target_s: float, batches: int = 10) -> float:
@@ -114,7 +111,7 @@ def main() -> None:
                     ratios["decode" if row["M"] <= 32 else "prefill"].append(row["ratio"])
             summary[model] = {cls: geomean(r) for cls, r in ratios.items()}
     print(json.dumps({
-        "load_1min_start": load_start, "load_1min_end": load1(), "waited_s": waited,
+        "load_1min_start": load_start, "load_1min_end": load_1min(), "waited_s": waited,
         "load_ok": load_start < args.max_load,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
         "geomean_ratio_onednn_over_sgemm": summary, "shapes": results,

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels.native import native_ops, status
 
+from common import load_1min
+
 SHAPES = {"w1": (8, 2, 64), "smollm2-135m": (9, 3, 64)}
 
 
@@ -91,8 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     if native_ops() is None:
         raise SystemExit(f"no native kernels: {status()}")
-    with open("/proc/loadavg") as f:
-        load = float(f.read().split()[0])
+    load = load_1min()
     result = {"kernels": status(), "threads": torch.get_num_threads(), "load_1min": load,
               "block_size": args.block_size, "cases": {}}
     for name, (h, hkv, d) in SHAPES.items():

@@ -21,6 +21,8 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import status
 from pagedpack.runtime.request import Request
 
+from common import load_1min
+
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear")
 
@@ -32,8 +34,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    with open("/proc/loadavg") as f:
-        load = float(f.read().split()[0])
+    load = load_1min()
 
     llm = LLM(args.model)
     engine = llm.llm_engine

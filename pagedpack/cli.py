@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed; default: not seeded")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt (the prompt's KV is computed once)")
+    gen.add_argument("--kv-plot", metavar="FILE.png", default=None,
+                     help="draw the KV block pool over the run (needs matplotlib: pip install 'pagedpack[plot]')")
+    gen.add_argument("--kv-plot-step", type=int, default=None,
+                     help="the step whose block ownership --kv-plot shows; default: the step with most blocks in use")
 
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
@@ -90,8 +94,11 @@ def _generate(args) -> int:
     console = Console()
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)  # bad values fail before loading
+    timeline = _kv_timeline(args)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM.from_engine_args(engine_args)
+    if timeline is not None:
+        llm.llm_engine.step_observers.append(timeline)
     prompts = args.prompt or DEFAULT_PROMPTS
     where = f", emulated on {args.device}" if get_target(llm.target).emulated(args.device) else ""
     builtin = args.model in (DEFAULT_MODEL, TINY_ALIAS)
@@ -112,7 +119,29 @@ def _generate(args) -> int:
                 label = f"completion {completion.index}" if len(out.outputs) > 1 else "completion"
                 console.print(f"[bold]{label}[/bold] (finish reason: {completion.finish_reason}): {completion.text!r}")
     console.print(_summary(llm, outputs, elapsed))
+    if timeline is not None:
+        from pagedpack.kv_plot import draw_kv_timeline
+
+        shown = draw_kv_timeline(timeline, args.kv_plot, args.kv_plot_step)
+        console.print(f"[bold]KV plot:[/bold] {args.kv_plot} ({timeline.num_steps} steps; blocks of step {shown})")
     return 1 if all(o.error for o in outputs) else 0
+
+
+def _kv_timeline(args):
+    """A recorder for ``--kv-plot``, or None; checks its arguments before anything is loaded."""
+    if args.kv_plot is None:
+        if args.kv_plot_step is not None:
+            raise ValueError("--kv-plot-step: only with --kv-plot FILE.png")
+        return None
+    if args.kv_plot_step is not None and args.kv_plot_step < 0:
+        raise ValueError(f"--kv-plot-step: expected a step >= 0, got {args.kv_plot_step}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--kv-plot: needs matplotlib (pip install 'pagedpack[plot]')") from None
+    from pagedpack.kv_plot import KVTimeline
+
+    return KVTimeline()
 
 
 def _summary(llm: LLM, outputs, elapsed: float) -> Table:

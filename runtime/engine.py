@@ -59,6 +59,7 @@ class LLMEngine:
         self.runner, self.scheduler = runner, scheduler
         self.sampler = sampler or Sampler()
         self.stats = EngineStats()
+        self.step_observers: list = []  # called with the engine after every step that ran
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; ``ValueError`` (from the scheduler's checks) if it can never run."""
@@ -106,4 +107,7 @@ class LLMEngine:
         self.stats.num_preemptions += len(output.preempted)
         self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
         sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
-        return self.scheduler.update_from_output(output, sampled)
+        finished = self.scheduler.update_from_output(output, sampled)
+        for observe in self.step_observers:
+            observe(self)
+        return finished

@@ -1,4 +1,5 @@
 """The ``pagedpack`` command as a user runs it (the installed console script)."""
+import re
 import shutil
 import subprocess
 
@@ -55,3 +56,34 @@ def test_generate_on_the_ascend_target_runs_on_the_emulation():
     result = run("generate", "--model", "tiny", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert "1 (0 failed)" in result.stdout and "x 128 tokens" in result.stdout
+
+
+def test_generate_n_completions_and_a_kv_plot(tmp_path):
+    from matplotlib.image import imread
+
+    from pagedpack.kv_plot import DPI, FIGURE_SIZE
+
+    plot = tmp_path / "kv.png"
+    result = run("generate", "--model", "tiny", "--n", "2", "--temperature", "0.7", "--seed", "3",
+                 "--max-tokens", "6", "--kv-plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    assert "completion 0" in result.stdout and "completion 1" in result.stdout
+    assert "prefix cache" in result.stdout and f"KV plot: {plot}" in result.stdout.replace("\n", "")
+    image = imread(plot)  # decodes as a PNG
+    assert image.shape[:2] == (int(FIGURE_SIZE[1] * DPI), int(FIGURE_SIZE[0] * DPI))
+
+
+def test_prefix_caching_can_be_turned_off():
+    result = run("generate", "--model", "tiny", "--max-tokens", "2", "--no-enable-prefix-caching")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"prefix cache\s*│\s*off\s*│", result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--kv-plot-step", "3"), "--kv-plot-step: only with --kv-plot FILE.png"),
+    (("--kv-plot", "x.png", "--kv-plot-step", "-1"), "--kv-plot-step: expected a step >= 0, got -1"),
+    (("--n", "0"), "n: expected an int >= 1, got 0"),
+])
+def test_bad_generate_options_fail_before_loading(args, message):
+    result = run("generate", "--model", "tiny", *args)
+    assert result.returncode == 2 and message in result.stderr
