@@ -79,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
                           "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
     exp.add_argument("--out", required=True, help="file to write, e.g. model.pt2 or model.onnx")
 
+    plan = sub.add_parser("plan", help="plan memory: KV bytes per token, the symbolic activation peak, the blocks "
+                                       "and sequences a budget holds", formatter_class=_HelpFormatter)
+    EngineArgs.add_cli_args(plan)
+    plan.add_argument("--memory", required=True, help="the budget in bytes, e.g. 4GiB or 512MB")
+
     args = parser.parse_args(argv)
     try:
-        return {"generate": _generate, "inspect": _inspect, "export": _export}[args.command](args)
+        return {"generate": _generate, "inspect": _inspect, "export": _export, "plan": _plan}[args.command](args)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
         return 0
@@ -195,6 +200,19 @@ def _inspect(args) -> int:
     if args.graph:
         print(rewritten.graph_module.code)
     return 0 if rewritten.ok else 1
+
+
+def _plan(args) -> int:
+    from pagedpack.inputs import parse_bytes
+
+    memory = parse_bytes("--memory", args.memory)  # before the model is loaded
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, memory_budget=None,
+                                                        kv_cache_memory=None))
+    table = Table(title=f"memory plan: {args.model} ({llm.target} target)", show_header=False)
+    for key, value in llm.plan_memory(memory).rows():
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
 
 
 def _export(args) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedpack.inputs import check_int, resolve_dtype
+from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import DEFAULT_TARGET, StepBounds, Target, get_target, target_names
 from pagedpack.models.loading import DEFAULT_MODEL
 
@@ -32,8 +32,11 @@ class EngineArgs:
         target: a registered lowering target (:func:`pagedpack.lowering.targets.target_names`);
             None: ``DEFAULT_TARGET``, or for an exported file the target that runs its format.
         block_size: tokens per KV block (default: the target's).
-        num_blocks / kv_cache_memory: size of the KV pool, in blocks or in bytes (at most one;
-            default: what fits 256 MiB, capped at ``max_num_seqs`` full-length sequences).
+        num_blocks / kv_cache_memory / memory_budget: size of the KV pool (at most one): in
+            blocks; in bytes; or what a budget for weights + one step's activations + the pool
+            leaves (bytes or a string such as ``"4GiB"``; :mod:`pagedpack.planner`, as vLLM's
+            ``gpu_memory_utilization``). Default: what fits 256 MiB, capped at ``max_num_seqs``
+            full-length sequences.
         max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
         max_num_seqs: most sequences per step.
         max_model_len: most tokens per request (default: the model's limit).
@@ -51,6 +54,7 @@ class EngineArgs:
     block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory: int | float | None = None
+    memory_budget: int | float | str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -74,8 +78,12 @@ class EngineArgs:
         if memory is not None and not (isinstance(memory, (int, float)) and not isinstance(memory, bool)
                                        and math.isfinite(memory) and memory > 0):
             raise ValueError(f"kv_cache_memory: expected a finite positive number of bytes, got {memory!r}")
-        if self.num_blocks is not None and memory is not None:
-            raise ValueError("num_blocks, kv_cache_memory: expected at most one of them, got both")
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes("memory_budget", self.memory_budget)
+        given = [n for n in ("num_blocks", "kv_cache_memory", "memory_budget") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"num_blocks, kv_cache_memory, memory_budget: expected at most one of them, "
+                             f"got {', '.join(given)}")
         tokenizer = self.tokenizer
         if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)) and not (
                 callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
@@ -128,6 +136,9 @@ class EngineArgs:
         parser.add_argument("--num-blocks", type=int, default=None,
                             help="KV blocks in the pool; default: sized to a memory budget")
         parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in bytes")
+        parser.add_argument("--memory-budget", default=None,
+                            help="bytes (e.g. 4GiB) for weights + a step's activations + the KV pool, "
+                                 "which gets the rest (see pagedpack plan)")
         parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                             help="tokens per step (longer prompts are prefilled in chunks)")

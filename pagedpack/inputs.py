@@ -4,6 +4,7 @@ Every failure is a ``ValueError`` naming the argument, what was expected and wha
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,3 +111,27 @@ def check_int(name: str, value, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(name: str, value) -> int:
+    """A positive byte count from an int, a float or a string such as ``"4GiB"``, ``"512 MB"``,
+    ``"1.5e9"`` (``KB``/``MB``/``GB``: powers of 1000; ``KiB``/``MiB``/``GiB``: of 1024)."""
+    number, unit = value, ""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        stripped = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        number, unit = stripped.strip(), text[len(stripped):]
+        try:
+            number = float(number)
+        except ValueError:
+            number = None
+    ok = (isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
+          and unit in _UNITS and number * _UNITS[unit] >= 1)
+    if not ok:
+        raise ValueError(f"{name}: expected a positive number of bytes such as 4294967296, '4GiB' or '512MB', "
+                         f"got {value!r}")
+    return int(number * _UNITS[unit])

@@ -10,10 +10,19 @@ from tqdm.auto import tqdm
 
 from pagedpack.contract import ModelDescription, StepProgram, bytes_per_token
 from pagedpack.engine_args import EngineArgs
-from pagedpack.inputs import Prompt, check_causal_lm, check_token_ids, normalize_prompts, normalize_sampling_params
+from pagedpack.inputs import (
+    Prompt,
+    check_causal_lm,
+    check_token_ids,
+    normalize_prompts,
+    normalize_sampling_params,
+    parse_bytes,
+)
 from pagedpack.models.capture import capture
 from pagedpack.models.loading import describe_model, load, load_tokenizer
+from pagedpack.passes.activation_memory import activation_peak
 from pagedpack.passes.pipeline import rewrite
+from pagedpack.planner import MemoryPlan, plan_memory, resident_weight_bytes
 from pagedpack.runtime.engine import LLMEngine, Stats
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.memory import release_memory
@@ -71,7 +80,7 @@ class LLM:
     def __init__(self, model=None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.engine_args, self.target = args, args.lowering_target.name
-        self.model, self.rewritten = None, None
+        self.model, self.rewritten, self._peak = None, None, None
         if args.is_exported:
             self.program, description = self._load_exported(args)
         else:
@@ -182,10 +191,34 @@ class LLM:
             raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
         return export_pt2(self.rewritten, path, self.description)
 
+    def plan_memory(self, memory) -> MemoryPlan:
+        """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
+        bytes (an int or a string such as ``"4GiB"``) with this LLM's block size, step limits and
+        ``max_model_len``; weights counted as resident now (on the CPU the prepacked copies too).
+        ``ValueError`` for an LLM served from a file (no graph to plan from)."""
+        if self.rewritten is None:
+            raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
+                             "give num_blocks or kv_cache_memory")
+        args = self.engine_args
+        modules = [m for m in (self.program, self.rewritten.graph_module, self.model) if isinstance(m, torch.nn.Module)]
+        if self._peak is None:
+            self._peak = activation_peak(self.rewritten.graph_module, self.rewritten.kv_cache_specs)
+        return plan_memory(self.rewritten, memory=parse_bytes("memory", memory), block_size=self.block_size,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           max_model_len=self.max_model_len, weight_bytes=resident_weight_bytes(*modules),
+                           peak=self._peak)
+
     def _num_blocks(self, args: EngineArgs) -> int:
         bytes_per_block = self.bytes_per_token * self.block_size
         if args.num_blocks is not None:
             return args.num_blocks
+        if args.memory_budget is not None:
+            plan = self.plan_memory(args.memory_budget)
+            if plan.num_blocks < 1:
+                raise ValueError(f"memory_budget: {plan.memory} bytes leave no room for the KV pool after the weights "
+                                 f"({plan.weight_bytes} bytes) and one step's activation peak at max_num_batched_"
+                                 f"tokens={plan.max_num_batched_tokens} ({plan.activation_bytes} bytes)")
+            return plan.num_blocks
         if args.kv_cache_memory is not None:
             if args.kv_cache_memory < bytes_per_block:
                 raise ValueError(f"kv_cache_memory: expected at least one block ({bytes_per_block} bytes), "

@@ -64,3 +64,20 @@ def run_step(llm, parts):
     for s in scheduled:
         s.request.num_computed_tokens += s.num_new_tokens
     return logits
+
+
+def profiled_peak_bytes(run) -> int:
+    """The most bytes allocated at once during ``run()`` beyond what was allocated before it, as
+    ``torch.profiler`` with ``profile_memory=True`` records the allocator (every allocation and
+    free, all threads, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from pagedpack.models import aliases
 
+from test_planner import check_peak_matches_profiler
+
 MAX_TOKENS = 32
 BUDGET = 256  # max_num_batched_tokens: every prompt above it is prefilled in chunks
 TIE = 1e-5
@@ -442,3 +444,7 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
     assert compared >= 0.9 * total  # ties are rare: almost every token was compared
     print(f"{alias}: pagedpack {paged_s:.1f} s (load, capture, generate), transformers one by one {hf_s:.1f} s, "
           f"{compared} tokens compared")
+    # the memory planner on a real model: the symbolic activation peak against the profiler
+    ratios = check_peak_matches_profiler(llm)
+    print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}; plan for 4 GiB:",
+          dict(llm.plan_memory("4GiB").rows()))

@@ -1,0 +1,124 @@
+"""Memory planning from the step graph's symbolic shapes (``pagedpack plan``, ``LLM(memory_budget=...)``).
+
+A budget of ``memory`` bytes holds the weights, one step's activations and the KV pool:
+
+    memory >= weights + activation_peak(T, B) + kv_bytes_per_token * block_size * num_blocks
+
+``activation_peak`` is the sympy expression of :mod:`pagedpack.passes.activation_memory` (peak
+live bytes of one step of ``T`` tokens over ``B`` sequences); ``kv_bytes_per_token`` is
+``sum over layers of (num_kv_heads * (key_head_size + value_head_size) * itemsize)``. A step never
+has more than ``T = max_num_batched_tokens`` tokens or ``B = min(T, max_num_seqs)`` sequences, so
+the plan charges ``activation_peak`` there. This is what vLLM does by profiling one dummy step
+of ``max_num_batched_tokens`` before sizing its pool (``gpu_memory_utilization``); here it is read
+off the graph instead of measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from pagedpack.passes.activation_memory import ActivationPeak, activation_peak
+
+
+@dataclass
+class MemoryPlan:
+    """The plan for one model and budget (all sizes in bytes; see the module docstring).
+
+    num_blocks: KV blocks that fit after the weights and the activation peak at
+        ``max_num_batched_tokens`` (may be <= 0: the budget is too small).
+    largest_batched_tokens: the largest ``max_num_batched_tokens`` whose activation peak still
+        fits beside the weights and the KV of one ``max_model_len`` sequence (0 if none).
+    concurrent_seqs: sequences of ``max_model_len`` tokens the pool holds at once.
+    """
+
+    memory: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    peak: ActivationPeak
+    activation_bytes: int
+    num_blocks: int
+    largest_batched_tokens: int
+    concurrent_seqs: int
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return max(0, self.num_blocks) * self.block_size
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(label, value) lines of the plan, as ``pagedpack plan`` prints them."""
+        tokens = sympy.Symbol("tokens", integer=True, nonnegative=True)
+        num_seqs = min(self.max_num_batched_tokens, self.max_num_seqs)
+        return [
+            ("memory budget", _mib(self.memory)),
+            ("weights", _mib(self.weight_bytes)),
+            ("KV bytes", f"{self.kv_bytes_per_token * tokens} ({self.kv_bytes_per_token} bytes per token, "
+                         f"{_mib(self.kv_bytes_per_token * self.block_size)} per block of {self.block_size})"),
+            ("activation peak(T, B)", str(self.peak.expr)),
+            ("activation peak", f"{_mib(self.activation_bytes)} at T = max_num_batched_tokens = "
+                                f"{self.max_num_batched_tokens}, B = {num_seqs}"),
+            ("KV pool", f"{max(0, self.num_blocks)} blocks = {self.kv_pool_tokens} tokens = "
+                        f"{_mib(max(0, self.num_blocks) * self.block_size * self.kv_bytes_per_token)}"),
+            ("largest max_num_batched_tokens", f"{self.largest_batched_tokens} (beside the weights and one "
+                                               f"{self.max_model_len}-token sequence's KV)"),
+            (f"sequences of {self.max_model_len} tokens", f"{self.concurrent_seqs} at once"),
+        ]
+
+
+def plan_memory(rewritten, *, memory: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                max_model_len: int, weight_bytes: int, peak: ActivationPeak | None = None) -> MemoryPlan:
+    """The :class:`MemoryPlan` of a rewritten model (``rewritten.graph_module``,
+    ``rewritten.kv_cache_specs``) under a budget of ``memory`` bytes, with ``weight_bytes`` of
+    weights resident (:func:`resident_weight_bytes`). ``peak``: its activation peak if already
+    derived. ``ValueError`` for a non-positive size."""
+    for name, value in (("memory", memory), ("block_size", block_size), ("max_num_batched_tokens",
+                        max_num_batched_tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
+        if value < 1:
+            raise ValueError(f"{name}: expected >= 1, got {value}")
+    peak = peak or activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
+    per_token = rewritten.bytes_per_token
+    per_block = per_token * block_size
+    activation = peak.bytes(max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
+    num_blocks = (memory - weight_bytes - activation) // per_block
+    one_sequence = math.ceil(max_model_len / block_size) * per_block
+
+    def fits(tokens: int) -> bool:
+        return weight_bytes + peak.bytes(tokens, min(tokens, max_num_seqs)) + one_sequence <= memory
+
+    largest, step = 0, 1 << 24  # the activation peak grows with T: binary search for the last T that fits
+    while step:
+        if fits(largest + step):
+            largest += step
+        step //= 2
+    seqs = max(0, num_blocks) // math.ceil(max_model_len / block_size)
+    return MemoryPlan(memory, weight_bytes, per_token, block_size, max_num_batched_tokens, max_num_seqs,
+                      max_model_len, peak, activation, num_blocks, largest, seqs)
+
+
+def resident_weight_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the distinct parameter and buffer storages of ``modules`` (shared ones once;
+    oneDNN-packed weights by their element count)."""
+    seen, total = set(), 0
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_mkldnn:
+                key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+            else:
+                storage = tensor.untyped_storage()
+                key, nbytes = (storage.device.type, storage.data_ptr()), storage.nbytes()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
+    return total
+
+
+def _mib(num_bytes: int) -> str:
+    if abs(num_bytes) < 2**20:
+        return f"{num_bytes / 2**10:,.1f} KiB"
+    return f"{num_bytes / 2**20:,.1f} MiB"

@@ -1,0 +1,76 @@
+"""The symbolic memory planner: the activation peak read off the graph against the peak
+``torch.profiler`` measures, the plan's arithmetic, and ``LLM(memory_budget=...)``."""
+import math
+
+import pytest
+import sympy
+
+from pagedpack import LLM
+from pagedpack.passes.activation_memory import B, T, activation_peak
+from pagedpack.runtime.batch import example_batch
+
+from conftest import profiled_peak_bytes
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", num_blocks=64)
+
+
+def measured_step_peak(llm, q_lens) -> int:
+    runner = llm.llm_engine.runner
+    batch = example_batch(q_lens, block_size=runner.block_size, num_blocks=runner.num_blocks)
+    runner.execute(batch)  # warm up: first-call allocations are not the step's
+    return profiled_peak_bytes(lambda: runner.execute(batch))
+
+
+def check_peak_matches_profiler(llm):
+    """The symbolic peak within 25 % of the measured one for T in {64, 512, 2048}, one sequence
+    and eight; returns the ratios."""
+    peak = activation_peak(llm.rewritten.graph_module, llm.rewritten.kv_cache_specs)
+    assert peak.expr.free_symbols <= {T, B}
+    ratios = []
+    for tokens in (64, 512, 2048):
+        for seqs in (1, 8):
+            measured = measured_step_peak(llm, [tokens // seqs] * seqs)
+            ratio = peak.bytes(tokens, seqs) / measured
+            assert 0.75 <= ratio <= 1.25, (tokens, seqs, peak.bytes(tokens, seqs), measured)
+            ratios.append(ratio)
+    return ratios
+
+
+def test_symbolic_activation_peak_matches_the_profiler(llm):
+    check_peak_matches_profiler(llm)
+
+
+def test_the_plan_adds_up(llm):
+    plan = llm.plan_memory("64MiB")
+    per_block = llm.bytes_per_token * llm.block_size
+    assert plan.memory == 64 * 2**20 and plan.kv_bytes_per_token == llm.bytes_per_token
+    assert plan.activation_bytes == plan.peak.bytes(2048, 256)
+    assert plan.num_blocks == (plan.memory - plan.weight_bytes - plan.activation_bytes) // per_block
+    assert plan.concurrent_seqs == plan.num_blocks // math.ceil(llm.max_model_len / llm.block_size)
+    one_sequence = math.ceil(llm.max_model_len / llm.block_size) * per_block
+
+    def fits(tokens):
+        return plan.weight_bytes + plan.peak.bytes(tokens, min(tokens, 256)) + one_sequence <= plan.memory
+
+    assert fits(plan.largest_batched_tokens) and not fits(plan.largest_batched_tokens + 1)
+    # weights: every parameter once (the merged q/k/v and gate/up views are not counted twice) plus
+    # the prepacked oneDNN copies of the CPU lowering
+    plain = sum(p.numel() * p.element_size() for p in llm.model.parameters())
+    assert plain < plan.weight_bytes <= 2 * plain + 1
+    rows = dict(plan.rows())
+    assert rows["activation peak(T, B)"] == str(plan.peak.expr) and "blocks" in rows["KV pool"]
+    assert isinstance(plan.peak.expr, (sympy.Max, sympy.Expr))
+
+
+def test_memory_budget_sizes_the_pool(llm):
+    sized = LLM("tiny", memory_budget="64MiB")
+    assert sized.num_blocks == llm.plan_memory("64MiB").num_blocks > 0
+    with pytest.raises(ValueError, match="memory_budget: .* leave no room for the KV pool"):
+        LLM("tiny", memory_budget="3MiB")
+    with pytest.raises(ValueError, match="expected at most one of them, got num_blocks, memory_budget"):
+        LLM("tiny", num_blocks=8, memory_budget="1GiB")
+    with pytest.raises(ValueError, match="memory_budget: expected a positive number of bytes"):
+        LLM("tiny", memory_budget="lots")
