@@ -200,7 +200,8 @@ class LLM:
             raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
                              "give num_blocks or kv_cache_memory")
         args = self.engine_args
-        modules = [m for m in (self.program, self.rewritten.graph_module, self.model) if isinstance(m, torch.nn.Module)]
+        held = (getattr(self.program, "run", None), self.rewritten.graph_module, self.model)  # run: a lowered copy
+        modules = [m for m in held if isinstance(m, torch.nn.Module)]
         if self._peak is None:
             self._peak = activation_peak(self.rewritten.graph_module, self.rewritten.kv_cache_specs)
         return plan_memory(self.rewritten, memory=parse_bytes("memory", memory), block_size=self.block_size,

@@ -87,3 +87,17 @@ def test_prefix_caching_can_be_turned_off():
 def test_bad_generate_options_fail_before_loading(args, message):
     result = run("generate", "--model", "tiny", *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_plan_prints_the_memory_plan():
+    result = run("plan", "--model", "tiny", "--memory", "64MiB", "--max-model-len", "512")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for field in ("memory budget │ 64.0 MiB", "weights", "KV bytes │ 1024*tokens", "activation peak(T, B) │ Max(",
+                  "KV pool", "largest max_num_batched_tokens", "sequences of 512 tokens"):
+        assert field in text, field
+
+
+def test_plan_rejects_a_bad_budget_before_loading():
+    result = run("plan", "--model", "tiny", "--memory", "a lot")
+    assert result.returncode == 2 and "--memory: expected a positive number of bytes" in result.stderr
