@@ -173,8 +173,13 @@ def _check_tnd(query: Tensor, dims: _Dims) -> None:
     """TND limits (FIA doc and FIA v2 doc, "TND ... 综合限制")."""
     _require(query.dtype == torch.bfloat16, FIA, f"TND supports bfloat16 only, got {query.dtype}")
     d, dv = dims.head_dim, dims.value_head_dim
-    _require((d, dv) == (128, 128) or (d == 192 and dv in (128, 192)), FIA,
-             f"TND needs Q_D=K_D=V_D=128, or Q_D=K_D=192 with V_D 128/192; got D={d}, V_D={dv}")
+    mha = dims.num_heads == dims.num_kv_heads
+    # 64 with MHA: vllm-ascend #9632; V_D 192 not with paging or GQA: the v2 doc's newest revision
+    _require((d, dv) == (128, 128) or ((d, dv) == (64, 64) and mha) or (d == 192 and dv == 128)
+             or ((d, dv) == (192, 192) and mha and not dims.paged), FIA,
+             f"TND needs Q_D=K_D=V_D=128, 64 without GQA, or Q_D=K_D=192 with V_D 128 (V_D 192 only unpaged "
+             f"without GQA); got D={d}, V_D={dv}, {dims.num_heads} query / {dims.num_kv_heads} KV heads, "
+             f"{'paged' if dims.paged else 'not paged'}")
     _require(query.shape[0] <= 65536, FIA, f"TND needs T <= 65536, got {query.shape[0]}")
 
 
@@ -337,6 +342,11 @@ class _Queries:
 def _queries(query: Tensor, lengths: list[int] | None, dims: _Dims, sparse_mode: int, has_mask: bool) -> _Queries:
     if dims.layout == "TND":
         starts, q_lens = _cumulative(lengths, query.shape[0], "actual_seq_lengths")
+        # CANN 8.5: "queryT(8) must be equal to the last element of actualSequenceLengthQ(5)"
+        # (vllm-ascend issue #6076): no trailing query rows past the last sequence in TND.
+        last = lengths[-1] if lengths else 0
+        _require(last == query.shape[0], FIA, f"TND query T={query.shape[0]} must equal the last "
+                                              f"actual_seq_lengths entry, got {last} (vllm-ascend #6076)")
         _require(len(q_lens) <= 4096, FIA, f"TND takes at most 4096 lengths, got {len(q_lens)}")
         _require(sparse_mode in (3, 4) or (sparse_mode == 0 and not has_mask), FIA,
                  f"TND supports sparse_mode 0 without a mask, 3 or 4; got sparse_mode={sparse_mode}"

@@ -111,9 +111,43 @@ def import_torchair():
     return torchair
 
 
+MIN_CANN = "8.3.RC1"
+
+
+def cann_version_key(version: str) -> tuple[int, int, int, int]:
+    """``"8.3.RC1"`` -> ``(8, 3, 0, 1)``, ``"8.3.0"`` -> ``(8, 3, 1, 0)``: release candidates
+    sort before the release of the same minor version; a suffix after the third field (an
+    ``.alpha002`` build tag) is ignored. ``ValueError`` for anything else."""
+    parts = version.strip().split(".")
+    try:
+        major, minor, third = int(parts[0]), int(parts[1]), parts[2].upper()
+        key = (major, minor, 0, int(third[2:])) if third.startswith("RC") else (major, minor, 1, int(third))
+    except (IndexError, ValueError):
+        raise ValueError(f"CANN version: expected a form like {MIN_CANN!r} or '8.5.0', got {version!r}") from None
+    return key
+
+
+def check_cann_version(version: str | None) -> None:
+    """Refuse CANN older than :data:`MIN_CANN`: before 8.3.RC1 FIA rejects TND with a block table
+    at run time ("When layout is TND, not support Page Attention", vllm-ascend issue #4373; vllm-ascend
+    gated the path on ``torch.version.cann``), older builds reject head_dim 128 in TND (vllm-ascend
+    #8045), and TorchAir's pass restoring the in-place cache update after functionalisation exists
+    only from 8.3.RC1 (without it every layer copies its whole cache every step).
+    Raises :class:`AscendUnavailableError` naming the version found and the one needed."""
+    if version is None:
+        raise AscendUnavailableError(f"the ascend target needs CANN >= {MIN_CANN}, and torch.version.cann is not set "
+                                     "(torch_npu sets it from the installed toolkit): cannot tell which CANN runs")
+    if cann_version_key(version) < cann_version_key(MIN_CANN):
+        raise AscendUnavailableError(
+            f"the ascend target needs CANN >= {MIN_CANN} (TND with a block table: vllm-ascend #4373; in-place "
+            f"cache writes through TorchAir), found CANN {version} (torch.version.cann); upgrade the toolkit")
+
+
 def npu_ops() -> AscendOps:
-    """``torch.ops.air.npu_fused_infer_attention_score`` and ``torch.ops.npu.npu_scatter_nd_update_``."""
+    """``torch.ops.air.npu_fused_infer_attention_score`` and ``torch.ops.npu.npu_scatter_nd_update_``,
+    after :func:`check_cann_version` of the installed CANN."""
     import_torchair()
+    check_cann_version(getattr(torch.version, "cann", None))
     # The air op's library is defined by this (private) module, which torchair.ops imports lazily.
     importlib.import_module("torchair.ops._npu_fused_infer_attention_score")
     return AscendOps(torch.ops.air.npu_fused_infer_attention_score.default,

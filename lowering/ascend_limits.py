@@ -1,4 +1,4 @@
-"""The documented limits an attention site must meet for the ``ascend`` lowering's FIA call.
+"""The limits an attention site must meet for the ``ascend`` lowering's FIA call, each with its source.
 
 The lowering has one form (see :mod:`pagedpack.lowering.ascend`): a single
 ``npu_fused_infer_attention_score`` (FIA) call per site over the whole packed step, in TND, paged,
@@ -8,6 +8,9 @@ two-row dummy sequence). Every limit below is quoted from the torch-npu 2.13.0 w
 "npu_fused_infer_attention_score_v2" (cited ``FIA_V2``). Both entries lower to the same GE op,
 FusedInferAttentionScore (``torchair/ops/_npu_fused_infer_attention_score.py`` and ``..._v2.py``),
 so the v2 entry's detailed TND section is read as describing the kernel the lowering calls.
+Where production code and its bug trackers say more than the docs, that is cited instead
+(:data:`MHA_64`, :data:`PRODUCTION_BLOCK_SIZES`); block sizes the docs allow but production has
+not run are allowed with a warning (:func:`unverified`).
 
 Why no fallback form: the B-layouts (BSH/BSND/BNSD) accept float16 and other head sizes, but a
 packed step would have to be padded to ``[B, max query length, ...]``, a size no graph input
@@ -16,6 +19,7 @@ least the blocks of all batch entries together. So a site outside these limits i
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +28,9 @@ from pagedpack.lowering.targets import StepBounds
 
 FIA = "_op_plugin_docs.py, npu_fused_infer_attention_score"
 FIA_V2 = "_op_plugin_docs.py, npu_fused_infer_attention_score_v2"
+MHA_64 = "vllm-ascend issue #9632: the current kernel takes head_dim 64 when num_heads == num_key_value_heads"
+PRODUCTION_BLOCK_SIZES = "vllm-ascend's supported kernel block sizes for this attention: [128]"
+VERIFIED_BLOCK_SIZE = 128
 MAX_GQA_RATIO = 64
 MAX_HEADS = 256
 MAX_TND_TOKENS = 65536
@@ -59,9 +66,14 @@ def violations(s: AttentionShape, b: StepBounds) -> list[str]:
     out = []
     if s.dtype != torch.bfloat16:
         out.append(f"dtype {dtype}: TND supports bfloat16 only [{FIA}, TND limits; {FIA_V2}, TND limits]")
-    if not (s.head_dim == 128 or (s.head_dim == 192 and s.value_head_dim in (128, 192))):
-        out.append(f"head_dim={s.head_dim}: TND needs 128 (or 192 with value head_dim 128/192) "
-                   f"[{FIA_V2}, TND limits]")
+    mha = s.num_heads == s.num_kv_heads
+    if s.value_head_dim == 192:
+        out.append(f"value head_dim 192: not supported with paging or grouped-query attention "
+                   f"[{FIA_V2}, TND limits (newest revision)]")
+    elif not (s.head_dim == 128 or (s.head_dim == 64 and mha) or s.head_dim == 192):
+        out.append(f"head_dim={s.head_dim}: TND needs 128, or 64 without grouped-query heads "
+                   f"(num_heads={s.num_heads}, num_key_value_heads={s.num_kv_heads}) "
+                   f"[{FIA_V2}, TND limits; {MHA_64}]")
     if s.head_dim != s.value_head_dim:
         out.append(f"key head_dim {s.head_dim} != value head_dim {s.value_head_dim}: paged key and value caches "
                    f"must have the same shape [{FIA}, constraints, page attention]")
@@ -91,6 +103,15 @@ def violations(s: AttentionShape, b: StepBounds) -> list[str]:
     return out
 
 
+def unverified(s: AttentionShape) -> list[str]:
+    """What the docs allow but production has not run: allowed, with a warning naming the evidence."""
+    out = []
+    if s.block_size != VERIFIED_BLOCK_SIZE and 128 <= s.block_size <= 512 and s.block_size % 128 == 0:
+        out.append(f"block_size={s.block_size}: allowed by the docs [{FIA}, constraints Q_S > 1, page attention], "
+                   f"but production runs {VERIFIED_BLOCK_SIZE} only [{PRODUCTION_BLOCK_SIZES}]")
+    return out
+
+
 def parameter_violations(s: AttentionShape) -> list[str]:
     """The attention parameters FIA cannot compute, each named with its documented reason."""
     out = []
@@ -107,8 +128,15 @@ def parameter_violations(s: AttentionShape) -> list[str]:
     return out
 
 
+class AscendUnverifiedWarning(UserWarning):
+    """A configuration the docs allow but production code has not been seen to run."""
+
+
 def check_supported(shape: AttentionShape, bounds: StepBounds) -> None:
-    """Raise :class:`AscendLoweringError` listing every limit ``shape``/``bounds`` break."""
+    """Raise :class:`AscendLoweringError` listing every limit ``shape``/``bounds`` break; warn
+    (:class:`AscendUnverifiedWarning`) for each :func:`unverified` choice."""
+    for note in unverified(shape):
+        warnings.warn(f"ascend lowering: {note}", AscendUnverifiedWarning, stacklevel=2)
     broken = violations(shape, bounds)
     if broken:
         mode = "sparse_mode=4 band" if shape.sliding_window is not None else "sparse_mode=3"

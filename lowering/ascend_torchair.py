@@ -25,16 +25,42 @@ from pagedpack.lowering.ascend import AscendOps, import_torchair, lower_to_ascen
 from pagedpack.lowering.targets import StepBounds
 
 
+def production_config(torchair):
+    """``torchair.CompilerConfig()`` as production inference sets it: ``frozen_parameter`` (weights
+    are graph constants: no per-step address refresh), as vllm-ascend's TorchAir model runner and
+    cann-recipes-infer do."""
+    config = torchair.CompilerConfig()
+    config.experimental_config.frozen_parameter = True
+    return config
+
+
+def _option(config, name: str):
+    """A TorchAir option's value (options are ``OptionValue`` objects holding ``.value``)."""
+    option = getattr(config, name, None)
+    return getattr(option, "value", option)
+
+
 def torchair_backend(compiler_config=None) -> Callable:
     """``torchair.get_npu_backend`` in max-autotune (GE) mode, the only mode that runs
     ``torch.ops.air.npu_fused_infer_attention_score`` (torchair/ops/_npu_fused_infer_attention_score.py)
     and the one TND allows (reduce-overhead is not supported for TND: _op_plugin_docs.py,
-    npu_fused_infer_attention_score_v2, TND limits)."""
+    npu_fused_infer_attention_score_v2, TND limits). Default config: :func:`production_config`.
+    Operators compile from the installed binaries (``torch.npu.set_compile_mode(jit_compile=False)``,
+    as production does; it applies to the whole process).
+
+    ``ValueError`` for another mode, or for ``experimental_config.tiling_schedule_optimize``
+    (tiling sink), which TorchAir documents as unsupported with the TND layout."""
     torchair = import_torchair()
-    config = compiler_config or torchair.CompilerConfig()
-    if config.mode.value != "max-autotune":
+    config = compiler_config or production_config(torchair)
+    if _option(config, "mode") != "max-autotune":
         raise ValueError(f"compiler_config.mode: expected 'max-autotune' (the tensor-length FIA op runs only "
-                         f"there), got {config.mode.value!r}")
+                         f"there), got {_option(config, 'mode')!r}")
+    if _option(getattr(config, "experimental_config", None), "tiling_schedule_optimize"):
+        raise ValueError("compiler_config.experimental_config.tiling_schedule_optimize: tiling sink is not "
+                         "supported with the TND layout every attention call of this lowering uses; turn it off")
+    set_compile_mode = getattr(getattr(torch, "npu", None), "set_compile_mode", None)
+    if set_compile_mode is not None:
+        set_compile_mode(jit_compile=False)
     return torchair.get_npu_backend(compiler_config=config)
 
 

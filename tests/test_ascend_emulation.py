@@ -254,6 +254,8 @@ REJECTED = {
     "lengths not cumulative": (dict(actual_seq_lengths=i64([3, 1]), actual_seq_lengths_kv=i64([4, 4]),
                                     block_table=torch.ones(2, 1, dtype=torch.int32)), "cumulative"),
     "lengths as int32": (dict(actual_seq_lengths=torch.tensor([4], dtype=torch.int32)), "int64"),
+    "TND query rows past the last length": (dict(actual_seq_lengths=i64([3]), actual_seq_lengths_kv=i64([4])),
+                                            r"TND query T=4 must equal the last actual_seq_lengths entry, got 3"),
     "block table too narrow": (dict(actual_seq_lengths_kv=i64([200])), "block_table has 1 columns"),
     "block id out of range": (dict(block_table=torch.tensor([[7]], dtype=torch.int32)), "outside [0, 3)"),
     "block table int64": (dict(block_table=torch.tensor([[1]])), "int32"),

@@ -3,7 +3,9 @@
 Numbers are compared with independent references: the explicit-mask fp32 attention of
 ``test_ops`` for single steps, the reference target for whole generations.
 """
+import importlib
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -15,7 +17,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from pagedpack import LLM, SamplingParams
 from pagedpack.cli import main as cli_main
 from pagedpack.lowering.ascend import AscendUnavailableError, emulated_ops, lower_to_ascend, npu_ops
-from pagedpack.lowering.ascend_limits import AscendLoweringError, AttentionShape, StepBounds, violations
+from pagedpack.lowering.ascend_limits import (
+    AscendLoweringError,
+    AscendUnverifiedWarning,
+    AttentionShape,
+    StepBounds,
+    check_supported,
+    violations,
+)
 from pagedpack.lowering.ascend_torchair import ascend_backend, compile_step, torchair_backend
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import tiny_model
@@ -206,6 +215,10 @@ LIMITS = {
     "head_dim 64": (dict(head_dim=64, value_head_dim=64), {}, "TND needs 128"),
     "head_dim 256": (dict(head_dim=256, value_head_dim=256), {}, "TND needs 128"),
     "value head_dim differs": (dict(head_dim=192, value_head_dim=128), {}, "caches must have the same shape"),
+    "value head_dim 192 with paging": (dict(head_dim=192, value_head_dim=192), {},
+                                       "value head_dim 192: not supported with paging or grouped-query"),
+    "head_dim 64 with GQA": (dict(head_dim=64, value_head_dim=64, num_heads=16, num_kv_heads=4), {},
+                             "64 without grouped-query heads"),
     "GQA ratio 128": (dict(num_heads=128, num_kv_heads=1), {}, "grouped-query ratio 128 exceeds 64"),
     "heads not divisible": (dict(num_heads=12, num_kv_heads=8), {}, "not divisible by num_key_value_heads=8"),
     "300 heads": (dict(num_heads=300, num_kv_heads=10), {}, "num_heads=300 exceeds 256"),
@@ -233,12 +246,21 @@ def test_each_documented_limit_refuses_a_violating_configuration(case):
     assert all("_op_plugin_docs.py" in v for v in found)  # each refusal cites its source
 
 
-@pytest.mark.parametrize("change", [{}, dict(head_dim=192, value_head_dim=192), dict(block_size=256),
-                                    dict(block_size=512), dict(num_heads=64, num_kv_heads=1)])
+@pytest.mark.parametrize("change", [{}, dict(head_dim=64, value_head_dim=64, num_heads=8, num_kv_heads=8),
+                                    dict(block_size=256), dict(block_size=512), dict(num_heads=64, num_kv_heads=1)])
 def test_configurations_inside_the_limits_pass(change):
     assert violations(AttentionShape(**{**SHAPE.__dict__, **change}), StepBounds(65536, 4096)) == []
     windowed = AttentionShape(**{**SHAPE.__dict__, **change, "sliding_window": 4096})
     assert violations(windowed, StepBounds(65534, 4095)) == []
+
+
+def test_block_sizes_production_has_not_run_are_allowed_with_a_warning():
+    for block_size in (256, 384, 512):
+        with pytest.warns(AscendUnverifiedWarning, match=f"block_size={block_size}: allowed by the docs.*128 only"):
+            check_supported(AttentionShape(**{**SHAPE.__dict__, "block_size": block_size}), StepBounds(2048, 256))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_supported(SHAPE, StepBounds(2048, 256))  # 128: no warning
 
 
 @pytest.mark.parametrize("case", [dict(dtype=torch.float16), dict(head_dim=64), dict(block_size=16)])
@@ -417,20 +439,52 @@ def test_missing_cann_gives_a_clear_message(no_ascend, tnd_model):
     assert no_ascend.attempts
 
 
-def test_torchair_backend_is_asked_for_max_autotune(monkeypatch):
-    """With stand-ins for torch_npu and torchair: the GE mode (the only one running the air op)."""
-    class Config:
-        def __init__(self, mode="max-autotune"):
-            self.mode = SimpleNamespace(value=mode)
+class StandInConfig:
+    """torchair.CompilerConfig's shape: ``mode`` and ``experimental_config`` hold OptionValues."""
 
-    built = []
-    torchair = SimpleNamespace(CompilerConfig=Config, get_npu_backend=lambda compiler_config: built.append(
+    def __init__(self, mode="max-autotune", tiling_schedule_optimize=False):
+        self.mode = SimpleNamespace(value=mode)
+        self.experimental_config = SimpleNamespace(frozen_parameter=SimpleNamespace(value=False),
+                                                   tiling_schedule_optimize=SimpleNamespace(
+                                                       value=tiling_schedule_optimize))
+
+
+def test_torchair_backend_uses_the_production_config(monkeypatch):
+    """With stand-ins for torch_npu and torchair: the GE mode (the only one running the air op),
+    frozen parameters, operators from installed binaries; tiling sink refused (TND)."""
+    built, modes = [], []
+    torchair = SimpleNamespace(CompilerConfig=StandInConfig, get_npu_backend=lambda compiler_config: built.append(
         compiler_config) or "torchair backend")
     monkeypatch.setitem(sys.modules, "torch_npu", ModuleType("torch_npu"))
     monkeypatch.setitem(sys.modules, "torchair", torchair)
+    monkeypatch.setattr(torch, "npu", SimpleNamespace(set_compile_mode=lambda **kw: modes.append(kw)), raising=False)
     assert torchair_backend() == "torchair backend" and built[0].mode.value == "max-autotune"
+    assert built[0].experimental_config.frozen_parameter is True and modes == [{"jit_compile": False}]
     with pytest.raises(ValueError, match="expected 'max-autotune'.*got 'reduce-overhead'"):
-        torchair_backend(Config("reduce-overhead"))
+        torchair_backend(StandInConfig("reduce-overhead"))
+    with pytest.raises(ValueError, match="tiling_schedule_optimize: tiling sink is not supported with the TND"):
+        torchair_backend(StandInConfig(tiling_schedule_optimize=True))
+
+
+@pytest.mark.parametrize("version, ok", [("8.2.RC1", False), ("8.3.RC1", True), ("8.3.0", True), ("8.5.0", True),
+                                         ("7.0.0", False), ("8.3.RC1.alpha002", True), (None, False)])
+def test_cann_version_is_checked_when_the_npu_ops_are_taken(monkeypatch, version, ok):
+    """A stand-in torch_npu reporting ``torch.version.cann``: below 8.3.RC1 npu_ops() refuses
+    with the version found and the one needed, before touching TorchAir's op modules."""
+    imported = []
+    monkeypatch.setitem(sys.modules, "torch_npu", ModuleType("torch_npu"))
+    monkeypatch.setitem(sys.modules, "torchair", ModuleType("torchair"))
+    monkeypatch.setattr(torch.version, "cann", version, raising=False)
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name))
+    if ok:
+        with pytest.raises(AttributeError):  # past the check: the stand-ins define no air / npu ops
+            npu_ops()
+        assert imported == ["torchair.ops._npu_fused_infer_attention_score"]
+    else:
+        needed = "is not set" if version is None else f"found CANN {version}"
+        with pytest.raises(AscendUnavailableError, match=f"needs CANN >= 8.3.RC1.*{needed}"):
+            npu_ops()
+        assert imported == []
 
 
 def test_installing_never_pulls_torch_npu_unless_the_ascend_extra_is_asked_for():
