@@ -143,7 +143,8 @@ def test_llm_and_from_exported_share_one_validation(tmp_path):
     llm = LLM(tiny_model("llama"), num_blocks=4)
     path = llm.export(tmp_path / "m.pt2")
     for build in (lambda **kw: LLM(tiny_model("llama"), **kw), lambda **kw: LLM.from_exported(path, **kw)):
-        with pytest.raises(ValueError, match="num_blocks, kv_cache_memory: expected at most one"):
+        with pytest.raises(ValueError, match="num_blocks, kv_cache_memory, memory_budget: expected at most one of "
+                                             "them, got num_blocks, kv_cache_memory"):
             build(num_blocks=4, kv_cache_memory=1 << 20)
         with pytest.raises(ValueError, match="max_num_seqs: expected an int >= 1, got 0"):
             build(max_num_seqs=0)

@@ -380,7 +380,8 @@ def test_export_without_max_model_len_needs_it_at_load(llm, files, tmp_path):
     (dict(max_model_len="100"), "max_model_len: expected an int >= 1, got '100'"),
     (dict(max_model_len=513), r"max_model_len: expected 1 .. 512 \(the model's limit\), got 513"),
     (dict(kv_cache_memory=8191), r"kv_cache_memory: expected at least one block \(8192 bytes\), got 8191"),
-    (dict(num_blocks=8, kv_cache_memory=1 << 20), "num_blocks, kv_cache_memory: expected at most one of them"),
+    (dict(num_blocks=8, kv_cache_memory=1 << 20), "num_blocks, kv_cache_memory, memory_budget: expected at most one"),
+    (dict(memory_budget="1GiB"), "memory_budget: an LLM served from an exported file has no step graph"),
     (dict(max_num_seqs=0), "max_num_seqs: expected an int >= 1, got 0"),
     (dict(max_num_batched_tokens=-1), "max_num_batched_tokens: expected an int >= 1, got -1"),
 ])
