@@ -136,16 +136,23 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Make the allocated ``block_id`` findable by ``block_hash`` (its K/V must be complete
-        and final). Returns False, changing nothing, with caching off, if the block is already
-        cached, or if another block is cached under that hash (two requests computed the same
-        block; the first stays the one found)."""
+        """Make the allocated ``block_id`` findable by ``block_hash`` (its K/V complete and final
+        once the step being scheduled has run). Returns False, changing nothing, with caching off,
+        if the block is already cached, or if another block is cached under that hash (two
+        requests computed the same block; the first stays the one found)."""
         self._check_allocated(block_id)
         if not self.enable_caching or self._hashes[block_id] is not None or block_hash in self._cached:
             return False
         self._hashes[block_id] = block_hash
         self._cached[block_hash] = block_id
         return True
+
+    def uncache(self, block_id: int) -> None:
+        """Forget ``block_id``'s hash (its contents are not what the hash says)."""
+        self._check_id(block_id)
+        block_hash, self._hashes[block_id] = self._hashes[block_id], None
+        if block_hash is not None and self._cached.get(block_hash) == block_id:
+            del self._cached[block_hash]
 
     def reset_cache(self) -> bool:
         """Uncache every block; only when nobody holds a block (returns False otherwise)."""

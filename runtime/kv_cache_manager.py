@@ -68,6 +68,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
         self._copies_in_step: list[tuple[int, int]] = []
+        self._named_in_step: list[int] = []  # blocks cached while the step writing them is scheduled
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -116,7 +117,10 @@ class KVCacheManager:
         found = CachedPrefix(hits, min(len(hits) * self.block_size, request.num_tokens - 1))
         if not found.copies_last_block(self.block_size):
             return [found]
-        return [found, CachedPrefix(hits[:-1], (len(hits) - 1) * self.block_size)]
+        whole_blocks = CachedPrefix(hits[:-1], (len(hits) - 1) * self.block_size)
+        if hits[-1] in self._named_in_step:  # its K/V are written only by the step being scheduled
+            return [whole_blocks]
+        return [found, whole_blocks]
 
     def _num_missing_blocks(self, request: Request, num_new_tokens: int, prefix: CachedPrefix) -> int:
         kept = len(request.block_ids) or prefix.num_tokens // self.block_size
@@ -145,6 +149,7 @@ class KVCacheManager:
         request.block_ids.extend(self.pool.allocate() for _ in range(missing))
         if prefix.copies_last_block(self.block_size):
             self._pending_copies.append((prefix.block_ids[-1], request.block_ids[len(prefix.block_ids) - 1]))
+        self._name_blocks(request, request.num_computed_tokens + num_new_tokens)
         return True
 
     def _take_prefix(self, request: Request, prefix: CachedPrefix) -> None:
@@ -157,17 +162,20 @@ class KVCacheManager:
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += prefix.num_tokens
 
-    def cache_blocks(self, request: Request) -> None:
-        """Offer the request's newly computed full blocks to the prefix cache (call after the
-        step that computed them: ``num_computed_tokens`` counts written K/V only)."""
+    def _name_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the blocks that the first ``num_tokens`` tokens fill to the prefix cache now, as
+        vLLM does at allocation: the step being scheduled writes their K/V, and each layer writes
+        all of a step's K/V before its attention reads any, so a request admitted in the same step
+        may read them already. They are uncached again if that step never runs (:meth:`reset`)."""
         if not self.enable_prefix_caching:
             return
-        full = request.num_computed_tokens // self.block_size
+        full = min(num_tokens, request.num_tokens) // self.block_size  # blocks whose tokens are all known
         if full <= request.num_cached_blocks:
             return
         hashes = self.block_hashes(request)
         for j in range(request.num_cached_blocks, full):
-            self.pool.cache_block(request.block_ids[j], hashes[j])
+            if self.pool.cache_block(request.block_ids[j], hashes[j]):
+                self._named_in_step.append(request.block_ids[j])
         request.num_cached_blocks = full
 
     def fork_blocks(self, parent: Request, child: Request) -> bool:
@@ -200,10 +208,11 @@ class KVCacheManager:
         return copies
 
     def end_step(self) -> None:
-        """The step ran: release the sources of its copies."""
+        """The step ran: release the sources of its copies; the blocks it named hold their K/V."""
         for src, _ in self._copies_in_step:
             self.pool.free(src)
         self._copies_in_step = []
+        self._named_in_step = []
 
     def free(self, request: Request) -> None:
         """Release all blocks of ``request`` (last block first: its tail is evicted before its
@@ -214,7 +223,10 @@ class KVCacheManager:
         request.num_cached_blocks = 0
 
     def reset(self) -> None:
-        """Drop pending copies (releasing their sources); after an abort."""
+        """After an abort: drop pending copies (releasing their sources) and uncache the blocks
+        named for a step that did not run (their K/V were never written)."""
+        for block_id in self._named_in_step:
+            self.pool.uncache(block_id)
         self._copies_in_step += self._pending_copies
         self._pending_copies = []
         self.end_step()

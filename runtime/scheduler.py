@@ -13,8 +13,9 @@ preempted when the KV pool runs out.
 
 With prefix caching (``KVCacheManager(enable_prefix_caching=True)``) a request being admitted
 first takes the longest cached prefix of its tokens and computes only the rest; blocks are
-offered to the cache once the step that wrote them has run; preemption frees blocks into the
-cache, so a preempted request coming back finds its own blocks unless they were evicted.
+offered to the cache when the step that fills them is scheduled (as vLLM does); preemption frees
+blocks into the cache, so a preempted request coming back finds its own blocks unless they were
+evicted.
 """
 from __future__ import annotations
 
@@ -214,7 +215,6 @@ class Scheduler:
             )
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-            self.kv_cache_manager.cache_blocks(s.request)
         self.kv_cache_manager.end_step()
         finished = []
         for s in sampled:

@@ -138,6 +138,32 @@ def test_block_aligned_prompt_twice_computes_one_token_into_a_copied_block():
     assert second.output_token_ids == first.output_token_ids
 
 
+def test_requests_admitted_together_share_the_blocks_the_step_fills():
+    """As in vLLM: blocks are named when the step filling them is scheduled, so a request admitted
+    in the same step reads them (each layer writes the step's K/V before attention reads). A copy
+    needs its source written before the step, so a fully cached twin recomputes its last block."""
+    scheduler, model = make_scheduler(block_size=4)
+    prefix = list(range(1, 9))
+    a, b = req("a", prefix + [9]), req("b", prefix + [10])
+    assert run(scheduler, model, [a, b])[0][0] == {"a": 9, "b": 1}
+    c, d = req("c", [5] * 8), req("d", [5] * 8)
+    (first, copies), *_ = run(scheduler, model, [c, d])
+    assert first == {"c": 8, "d": 4} and copies == []
+    for r in (a, b, c, d):
+        assert (r.output_token_ids, r.finish_reason) == solo_stream(r.prompt_token_ids, r.sampling_params, None, 128)
+
+
+def test_blocks_named_for_a_step_that_never_ran_are_uncached():
+    scheduler, model = make_scheduler(block_size=4)
+    scheduler.add_request(req("a", list(range(1, 10))))
+    scheduler.schedule()  # names 2 blocks; the step then fails before it runs
+    assert scheduler.kv_cache_manager.pool.num_cached_blocks == 2
+    scheduler.abort_all()
+    pool = scheduler.kv_cache_manager.pool
+    assert pool.num_cached_blocks == 0 and pool.num_used_blocks == 0
+    assert run(scheduler, model, [req("b", list(range(1, 10)))])[0][0] == {"b": 9}
+
+
 def test_cache_salt_separates_requests():
     scheduler, model = make_scheduler(block_size=4)
     prompt = list(range(1, 10))

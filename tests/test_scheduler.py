@@ -46,8 +46,9 @@ def solo_stream(prompt: list[int], params: SamplingParams, eos: int | None,
 class PagedEchoModel:
     """Stores token ids in a paged cache and samples ``next_token`` of the history it reads back.
 
-    It makes the step's block copies first, and checks that a request writes only blocks that no
-    other running request holds (shared prefix blocks are read, never written)."""
+    It makes the step's block copies first, and checks every write into a block that other running
+    requests hold: it must be the token each of them has at that position (a shared block is
+    written once, with the contents its hash names, in the step that fills it)."""
 
     def __init__(self, num_blocks: int, block_size: int, scheduler: Scheduler | None = None) -> None:
         self.num_blocks, self.block_size, self.scheduler = num_blocks, block_size, scheduler
@@ -58,11 +59,15 @@ class PagedEchoModel:
         for src, dst in output.blocks_to_copy:
             self.cache[dst * bs:(dst + 1) * bs] = self.cache[src * bs:(src + 1) * bs]
         md = build_batch(output.scheduled, block_size=bs, num_blocks=self.num_blocks)
-        if self.scheduler is not None:
-            holders = collections.Counter(b for r in self.scheduler.running for b in set(r.block_ids))
-            written = {slot // bs for slot in md.slot_mapping.tolist()}
-            assert all(holders[b] == 1 for b in written), "a step writes a block another request holds"
+        holders = collections.defaultdict(list)  # block -> (request, its index in the request's blocks)
+        for r in self.scheduler.running if self.scheduler is not None else []:
+            for j, b in enumerate(r.block_ids):
+                holders[b].append((r, j))
         for slot, tok in zip(md.slot_mapping.tolist(), md.input_ids.tolist()):
+            for r, j in holders[slot // bs]:
+                position = j * bs + slot % bs
+                assert position < r.num_tokens and r.all_token_ids[position] == tok, \
+                    f"a step writes token {tok} into block {slot // bs}, held by {r.request_id!r} with other contents"
             self.cache[slot] = tok
         sampled = {}
         for s, row, seq_len in zip(output.scheduled, md.block_table.tolist(), md.seq_lens.tolist()):
