@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -127,7 +128,11 @@ def _generate(args) -> int:
     if timeline is not None:
         from pagedpack.kv_plot import draw_kv_timeline
 
-        shown = draw_kv_timeline(timeline, args.kv_plot, args.kv_plot_step)
+        step = args.kv_plot_step
+        if step is not None and step >= timeline.num_steps:
+            console.print(f"--kv-plot-step {step}: the run had {timeline.num_steps} steps; showing the busiest")
+            step = None
+        shown = draw_kv_timeline(timeline, args.kv_plot, step)
         console.print(f"[bold]KV plot:[/bold] {args.kv_plot} ({timeline.num_steps} steps; blocks of step {shown})")
     return 1 if all(o.error for o in outputs) else 0
 
@@ -140,6 +145,9 @@ def _kv_timeline(args):
         return None
     if args.kv_plot_step is not None and args.kv_plot_step < 0:
         raise ValueError(f"--kv-plot-step: expected a step >= 0, got {args.kv_plot_step}")
+    path = Path(args.kv_plot)
+    if path.suffix.lower() != ".png" or not path.parent.is_dir():
+        raise ValueError(f"--kv-plot: expected a .png file in an existing folder, got {args.kv_plot!r}")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -206,6 +214,10 @@ def _plan(args) -> int:
     from pagedpack.inputs import parse_bytes
 
     memory = parse_bytes("--memory", args.memory)  # before the model is loaded
+    sized = [f"--{n.replace('_', '-')}" for n in ("num_blocks", "kv_cache_memory", "memory_budget")
+             if getattr(args, n) is not None]
+    if sized:
+        raise ValueError(f"{', '.join(sized)}: pagedpack plan sizes the KV pool from --memory; drop them")
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, memory_budget=None,
                                                         kv_cache_memory=None))
     table = Table(title=f"memory plan: {args.model} ({llm.target} target)", show_header=False)

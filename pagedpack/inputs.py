@@ -40,16 +40,16 @@ def normalize_prompts(prompts) -> list[Prompt]:
 
 def _prompt(name: str, prompt) -> Prompt:
     if isinstance(prompt, str):
-        return Prompt(prompt)
+        return Prompt(_text(name, prompt))
     if _is_token_list(prompt):
         return Prompt([int(t) for t in prompt])
     if isinstance(prompt, dict):
         keys = set(prompt) - {"cache_salt"}
         salt = prompt.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"{name}['cache_salt']: expected a string, got {salt!r:.80}")
+        if salt is not None:
+            check_cache_salt(f"{name}['cache_salt']", salt)
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-            return Prompt(prompt["prompt"], salt)
+            return Prompt(_text(f"{name}['prompt']", prompt["prompt"]), salt)
         if keys == {"prompt_token_ids"} and _is_token_list(prompt["prompt_token_ids"]):
             return Prompt([int(t) for t in prompt["prompt_token_ids"]], salt)
         raise ValueError(f"{name}: expected a dict of 'prompt' (a string) or 'prompt_token_ids' (a list of int "
@@ -57,9 +57,30 @@ def _prompt(name: str, prompt) -> Prompt:
     raise ValueError(f"{name}: expected a string, a list of int token ids or a dict, got {prompt!r:.80}")
 
 
+def _text(name: str, text: str) -> str:
+    if not _encodable(text):
+        raise ValueError(f"{name}: expected text encodable as UTF-8, got {text!r:.80} (a lone surrogate)")
+    return text
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_cache_salt(name: str, salt) -> None:
+    """A salt is a non-empty string encodable as UTF-8 (vLLM rejects an empty one as well)."""
+    if not isinstance(salt, str) or not salt or not _encodable(salt):
+        raise ValueError(f"{name}: expected a non-empty string encodable as UTF-8, got {salt!r:.80}")
+
+
 def _is_token_list(value) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.dim() == 1 and not value.is_floating_point() and not value.is_complex()
+        return (value.dim() == 1 and not value.is_floating_point() and not value.is_complex()
+                and value.dtype != torch.bool)
     return (isinstance(value, (list, tuple)) and len(value) > 0
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
@@ -129,8 +150,8 @@ def parse_bytes(name: str, value) -> int:
             number = float(number)
         except ValueError:
             number = None
-    ok = (isinstance(number, (int, float)) and not isinstance(number, bool) and math.isfinite(number)
-          and unit in _UNITS and number * _UNITS[unit] >= 1)
+    ok = (isinstance(number, (int, float)) and not isinstance(number, bool) and unit in _UNITS
+          and (isinstance(number, int) or math.isfinite(number)) and number * _UNITS[unit] >= 1)
     if not ok:
         raise ValueError(f"{name}: expected a positive number of bytes such as 4294967296, '4GiB' or '512MB', "
                          f"got {value!r}")

@@ -25,7 +25,7 @@ from pagedpack.passes.pipeline import rewrite
 from pagedpack.planner import MemoryPlan, plan_memory, resident_weight_bytes
 from pagedpack.runtime.engine import LLMEngine, Stats
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
-from pagedpack.runtime.memory import release_memory
+from pagedpack.runtime.memory import physical_memory, release_memory
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
@@ -97,6 +97,7 @@ class LLM:
         self.max_model_len = args.max_model_len or limit
         self.block_size = args.block_size
         self.num_blocks = self._num_blocks(args)
+        self._check_pool_fits(args)
         runner = ModelRunner(self.program, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device)
         kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size,
                                           enable_prefix_caching=args.enable_prefix_caching)
@@ -208,6 +209,16 @@ class LLM:
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            max_model_len=self.max_model_len, weight_bytes=resident_weight_bytes(*modules),
                            peak=self._peak)
+
+    def _check_pool_fits(self, args: EngineArgs) -> None:
+        """A CPU pool larger than the machine's RAM would fail in the allocator (or swap): refuse it."""
+        ram = physical_memory() if torch.device(args.device).type == "cpu" else None
+        pool = self.num_blocks * self.block_size * self.bytes_per_token
+        if ram is not None and pool > ram:
+            sizes = ("num_blocks", "kv_cache_memory", "memory_budget")
+            given = next((n for n in sizes if getattr(args, n) is not None), "num_blocks")
+            raise ValueError(f"{given}: a KV pool of {self.num_blocks} blocks ({pool} bytes) is more than this "
+                             f"machine's memory ({ram} bytes)")
 
     def _num_blocks(self, args: EngineArgs) -> int:
         bytes_per_block = self.bytes_per_token * self.block_size

@@ -22,6 +22,8 @@ import torch
 
 from pagedpack.passes.activation_memory import ActivationPeak, activation_peak
 
+MAX_TOKENS_SEARCHED = 1 << 24  # largest_batched_tokens is reported up to this
+
 
 @dataclass
 class MemoryPlan:
@@ -30,7 +32,8 @@ class MemoryPlan:
     num_blocks: KV blocks that fit after the weights and the activation peak at
         ``max_num_batched_tokens`` (may be <= 0: the budget is too small).
     largest_batched_tokens: the largest ``max_num_batched_tokens`` whose activation peak still
-        fits beside the weights and the KV of one ``max_model_len`` sequence (0 if none).
+        fits beside the weights and the KV of one ``max_model_len`` sequence (0 if none; the search
+        stops at :data:`MAX_TOKENS_SEARCHED`).
     concurrent_seqs: sequences of ``max_model_len`` tokens the pool holds at once.
     """
 
@@ -55,6 +58,7 @@ class MemoryPlan:
         """(label, value) lines of the plan, as ``pagedpack plan`` prints them."""
         tokens = sympy.Symbol("tokens", integer=True, nonnegative=True)
         num_seqs = min(self.max_num_batched_tokens, self.max_num_seqs)
+        capped = self.largest_batched_tokens >= MAX_TOKENS_SEARCHED
         return [
             ("memory budget", _mib(self.memory)),
             ("weights", _mib(self.weight_bytes)),
@@ -65,8 +69,8 @@ class MemoryPlan:
                                 f"{self.max_num_batched_tokens}, B = {num_seqs}"),
             ("KV pool", f"{max(0, self.num_blocks)} blocks = {self.kv_pool_tokens} tokens = "
                         f"{_mib(max(0, self.num_blocks) * self.block_size * self.kv_bytes_per_token)}"),
-            ("largest max_num_batched_tokens", f"{self.largest_batched_tokens} (beside the weights and one "
-                                               f"{self.max_model_len}-token sequence's KV)"),
+            ("largest max_num_batched_tokens", f"{'at least ' if capped else ''}{self.largest_batched_tokens} (beside "
+                                               f"the weights and one {self.max_model_len}-token sequence's KV)"),
             (f"sequences of {self.max_model_len} tokens", f"{self.concurrent_seqs} at once"),
         ]
 
@@ -91,11 +95,13 @@ def plan_memory(rewritten, *, memory: int, block_size: int, max_num_batched_toke
     def fits(tokens: int) -> bool:
         return weight_bytes + peak.bytes(tokens, min(tokens, max_num_seqs)) + one_sequence <= memory
 
-    largest, step = 0, 1 << 24  # the activation peak grows with T: binary search for the last T that fits
+    largest, step = 0, MAX_TOKENS_SEARCHED // 2  # the peak grows with T: binary search for the last T that fits
     while step:
         if fits(largest + step):
             largest += step
         step //= 2
+    if fits(MAX_TOKENS_SEARCHED):
+        largest = MAX_TOKENS_SEARCHED
     seqs = max(0, num_blocks) // math.ceil(max_model_len / block_size)
     return MemoryPlan(memory, weight_bytes, per_token, block_size, max_num_batched_tokens, max_num_seqs,
                       max_model_len, peak, activation, num_blocks, largest, seqs)

@@ -5,6 +5,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 
 
 @functools.cache
@@ -29,3 +30,11 @@ def release_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (``sysconf``), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

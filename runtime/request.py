@@ -5,6 +5,7 @@ import enum
 
 import torch
 
+from pagedpack.inputs import check_cache_salt
 from pagedpack.runtime.sampling import SamplingParams
 
 
@@ -52,8 +53,8 @@ class Request:
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt: expected a string or None, got {cache_salt!r:.80}")
+        if cache_salt is not None:
+            check_cache_salt("cache_salt", cache_salt)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -62,8 +62,8 @@ class SamplingParams:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k: expected an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**63:
+            raise ValueError(f"top_k: expected an int in [-1, 2**63) (0 or -1 disable it), got {self.top_k!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed: expected an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if self.seed is not None and self.seed + self.n > 2**64:

@@ -102,6 +102,23 @@ def test_malformed_prompts_raise_naming_prompts(llm, prompts):
     assert not llm.llm_engine.scheduler.has_unfinished()
 
 
+@pytest.mark.parametrize("prompts, message", [
+    ([[5, 6, 7], {"prompt_token_ids": [1, 2, 3, 4, 5], "cache_salt": "\ud800"}],
+     r"prompts\[1\]\['cache_salt'\]: expected a non-empty string encodable as UTF-8"),
+    ({"prompt_token_ids": [1, 2], "cache_salt": ""}, "expected a non-empty string"),
+    ({"prompt_token_ids": [1, 2], "cache_salt": 7}, "expected a non-empty string"),
+    ({"prompt_token_ids": [1, 2], "salt": "a"}, r"expected a dict of 'prompt' .* or 'prompt_token_ids'"),
+    (["\ud800abc"], r"prompts\[0\]: expected text encodable as UTF-8"),
+    (torch.tensor([True, False]), "prompt"),
+], ids=["lone-surrogate-salt", "empty-salt", "int-salt", "unknown-key", "lone-surrogate-text", "bool-tensor"])
+def test_bad_prompt_fields_fail_before_anything_is_queued(llm, prompts, message):
+    """From an adversarial trial: a salt that cannot be encoded used to abort the whole batch from
+    inside the block hash (UnicodeEncodeError), once the prompt filled a block."""
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.scheduler.has_unfinished() and llm.get_stats().kv_blocks_used == 0
+
+
 def test_tensor_prompt_is_served_or_refused_clearly(model, llm):
     # wrong now: RuntimeError "Boolean value of Tensor with more than one value is ambiguous"
     prompt = torch.tensor([3, 4, 5])
@@ -137,7 +154,7 @@ def test_sampling_params_as_tuple_is_served_or_refused_clearly(llm):
 
 
 @pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -(2**63) - 1),
-                                              ("stop_token_ids", None), ("stop_token_ids", 5)])
+                                              ("stop_token_ids", None), ("stop_token_ids", 5), ("top_k", 2**63)])
 def test_sampling_params_rejects_naming_the_field(field, value):
     # wrong now: seed=2**64 is accepted and later fails inside the sampler with "Overflow when
     # unpacking long long" (losing the whole batch); stop_token_ids=None/5 give a bare TypeError

@@ -83,6 +83,9 @@ def test_prefix_caching_can_be_turned_off():
     (("--kv-plot-step", "3"), "--kv-plot-step: only with --kv-plot FILE.png"),
     (("--kv-plot", "x.png", "--kv-plot-step", "-1"), "--kv-plot-step: expected a step >= 0, got -1"),
     (("--n", "0"), "n: expected an int >= 1, got 0"),
+    (("--kv-plot", "/tmp"), "--kv-plot: expected a .png file in an existing folder, got '/tmp'"),
+    (("--kv-plot", "/missing/folder/kv.png"), "expected a .png file in an existing folder"),
+    (("--kv-plot", "kv.txt"), "expected a .png file in an existing folder"),
 ])
 def test_bad_generate_options_fail_before_loading(args, message):
     result = run("generate", "--model", "tiny", *args)
@@ -101,3 +104,6 @@ def test_plan_prints_the_memory_plan():
 def test_plan_rejects_a_bad_budget_before_loading():
     result = run("plan", "--model", "tiny", "--memory", "a lot")
     assert result.returncode == 2 and "--memory: expected a positive number of bytes" in result.stderr
+    result = run("plan", "--model", "tiny", "--memory", "8MiB", "--num-blocks", "5", "--memory-budget", "1GiB")
+    assert result.returncode == 2
+    assert "--num-blocks, --memory-budget: pagedpack plan sizes the KV pool from --memory" in result.stderr

@@ -74,3 +74,23 @@ def test_memory_budget_sizes_the_pool(llm):
         LLM("tiny", num_blocks=8, memory_budget="1GiB")
     with pytest.raises(ValueError, match="memory_budget: expected a positive number of bytes"):
         LLM("tiny", memory_budget="lots")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(memory_budget=10**400), "memory_budget: a KV pool of .* is more than this machine's memory"),
+    (dict(memory_budget="1e300"), "memory_budget: a KV pool of .* is more than this machine's memory"),
+    (dict(kv_cache_memory=2**70), "kv_cache_memory: a KV pool of .* is more than this machine's memory"),
+    (dict(num_blocks=2**40), "num_blocks: a KV pool of .* is more than this machine's memory"),
+    (dict(memory_budget="nan"), "memory_budget: expected a positive number of bytes"),
+    (dict(memory_budget="-1GiB"), "memory_budget: expected a positive number of bytes"),
+])
+def test_pools_beyond_the_machine_are_refused_naming_the_argument(kwargs, message):
+    """From an adversarial trial: these failed inside numpy (dimension / MemoryError) or math."""
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", **kwargs)
+
+
+def test_the_planner_says_when_its_search_stopped(llm):
+    plan = llm.plan_memory("1e300")
+    assert plan.largest_batched_tokens == 2**24 and dict(plan.rows())["largest max_num_batched_tokens"].startswith(
+        "at least 16777216")
