@@ -1,16 +1,17 @@
 """Prefix caching on vs off, side by side in one run, on the same requests.
 
-Workload (issue 12): ``--requests`` (64) prompts = one shared ``--system-len`` (512) token system
-prompt + a unique ``--question-len`` (32) token question each, ``--max-tokens`` (32) greedy
-tokens, all submitted together. Text is English prose through the model's tokenizer (random ids
-for a model without one). For each setting: one warm-up run, then the best of ``--runs``, every
-run starting from an empty prefix cache (``LLM.reset_prefix_cache``), so only what requests of the
-same run share is reused. Reported per setting: wall time, prompt tokens computed, prefix-cache
-hits and queries (tokens; hits are whole blocks), the page reuse ratio (hits / queries: the share
-of looked-up prompt pages found cached), peak KV blocks in use and evictions; and whether both
-settings produced the same tokens. Start only when
-the 1-minute load is below 0.8 (``load_1min``). Prints one JSON object. Run:
-``python benchmarks/prefix.py [--model smollm2-135m]``.
+Workload: ``--model`` (default smollm2-135m), ``--requests`` (64) prompts = one shared
+``--system-len`` (512) token system prompt + a unique ``--question-len`` (32) token question
+each, ``--max-tokens`` (32) greedy tokens, all submitted together. Text is English prose through
+the model's tokenizer (random ids for a model without one). For each setting: one warm-up run,
+then the best of ``--runs``, every run starting from an empty prefix cache
+(``LLM.reset_prefix_cache``), so only what requests of the same run share is reused. Reported
+per setting: wall time, prompt tokens computed, prefix-cache hits and queries (tokens looked up
+at admission, re-admissions after preemption included), the page reuse ratio (hits / queries:
+the share of looked-up prompt pages found cached), peak KV blocks in use and evictions; and
+whether both settings produced the same tokens. Start only when the 1-minute load is below 0.8
+(``load_1min``). Prints one JSON object. Run: ``python benchmarks/prefix.py [--model
+smollm2-135m]``.
 """
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     per_token = llm.bytes_per_token
     used = kv.peak_used_blocks * llm.block_size * per_token
-    contiguous = len(outputs) * llm.max_model_len * per_token
+    sequences = sum(len(o.outputs) for o in outputs)  # completions: n per prompt
+    contiguous = sequences * llm.max_model_len * per_token
     table = Table(title="summary", show_header=False)
     rows = [
         ("requests", f"{len(outputs)} ({sum(bool(o.error) for o in outputs)} failed)"),
@@ -175,14 +176,15 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
         ("throughput", f"{generated / elapsed:.1f} generated tokens/s, "
                        f"{(prompt_tokens + generated) / elapsed:.1f} total tokens/s"),
         ("steps", f"{stats.num_steps} ({stats.num_preemptions} preemptions)"),
-        ("prefix cache", f"{stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens found cached "
-                         f"({100 * stats.prefix_cache_hit_rate:.1f}%), {stats.num_prompt_tokens_computed} computed, "
+        ("prefix cache", f"{stats.prefix_cache_hits} of {stats.prefix_cache_queries} tokens looked up at admission "
+                         f"were cached ({100 * stats.prefix_cache_hit_rate:.1f}%; re-admissions after preemption look "
+                         f"up again); {stats.num_prompt_tokens_computed} prompt tokens computed; "
                          f"{stats.num_evictions} blocks evicted" if kv.enable_prefix_caching else "off"),
         ("KV blocks", f"peak {stats.kv_blocks_peak_used}, in use {stats.kv_blocks_used}, cached and free "
                       f"{stats.kv_blocks_cached_free}, free {stats.kv_blocks_free}, pool {stats.kv_blocks_total} "
                       f"x {llm.block_size} tokens"),
         ("KV memory", f"peak {_mib(used)} used of a {_mib(kv.num_blocks * llm.block_size * per_token)} pool; "
-                      f"a contiguous {len(outputs)} x max_len={llm.max_model_len} preallocation takes "
+                      f"a contiguous {sequences} x max_len={llm.max_model_len} preallocation takes "
                       f"{_mib(contiguous)} ({100 * used / contiguous:.1f}% of that used)"),
     ]
     for key, value in rows:

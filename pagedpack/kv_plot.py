@@ -8,6 +8,7 @@ colour of their own). Needs ``matplotlib`` (``pip install "pagedpack[plot]"``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 FIGURE_SIZE = (10.0, 7.0)  # inches
@@ -69,6 +70,7 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=FIGURE_SIZE, dpi=DPI, height_ratios=[1, 1.3])
     steps = range(timeline.num_steps)
@@ -78,6 +80,7 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
     busiest = max(u + c for u, c in zip(timeline.used, timeline.cached_free))
     top.set_ylim(0, min(timeline.num_blocks, max(8, int(busiest * 1.3))))
     top.axvline(step, color="black", linestyle="--", linewidth=1)
+    top.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_xlabel("engine step")
     top.set_ylabel("KV blocks")
     top.set_title(f"KV pool: {timeline.num_blocks} blocks of {timeline.block_size} tokens "
@@ -88,7 +91,7 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
     requests = sorted({r for ids in holders.values() for r in ids}, key=_natural)
     shown = max([*holders, *unheld, 0]) + 1
     rows = -(-shown // _GRID_COLUMNS)
-    grid = [[0] * _GRID_COLUMNS for _ in range(rows)]  # 0 free, 1 cached, 2 shared, 3+ request
+    grid = [[math.nan] * _GRID_COLUMNS for _ in range(rows)]  # 0 free, 1 cached, 2 shared, 3+ request; NaN: none
     for block_id in range(shown):
         ids = holders.get(block_id, [])
         if len(ids) > 1:
@@ -107,7 +110,7 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
     bottom.set_yticks([r + 0.5 for r in range(rows)], [str(r * _GRID_COLUMNS) for r in range(rows)], fontsize=7)
     bottom.set_xlabel("block id (row start + column)")
     bottom.set_title(f"step {step}: who holds each block (blocks 0 .. {shown - 1})", fontsize=10)
-    legend = [Patch(color=colours[3 + i], label=f"request {r}") for i, r in enumerate(requests[:12])]
+    legend = [Patch(color=colours[3 + i], label=_label(r)) for i, r in enumerate(requests[:12])]
     legend += [Patch(color="#000000", label="shared"), Patch(color=_CACHED, label="cached, free"),
                Patch(facecolor="#ffffff", edgecolor="#999999", label="free")]
     bottom.legend(handles=legend, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
@@ -118,4 +121,11 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
 
 
 def _natural(request_id: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in request_id.replace("_", " ").split())
+    """Sort key: by request, then completion (parallel samples are ``"<completion>_<request>"``)."""
+    completion, _, request = request_id.rpartition("_")
+    return tuple(int(p) if p.isdigit() else p for p in (request, completion))
+
+
+def _label(request_id: str) -> str:
+    completion, _, request = request_id.rpartition("_")
+    return f"request {request}, completion {completion}" if completion else f"request {request}"

@@ -160,7 +160,9 @@ class LLM:
 
     def get_stats(self) -> Stats:
         """The engine's counters now (steps, tokens computed, preemptions, prefix-cache queries,
-        hits and evictions, KV blocks used / cached / free): a :class:`pagedpack.runtime.engine.Stats`."""
+        hits and evictions, KV blocks used / cached / free): a :class:`pagedpack.runtime.engine.Stats`.
+        Counters run over the LLM's life (take differences around a call); ``reset_prefix_cache``
+        empties the cache, not the counters."""
         return self.llm_engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
