@@ -68,7 +68,7 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
         self._copies_in_step: list[tuple[int, int]] = []
-        self._named_in_step: list[int] = []  # blocks cached while the step writing them is scheduled
+        self._named_in_step: set[int] = set()  # blocks cached while the step writing them is scheduled
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -175,7 +175,7 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         for j in range(request.num_cached_blocks, full):
             if self.pool.cache_block(request.block_ids[j], hashes[j]):
-                self._named_in_step.append(request.block_ids[j])
+                self._named_in_step.add(request.block_ids[j])
         request.num_cached_blocks = full
 
     def fork_blocks(self, parent: Request, child: Request) -> bool:
@@ -212,7 +212,7 @@ class KVCacheManager:
         for src, _ in self._copies_in_step:
             self.pool.free(src)
         self._copies_in_step = []
-        self._named_in_step = []
+        self._named_in_step = set()
 
     def free(self, request: Request) -> None:
         """Release all blocks of ``request`` (last block first: its tail is evicted before its
