@@ -1,15 +1,22 @@
-"""Emulation of the Ascend ops the ``ascend`` lowering emits: ``torch.ops.pagedpack_npu.*``.
+"""Emulation of the Ascend ops the ``ascend`` lowering emits: ``torch.ops.pagedpack_air.*`` and
+``torch.ops.pagedpack_npu.*``, standing for ``torch.ops.air.*`` and ``torch.ops.npu.*``.
 
 Each op has the schema of the op it stands for (same argument names and defaults, restricted to
 the arguments the lowering uses) and the semantics the torch-npu 2.13.0 wheel documents:
 
-- ``npu_fused_infer_attention_score`` ("FIA") stands for TorchAir's tensor-length form
-  ``torch.ops.air.npu_fused_infer_attention_score`` (schema: ``torchair/ops/_npu_fused_infer_attention_score.py``).
-  Semantics and limits: ``_op_plugin_docs.py`` entry "npu_fused_infer_attention_score"; for TND
-  also entry "npu_fused_infer_attention_score_v2" (both entries lower to the same GE op,
-  FusedInferAttentionScore). Output shapes: ``op_plugin/meta/_meta_registrations.py``.
-- ``npu_scatter_nd_update_`` stands for ``torch.ops.npu.npu_scatter_nd_update_``
-  (``_op_plugin_docs.py`` entry "npu_scatter_nd_update_").
+- ``pagedpack_air.npu_fused_infer_attention_score`` ("FIA") stands for TorchAir's tensor-length
+  form ``torch.ops.air.npu_fused_infer_attention_score`` (schema:
+  ``torchair/ops/_npu_fused_infer_attention_score.py``), the one compiled graphs call;
+  ``pagedpack_npu.npu_fused_infer_attention_score`` for torch_npu's eager op, which takes the
+  lengths as host int lists (``SymInt[]``). Semantics and limits: ``_op_plugin_docs.py`` entry
+  "npu_fused_infer_attention_score"; for TND also entry "npu_fused_infer_attention_score_v2"
+  (both entries lower to the same GE op, FusedInferAttentionScore). Output shapes:
+  ``op_plugin/meta/_meta_registrations.py``.
+- ``pagedpack_npu.npu_scatter_nd_update_`` stands for ``torch.ops.npu.npu_scatter_nd_update_``
+  (``_op_plugin_docs.py`` entry "npu_scatter_nd_update_"), ``npu_scatter_nd_update`` for its
+  functional twin. Functionalisation (``torch.func.functionalize``, AOT compilation) turns the
+  in-place op into the functional one plus a ``copy_`` of its result back into the input, the
+  graph TorchAir's recover-inplace pass matches (``torchair/patterns/_recover_view_inplace_pattern.py``).
 
 A call the docs reject raises ``ValueError`` naming the limit. What the docs leave undefined
 (query rows past the actual lengths, rows that see no key while row-invalid correction is off,
@@ -34,15 +41,19 @@ _FLOATS = (torch.float16, torch.bfloat16)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _SCATTER_DTYPES = (torch.float32, torch.float16, torch.bool, torch.bfloat16, torch.int64, torch.int8)
 
-_LIB = torch.library.Library("pagedpack_npu", "DEF")
-_LIB.define(
-    f"{FIA}(Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
-    "Tensor? actual_seq_lengths=None, Tensor? actual_seq_lengths_kv=None, Tensor? block_table=None, "
+_FIA_ARGS = (
+    "(Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
+    "{lengths}? actual_seq_lengths=None, {lengths}? actual_seq_lengths_kv=None, Tensor? block_table=None, "
     "int num_heads=1, float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
     'str input_layout="BSH", int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, '
     "int block_size=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)"
 )
-_LIB.define(f"{SCATTER}(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)")
+_AIR = torch.library.Library("pagedpack_air", "DEF")
+_AIR.define(FIA + _FIA_ARGS.format(lengths="Tensor"))
+_NPU = torch.library.Library("pagedpack_npu", "DEF")
+_NPU.define(FIA + _FIA_ARGS.format(lengths="SymInt[]"))
+_NPU.define(f"{SCATTER}(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)")
+_NPU.define("npu_scatter_nd_update(Tensor input, Tensor indices, Tensor updates) -> Tensor")
 
 
 def _require(cond: bool, op: str, message: str) -> None:
@@ -87,6 +98,31 @@ def npu_scatter_nd_update_(input: Tensor, indices: Tensor, updates: Tensor) -> T
 @torch.library.register_fake(f"pagedpack_npu::{SCATTER}")
 def _(input, indices, updates):
     _check_scatter(input, indices, updates)
+    return input
+
+
+@torch.library.impl("pagedpack_npu::npu_scatter_nd_update", "CompositeExplicitAutograd")
+def npu_scatter_nd_update(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
+    """The functional form: a copy of ``input`` with the rows of ``npu_scatter_nd_update_``."""
+    return torch.ops.pagedpack_npu.npu_scatter_nd_update_(input.clone(), indices, updates)
+
+
+@torch.library.register_fake("pagedpack_npu::npu_scatter_nd_update")
+def _(input, indices, updates):
+    _check_scatter(input, indices, updates)
+    return torch.empty_like(input)
+
+
+@torch.library.impl(f"pagedpack_npu::{SCATTER}", "Functionalize")
+def _functionalize_scatter(input: Tensor, indices: Tensor, updates: Tensor) -> Tensor:
+    """Under functionalisation: the functional op on the unwrapped tensors, its result made the
+    new value of ``input`` (and so of the tensor ``input`` views, written back by a ``copy_``)."""
+    unwrapped = [torch._from_functional_tensor(t) for t in (input, indices, updates)]
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+        out = torch.ops.pagedpack_npu.npu_scatter_nd_update(*unwrapped)
+    torch._functionalize_replace(input, out)
+    torch._functionalize_commit_update(input)
+    torch._functionalize_sync(input)
     return input
 
 
@@ -183,9 +219,9 @@ def _check_tnd(query: Tensor, dims: _Dims) -> None:
     _require(query.shape[0] <= 65536, FIA, f"TND needs T <= 65536, got {query.shape[0]}")
 
 
-def _lengths(t: Tensor | None, name: str) -> list[int] | None:
-    if t is None:
-        return None
+def _lengths(t: Tensor | list[int] | None, name: str) -> list[int] | None:
+    if t is None or isinstance(t, list):  # the eager op's host lists
+        return t
     _require(t.dtype == torch.int64 and t.dim() == 1, FIA,
              f"{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
     return t.tolist()
@@ -408,10 +444,9 @@ def _mask(atten_mask, sparse_mode, block_table, block_size, queries: _Queries, k
     return _full_mask(atten_mask, len(queries.rows), queries.width, kv_width, queries.decode)
 
 
-@torch.library.impl(f"pagedpack_npu::{FIA}", "CompositeExplicitAutograd")
 def npu_fused_infer_attention_score(
     query: Tensor, key: Tensor, value: Tensor, *, atten_mask: Tensor | None = None,
-    actual_seq_lengths: Tensor | None = None, actual_seq_lengths_kv: Tensor | None = None,
+    actual_seq_lengths: Tensor | list[int] | None = None, actual_seq_lengths_kv: Tensor | list[int] | None = None,
     block_table: Tensor | None = None, num_heads: int = 1, scale: float = 1.0, pre_tokens: int = _INT_MAX,
     next_tokens: int = _INT_MAX, input_layout: str = "BSH", num_key_value_heads: int = 0, sparse_mode: int = 0,
     inner_precise: int = 0, block_size: int = 0, softmax_lse_flag: bool = False,
@@ -419,7 +454,7 @@ def npu_fused_infer_attention_score(
     """``softmax(scale * q k^T + mask) v`` per batch, with the doc's reading of every argument.
 
     Layouts: BSH ``[B, S, N*D]``, BSND ``[B, S, N, D]``, BNSD ``[B, N, S, D]``, TND ``[T, N, D]``.
-    Lengths (int64 tensors): for B-layouts per batch; for TND ``actual_seq_lengths`` is cumulative
+    Lengths (int64 tensors; host int lists in the ``pagedpack_npu`` eager form): for B-layouts per batch; for TND ``actual_seq_lengths`` is cumulative
     (its length is B) and ``actual_seq_lengths_kv`` is cumulative without ``block_table`` and per
     batch with it. Paged KV: ``block_table`` int32 ``[B, >= max blocks]`` into a cache
     ``(blocknum, blocksize, KV_N*D)`` or, for BNSD/TND, ``(blocknum, KV_N, blocksize, D)``.
@@ -480,10 +515,14 @@ def _assemble(query: Tensor, results, queries: _Queries, dims: _Dims, softmax_ls
     return attention_out, softmax_lse if softmax_lse_flag else softmax_lse.zero_()
 
 
-@torch.library.register_fake(f"pagedpack_npu::{FIA}")
-def _(query, key, value, *, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
-      num_heads=1, scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX, input_layout="BSH", num_key_value_heads=0,
-      sparse_mode=0, inner_precise=0, block_size=0, softmax_lse_flag=False):
+def _fake_fia(query, key, value, *, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None,
+              block_table=None, num_heads=1, scale=1.0, pre_tokens=_INT_MAX, next_tokens=_INT_MAX, input_layout="BSH",
+              num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0, softmax_lse_flag=False):
     dims = _check_static(query, key, value, block_table, num_heads, num_key_value_heads, input_layout)
     out_shape, lse_shape = _output_shapes(query, dims, softmax_lse_flag)
     return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
+
+
+for _namespace in ("pagedpack_air", "pagedpack_npu"):
+    torch.library.impl(f"{_namespace}::{FIA}", "CompositeExplicitAutograd")(npu_fused_infer_attention_score)
+    torch.library.register_fake(f"{_namespace}::{FIA}")(_fake_fia)

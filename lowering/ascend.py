@@ -78,14 +78,16 @@ _PAGEDPACK_OPS = (torch.ops.pagedpack.reshape_and_cache.default, torch.ops.paged
 
 @dataclass(frozen=True)
 class AscendOps:
-    """The two ops the lowering emits: the real ones (:func:`npu_ops`) or the emulation (:func:`emulated_ops`)."""
+    """The ops the lowering emits: the real ones (:func:`npu_ops`) or the emulation (:func:`emulated_ops`)."""
 
-    fused_infer_attention_score: OpOverload  # tensor-length form of npu_fused_infer_attention_score
+    fused_infer_attention_score: OpOverload  # tensor lengths: TorchAir's air op, for compiled graphs
+    fused_infer_attention_score_eager: OpOverload  # host int lists: torch_npu's op, for eager steps
     scatter_nd_update_: OpOverload
 
     @property
     def namespaces(self) -> set[str]:
-        return {self.fused_infer_attention_score.namespace, self.scatter_nd_update_.namespace}
+        return {op.namespace for op in (self.fused_infer_attention_score, self.fused_infer_attention_score_eager,
+                                        self.scatter_nd_update_)}
 
 
 class AscendUnavailableError(TargetUnavailableError):
@@ -144,20 +146,23 @@ def check_cann_version(version: str | None) -> None:
 
 
 def npu_ops() -> AscendOps:
-    """``torch.ops.air.npu_fused_infer_attention_score`` and ``torch.ops.npu.npu_scatter_nd_update_``,
+    """``torch.ops.air.npu_fused_infer_attention_score`` (compiled graphs), ``torch.ops.npu.
+    npu_fused_infer_attention_score`` (eager steps) and ``torch.ops.npu.npu_scatter_nd_update_``,
     after :func:`check_cann_version` of the installed CANN."""
     import_torchair()
     check_cann_version(getattr(torch.version, "cann", None))
     # The air op's library is defined by this (private) module, which torchair.ops imports lazily.
     importlib.import_module("torchair.ops._npu_fused_infer_attention_score")
     return AscendOps(torch.ops.air.npu_fused_infer_attention_score.default,
+                     torch.ops.npu.npu_fused_infer_attention_score.default,
                      torch.ops.npu.npu_scatter_nd_update_.default)
 
 
 def emulated_ops() -> AscendOps:
     """The same ops from :mod:`pagedpack.kernels.ascend_emulation` (any device, no CANN)."""
     importlib.import_module("pagedpack.kernels.ascend_emulation")
-    return AscendOps(torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default,
+    return AscendOps(torch.ops.pagedpack_air.npu_fused_infer_attention_score.default,
+                     torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default,
                      torch.ops.pagedpack_npu.npu_scatter_nd_update_.default)
 
 
@@ -167,11 +172,13 @@ def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
-                    bounds: StepBounds) -> list[AttentionShape]:
+                    bounds: StepBounds, eager: bool = False) -> list[AttentionShape]:
     """Replace every ``pagedpack`` op of ``gm`` as the module docstring shows; returns each site's shape.
 
     ``example_inputs`` are inputs ``gm`` accepts (real or fake; only their shapes and dtypes are
-    used, to read each site's heads, head sizes, dtype and block size).
+    used, to read each site's heads, head sizes, dtype and block size). ``eager``: for running
+    ``gm`` eagerly, with torch_npu's FIA and the lengths read to host lists (``tolist``) once per
+    step, as vllm-ascend's eager attention passes them; otherwise TorchAir's tensor-length form.
     Raises :class:`pagedpack.lowering.ascend_limits.AscendLoweringError` (a ``ValueError``) if a
     site breaks a documented limit; ``gm`` is then unchanged.
     """
@@ -179,7 +186,7 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
     sites, shapes = _site_shapes(gm, values)
     for shape in shapes:
         check_supported(shape, bounds)
-    emit = _Emitter(gm, ops, values)
+    emit = _Emitter(gm, ops, values, eager)
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.pagedpack.reshape_and_cache.default:
             emit.cache_write(node)
@@ -191,15 +198,15 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
 
 
 def lower_rewritten(rewritten, *, block_size: int, ops: AscendOps, bounds: StepBounds,
-                    device: torch.device | str = "cpu") -> list[AttentionShape]:
+                    device: torch.device | str = "cpu", eager: bool = False) -> list[AttentionShape]:
     """:func:`lower_to_ascend` on the step graph of :func:`pagedpack.passes.pipeline.rewrite`."""
-    return lower_to_ascend(rewritten.graph_module, _step_example_inputs(rewritten, block_size, device),
-                           ops=ops, bounds=bounds)
+    return lower_to_ascend(rewritten.graph_module, step_example_inputs(rewritten, block_size, device),
+                           ops=ops, bounds=bounds, eager=eager)
 
 
 def site_shapes(rewritten, *, block_size: int, device: torch.device | str = "cpu") -> list[AttentionShape]:
     """Each attention site's shape as FIA would see it, for caches of ``block_size`` (no change to the graph)."""
-    values = _fake_values(rewritten.graph_module, _step_example_inputs(rewritten, block_size, device))
+    values = _fake_values(rewritten.graph_module, step_example_inputs(rewritten, block_size, device))
     return _site_shapes(rewritten.graph_module, values)[1]
 
 
@@ -213,7 +220,7 @@ def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
     kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
     windows = sorted({s.sliding_window for s in shapes if s.sliding_window is not None})
     band = f"; sparse_mode=4 band for sliding window(s) {windows}" if windows else ""
-    return (f"ascend lowering: {len(shapes)} site(s) -> {ops.fused_infer_attention_score} (TND, paged, sparse_mode=3"
+    return (f"ascend lowering: {len(shapes)} site(s) -> npu_fused_infer_attention_score (TND, paged, sparse_mode=3"
             f"{band}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
 
 
@@ -243,8 +250,9 @@ def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
                           alibi=params.alibi_slopes is not None, sinks=params.sinks is not None)
 
 
-def _step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
-    """One sequence of two tokens and one-block caches: enough to read the sites' shapes."""
+def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
+    """Inputs of ``rewritten``'s step graph for reading its sites' shapes: one sequence of two
+    tokens and one-block caches."""
     inputs = example_batch([2], block_size=block_size, num_blocks=1, device=device).as_inputs()
     caches = [torch.zeros(shape, dtype=spec.dtype, device=device)
               for spec in rewritten.kv_cache_specs for shape in spec.cache_shapes(1, block_size)]
@@ -254,8 +262,9 @@ def _step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tenso
 class _Emitter:
     """Inserts the Ascend ops; what all sites share (int64 lengths, the mask) is built once."""
 
-    def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object]):
-        self.gm, self.graph, self.ops, self.values = gm, gm.graph, ops, values
+    def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object], eager: bool):
+        self.gm, self.graph, self.ops, self.values, self.eager = gm, gm.graph, ops, values, eager
+        self.fia = ops.fused_infer_attention_score_eager if eager else ops.fused_infer_attention_score
         self._shared: dict[tuple, Node] = {}
 
     def _call(self, target, *args, **kwargs) -> Node:
@@ -308,8 +317,11 @@ class _Emitter:
                 block_table = self._once(("block_table_dummy", block_table), lambda: self._call(
                     aten.constant_pad_nd.default, block_table, [0, 0, 0, 1], 0))
                 band = dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
+            if self.eager:  # host lists, read once per step and shared by every site
+                ends, kv_lens = (self._once(("host", t), lambda t=t: self.graph.call_method("tolist", (t,)))
+                                 for t in (ends, kv_lens))
             result = self._call(
-                self.ops.fused_infer_attention_score, query, *caches,
+                self.fia, query, *caches,
                 atten_mask=mask, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens, block_table=block_table,
                 num_heads=shape.num_heads, scale=float(params.scale), input_layout="TND",
                 num_key_value_heads=shape.num_kv_heads, block_size=shape.block_size, **band,

@@ -23,10 +23,22 @@ class TargetUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class StepBounds:
-    """Upper bounds of every step a lowered program will run: tokens ``T`` and sequences ``B``."""
+    """Upper bounds of every step a lowered program will run: tokens ``T`` and sequences ``B``;
+    ``max_model_len``: most tokens per sequence (None: not known yet)."""
 
     max_num_tokens: int
     max_num_seqs: int
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Which steps a target that compiles graphs runs in them: ``mode`` (one of the target's
+    ``graph_modes``) and ``batch_sizes`` (the batch sizes graphs are compiled for, ascending).
+    Made by :meth:`Target.graph_config`, which fills in the target's defaults."""
+
+    mode: str | None = None
+    batch_sizes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -38,6 +50,8 @@ class LoweredStep:
     kv_cache_specs: list[KVCacheSpec]
     functional: bool = False
     note: str | None = None
+    graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
+    padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes
 
     def __call__(self, *inputs: torch.Tensor):
         return self.run(*inputs)
@@ -57,6 +71,15 @@ class Target:
     default_block_size: int = 16
     description: str = ""
     builtin_model: dict = field(default_factory=dict)
+    graph_modes: tuple[str, ...] = ()
+
+    def graph_config(self, mode: str | None = None, batch_sizes=None) -> GraphConfig:
+        """The :class:`GraphConfig` for ``mode`` / ``batch_sizes`` (None: the target's defaults);
+        ``ValueError`` naming the argument for one the target does not take."""
+        if mode is not None or batch_sizes is not None:
+            raise ValueError(f"graph_mode, graph_batch_sizes: the {self.name} target compiles no step graphs; "
+                             f"expected None, got {mode!r}, {batch_sizes!r}")
+        return GraphConfig()
 
     def prepare_device(self, device: torch.device | str) -> None:
         """Make ``device`` usable before the model is moved there (e.g. import a device plugin)."""
@@ -64,9 +87,10 @@ class Target:
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds,
-              device: torch.device | str) -> LoweredStep:
-        """The program that runs ``rewritten``'s steps on this target (may lower it in place)."""
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str,
+              graph: GraphConfig = GraphConfig()) -> LoweredStep:
+        """The program that runs ``rewritten``'s steps on this target (may lower it in place);
+        ``graph`` from :meth:`graph_config`."""
         return LoweredStep(rewritten, rewritten.kv_cache_specs)
 
     def emulated(self, device: torch.device | str) -> bool:
@@ -82,8 +106,8 @@ class ReferenceTarget(Target):
     name: str = "reference"
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds,
-              device: torch.device | str) -> LoweredStep:
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str,
+              graph: GraphConfig = GraphConfig()) -> LoweredStep:
         """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
         oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.cpu`); the
         rewritten graph itself, which ``LLM.export`` writes, stays as it is."""

@@ -187,6 +187,9 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
                       f"a contiguous {sequences} x max_len={llm.max_model_len} preallocation takes "
                       f"{_mib(contiguous)} ({100 * used / contiguous:.1f}% of that used)"),
     ]
+    graphs = getattr(llm.program, "graphs", None)
+    if graphs is not None:
+        rows.append(("graph mode", graphs.describe()))
     for key, value in rows:
         table.add_row(key, value)
     return table

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
-from pagedpack.lowering.targets import DEFAULT_TARGET, StepBounds, Target, get_target, target_names
+from pagedpack.lowering.targets import DEFAULT_TARGET, GraphConfig, StepBounds, Target, get_target, target_names
 from pagedpack.models.loading import DEFAULT_MODEL
 
 
@@ -44,6 +44,11 @@ class EngineArgs:
             (:mod:`pagedpack.runtime.block_pool`; on by default, as in vLLM v1).
         dtype: ``torch.dtype`` or its name (``"bfloat16"``); None keeps the checkpoint's.
         device: where the model runs.
+        graph_mode / graph_batch_sizes: for a target that compiles step graphs (``ascend``): which
+            steps run in a compiled graph (``"decode_buckets"``, the default: decode steps in a
+            static graph per batch-size bucket, the others eager; ``"dynamic"``: one dynamic graph
+            for every step) and the buckets (default 1, 2, 4, 8, 16, 32, 64);
+            :mod:`pagedpack.lowering.ascend_graphs`.
     Raises:
         ValueError: naming the argument, what was expected and what came.
     """
@@ -61,9 +66,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
     device: str | torch.device = "cpu"
+    graph_mode: str | None = None
+    graph_batch_sizes: list[int] | None = None
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
+        target.graph_config(self.graph_mode, self.graph_batch_sizes)  # ValueError for options it does not take
         self.dtype = resolve_dtype(self.dtype)
         if self.block_size is None:
             self.block_size = target.default_block_size
@@ -104,7 +112,12 @@ class EngineArgs:
 
     @property
     def step_bounds(self) -> StepBounds:
-        return StepBounds(max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+        return StepBounds(max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                          max_model_len=self.max_model_len)
+
+    @property
+    def graph_config(self) -> GraphConfig:
+        return self.lowering_target.graph_config(self.graph_mode, self.graph_batch_sizes)
 
     def as_kwargs(self) -> dict:
         """The fields by name (shallow: a model instance is passed as it is)."""
@@ -146,6 +159,12 @@ class EngineArgs:
                             help="most tokens per request; default: the model's limit")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
+        parser.add_argument("--graph-mode", default=None,
+                            help="--target ascend: decode_buckets (default; decode steps in a static graph per "
+                                 "batch-size bucket, prefill eager, as production runs) or dynamic (one graph "
+                                 "with dynamic shapes for every step)")
+        parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None,
+                            help="--target ascend, decode_buckets: the buckets (default 1 2 4 8 16 32 64)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":

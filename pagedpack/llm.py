@@ -146,8 +146,10 @@ class LLM:
         if note:
             self.rewritten.report.notes.append(note)
         self.rewritten.raise_if_refused()
-        target.check_limits(self.rewritten, block_size=args.block_size, bounds=args.step_bounds)
-        program = target.lower(self.rewritten, block_size=args.block_size, bounds=args.step_bounds, device=args.device)
+        bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
+        target.check_limits(self.rewritten, block_size=args.block_size, bounds=bounds)
+        program = target.lower(self.rewritten, block_size=args.block_size, bounds=bounds, device=args.device,
+                               graph=args.graph_config)
         if program.note:
             self.rewritten.report.notes.append(program.note)
         release_memory()  # the rewrite's float64 checks are done: give their memory back

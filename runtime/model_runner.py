@@ -15,8 +15,10 @@ class ModelRunner:
     """A :class:`~pagedpack.contract.StepProgram` plus its per-layer KV caches.
 
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer
-    for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``; on the CPU
-    their pages become resident as blocks are first written (:func:`_zeros`). An in-place
+    for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``, plus the
+    ``padding_blocks`` a program may ask for (blocks past the pool's, which no request owns, for
+    the writes of padding sequences); on the CPU their pages become resident as blocks are first
+    written (:func:`_zeros`). An in-place
     program writes them during the step; a functional one (ONNX) returns
     ``(logits, *updated caches)``, which replace them.
     """
@@ -26,8 +28,9 @@ class ModelRunner:
         self.program = program
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.kv_caches: list[torch.Tensor] = []
+        allocated = num_blocks + getattr(program, "padding_blocks", 0)
         for spec in program.kv_cache_specs:
-            for shape in spec.cache_shapes(num_blocks, block_size):
+            for shape in spec.cache_shapes(allocated, block_size):
                 self.kv_caches.append(_zeros(shape, spec.dtype, self.device))
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
 

@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
-import pagedpack.kernels.ascend_emulation  # noqa: F401  (registers torch.ops.pagedpack_npu.*)
+import pagedpack.kernels.ascend_emulation  # noqa: F401  (registers torch.ops.pagedpack_air.* and pagedpack_npu.*)
 
-fia = torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default
+fia = torch.ops.pagedpack_air.npu_fused_infer_attention_score.default
 scatter = torch.ops.pagedpack_npu.npu_scatter_nd_update_.default
 MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)  # the compressed mask: 1 = masked
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16/fp16 output of an fp32 computation
