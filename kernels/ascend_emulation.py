@@ -454,9 +454,10 @@ def npu_fused_infer_attention_score(
     """``softmax(scale * q k^T + mask) v`` per batch, with the doc's reading of every argument.
 
     Layouts: BSH ``[B, S, N*D]``, BSND ``[B, S, N, D]``, BNSD ``[B, N, S, D]``, TND ``[T, N, D]``.
-    Lengths (int64 tensors; host int lists in the ``pagedpack_npu`` eager form): for B-layouts per batch; for TND ``actual_seq_lengths`` is cumulative
-    (its length is B) and ``actual_seq_lengths_kv`` is cumulative without ``block_table`` and per
-    batch with it. Paged KV: ``block_table`` int32 ``[B, >= max blocks]`` into a cache
+    Lengths (int64 tensors; host int lists in the ``pagedpack_npu`` eager form): for B-layouts per
+    batch; for TND ``actual_seq_lengths`` is cumulative (its length is B) and
+    ``actual_seq_lengths_kv`` is cumulative without ``block_table`` and per batch with it. Paged KV:
+    ``block_table`` int32 ``[B, >= max blocks]`` into a cache
     ``(blocknum, blocksize, KV_N*D)`` or, for BNSD/TND, ``(blocknum, KV_N, blocksize, D)``.
     ``sparse_mode``: 0 = ``atten_mask`` as given (none: full attention), 1 = full mask, 2 = causal
     top-left, 3 = causal bottom-right, 4 = band ``[i + off - pre_tokens, i + off + next_tokens]``

@@ -71,7 +71,8 @@ class AscendTarget(Target):
         if mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode: expected one of {list(GRAPH_MODES)}, got {mode!r}")
         if batch_sizes is not None and mode != "decode_buckets":
-            raise ValueError(f"graph_batch_sizes: only the decode_buckets graph mode takes them, got graph_mode={mode!r}")
+            raise ValueError(f"graph_batch_sizes: only the decode_buckets graph mode takes them, "
+                             f"got graph_mode={mode!r}")
         sizes = DEFAULT_GRAPH_BATCH_SIZES if batch_sizes is None else batch_sizes
         return GraphConfig(mode, tuple(check_graph_batch_sizes(sizes, limit=MAX_TND_SEQS)))
 
@@ -106,7 +107,8 @@ class AscendTarget(Target):
                                     max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size),
                                     backend=backend)
         buckets = f" {list(graph.batch_sizes)}" if eager is not None else ""
-        note = f"{describe(shapes, ops)}; graph mode {graph.mode}{buckets}" + (f"; emulated on {device}" if emulated else "")
+        note = f"{describe(shapes, ops)}; graph mode {graph.mode}{buckets}"
+        note += f"; emulated on {device}" if emulated else ""
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, graphs=program.stats,
                            padding_blocks=program.padding_blocks)
 
