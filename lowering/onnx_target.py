@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.lowering.targets import GraphConfig, LoweredStep, StepBounds, Target
+from pagedpack.lowering.targets import LoweredStep, StepBounds, Target
 from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
 
 
@@ -24,8 +24,7 @@ class OnnxTarget(Target):
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         check_cache_dtypes(rewritten.kv_cache_specs)
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str,
-              graph: GraphConfig = GraphConfig()) -> LoweredStep:
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
         import onnxruntime
 
         from pagedpack.onnx_export import onnx_program

@@ -87,10 +87,9 @@ class Target:
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str,
-              graph: GraphConfig = GraphConfig()) -> LoweredStep:
-        """The program that runs ``rewritten``'s steps on this target (may lower it in place);
-        ``graph`` from :meth:`graph_config`."""
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
+        """The program that runs ``rewritten``'s steps on this target (may lower it in place). A
+        target with ``graph_modes`` also takes ``graph=`` (a :class:`GraphConfig` from :meth:`graph_config`)."""
         return LoweredStep(rewritten, rewritten.kv_cache_specs)
 
     def emulated(self, device: torch.device | str) -> bool:
@@ -106,8 +105,7 @@ class ReferenceTarget(Target):
     name: str = "reference"
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str,
-              graph: GraphConfig = GraphConfig()) -> LoweredStep:
+    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
         """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
         oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.cpu`); the
         rewritten graph itself, which ``LLM.export`` writes, stays as it is."""

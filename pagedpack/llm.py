@@ -148,8 +148,8 @@ class LLM:
         self.rewritten.raise_if_refused()
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
         target.check_limits(self.rewritten, block_size=args.block_size, bounds=bounds)
-        program = target.lower(self.rewritten, block_size=args.block_size, bounds=bounds, device=args.device,
-                               graph=args.graph_config)
+        graph = dict(graph=args.graph_config) if target.graph_modes else {}
+        program = target.lower(self.rewritten, block_size=args.block_size, bounds=bounds, device=args.device, **graph)
         if program.note:
             self.rewritten.report.notes.append(program.note)
         release_memory()  # the rewrite's float64 checks are done: give their memory back

@@ -304,6 +304,10 @@ def test_mixed_batch_matches_the_reference_target(tnd_model, mixed_prompts):
             runner.execute = lambda batch, execute=execute: steps.append(batch) or execute(batch)
         results = llm.generate(mixed_prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
         outputs[target] = [r.outputs[0].token_ids for r in results]
+        if target == "ascend":  # decode steps padded to their bucket's graph, the others eager
+            graphs = llm.program.graphs
+            assert graphs.mode == "decode_buckets" and graphs.graph_steps > 0 and graphs.eager_steps > 0
+            assert any(b not in (len(s.seq_lens) for s in steps) for b in graphs.buckets_compiled), "none padded"
     q_lens = [b.cu_seqlens_q.diff() for b in steps]
     cached = [b.seq_lens - q for b, q in zip(steps, q_lens)]
     assert any((q > 1).any() and (q == 1).any() for q in q_lens), "no step mixed prefill and decode"
@@ -348,12 +352,17 @@ def test_model_outside_the_limits_is_refused_with_the_cited_limit():
         LLM(tiny_model("llama", dtype=torch.float32, head_dim=128), target="ascend")
 
 
-def test_cli_generate_on_the_ascend_target(tmp_path, capsys):
+def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # the summary table on one line per row
     tiny_model("llama", **TND_MODEL).save_pretrained(tmp_path)
     byte_level_tokenizer().save_pretrained(tmp_path)
     args = ["generate", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "3"]
     assert cli_main([*args, "--model", str(tmp_path)]) == 0
-    assert "1 (0 failed)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 (0 failed)" in out
+    assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in out
+    assert cli_main([*args, "--model", str(tmp_path), "--graph-mode", "dynamic"]) == 0
+    assert "dynamic: " in capsys.readouterr().out
     # A float32 model is outside TND's limits: a clear error, no traceback.
     tiny_model("llama", dtype=torch.float32, head_dim=128).save_pretrained(tmp_path / "fp32")
     byte_level_tokenizer().save_pretrained(tmp_path / "fp32")

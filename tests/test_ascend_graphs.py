@@ -1,0 +1,148 @@
+"""Graph modes of the ``ascend`` target (``lowering/ascend_graphs.py``), on the op emulation.
+
+Decode steps run a static graph per batch-size bucket, the others eagerly; the padded steps are
+compared with the reference target (the project's own ops, unpadded) on the same batches.
+"""
+import random
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pagedpack.lowering.ascend_target as ascend_target
+from pagedpack import LLM, SamplingParams
+from pagedpack.lowering.ascend import emulated_ops, step_example_inputs
+from pagedpack.lowering.ascend_graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
+from pagedpack.models.tiny import tiny_model
+from pagedpack.runtime.batch import build_batch, example_batch
+from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.request import Request
+from pagedpack.runtime.scheduler import ScheduledRequest
+
+from conftest import random_prompts
+
+BLOCK = 128
+TND_MODEL = dict(dtype=torch.bfloat16, head_dim=128)  # inside TND's limits
+
+
+@pytest.fixture(scope="module")
+def tnd_model():
+    return tiny_model("llama", **TND_MODEL)
+
+
+def test_pad_decode_keeps_t_equal_to_the_last_cumulative_length_and_writes_only_the_padding_block():
+    batch = example_batch([1, 1, 1], [5, 130, 0], block_size=BLOCK, num_blocks=8)
+    metadata = list(batch.as_inputs().values())
+    input_ids, positions, cu, seq_lens, table, slots, logits_indices = pad_decode(
+        metadata, 8, width=4, padding_block=8, block_size=BLOCK)
+    assert input_ids.shape[0] == positions.shape[0] == slots.shape[0] == int(cu[-1]) == 8  # vllm-ascend #6076
+    assert cu.tolist() == list(range(9)) and cu.dtype == torch.int32
+    assert seq_lens.tolist() == [6, 131, 1, 1, 1, 1, 1, 1]
+    assert table.shape == (8, 4) and table.dtype == torch.int32
+    assert torch.equal(table[:3, :batch.block_table.shape[1]], batch.block_table) and (table[3:] == 8).all()
+    assert torch.equal(slots[:3], batch.slot_mapping)
+    assert (slots[3:] // BLOCK == 8).all() and len(set(slots[3:].tolist())) == 5  # the padding block, distinct slots
+    assert logits_indices.tolist() == list(range(8))
+    with pytest.raises(ValueError, match="pad_decode: expected a decode step"):
+        pad_decode(list(example_batch([2, 1], block_size=BLOCK, num_blocks=8).as_inputs().values()), 4,
+                   width=4, padding_block=8, block_size=BLOCK)
+
+
+def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_model, monkeypatch):
+    """40 steps: prefills and a mixed step (eager), then decode batches of every size 1..37 in a
+    shuffled order (graphs); a recording backend counts the graphs dynamo compiles. Logits match the
+    reference target on the same batches; blocks no request holds are never written."""
+    recorded = []
+    monkeypatch.setattr(ascend_target, "emulation_backend", lambda gm, inputs: recorded.append(gm) or gm.forward)
+    num_blocks, max_model_len = 96, 512
+    llms = {target: LLM(tnd_model, target=target, block_size=BLOCK, num_blocks=num_blocks,
+                        max_model_len=max_model_len) for target in ("ascend", "reference")}
+    runners = {target: llm.llm_engine.runner for target, llm in llms.items()}
+    sentinel = float("nan")
+    for cache in runners["ascend"].kv_caches:
+        cache.fill_(sentinel)
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=64, ignore_eos=True)) for i, p in
+                enumerate(random_prompts([random.Random(i).randrange(2, 200) for i in range(37)], seed=7))]
+    sizes = list(range(1, 38))
+    random.Random(0).shuffle(sizes)
+    steps = [[(r, len(r.prompt_token_ids)) for r in requests[:20]],
+             [(r, len(r.prompt_token_ids)) for r in requests[20:36]],
+             [(requests[0], 1), (requests[36], len(requests[36].prompt_token_ids))]]  # mixed
+    steps += [[(r, 1) for r in random.Random(b).sample(requests, b)] for b in sizes]
+    assert len(steps) == 40
+    for parts in steps:
+        for r, n in parts:
+            if r.num_computed_tokens + n > r.num_tokens:  # a decode: the token sampled last step
+                r.append_output(7, max_model_len)
+        scheduled = [ScheduledRequest(r, n) for r, n in parts]
+        for s in scheduled:
+            assert kv.allocate_slots(s.request, s.num_new_tokens)
+        batch = build_batch(scheduled, block_size=BLOCK, num_blocks=num_blocks)
+        got, expected = (runners[t].execute(batch) for t in ("ascend", "reference"))
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)  # bf16 logits of magnitude ~3
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+    stats = llms["ascend"].program.graphs
+    used = sorted({next(b for b in DEFAULT_GRAPH_BATCH_SIZES if b >= size) for size in sizes})
+    assert sorted(stats.buckets_compiled) == used and len(recorded) == stats.graphs_compiled == len(used)
+    assert (stats.graph_steps, stats.eager_steps) == (37, 3)
+    for gm in recorded:  # static shapes: no symbolic size among the graph's inputs
+        assert not any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
+                       if n.op == "placeholder")
+    held = {b for r in requests for b in r.block_ids}
+    for cache in runners["ascend"].kv_caches:
+        untouched = [b for b in range(num_blocks) if b not in held]
+        assert cache[untouched].isnan().all(), "a block no request holds was written"
+        assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
+
+
+def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd_model):
+    prompts = random_prompts((3, 40, 130, 9, 200), seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    tokens = {}
+    for name, kwargs in (("reference", {}), ("decode_buckets", dict(target="ascend", graph_batch_sizes=[4, 8])),
+                         ("dynamic", dict(target="ascend", graph_mode="dynamic"))):
+        llm = LLM(tnd_model, block_size=BLOCK, max_num_batched_tokens=256, **kwargs)
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      params, use_tqdm=False)]
+        if name == "decode_buckets":  # 5 decoding sequences run padded to 8, fewer padded to 4
+            assert llm.program.graphs.graph_steps > 0 and set(llm.program.graphs.buckets_compiled) <= {4, 8}
+        if name == "dynamic":
+            assert llm.program.graphs.eager_steps == 0 and llm.program.graphs.graph_steps > 0
+    assert tokens["decode_buckets"] == tokens["reference"] and tokens["dynamic"] == tokens["reference"]
+
+
+def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model):
+    """TorchAir restores the in-place cache write after functionalisation only when each cache input
+    has two users, the view the scatter reads and one ``copy_`` back into it whose source is a view
+    of the scatter result (``torchair/patterns/_recover_view_inplace_pattern.py``); otherwise every
+    layer copies its whole cache each step."""
+    llm = LLM(tnd_model, target="ascend", block_size=BLOCK, num_blocks=4)
+    gm = llm.rewritten.graph_module  # lowered in place: the graph compiled per bucket
+    functional = make_fx(torch.func.functionalize(gm))(*step_example_inputs(llm.rewritten, BLOCK, "cpu"))
+    functional.graph.eliminate_dead_code()
+    scatter = torch.ops.pagedpack_npu.npu_scatter_nd_update.default
+    placeholders = [n for n in functional.graph.nodes if n.op == "placeholder"]
+    caches = placeholders[-4:]  # key_cache_0, value_cache_0, key_cache_1, value_cache_1
+    assert not any(n.target == emulated_ops().scatter_nd_update_ for n in functional.graph.nodes)
+    for cache in caches:
+        copies = [u for u in cache.users if u.target == torch.ops.aten.copy_.default]
+        assert len(copies) == 1 and copies[0].args[0] is cache, cache.name
+        source = copies[0].args[1]
+        assert source.target == torch.ops.aten.view.default and source.args[0].target == scatter, source.format_node()
+        views = [u for u in cache.users if u is not copies[0]]
+        assert len(views) == 1 and list(views[0].users) == [source.args[0]], "the view feeds the scatter alone"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(graph_mode="dynamic"), "graph_mode, graph_batch_sizes: the reference target compiles no step graphs"),
+    (dict(target="ascend", graph_mode="static"), "graph_mode: expected one of \\['decode_buckets', 'dynamic'\\]"),
+    (dict(target="ascend", graph_batch_sizes=[0, 4]), "graph_batch_sizes: expected a non-empty list of ints in 1..40"),
+    (dict(target="ascend", graph_batch_sizes=[]), "graph_batch_sizes: expected a non-empty list"),
+    (dict(target="ascend", graph_mode="dynamic", graph_batch_sizes=[4]), "only the decode_buckets graph mode"),
+])
+def test_graph_options_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM("tiny", **kwargs)
