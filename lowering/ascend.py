@@ -40,10 +40,12 @@ Caches keep the runtime's ``[num_blocks, block_size, Hkv, D]`` layout; FIA gets 
 [_op_plugin_docs.py, npu_fused_infer_attention_score, page attention].
 
 Lengths are int64 tensors computed in the graph from the metadata inputs, the form TorchAir's
-``torch.ops.air.npu_fused_infer_attention_score`` takes (torchair/ops/_npu_fused_infer_attention_score.py).
-The eager ``torch.ops.npu`` op takes host int lists (``SymInt[]``), on which a compiled graph
-specialises (or breaks) per batch composition; with tensors one compiled graph serves every
-composition. The air op runs only under TorchAir's max-autotune (GE) mode.
+``torch.ops.air.npu_fused_infer_attention_score`` takes (torchair/ops/_npu_fused_infer_attention_score.py);
+the air op runs only under TorchAir's max-autotune (GE) mode, so this is the form of compiled
+graphs. A graph lowered with ``eager=True`` calls torch_npu's ``torch.ops.npu`` op instead, which
+takes host int lists (``SymInt[]``): the lengths are read to the host once per step (``tolist``)
+and shared by every site, as vllm-ascend's eager attention passes them. Which steps run which
+graph: :mod:`pagedpack.lowering.ascend_graphs`.
 
 Cache writes use ``npu_scatter_nd_update_`` (rows by slot, in place, no ATB; TorchAir converts it to
 an in-place ScatterNdUpdate and restores the in-place form after functionalisation,
