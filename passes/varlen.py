@@ -122,9 +122,11 @@ class FirstTokenGather(Pass):
 
 
 def _maybe_positions(node: Node, n: int) -> bool:
+    """``node`` may hold position ids: int64 ``[T]`` or ``[1, T]`` with ``T`` symbolic (a model size
+    that happens to equal the sample's ``n``, e.g. ``arange(num_heads)``, is not a candidate)."""
     val = node.meta.get("val")
     return (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and val.dim() in (1, 2)
-            and val.numel() == n and val.shape[-1] == n)
+            and isinstance(val.shape[-1], torch.SymInt) and val.numel() == n)
 
 
 def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int:
