@@ -76,8 +76,8 @@ class PositionsInput(Pass):
         graph, positions = ctx.graph, ctx.inputs["positions"]
         arange = torch.arange(ctx.num_tokens)
         site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
-        sources = [n for n, v in ctx.values.items()
-                   if n not in site_nodes and torch.equal(v.reshape(-1).cpu(), arange)]
+        sources = [n for n, v in ctx.values.items() if n not in site_nodes and _maybe_positions(n, ctx.num_tokens)
+                   and torch.equal(v.reshape(-1).cpu(), arange)]
         for node in sources:
             with graph.inserting_after(ctx.inputs["cu_seqlens"]):
                 view = graph.call_function(aten.view.default,
