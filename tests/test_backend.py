@@ -88,7 +88,9 @@ def test_default_dynamic_packs_from_the_first_dynamic_graph():
         for i, (ids, mask) in enumerate(batches):
             out = compiled(input_ids=ids, attention_mask=mask).logits
             assert_matches_per_sequence(model, ids, mask, out, padding_zero=i > 0)
-    assert backend.LAST_REPORTS[-2].left_as_captured.startswith("static shapes: input input_ids (3, 10)")
+    static = backend.LAST_REPORTS[-2]
+    assert static.left_as_captured.startswith("static shapes: input input_ids (3, 10)")
+    assert static.format() == f"graph left as captured: {static.left_as_captured}"  # no "0 sites found"
     assert backend.LAST_REPORTS[-1].num_rewritten == model.config.num_hidden_layers
 
 
