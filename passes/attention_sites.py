@@ -73,9 +73,30 @@ class AttentionSite:
 
     @property
     def sampled_nodes(self) -> tuple[Node | None, ...]:
-        """The nodes whose values on a sample the verification checks (``mask``, ``bias`` may be None)."""
-        return (self.mask, self.bias, self.query, self.key, self.value, self.key_source, self.value_source,
-                self.output)
+        """The nodes whose values on a sample the verification checks (``mask``, ``bias`` may be None),
+        then the other leaves of :meth:`computation`."""
+        nodes = (self.mask, self.bias, self.query, self.key, self.value, self.key_source, self.value_source,
+                 self.output)
+        return nodes + tuple(leaf for leaf in self.computation()[0] if leaf not in nodes)
+
+    def computation(self) -> tuple[list[Node], list[Node]]:
+        """``(leaves, inner)``: the nodes the site's output is computed from (its query, key, value,
+        mask and bias, and whatever else feeds the nodes between them and the output: sizes,
+        constants) and those nodes in between, the output last, in graph order."""
+        starts = [n for n in (self.query, self.key, self.value, self.mask, self.bias) if n is not None]
+        ancestors, stack = set(), [self.output]
+        while stack:
+            node = stack.pop()
+            if node not in ancestors:
+                ancestors.add(node)
+                stack.extend([] if node in starts else node.all_input_nodes)
+        derived, inner = set(starts), []
+        for node in self.output.graph.nodes:
+            if node in ancestors and node not in derived and any(i in derived for i in node.all_input_nodes):
+                derived.add(node)
+                inner.append(node)
+        leaves = [*starts, *(i for n in inner for i in n.all_input_nodes if i not in derived)]
+        return list(dict.fromkeys(leaves)), inner
 
     @property
     def num_heads(self) -> int:

@@ -7,21 +7,21 @@ share a step or a prompt is chunked. So the rewritten step runs on a packed samp
 sequences of different lengths, one of them in two chunks beside a decode) and each sequence's
 logits, at every position, are compared with the captured graph run on that sequence alone.
 
-Tolerance, as FlashAttention's tests tie it to the precision at hand: the error of the packed
-logits against a float64 run of the captured graph may be at most ``RTOL_FACTOR`` times the
-error of the per-sequence run in the model's own dtype, plus a floor for exact ties. A model that
-fails is refused with the first node (in graph order) whose per-sequence values differ.
+Tolerance, as FlashAttention's tests tie it to the precision at hand (:mod:`.numerics`): the
+error of the packed logits against a float64 run of the captured graph may be at most
+``RTOL_FACTOR`` times the error of the per-sequence run in the model's own dtype, plus a floor
+for exact ties. A model that fails is refused with the first node (in graph order) whose
+per-sequence values break the same rule (:func:`first_differing_node`).
 """
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.fx
 
 from pagedpack.contract import METADATA_INPUTS
-from pagedpack.passes.cleanup import strip_export_checks
+from pagedpack.passes.find import token_sizes
 from pagedpack.passes.manager import Pass, PassContext, PassResult
+from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.passes.report import op_name
 from pagedpack.passes.verify import sample_values
 from pagedpack.runtime.batch import build_batch
@@ -33,8 +33,6 @@ from pagedpack.runtime.scheduler import ScheduledRequest
 _LENGTHS = {"A": 6, "B": 11, "C": 9}
 _STEPS = ({"A": 5, "B": 11, "C": 4}, {"C": 5, "A": 1})
 _BLOCK_SIZE = 4
-RTOL_FACTOR = 8.0
-_FLOOR = 1e-6  # relative to the logits' magnitude: ties of an exact computation
 
 
 class SequenceIndependence(Pass):
@@ -52,13 +50,12 @@ class SequenceIndependence(Pass):
         sample = _Sample(ctx)
         packed = sample.run_packed()
         single = {name: sample.run_single(tokens) for name, tokens in sample.tokens.items()}
-        worst = {name: (packed[name] - single[name]).abs().max().item() for name in single}
-        if all(err <= _FLOOR * (1 + single[name].abs().max().item()) for name, err in worst.items()):
+        if all(equal_to_floor(packed[name], single[name]) for name in single):
             return PassResult(matched=len(single))
         float64 = float64_copy(ctx.reference)
         exact = {name: sample.run_single(tokens, float64) for name, tokens in sample.tokens.items()}
         del float64
-        coupled = [name for name in single if not _within(packed[name], single[name], exact[name])]
+        coupled = [name for name in single if excess_error(packed[name], single[name], exact[name])]
         if not coupled:
             return PassResult(matched=len(single))
         node = sample.first_coupled_node()
@@ -68,12 +65,6 @@ class SequenceIndependence(Pass):
             f"captured graph run on each alone{where}: an op outside attention mixes the sequences of a step "
             "(e.g. a reduction over all positions of the call)")
         return PassResult(matched=len(single), refused=1)
-
-
-def _within(packed: torch.Tensor, single: torch.Tensor, exact: torch.Tensor) -> bool:
-    own_error = (single.double() - exact).abs().max().item()
-    floor = _FLOOR * (1 + exact.abs().max().item())
-    return (packed.double() - exact).abs().max().item() <= RTOL_FACTOR * own_error + floor
 
 
 class _Sample:
@@ -136,66 +127,63 @@ class _Sample:
         return {name: torch.cat(parts) for name, parts in rows.items()}
 
     def first_coupled_node(self) -> str | None:
-        """The first node of the rewritten graph, present in the captured one too, whose values on
-        the first step differ from those of the sequences run alone (sliced along the token dim)."""
+        """:func:`first_differing_node` on the first step."""
         order, inputs = self.steps()[0]
         lens = [_STEPS[0][name] for name in order]
-        shared = {n.name for n in self.ctx.reference.graph.nodes} & {n.name for n in self.ctx.graph.nodes}
-        wanted = lambda node: node.name in shared and node.op == "call_function"  # noqa: E731
-        caches = self.empty_caches()
-        packed = sample_values(self.ctx.graph_module, wanted,
-                               (*(inputs[name] for name in METADATA_INPUTS), *caches))
-        singles = []
-        for name, n in zip(order, lens):
-            ids = torch.tensor([self.tokens[name][:n]], device=self.device)
-            singles.append({node.name: v for node, v in sample_values(
-                self.ctx.reference, wanted, (ids, torch.arange(n, device=self.device)[None])).items()})
-        total = sum(lens)
-        for node, value in packed.items():
-            if isinstance(value, torch.Tensor) and _differs(value, [s.get(node.name) for s in singles], lens, total):
+        singles = [(torch.tensor([self.tokens[name][:n]], device=self.device),
+                    torch.arange(n, device=self.device)[None]) for name, n in zip(order, lens)]
+        packed_inputs = (*(inputs[name] for name in METADATA_INPUTS), *self.empty_caches())
+        return first_differing_node(self.ctx.graph_module, packed_inputs, self.ctx.reference, singles, lens)
+
+
+def first_differing_node(packed: torch.fx.GraphModule, packed_inputs: tuple, reference: torch.fx.GraphModule,
+                         singles: list[tuple], lens: list[int]) -> str | None:
+    """``"name = op"`` of the first ``call_function`` node of ``packed`` (graph order), present in
+    ``reference`` too (by name), whose values on ``packed_inputs`` (sequences of ``lens`` tokens in
+    one packed row) break the rule of :mod:`.numerics` against ``reference`` run on each sequence
+    alone (``singles``: its inputs per sequence), or None. A node is compared per sequence, sliced
+    along its token dimension (the one ``reference`` records as a symbolic input size), or whole
+    if it has none; nodes with several symbolic dimensions are skipped. Runs ``reference`` in
+    float64 too (a copy of its parameters)."""
+    shared = ({n.name for n in reference.graph.nodes if n.op == "call_function"}
+              & {n.name for n in packed.graph.nodes})
+    wanted = lambda node: node.name in shared  # noqa: E731
+    dims = _token_dims(reference, shared)
+    got = sample_values(packed, wanted, packed_inputs)
+    own = [_by_name(sample_values(reference, wanted, inputs)) for inputs in singles]
+    float64 = float64_copy(reference)
+    exact = [_by_name(sample_values(float64, wanted, float64_inputs(inputs))) for inputs in singles]
+    del float64
+    for node, value in got.items():
+        if node.name not in dims or not isinstance(value, torch.Tensor):
+            continue
+        dim = dims[node.name]
+        parts = [value] * len(lens) if dim is None else value.split(lens, dim=dim)
+        for part, o, e in zip(parts, (s.get(node.name) for s in own), (s.get(node.name) for s in exact)):
+            if (isinstance(o, torch.Tensor) and isinstance(e, torch.Tensor) and o.shape == part.shape
+                    and excess_error(part, o, e)):
                 return f"{node.name} = {op_name(node.target)}"
-        return None
+    return None
 
 
-def _differs(packed: torch.Tensor, singles: list, lens: list[int], total: int) -> bool:
-    """Whether ``packed`` disagrees with the per-sequence values: equal shapes are compared whole,
-    one dimension of size ``total`` (vs ``lens[b]``) is sliced per sequence; others are skipped."""
-    if not all(isinstance(s, torch.Tensor) and s.dim() == packed.dim() for s in singles):
-        return False
-    if not packed.is_floating_point() and packed.dtype != torch.bool and packed.numel() == 0:
-        return False
-    if all(s.shape == packed.shape for s in singles) and all(n != total for n in lens):
-        return any(not _close(packed, s) for s in singles)
-    dims = [d for d in range(packed.dim()) if packed.shape[d] == total
-            and all(s.shape[d] == n for s, n in zip(singles, lens))
-            and all(s.shape[:d] + s.shape[d + 1:] == packed.shape[:d] + packed.shape[d + 1:] for s in singles)]
-    if len(dims) != 1:
-        return False
-    parts = packed.split(lens, dim=dims[0])
-    return any(not _close(p, s) for p, s in zip(parts, singles))
+def _token_dims(reference: torch.fx.GraphModule, names: set[str]) -> dict[str, int | None]:
+    """For each node of ``names`` with a tensor value recorded: its token dimension (the one whose
+    size is a symbolic input size), or None if it has no symbolic size; nodes with another
+    symbolic size are left out."""
+    sizes, dims = token_sizes(reference.graph), {}
+    for node in reference.graph.nodes:
+        val = node.meta.get("val")
+        if node.name not in names or not isinstance(val, torch.Tensor):
+            continue
+        symbolic = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt)]
+        token = [d for d in symbolic if val.shape[d].node.expr in sizes]
+        if symbolic == token and len(token) <= 1:
+            dims[node.name] = token[0] if token else None
+    return dims
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    a, b = a.double(), b.double()
-    return bool(((a - b).abs() <= 1e-3 * (1 + b.abs().max())).all())
-
-
-def float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A float64 copy of ``module`` (parameters copied, the model's stay as they are): casts the
-    graph hard-codes to a floating dtype (``x.to(torch.float32)`` in RMSNorm, softmax's
-    ``dtype=``) cast to float64 instead, and export's dtype asserts are dropped."""
-    module = copy.deepcopy(module).double()
-    strip_export_checks(module)
-    for node in module.graph.nodes:
-        node.args, node.kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _as_float64)
-    module.recompile()
-    return module
-
-
-def _as_float64(value):
-    return torch.float64 if isinstance(value, torch.dtype) and value.is_floating_point else value
+def _by_name(values: dict) -> dict:
+    return {node.name: value for node, value in values.items()}
 
 
 def _output_value(module: torch.fx.GraphModule) -> torch.Tensor:

@@ -23,10 +23,11 @@ keeps only the initializers the graph reads.)
 Checked on a sample, as ``sequence_independence`` checks the packed step: the step graph runs one
 sequence of random tokens before and after the merge. Equal logits (to a floor of 1e-6 of their
 magnitude) pass; otherwise the merged logits' error against a float64 run of the captured graph
-may be at most :data:`~pagedpack.passes.independence.RTOL_FACTOR` times the unmerged step's own
-error, plus that floor. A merge that fails (or whose graph does not run, e.g. a ``view`` that a
-slice's strides do not allow) is undone: the pass is an optimisation, so it notes the reason and
-leaves the graph unmerged instead of refusing the model.
+(``ctx.reference``, which the pass needs) may be at most
+:data:`~pagedpack.passes.numerics.RTOL_FACTOR` times the unmerged step's own error, plus that
+floor (:func:`~pagedpack.passes.numerics.excess_error`). A merge that fails (or whose graph does
+not run, e.g. a ``view`` that a slice's strides do not allow) is undone: the pass is an
+optimisation, so it notes the reason and leaves the graph unmerged instead of refusing the model.
 """
 from __future__ import annotations
 
@@ -38,14 +39,12 @@ from torch.fx import Node
 
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_size
-from pagedpack.passes.independence import RTOL_FACTOR, float64_copy  # the same rule and float64 run
 from pagedpack.passes.manager import Pass, PassContext, PassResult
+from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy
 from pagedpack.runtime.batch import example_batch
 
 aten = torch.ops.aten
-_FLOOR = 1e-6  # relative to the logits' magnitude, as in sequence_independence
 _SAMPLE_BLOCK_SIZE = 4
-_DTYPE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}  # without a captured graph; others: 2e-2
 
 
 @dataclass
@@ -243,21 +242,10 @@ class _StepSample:
             return f"the merged graph does not run on the sample ({type(err).__name__}: {str(err)[:160]})"
         if after.shape != before.shape:
             return f"the merged graph's logits have shape {tuple(after.shape)}, expected {tuple(before.shape)}"
-        diff = (after.double() - before.double()).abs().max().item()
-        scale = 1 + before.abs().max().item()
-        if diff <= _FLOOR * scale:
+        if equal_to_floor(after, before):
             return None
-        if self.ctx.reference is None:
-            tolerance = _DTYPE_TOLERANCE.get(before.dtype, 2e-2) * scale
-            return None if diff <= tolerance else (f"the merged logits differ from the unmerged ones by {diff:.3g} "
-                                                   f"(tolerance {tolerance:.3g})")
-        exact = self.exact()
-        own, merged = ((t.double() - exact).abs().max().item() for t in (before, after))
-        floor = _FLOOR * (1 + exact.abs().max().item())
-        if merged <= RTOL_FACTOR * own + floor:
-            return None
-        return (f"the merged logits are off by {merged:.3g} from a float64 run of the captured graph, more than "
-                f"{RTOL_FACTOR:g} x the unmerged step's {own:.3g} + {floor:.3g}")
+        excess = excess_error(after, before, self.exact())
+        return None if excess is None else f"the merged logits are {excess}"
 
     def exact(self) -> torch.Tensor:
         """``[n, vocab]`` float64 logits of the captured graph on the sample's tokens."""

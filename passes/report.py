@@ -63,6 +63,7 @@ class PassReport:
     passes: list[PassRecord] = field(default_factory=list)
     unmatched_softmaxes: list[UnmatchedSoftmax] = field(default_factory=list)
     stopped_at: str | None = None  # the pass that refused; the graph was left as captured
+    left_as_captured: str | None = None  # the torch.compile backend: what made it run the graph as captured
 
     @property
     def num_found(self) -> int:
@@ -89,11 +90,26 @@ class PassReport:
         for s in self.sites:
             s.rewritten = False
 
+    def refusal(self) -> str | None:
+        """Why the pipeline did not rewrite the graph, in one line (the pass that stopped it and the
+        first refused site with its reason, else that pass's last note); None if it did."""
+        if self.ok:
+            return None
+        if self.refused:
+            why = f"{self.refused[0].name} refused: {self.refused[0].reason}"
+        else:
+            why = self.notes[-1] if self.notes else "no attention site rewritten"
+        return f"the rewrite stopped at {self.stopped_at}: {why}" if self.stopped_at else why
+
     def format(self) -> str:
-        """A plain-text summary: sites, refusals with reasons, added inputs, notes, passes,
-        unmatched softmaxes, op-count changes."""
-        lines = [f"attention sites: {self.num_found} found, {self.num_rewritten} rewritten, "
-                 f"{len(self.refused)} refused"]
+        """A plain-text summary: why the graph was left as captured (if it was), then, if a pipeline
+        ran, sites, refusals with reasons, added inputs, notes, passes, unmatched softmaxes and
+        op-count changes."""
+        lines = [] if self.left_as_captured is None else [f"graph left as captured: {self.left_as_captured}"]
+        if not self.passes:  # no pipeline ran (the backend gave up before rewriting): nothing was looked for
+            return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        lines.append(f"attention sites: {self.num_found} found, {self.num_rewritten} rewritten, "
+                     f"{len(self.refused)} refused")
         for s in self.sites:
             if s.rewritten:
                 state = "rewritten"

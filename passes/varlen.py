@@ -76,8 +76,8 @@ class PositionsInput(Pass):
         graph, positions = ctx.graph, ctx.inputs["positions"]
         arange = torch.arange(ctx.num_tokens)
         site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
-        sources = [n for n, v in ctx.values.items()
-                   if n not in site_nodes and torch.equal(v.reshape(-1).cpu(), arange)]
+        sources = [n for n, v in ctx.values.items() if n not in site_nodes and _maybe_positions(n, ctx.num_tokens)
+                   and torch.equal(v.reshape(-1).cpu(), arange)]
         for node in sources:
             with graph.inserting_after(ctx.inputs["cu_seqlens"]):
                 view = graph.call_function(aten.view.default,
@@ -122,9 +122,11 @@ class FirstTokenGather(Pass):
 
 
 def _maybe_positions(node: Node, n: int) -> bool:
+    """``node`` may hold position ids: int64 ``[T]`` or ``[1, T]`` with ``T`` symbolic (a model size
+    that happens to equal the sample's ``n``, e.g. ``arange(num_heads)``, is not a candidate)."""
     val = node.meta.get("val")
     return (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and val.dim() in (1, 2)
-            and val.numel() == n and val.shape[-1] == n)
+            and isinstance(val.shape[-1], torch.SymInt) and val.numel() == n)
 
 
 def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int:

@@ -1,11 +1,14 @@
 """torch.compile(model, backend="pagedpack"): padded forwards run packed, same values as eager."""
+import logging
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import pagedpack.backend as backend
+from pagedpack.backend import sample_lengths
 from pagedpack.models.tiny import FAMILIES, tiny_model
 
 
@@ -85,7 +88,25 @@ def test_default_dynamic_packs_from_the_first_dynamic_graph():
         for i, (ids, mask) in enumerate(batches):
             out = compiled(input_ids=ids, attention_mask=mask).logits
             assert_matches_per_sequence(model, ids, mask, out, padding_zero=i > 0)
-    assert "static shapes" in backend.LAST_REPORTS[-2].notes[0]
+    static = backend.LAST_REPORTS[-2]
+    assert static.left_as_captured.startswith("static shapes: input input_ids (3, 10)")
+    assert static.format() == f"graph left as captured: {static.left_as_captured}"  # no "0 sites found"
+    assert backend.LAST_REPORTS[-1].num_rewritten == model.config.num_hidden_layers
+
+
+def test_one_symbol_for_batch_and_length_is_reported_and_the_next_shape_packs():
+    """With dynamic=True, Dynamo's duck sizing gives a first call of as many rows as tokens per row
+    one symbol for both sizes: that graph cannot run one sequence of another length, so it runs as
+    captured, saying why; a call of another shape compiles one that packs."""
+    model = tiny_model("llama")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    with torch.no_grad():
+        for i, shape in enumerate([(4, 4), (3, 7)]):
+            ids, mask = padded_batch(random.Random(5), *shape, left=True)
+            out = compiled(input_ids=ids, attention_mask=mask).logits
+            assert_matches_per_sequence(model, ids, mask, out, padding_zero=i > 0)
+    assert "one symbol" in backend.LAST_REPORTS[-2].left_as_captured
     assert backend.LAST_REPORTS[-1].num_rewritten == model.config.num_hidden_layers
 
 
@@ -151,3 +172,113 @@ def test_sliding_window_rows_longer_than_the_window(attn):
         logits = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert [s.params for s in backend.LAST_REPORTS[-1].sites] == ["window=24"] * 2
     assert_matches_per_sequence(model, ids, mask, logits)
+
+
+# A packed sample whose sizes the configurations below reuse as model sizes: 4 sequences of 4, 1, 1
+# and 10 tokens (T=16), re-traced at 10 tokens.
+COINCIDING_LENS = (4, 1, 1, 10)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 10), (10, 10, 16), (16, 16, 4)])
+def test_model_sizes_equal_to_the_sample_sizes_pack(heads, kv_heads, head_dim, monkeypatch):
+    """Head counts, KV head counts and head_dims equal to the verification sample's sequence count,
+    lengths and total: dimension roles come from Dynamo's symbols, so every coincidence packs, with
+    use_cache on (the KV cache [B, KV heads, S, head_dim] scattered back too) and off, left and right
+    padding. The sample is forced to coincide: the backend's own avoids the model's sizes."""
+    own = []
+    monkeypatch.setattr(backend, "sample_lengths", lambda gm: (own.append(sample_lengths(gm)), COINCIDING_LENS)[1])
+    model = tiny_model("llama", num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       hidden_size=heads * head_dim)
+    torch._dynamo.reset()
+    backend.LAST_REPORTS.clear()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    rng = random.Random(heads)
+    with torch.no_grad():
+        for use_cache in (True, False):
+            for left in (True, False):
+                ids, mask = padded_batch(rng, 3, 9, left)
+                out = compiled(input_ids=ids, attention_mask=mask, use_cache=use_cache)
+                assert_matches_per_sequence(model, ids, mask, out.logits)
+                if use_cache:
+                    assert_cache_matches_per_sequence(model, ids, mask, out.cache)
+    assert [(r.num_rewritten, r.left_as_captured) for r in backend.LAST_REPORTS] == [(2, None)] * 2
+    for lens in own:
+        assert {len(lens), *lens[:1], *lens[2:], sum(lens)}.isdisjoint({heads, kv_heads, head_dim}), lens
+
+
+class _HeadIndexBias(torch.nn.Module):
+    """An embedding, one causal SDPA layer of ``heads`` heads whose queries get their head's index
+    (``arange(heads)``, an int64 tensor of a model size), and a head."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.embed, self.qkv = torch.nn.Embedding(32, 4 * heads), torch.nn.Linear(4 * heads, 12 * heads)
+        self.head = torch.nn.Linear(4 * heads, 32)
+
+    def forward(self, input_ids, attention_mask=None):
+        batch = input_ids.shape[0]
+        q, k, v = self.qkv(self.embed(input_ids)).view(batch, -1, 3, self.heads, 4).permute(2, 0, 3, 1, 4)
+        q = q + 0.1 * torch.arange(self.heads)[:, None, None]
+        hidden = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return (self.head(hidden.reshape(batch, -1, 4 * self.heads)),)
+
+
+def test_a_model_size_equal_to_the_traced_length_is_not_taken_for_position_ids(monkeypatch):
+    """``arange(heads)`` with as many heads as the re-traced sample has tokens is not replaced by the
+    positions input (the candidates' length must be symbolic)."""
+    monkeypatch.setattr(backend, "sample_lengths", lambda gm: COINCIDING_LENS)
+    model = _HeadIndexBias(heads=max(COINCIDING_LENS))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    ids, mask = padded_batch(random.Random(1), 3, 7, left=False)  # right padding: the model ignores the mask
+    ids = ids % 32
+    with torch.no_grad():
+        logits = compiled(ids, attention_mask=mask)[0]
+        for b in range(3):
+            real = mask[b].bool()
+            torch.testing.assert_close(logits[b][real], model(ids[b][real][None])[0][0], atol=1e-5, rtol=0)
+    assert backend.LAST_REPORTS[-1].num_rewritten == 1
+
+
+def assert_cache_matches_per_sequence(model, ids, mask, cache):
+    """Each layer's keys and values at real positions equal the unmodified model's on that row alone."""
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        if real.any():
+            ref = model(ids[b][real][None]).cache
+            for got, want in zip(cache.layers, ref.layers):
+                torch.testing.assert_close(got.keys[b][:, real], want.keys[0], atol=1e-5, rtol=0)
+                torch.testing.assert_close(got.values[b][:, real], want.values[0], atol=1e-5, rtol=0)
+
+
+class _MeanOverTokens(torch.nn.Module):
+    """An embedding, one causal SDPA layer and a head, plus the mean over all the call's tokens: a
+    sequence-aware op outside attention, which mixes the sequences of a packed row."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.qkv, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, attention_mask=None):
+        batch = input_ids.shape[0]
+        q, k, v = self.qkv(self.embed(input_ids)).view(batch, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        hidden = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, -1, 16)
+        return (self.head(hidden + hidden.mean(1, keepdim=True)),)
+
+
+def test_a_graph_left_as_captured_names_the_output_and_the_node(caplog):
+    model = _MeanOverTokens()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    ids = torch.randint(0, 32, (2, 5))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="pagedpack.backend"):
+        torch.testing.assert_close(compiled(ids)[0], model(ids)[0])
+    report = backend.LAST_REPORTS[-1]
+    why = report.left_as_captured
+    assert why.startswith("output 0 (shape (s") and "first differing node: mean = aten.mean.dim" in why, why
+    assert report.format().startswith(f"graph left as captured: {why}")
+    assert (report.num_found, report.num_rewritten, report.stopped_at) == (1, 0, "verify_packed")
+    assert why in caplog.text

@@ -120,6 +120,25 @@ def test_falcon_alibi_is_read_and_refused_for_its_bfloat16_bias(attn, factor):
     assert all(s.reason.startswith("score bias is not ALiBi") and "T=261" in s.reason for s in result.report.refused)
 
 
+def test_the_op_check_is_tied_to_the_sites_own_float64_error(monkeypatch):
+    """The reference op must reproduce a site's output to a small multiple of what the site itself
+    loses in float32 against its own nodes run in float64: an op off by 2e-5 of 1 + the output's
+    magnitude (a fifth of the fixed 1e-4 this check had, far above fp32 rounding) is refused."""
+    captured = capture(tiny_model("llama"))
+    [site, _] = find_attention_sites(captured.graph_module.graph)
+    values = sample_values(captured.graph_module, lambda n: n in site.sampled_nodes, captured.sample(7))
+    assert classify_site(site, values, 7) == (CAUSAL, None)
+    op = torch.ops.pagedpack.varlen_attention
+
+    def slightly_off(*args, **kwargs):
+        out = op(*args, **kwargs)
+        return out + 2e-5 * (1 + out.abs().max())
+
+    monkeypatch.setattr(torch.ops.pagedpack, "varlen_attention", slightly_off)
+    kind, reason = classify_site(site, values, 7)
+    assert kind is None and "float64 run of the original graph" in reason, reason
+
+
 class _QuadraticBias(torch.nn.Module):
     """One eager causal attention layer whose additive mask carries ``0.01 * key_pos ** 2``: a
     score bias, but not ALiBi."""
