@@ -11,8 +11,9 @@ Workloads:
 Timing follows ``../shared/bench/SETUP.md``: load and capture excluded, one warm-up run over all
 prompts, best of ``--runs``. Each engine's first 4 outputs are compared with the unmodified
 model's greedy tokens, prompt by prompt (``first4_match``); pagedpack's ``peak_rss_mb`` is this
-process's peak RSS during its runs (loaded model, rewritten graph and KV pool included; the
-peak of loading and rewriting, before the runs, is reported apart), vLLM's the peak sum over its
+process's peak RSS during its runs (imports, the step program's weights, KV pool and activations;
+the ``LLM`` lets the ``transformers`` model go after lowering, and the references are computed
+after the runs; the peak of loading and rewriting, before the runs, is reported apart), vLLM's the peak sum over its
 processes during its runs (``vllm_cpu.py`` samples it; its main-process figure inherits this
 process's peak through ``fork``). ``--vllm-python`` runs
 ``vllm_cpu.py`` from ``--bench-dir`` with that interpreter (Intel OpenMP preloaded from its venv,
@@ -67,15 +68,17 @@ def main() -> None:
     model_dir, prompts = _workload(args)
     # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
     llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False)
-    reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     load_peak_mb = _peak_rss_mb()  # before the reset, which also resets getrusage's ru_maxrss
     _reset_peak_rss()
     paged_s, paged_outputs = _timed(lambda: _generate(llm, prompts, params), args.runs)
+    peak_mb = _peak_rss_mb()
+    # the unmodified model only now (LLM let it go after lowering): its weights are not in the peak
+    reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
     eos = llm.description.eos_token_ids
     engines = {"pagedpack": _row(paged_s, paged_outputs, prompts, reference, args.max_tokens, eos)}
-    engines["pagedpack"]["peak_rss_mb"] = _peak_rss_mb()
+    engines["pagedpack"]["peak_rss_mb"] = peak_mb
     engines["pagedpack"]["peak_rss_mb_of_load_and_rewrite"] = load_peak_mb
     engines["pagedpack"]["steps_per_run"] = llm.llm_engine.stats.num_steps // (args.runs + 1)
     if args.onnx:

@@ -27,7 +27,7 @@ from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.cpu_linear import available as onednn_available
 from pagedpack.lowering.cpu_linear import prepack_linears
-from pagedpack.passes.graph_attrs import vocab_size
+from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 from pagedpack.runtime.batch import example_batch
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
@@ -62,6 +62,7 @@ def cpu_step(rewritten, device: torch.device | str) -> tuple[object, str | None]
     gm = rewritten.graph_module
     lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     linears = prepack_linears(lowered) if onednn_available(device) else 0
+    drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
     if not linears and not kernels:
         return rewritten, None

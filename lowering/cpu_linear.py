@@ -26,9 +26,10 @@ oneDNN loses only at M = 1 on the narrow k/v projections (N = 128 / 192: 18-21 u
 there), and ties on q/o at M = 1; the LM head gains most (0.2-0.4 at decode; SmolLM2's: 9.7 ms
 -> 3.8 ms at M = 1). Hence one path, oneDNN for every fp32 linear, without a dispatch on rows.
 
-Memory: the packed weights are a second copy of the linear weights, held by the lowered copy of
-the graph only (the rewritten graph, which ``LLM.export`` writes, and the ``transformers``
-model keep the plain ones).
+Memory: the packed weights replace the plain ones in the lowered copy of the graph (which then
+drops the plain ones: ``drop_unused_attrs``); the rewritten graph, which ``LLM.export`` writes,
+and the ``transformers`` model keep theirs, and an ``LLM`` lets those two go once lowered
+(``pagedpack.llm.LLM``, Memory), so that serving holds each weight once.
 
 The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies it to a copy of the
 rewritten graph and checks the result.

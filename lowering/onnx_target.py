@@ -36,7 +36,7 @@ class OnnxTarget(Target):
         note = (f"onnx lowering: {len(rewritten.kv_cache_specs)} site(s) -> pagedpack-domain ONNX functions, "
                 "onnxruntime CPU")
         return LoweredStep(OnnxSessionStep(session, rewritten.kv_cache_specs), rewritten.kv_cache_specs,
-                           functional=True, note=note)
+                           functional=True, note=note, standalone=True)
 
 
 def _serialize(model) -> bytes:

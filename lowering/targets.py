@@ -52,6 +52,9 @@ class LoweredStep:
     note: str | None = None
     graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
     padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes
+    # run uses nothing of the rewritten model's graph (a lowered copy, another runtime's session):
+    # the LLM may let the rewritten model and the source model go (their shared tensors aside)
+    standalone: bool = False
 
     def __call__(self, *inputs: torch.Tensor):
         return self.run(*inputs)
@@ -112,7 +115,7 @@ class ReferenceTarget(Target):
         from pagedpack.lowering.cpu import cpu_step
 
         program, note = cpu_step(rewritten, device)
-        return LoweredStep(program, rewritten.kv_cache_specs, note=note)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=program is not rewritten)
 
 
 # name -> "module:attribute" of a Target subclass, imported on first use.

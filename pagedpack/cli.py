@@ -224,7 +224,7 @@ def _plan(args) -> int:
     if sized:
         raise ValueError(f"{', '.join(sized)}: pagedpack plan sizes the KV pool from --memory; drop them")
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, memory_budget=None,
-                                                        kv_cache_memory=None))
+                                                        kv_cache_memory=None, keep_source_model=True))
     table = Table(title=f"memory plan: {args.model} ({llm.target} target)", show_header=False)
     for key, value in llm.plan_memory(memory).rows():
         table.add_row(key, value)
@@ -238,7 +238,7 @@ def _export(args) -> int:
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
     check_output_path(args.out)  # before the model is loaded
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True))
     path = llm.export(args.out, format=args.format, attention=args.attention)
     if args.attention == "com.microsoft":
         runs = "onnxruntime's CUDA provider"

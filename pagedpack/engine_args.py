@@ -49,6 +49,9 @@ class EngineArgs:
             static graph per batch-size bucket, the others eager; ``"dynamic"``: one dynamic graph
             for every step) and the buckets (default 1, 2, 4, 8, 16, 32, 64);
             :mod:`pagedpack.lowering.ascend_graphs`.
+        keep_source_model: keep the ``transformers`` model and the rewritten graph after lowering
+            (for ``LLM.export`` / ``plan_memory`` without a second capture); by default a target that
+            lowers to a program of its own lets them go (``LLM``'s docstring, Memory).
     Raises:
         ValueError: naming the argument, what was expected and what came.
     """
@@ -68,6 +71,7 @@ class EngineArgs:
     device: str | torch.device = "cpu"
     graph_mode: str | None = None
     graph_batch_sizes: list[int] | None = None
+    keep_source_model: bool = False
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -80,8 +84,9 @@ class EngineArgs:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching: expected a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "keep_source_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         memory = self.kv_cache_memory
         if memory is not None and not (isinstance(memory, (int, float)) and not isinstance(memory, bool)
                                        and math.isfinite(memory) and memory > 0):

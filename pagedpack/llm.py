@@ -21,6 +21,7 @@ from pagedpack.inputs import (
 from pagedpack.models.capture import capture
 from pagedpack.models.loading import describe_model, load, load_tokenizer
 from pagedpack.passes.activation_memory import activation_peak
+from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.planner import MemoryPlan, plan_memory, resident_weight_bytes
 from pagedpack.runtime.engine import LLMEngine, Stats
@@ -72,6 +73,13 @@ class LLM:
     ``rewritten`` (the :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file),
     ``program`` (the :class:`~pagedpack.contract.StepProgram` the runner calls), ``description``
     (eos ids, ``max_model_len``, vocabulary, tokenizer), ``report`` (the pass report, None from a file).
+
+    Memory: when the target lowers to a program of its own (the reference target on the CPU, a
+    copy with prepacked weights; ``onnx``), the LLM then lets the rewritten model and a model it
+    loaded itself go, so that serving holds the program's weights once, not three times
+    (checkpoint, rewritten graph, program). ``model`` and ``rewritten`` are then loaded and
+    captured again on first use (as ``export`` and ``plan_memory`` do); ``keep_source_model=True``
+    keeps them instead.
     Raises:
         ValueError on bad arguments; :class:`pagedpack.contract.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
@@ -80,11 +88,12 @@ class LLM:
     def __init__(self, model=None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.engine_args, self.target = args, args.lowering_target.name
-        self.model, self.rewritten, self._peak = None, None, None
+        self._model, self._rewritten, self._report, self._peak = None, None, None, None
         if args.is_exported:
             self.program, description = self._load_exported(args)
         else:
             self.program, description = self._capture_and_lower(args)
+            release_memory()  # what the rewrite's float64 checks and a let-go source model held
         if args.tokenizer is not None:
             description.tokenizer = load_tokenizer(args.tokenizer)
         self.description, self.tokenizer = description, description.tokenizer
@@ -134,31 +143,56 @@ class LLM:
     def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
         target = args.lowering_target
         target.prepare_device(args.device)
-        if isinstance(args.model, torch.nn.Module):
-            check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
-            module, tokenizer = args.model.to(device=args.device, dtype=args.dtype).eval(), None
-        else:
-            module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=target.builtin_model)
-            check_causal_lm(module)
-        self.model = module
+        module, tokenizer = _load_source(args)
+        self._model = module
         description, note = describe_model(module, tokenizer)
-        self.rewritten = rewrite(capture(module))
+        rewritten = self._rewritten = rewrite(capture(module))
+        self._report = rewritten.report
         if note:
-            self.rewritten.report.notes.append(note)
-        self.rewritten.raise_if_refused()
+            rewritten.report.notes.append(note)
+        rewritten.raise_if_refused()
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
-        target.check_limits(self.rewritten, block_size=args.block_size, bounds=bounds)
+        target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
         graph = dict(graph=args.graph_config) if target.graph_modes else {}
-        program = target.lower(self.rewritten, block_size=args.block_size, bounds=bounds, device=args.device, **graph)
+        program = target.lower(rewritten, block_size=args.block_size, bounds=bounds, device=args.device, **graph)
         if program.note:
-            self.rewritten.report.notes.append(program.note)
-        release_memory()  # the rewrite's float64 checks are done: give their memory back
+            rewritten.report.notes.append(program.note)
+        if args.memory_budget is not None:  # the plan needs the rewritten graph
+            self._activation_peak()
+        if program.standalone and not args.keep_source_model:
+            self._let_source_go(program)
         return program, description
+
+    def _let_source_go(self, program: StepProgram) -> None:
+        """Drop the rewritten model and, if this LLM loaded it, the source model (class docstring);
+        the program first takes copies of the tensors it shares with them, so that a memory-mapped
+        checkpoint is unmapped."""
+        self._rewritten = None
+        if isinstance(self.engine_args.model, torch.nn.Module):  # the caller's module stays theirs
+            return
+        if isinstance(program.run, torch.fx.GraphModule):
+            own_attrs(program.run)
+        self._model = None
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The ``transformers`` module (None when served from a file); loaded again if let go."""
+        if self._model is None and not self.engine_args.is_exported:
+            self._model, _ = _load_source(self.engine_args)
+        return self._model
+
+    @property
+    def rewritten(self):
+        """The :class:`~pagedpack.passes.pipeline.RewrittenModel` (None when served from a file);
+        captured and rewritten again from ``model`` if let go."""
+        if self._rewritten is None and not self.engine_args.is_exported:
+            self._rewritten = rewrite(capture(self.model))
+        return self._rewritten
 
     @property
     def report(self):
         """The pass report (what ``pagedpack inspect`` prints); None when served from a file."""
-        return self.rewritten.report if self.rewritten is not None else None
+        return self._report
 
     def get_stats(self) -> Stats:
         """The engine's counters now (steps, tokens computed, preemptions, prefix-cache queries,
@@ -185,7 +219,7 @@ class LLM:
         from pagedpack.export import check_format, export_pt2
 
         check_format(format)
-        if self.rewritten is None:
+        if self.engine_args.is_exported:
             raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
                              "again; export the original model")
         if format == "onnx":
@@ -199,20 +233,27 @@ class LLM:
     def plan_memory(self, memory) -> MemoryPlan:
         """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
         bytes (an int or a string such as ``"4GiB"``) with this LLM's block size, step limits and
-        ``max_model_len``; weights counted as resident now (on the CPU the prepacked copies too).
-        ``ValueError`` for an LLM served from a file (no graph to plan from)."""
-        if self.rewritten is None:
+        ``max_model_len``; weights counted as serving holds them: a program of the target's own
+        (on the CPU, with the prepacked copies) alone, otherwise with the model and the rewritten
+        graph. ``ValueError`` for an LLM served from a file (no graph to plan from)."""
+        if self.engine_args.is_exported:
             raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
                              "give num_blocks or kv_cache_memory")
         args = self.engine_args
-        held = (getattr(self.program, "run", None), self.rewritten.graph_module, self.model)  # run: a lowered copy
+        peak = self._activation_peak()
+        run = self.program.run
+        held = (run,) if self.program.standalone else (run, self.rewritten.graph_module, self.model)
         modules = [m for m in held if isinstance(m, torch.nn.Module)]
+        return plan_memory(peak, bytes_per_token=self.bytes_per_token, memory=parse_bytes("memory", memory),
+                           block_size=self.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                           weight_bytes=resident_weight_bytes(*modules))
+
+    def _activation_peak(self):
+        """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`), derived once."""
         if self._peak is None:
             self._peak = activation_peak(self.rewritten.graph_module, self.rewritten.kv_cache_specs)
-        return plan_memory(self.rewritten, memory=parse_bytes("memory", memory), block_size=self.block_size,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           max_model_len=self.max_model_len, weight_bytes=resident_weight_bytes(*modules),
-                           peak=self._peak)
+        return self._peak
 
     def _check_pool_fits(self, args: EngineArgs) -> None:
         """A CPU pool larger than the machine's RAM would fail in the allocator (or swap): refuse it."""
@@ -312,3 +353,14 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _load_source(args: EngineArgs) -> tuple[torch.nn.Module, object]:
+    """``(module, tokenizer)``: the caller's module (moved and cast in place; tokenizer None) or
+    the model ``args.model`` names, loaded for ``args.device`` / ``args.dtype``."""
+    if isinstance(args.model, torch.nn.Module):
+        check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
+        return args.model.to(device=args.device, dtype=args.dtype).eval(), None
+    module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=args.lowering_target.builtin_model)
+    check_causal_lm(module)
+    return module, tokenizer

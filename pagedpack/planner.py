@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from pagedpack.passes.activation_memory import ActivationPeak, activation_peak
+from pagedpack.passes.activation_memory import ActivationPeak
 
 MAX_TOKENS_SEARCHED = 1 << 24  # largest_batched_tokens is reported up to this
 
@@ -76,18 +76,17 @@ class MemoryPlan:
         ]
 
 
-def plan_memory(rewritten, *, memory: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                max_model_len: int, weight_bytes: int, peak: ActivationPeak | None = None) -> MemoryPlan:
-    """The :class:`MemoryPlan` of a rewritten model (``rewritten.graph_module``,
-    ``rewritten.kv_cache_specs``) under a budget of ``memory`` bytes, with ``weight_bytes`` of
-    weights resident (:func:`resident_weight_bytes`). ``peak``: its activation peak if already
-    derived. ``ValueError`` for a non-positive size."""
+def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, block_size: int,
+                max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, weight_bytes: int) -> MemoryPlan:
+    """The :class:`MemoryPlan` of a rewritten model whose step graph has activation peak ``peak``
+    (:func:`pagedpack.passes.activation_memory.activation_peak`) and whose KV cache takes
+    ``bytes_per_token``, under a budget of ``memory`` bytes with ``weight_bytes`` of weights
+    resident (:func:`resident_weight_bytes`). ``ValueError`` for a non-positive size."""
     for name, value in (("memory", memory), ("block_size", block_size), ("max_num_batched_tokens",
                         max_num_batched_tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
         if value < 1:
             raise ValueError(f"{name}: expected >= 1, got {value}")
-    peak = peak or activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
-    per_token = rewritten.bytes_per_token
+    per_token = bytes_per_token
     per_block = per_token * block_size
     activation = peak.bytes(max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
     num_blocks = (memory - weight_bytes - activation) // per_block

@@ -35,3 +35,43 @@ def vocab_size(gm: torch.fx.GraphModule) -> int:
             if weight is not None:
                 return weight.shape[0]
     return 1
+
+
+def _attr_owner(gm: torch.fx.GraphModule, target: str) -> tuple[torch.nn.Module, str]:
+    owner, _, name = target.rpartition(".")
+    return gm.get_submodule(owner), name
+
+
+def drop_unused_attrs(gm: torch.fx.GraphModule) -> int:
+    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads (a rewrite
+    replaced their readers), so that ``gm`` stops holding their memory; returns how many."""
+    read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    unused = [name for name, _ in [*gm.named_parameters(remove_duplicate=False),
+                                   *gm.named_buffers(remove_duplicate=False)] if name not in read]
+    for name in unused:
+        owner, leaf = _attr_owner(gm, name)
+        delattr(owner, leaf)
+    return len(unused)
+
+
+def own_attrs(gm: torch.fx.GraphModule) -> None:
+    """Give every strided tensor ``gm`` reads with ``get_attr`` storage of its own (a copy; one
+    per tensor shared under several names), so that memory it shares with another module, such as
+    a checkpoint file ``transformers`` memory-mapped, is freed once that module is."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, copy): the original kept alive
+    for target in dict.fromkeys(node.target for node in gm.graph.nodes if node.op == "get_attr"):
+        owner, leaf = _attr_owner(gm, target)
+        tensor = getattr(owner, leaf, None)
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            continue
+        if id(tensor) not in copies:
+            copy = tensor.detach().clone()
+            if isinstance(tensor, torch.nn.Parameter):
+                copy = torch.nn.Parameter(copy, requires_grad=False)
+            copies[id(tensor)] = tensor, copy
+        copy = copies[id(tensor)][1]
+        delattr(owner, leaf)
+        if isinstance(copy, torch.nn.Parameter):
+            owner.register_parameter(leaf, copy)
+        else:
+            owner.register_buffer(leaf, copy)

@@ -425,7 +425,7 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
 
     checkpoint = _fetch_or_skip(alias)
     start = time.perf_counter()
-    llm = LLM(alias, max_num_batched_tokens=BUDGET, dtype=torch.float32)
+    llm = LLM(alias, max_num_batched_tokens=BUDGET, dtype=torch.float32, keep_source_model=True)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     paged_s = time.perf_counter() - start
     lens = [len(o.prompt_token_ids) for o in outputs]

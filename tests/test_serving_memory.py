@@ -1,0 +1,104 @@
+"""What an ``LLM`` holds while it serves: a program of the target's own keeps its weights once;
+the ``transformers`` model and the rewritten graph are let go (and loaded / captured again on
+use) unless ``keep_source_model=True``; a checkpoint ``transformers`` memory-mapped is unmapped."""
+import pytest
+import torch
+import torch.fx
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.models.tiny import tiny_model
+from pagedpack.passes.graph_attrs import drop_unused_attrs, own_attrs
+from pagedpack.planner import resident_weight_bytes
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+
+
+def mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(folder)  # model.safetensors
+    return folder
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the CPU lowering packs with oneDNN")
+def test_serving_from_a_checkpoint_unmaps_it_and_holds_each_weight_once(checkpoint):
+    kept = LLM(str(checkpoint), num_blocks=32, keep_source_model=True)
+    assert str(checkpoint / "model.safetensors") in mapped_files()  # what transformers does
+    expected = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    report = kept.report.format().splitlines()[0]
+    del kept
+
+    llm = LLM(str(checkpoint), num_blocks=32)
+    assert str(checkpoint / "model.safetensors") not in mapped_files()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    assert llm.report.format().splitlines()[0] == report
+    # each weight once: the linears as their (merged) prepacked copies, the others as copies of their own
+    model = llm.model  # loaded again: the checkpoint is mapped again
+    params = sum(t.numel() * t.element_size() for t in model.parameters())
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers())  # rotary inv_freq, if kept
+    assert params <= resident_weight_bytes(llm.program.run) <= params + buffers
+    assert llm.plan_memory("64MiB").weight_bytes == resident_weight_bytes(llm.program.run)
+
+
+def test_the_rewritten_model_is_captured_again_on_use():
+    llm = LLM("tiny", num_blocks=32)
+    rewritten = llm.rewritten
+    assert rewritten is llm.rewritten and rewritten.graph_module is not llm.program.run
+    assert rewritten.report.format().splitlines()[0] == llm.report.format().splitlines()[0]
+
+
+def test_a_callers_module_stays_theirs_and_is_not_copied():
+    module = tiny_model("llama", num_hidden_layers=2)
+    llm = LLM(module, num_blocks=32)
+    assert llm.model is module
+    embedding = llm.program.run.get_parameter("model.model.embed_tokens.weight")
+    assert embedding.data_ptr() == module.model.embed_tokens.weight.data_ptr()
+
+
+def test_keep_source_model_keeps_them():
+    llm = LLM("tiny", num_blocks=32, keep_source_model=True)
+    assert llm.rewritten is llm.rewritten and llm.model is llm.model
+    with pytest.raises(ValueError, match="keep_source_model: expected a bool, got 'yes'"):
+        LLM("tiny", keep_source_model="yes")
+
+
+def _module_with_attrs() -> torch.fx.GraphModule:
+    root = torch.nn.Module()
+    root.register_parameter("w", torch.nn.Parameter(torch.arange(6.0).reshape(2, 3), requires_grad=False))
+    root.register_buffer("b", torch.ones(3))
+    root.register_buffer("unused", torch.zeros(4))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    w, b = graph.get_attr("w"), graph.get_attr("b")
+    graph.output(graph.call_function(torch.add, (graph.call_function(torch.matmul, (x, w)), b)))
+    gm = torch.fx.GraphModule(root, graph)
+    gm.register_buffer("unused", root.unused)  # GraphModule copies only what get_attr reads
+    gm.w_again = gm.w  # the same tensor under a second name (tied weights)
+    return gm
+
+
+def test_drop_unused_attrs_deletes_what_no_node_reads():
+    gm = _module_with_attrs()
+    gm.graph.get_attr("w_again")  # read by a get_attr node: stays, even with no users
+    assert drop_unused_attrs(gm) == 1
+    assert not hasattr(gm, "unused") and hasattr(gm, "w") and hasattr(gm, "b")
+
+
+def test_own_attrs_copies_each_tensor_once_keeping_its_kind():
+    gm = _module_with_attrs()
+    gm.graph.get_attr("w_again")
+    before = {name: getattr(gm, name) for name in ("w", "w_again", "b")}
+    own_attrs(gm)
+    assert isinstance(gm.w, torch.nn.Parameter) and "b" in dict(gm.named_buffers())
+    assert gm.w is gm.w_again  # one copy for the tied pair
+    for name, old in before.items():
+        new = getattr(gm, name)
+        assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
+    x = torch.randn(2, 2)
+    assert torch.equal(gm(x), x @ before["w"] + before["b"])
