@@ -361,6 +361,7 @@ def _load_source(args: EngineArgs) -> tuple[torch.nn.Module, object]:
     if isinstance(args.model, torch.nn.Module):
         check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
         return args.model.to(device=args.device, dtype=args.dtype).eval(), None
-    module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=args.lowering_target.builtin_model)
+    builtin = args.lowering_target.builtin_model
+    module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=builtin)
     check_causal_lm(module)
     return module, tokenizer

@@ -61,8 +61,8 @@ class MemoryPlan:
         capped = self.largest_batched_tokens >= MAX_TOKENS_SEARCHED
         return [
             ("memory budget", _mib(self.memory)),
-            ("weights", f"{_mib(self.weight_bytes)} resident (on the CPU the oneDNN-prepacked copies of the linear "
-                        f"weights too)"),
+            ("weights", f"{_mib(self.weight_bytes)} resident while serving (on the CPU the step program's: "
+                        f"its linears as oneDNN-prepacked copies)"),
             ("KV bytes", f"{self.kv_bytes_per_token * tokens} ({self.kv_bytes_per_token} bytes per token, "
                          f"{_mib(self.kv_bytes_per_token * self.block_size)} per block of {self.block_size})"),
             ("activation peak(T, B)", str(self.peak.expr)),

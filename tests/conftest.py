@@ -81,3 +81,17 @@ def profiled_peak_bytes(run) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``pagedpack ARGS`` through ``pagedpack.cli.main`` in this process: ``(exit code, stdout,
+    stderr)``. The installed console script itself (and its few seconds of imports) is run as a
+    user runs it in ``test_cli.py``."""
+    from pagedpack.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -2,7 +2,6 @@
 runtime as the un-exported step graph does (tokens on the 12-prompt batch, logits of decode and
 chunked-prefill steps, the KV caches it leaves)."""
 import json
-import shutil
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ from pagedpack.models.tiny import tiny_model
 from pagedpack.onnx_export import export_onnx
 from pagedpack.runtime.request import Request
 
-from conftest import random_prompts, run_step
+from conftest import random_prompts, run_cli, run_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -128,14 +127,11 @@ def test_bad_path_and_format(tmp_path, llm, fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
-def test_cli_export(tmp_path, fmt):
-    exe = shutil.which("pagedpack")
-    assert exe, "the pagedpack console script is not installed (pip install -e .)"
+def test_cli_export(tmp_path, capsys, fmt):
     out = tmp_path / f"m.{fmt}"
-    result = subprocess.run([exe, "export", "--format", fmt, "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert f"LLM.from_exported('{out}'" in result.stdout
+    code, stdout, stderr = run_cli(capsys, "export", "--format", fmt, "--out", str(out))
+    assert code == 0, stderr
+    assert f"LLM.from_exported('{out}'" in stdout
     step = load_exported(out)
     # the built-in model's byte-level tokenizer
     assert step.description.tokenizer is not None and step.description.eos_token_ids

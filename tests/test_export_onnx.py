@@ -1,8 +1,6 @@
 """ONNX export: the model's structure (checker, functions, dynamic axes, functional caches),
 generation through onnxruntime across families, and the ``com.microsoft.PagedAttention`` form
 checked against the schema onnxruntime itself registers (it has no CPU kernel to run here)."""
-import shutil
-import subprocess
 
 import onnx
 import onnxruntime
@@ -15,7 +13,7 @@ from pagedpack.export import load_exported
 from pagedpack.models.tiny import tiny_model
 from pagedpack.onnx_export import export_onnx
 
-from conftest import MIXED_PROMPT_LENS
+from conftest import MIXED_PROMPT_LENS, run_cli
 
 DYNAMIC_AXES = {"input_ids": ["num_tokens"], "positions": ["num_tokens"], "cu_seqlens_q": ["num_seqs + 1"],
                 "seq_lens": ["num_seqs"], "block_table": ["num_seqs", "max_blocks_per_seq"],
@@ -164,9 +162,7 @@ def test_bad_attention_arguments(llama, tmp_path):
         load_exported(foreign)
 
 
-def test_cli_refuses_com_microsoft_for_float32(tmp_path):
-    exe = shutil.which("pagedpack")
-    assert exe, "the pagedpack console script is not installed (pip install -e .)"
-    refused = subprocess.run([exe, "export", "--format", "onnx", "--attention", "com.microsoft",
-                              "--out", str(tmp_path / "x.onnx")], capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "float16 or bfloat16" in refused.stderr
+def test_cli_refuses_com_microsoft_for_float32(tmp_path, capsys):
+    code, _, stderr = run_cli(capsys, "export", "--format", "onnx", "--attention", "com.microsoft",
+                              "--out", str(tmp_path / "x.onnx"))
+    assert code == 2 and "float16 or bfloat16" in stderr

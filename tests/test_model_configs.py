@@ -1,6 +1,4 @@
 """Family configs read the way transformers reads them, and what a model directory may lack."""
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from pagedpack.models.loading import eos_token_ids, max_model_len
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 
-from conftest import hf_greedy
+from conftest import hf_greedy, run_cli
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 
@@ -74,17 +72,14 @@ def test_a_directory_without_tokenizer_files_loads_and_takes_token_ids(weights_o
     assert with_tokenizer.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].text is not None
 
 
-def test_cli_export_and_tokenizer_flag_on_a_directory_without_tokenizer_files(weights_only_dir, tmp_path):
-    exe = shutil.which("pagedpack")
+def test_cli_export_and_tokenizer_flag_on_a_directory_without_tokenizer_files(weights_only_dir, tmp_path, capsys):
     tokenizer_dir = tmp_path / "tok"
     byte_level_tokenizer().save_pretrained(tokenizer_dir)
-    out = tmp_path / "m.pt2"
-    result = subprocess.run([exe, "export", "--model", weights_only_dir, "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    result = subprocess.run([exe, "generate", "--model", weights_only_dir, "--tokenizer", str(tokenizer_dir),
-                             "--prompt", "Hi", "--max-tokens", "3"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "1 (0 failed)" in result.stdout, result.stderr
+    code, _, stderr = run_cli(capsys, "export", "--model", weights_only_dir, "--out", str(tmp_path / "m.pt2"))
+    assert code == 0, stderr
+    code, stdout, stderr = run_cli(capsys, "generate", "--model", weights_only_dir, "--tokenizer", str(tokenizer_dir),
+                                   "--prompt", "Hi", "--max-tokens", "3")
+    assert code == 0 and "1 (0 failed)" in stdout, stderr
 
 
 def test_dynamic_ntk_rope_is_refused_naming_the_rope_type():
