@@ -483,17 +483,17 @@ def smollm2_backend():
     return tokenizer, model, torch.compile(model, backend="pagedpack", dynamic=True), own, exact
 
 
-@pytest.mark.parametrize("call", ["readme", "use_cache=False", "inputs_embeds"])
+@pytest.mark.parametrize("call", ["readme", "inputs_embeds, use_cache=False"])
 def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, call):
-    """The README's call on four sentences (left padding, use_cache on by default), without the
-    cache and with inputs_embeds: every site of the 30 layers rewritten, no graph left as captured,
-    and each sentence's logits within the float64 rule of the passes (pagedpack.passes.numerics)
-    against the unmodified model run on it alone."""
+    """The README's call on four sentences (left padding, use_cache on by default), and with
+    inputs_embeds and without the cache (one graph for both variations): every site of the 30
+    layers rewritten, no graph left as captured, and each sentence's logits within the float64 rule
+    of the passes (pagedpack.passes.numerics) against the unmodified model run on it alone."""
     tokenizer, model, compiled, own, exact = smollm2_backend
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-    kwargs = {"use_cache=False": dict(**batch, use_cache=False),
-              "inputs_embeds": dict(inputs_embeds=model.get_input_embeddings()(batch.input_ids).detach(),
-                                    attention_mask=batch.attention_mask)}.get(call, batch)
+    embeds = dict(inputs_embeds=model.get_input_embeddings()(batch.input_ids).detach(),
+                  attention_mask=batch.attention_mask, use_cache=False)
+    kwargs = embeds if call != "readme" else batch
     reports = len(backend.LAST_REPORTS)
     with torch.no_grad():
         logits = compiled(**kwargs).logits
