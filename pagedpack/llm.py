@@ -19,7 +19,7 @@ from pagedpack.inputs import (
     parse_bytes,
 )
 from pagedpack.models.capture import capture
-from pagedpack.models.loading import describe_model, load, load_tokenizer
+from pagedpack.models.loading import checkpoint_stamp, describe_model, load, load_tokenizer
 from pagedpack.passes.activation_memory import activation_peak
 from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.passes.pipeline import rewrite
@@ -75,11 +75,13 @@ class LLM:
     (eos ids, ``max_model_len``, vocabulary, tokenizer), ``report`` (the pass report, None from a file).
 
     Memory: when the target lowers to a program of its own (the reference target on the CPU, a
-    copy with prepacked weights; ``onnx``), the LLM then lets the rewritten model and a model it
-    loaded itself go, so that serving holds the program's weights once, not three times
-    (checkpoint, rewritten graph, program). ``model`` and ``rewritten`` are then loaded and
-    captured again on first use (as ``export`` and ``plan_memory`` do); ``keep_source_model=True``
-    keeps them instead.
+    copy with prepacked weights; ``onnx``), that program takes copies of the tensors it shares
+    with the model (it serves the weights as they were when built) and the LLM lets the rewritten
+    model and a model it loaded itself go, so that serving holds each weight once, not three
+    times (checkpoint, rewritten graph, program). ``model`` and ``rewritten`` are then loaded and
+    captured again on first use and kept; ``export`` and ``plan_memory`` do so without keeping
+    them. Loading again refuses a checkpoint directory whose files changed since (``ValueError``).
+    ``keep_source_model=True`` keeps both instead.
     Raises:
         ValueError on bad arguments; :class:`pagedpack.contract.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
@@ -89,7 +91,8 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         self.engine_args, self.target = args, args.lowering_target.name
         self._model, self._rewritten, self._report, self._peak = None, None, None, None
-        if args.is_exported:
+        self._exported, self._stamp, self._weight_bytes = args.is_exported, None, 0
+        if self._exported:
             self.program, description = self._load_exported(args)
         else:
             self.program, description = self._capture_and_lower(args)
@@ -144,7 +147,7 @@ class LLM:
         target = args.lowering_target
         target.prepare_device(args.device)
         module, tokenizer = _load_source(args)
-        self._model = module
+        self._model, self._stamp = module, checkpoint_stamp(args.model)
         description, note = describe_model(module, tokenizer)
         rewritten = self._rewritten = rewrite(capture(module))
         self._report = rewritten.report
@@ -153,40 +156,56 @@ class LLM:
         rewritten.raise_if_refused()
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
         target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
+        if args.memory_budget is not None:  # before lowering, which may change the graph in place
+            self._activation_peak()
         graph = dict(graph=args.graph_config) if target.graph_modes else {}
         program = target.lower(rewritten, block_size=args.block_size, bounds=bounds, device=args.device, **graph)
         if program.note:
             rewritten.report.notes.append(program.note)
-        if args.memory_budget is not None:  # the plan needs the rewritten graph
-            self._activation_peak()
-        if program.standalone and not args.keep_source_model:
+        keep = args.keep_source_model or not program.standalone
+        self._weight_bytes = _serving_weight_bytes(program, rewritten, module, keep)
+        if not keep:
             self._let_source_go(program)
         return program, description
 
     def _let_source_go(self, program: StepProgram) -> None:
-        """Drop the rewritten model and, if this LLM loaded it, the source model (class docstring);
-        the program first takes copies of the tensors it shares with them, so that a memory-mapped
-        checkpoint is unmapped."""
-        self._rewritten = None
-        if isinstance(self.engine_args.model, torch.nn.Module):  # the caller's module stays theirs
-            return
+        """Give the program copies of the tensors it shares with the model, then drop the rewritten
+        model and, if this LLM loaded it, the source model (class docstring)."""
         if isinstance(program.run, torch.fx.GraphModule):
             own_attrs(program.run)
-        self._model = None
+        self._rewritten = None
+        if not isinstance(self.engine_args.model, torch.nn.Module):  # the caller's module stays theirs
+            self._model = None
+
+    def _load_again(self) -> torch.nn.Module:
+        """The source model once let go, loaded again; ``ValueError`` if its checkpoint is gone or changed."""
+        model = self.engine_args.model
+        stamp = checkpoint_stamp(self._stamp[0] if self._stamp else model)
+        try:
+            if stamp != self._stamp:
+                raise ValueError("its files changed since or are gone")
+            return _load_source(self.engine_args, model=stamp[0] if stamp else None)[0]
+        except (ValueError, OSError) as err:
+            raise ValueError(f"model: this LLM let its source model go once lowered and cannot load {model!r} "
+                             f"again ({err}); build the LLM with keep_source_model=True to keep it") from err
+
+    def _capture_again(self):
+        """The rewritten model of the source model (kept or loaded again), captured again."""
+        return rewrite(capture(self._model if self._model is not None else self._load_again()))
 
     @property
     def model(self) -> torch.nn.Module | None:
         """The ``transformers`` module (None when served from a file); loaded again if let go."""
-        if self._model is None and not self.engine_args.is_exported:
-            self._model, _ = _load_source(self.engine_args)
+        if self._model is None and not self._exported:
+            self._model = self._load_again()
         return self._model
 
     @property
     def rewritten(self):
         """The :class:`~pagedpack.passes.pipeline.RewrittenModel` (None when served from a file);
         captured and rewritten again from ``model`` if let go."""
-        if self._rewritten is None and not self.engine_args.is_exported:
-            self._rewritten = rewrite(capture(self.model))
+        if self._rewritten is None and not self._exported:
+            self._rewritten = self._capture_again()
         return self._rewritten
 
     @property
@@ -219,16 +238,20 @@ class LLM:
         from pagedpack.export import check_format, export_pt2
 
         check_format(format)
-        if self.engine_args.is_exported:
+        if self._exported:
             raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
                              "again; export the original model")
         if format == "onnx":
             from pagedpack.onnx_export import export_onnx
 
-            return export_onnx(self.rewritten, path, self.description, attention=attention)
+            return export_onnx(self._source_graph(), path, self.description, attention=attention)
         if attention != "pagedpack":
             raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
-        return export_pt2(self.rewritten, path, self.description)
+        return export_pt2(self._source_graph(), path, self.description)
+
+    def _source_graph(self):
+        """The rewritten model: the one kept, else captured again without keeping it."""
+        return self._rewritten if self._rewritten is not None else self._capture_again()
 
     def plan_memory(self, memory) -> MemoryPlan:
         """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
@@ -236,23 +259,24 @@ class LLM:
         ``max_model_len``; weights counted as serving holds them: a program of the target's own
         (on the CPU, with the prepacked copies) alone, otherwise with the model and the rewritten
         graph. ``ValueError`` for an LLM served from a file (no graph to plan from)."""
-        if self.engine_args.is_exported:
+        if self._exported:
             raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
                              "give num_blocks or kv_cache_memory")
         args = self.engine_args
-        peak = self._activation_peak()
-        run = self.program.run
-        held = (run,) if self.program.standalone else (run, self.rewritten.graph_module, self.model)
-        modules = [m for m in held if isinstance(m, torch.nn.Module)]
-        return plan_memory(peak, bytes_per_token=self.bytes_per_token, memory=parse_bytes("memory", memory),
-                           block_size=self.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                           weight_bytes=resident_weight_bytes(*modules))
+        return plan_memory(self._activation_peak(), bytes_per_token=self.bytes_per_token,
+                           memory=parse_bytes("memory", memory), block_size=self.block_size,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           max_model_len=self.max_model_len, weight_bytes=self._weight_bytes)
 
     def _activation_peak(self):
-        """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`), derived once."""
+        """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`),
+        derived once: from the rewritten graph before lowering (captured again if it was let go or
+        lowered in place)."""
         if self._peak is None:
-            self._peak = activation_peak(self.rewritten.graph_module, self.rewritten.kv_cache_specs)
+            lowered = getattr(self, "program", None)
+            fresh = self._rewritten is not None and (lowered is None or lowered.standalone)
+            rewritten = self._rewritten if fresh else self._capture_again()
+            self._peak = activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
         return self._peak
 
     def _check_pool_fits(self, args: EngineArgs) -> None:
@@ -355,13 +379,23 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def _load_source(args: EngineArgs) -> tuple[torch.nn.Module, object]:
+def _load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:
     """``(module, tokenizer)``: the caller's module (moved and cast in place; tokenizer None) or
-    the model ``args.model`` names, loaded for ``args.device`` / ``args.dtype``."""
+    the model ``model`` (default ``args.model``) names, loaded for ``args.device`` / ``args.dtype``."""
     if isinstance(args.model, torch.nn.Module):
         check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
         return args.model.to(device=args.device, dtype=args.dtype).eval(), None
     builtin = args.lowering_target.builtin_model
-    module, tokenizer = load(args.model, dtype=args.dtype, device=args.device, builtin=builtin)
+    module, tokenizer = load(model or args.model, dtype=args.dtype, device=args.device, builtin=builtin)
     check_causal_lm(module)
     return module, tokenizer
+
+
+def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:
+    """Bytes of weights an LLM holds while it serves: its program's (another runtime's session,
+    such as onnxruntime's, counted as a copy of the rewritten graph's), with the rewritten graph's
+    and the model's if it ``keep``s them (:func:`pagedpack.planner.resident_weight_bytes`)."""
+    source = (rewritten.graph_module, module) if keep else ()
+    if isinstance(program.run, torch.nn.Module) or not program.standalone:
+        return resident_weight_bytes(*[m for m in (program.run, *source) if isinstance(m, torch.nn.Module)])
+    return resident_weight_bytes(rewritten.graph_module) + (resident_weight_bytes(*source) if keep else 0)

@@ -58,18 +58,27 @@ class ActivationPeak:
 def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> ActivationPeak:
     """The symbolic peak activation bytes of one step of a rewritten step graph (module
     docstring). ``kv_cache_specs``: the graph's :class:`~pagedpack.contract.KVCacheSpec` list.
-    Raises ``ValueError`` naming the node if shape propagation fails."""
+    Raises ``ValueError`` naming the node if shape propagation fails. The graph is left as it
+    was: the example's fake values the propagation writes into ``node.meta["val"]`` (block size
+    16, its own symbols) are replaced by the graph's own afterwards, which later passes read."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     inputs = _example_inputs(kv_cache_specs)
     fake_inputs = [_fake(mode, tensor, _DYNAMIC_DIMS.get(name, ())) for name, tensor in inputs]
+    own = {node: node.meta["val"] for node in graph_module.graph.nodes if "val" in node.meta}
     try:
         FakeTensorProp(graph_module, mode).propagate_dont_convert_inputs(*fake_inputs)
+        rename = _symbol_names(fake_inputs[:len(METADATA_INPUTS)])
+        candidates = _live_bytes(graph_module, rename)
     except Exception as err:  # any failure of a node's fake kernel: name it
         raise ValueError(f"activation_peak: symbolic shape propagation failed: {type(err).__name__}: "
                          f"{str(err)[:300]}") from err
-    rename = _symbol_names(fake_inputs[:len(METADATA_INPUTS)])
-    candidates = _live_bytes(graph_module, rename)
+    finally:
+        for node in graph_module.graph.nodes:
+            if node in own:
+                node.meta["val"] = own[node]
+            else:
+                node.meta.pop("val", None)
     frontier = _non_dominated(candidates)
     return ActivationPeak(sympy.Max(*frontier) if frontier else sympy.Integer(0), frontier)
 

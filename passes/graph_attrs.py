@@ -43,11 +43,14 @@ def _attr_owner(gm: torch.fx.GraphModule, target: str) -> tuple[torch.nn.Module,
 
 
 def drop_unused_attrs(gm: torch.fx.GraphModule) -> int:
-    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads (a rewrite
-    replaced their readers), so that ``gm`` stops holding their memory; returns how many."""
+    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads and no
+    ``call_module`` node's module owns (a rewrite replaced their readers), so that ``gm`` stops
+    holding their memory; returns how many."""
     read = {node.target for node in gm.graph.nodes if node.op == "get_attr"}
+    called = tuple(f"{node.target}." for node in gm.graph.nodes if node.op == "call_module")
     unused = [name for name, _ in [*gm.named_parameters(remove_duplicate=False),
-                                   *gm.named_buffers(remove_duplicate=False)] if name not in read]
+                                   *gm.named_buffers(remove_duplicate=False)]
+              if name not in read and not name.startswith(called)]
     for name in unused:
         owner, leaf = _attr_owner(gm, name)
         delattr(owner, leaf)
@@ -55,9 +58,10 @@ def drop_unused_attrs(gm: torch.fx.GraphModule) -> int:
 
 
 def own_attrs(gm: torch.fx.GraphModule) -> None:
-    """Give every strided tensor ``gm`` reads with ``get_attr`` storage of its own (a copy; one
-    per tensor shared under several names), so that memory it shares with another module, such as
-    a checkpoint file ``transformers`` memory-mapped, is freed once that module is."""
+    """Give every strided tensor ``gm`` reads with ``get_attr`` storage of its own (a copy, without
+    grad; one per tensor shared under several names, while views of one storage become separate
+    copies), so that ``gm`` no longer sees or keeps alive memory it shared with another module:
+    later in-place edits of that module, or a checkpoint file ``transformers`` memory-mapped."""
     copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, copy): the original kept alive
     for target in dict.fromkeys(node.target for node in gm.graph.nodes if node.op == "get_attr"):
         owner, leaf = _attr_owner(gm, target)

@@ -14,7 +14,7 @@ from conftest import profiled_peak_bytes
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", num_blocks=64, keep_source_model=True)
+    return LLM("tiny", num_blocks=64)
 
 
 def measured_step_peak(llm, q_lens) -> int:
@@ -41,6 +41,15 @@ def check_peak_matches_profiler(llm, token_counts=(64, 512, 2048)):
 
 def test_symbolic_activation_peak_matches_the_profiler(llm):
     check_peak_matches_profiler(llm)
+
+
+def test_the_peak_leaves_the_graph_as_it_was(llm):
+    """From an adversarial trial: the propagation's example values (block size 16) stayed in
+    node.meta["val"], where the ascend lowering read them."""
+    graph = llm.rewritten.graph_module.graph
+    before = {node: node.meta.get("val") for node in graph.nodes}
+    activation_peak(llm.rewritten.graph_module, llm.rewritten.kv_cache_specs)
+    assert all(node.meta.get("val") is value for node, value in before.items())
 
 
 def test_the_plan_adds_up(llm):

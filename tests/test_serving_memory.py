@@ -1,6 +1,9 @@
 """What an ``LLM`` holds while it serves: a program of the target's own keeps its weights once;
 the ``transformers`` model and the rewritten graph are let go (and loaded / captured again on
 use) unless ``keep_source_model=True``; a checkpoint ``transformers`` memory-mapped is unmapped."""
+import os
+import shutil
+
 import pytest
 import torch
 import torch.fx
@@ -53,12 +56,65 @@ def test_the_rewritten_model_is_captured_again_on_use():
     assert rewritten.report.format().splitlines()[0] == llm.report.format().splitlines()[0]
 
 
-def test_a_callers_module_stays_theirs_and_is_not_copied():
+def test_a_callers_module_stays_theirs_and_later_edits_of_it_are_not_served():
     module = tiny_model("llama", num_hidden_layers=2)
     llm = LLM(module, num_blocks=32)
     assert llm.model is module
-    embedding = llm.program.run.get_parameter("model.model.embed_tokens.weight")
-    assert embedding.data_ptr() == module.model.embed_tokens.weight.data_ptr()
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with torch.no_grad():  # from an adversarial trial: the embedding was shared, the linears not
+        for param in module.parameters():
+            param.mul_(1.5)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_loading_again_refuses_a_changed_or_missing_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "ck")
+    llm = LLM("ck", num_blocks=32)  # a relative path, then another working directory
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    (tmp_path / "elsewhere" / "ck").mkdir(parents=True)
+    tiny_model("llama", num_hidden_layers=2, seed=1).save_pretrained(tmp_path / "elsewhere" / "ck")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    served = LLM.from_exported(llm.export(tmp_path / "x.pt2"), num_blocks=32)
+    assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    tiny_model("llama", num_hidden_layers=2, seed=1).save_pretrained(tmp_path / "ck")  # overwritten
+    message = "let its source model go once lowered and cannot load 'ck' again .* keep_source_model=True"
+    with pytest.raises(ValueError, match=message):
+        llm.export(tmp_path / "y.pt2")
+    shutil.rmtree(tmp_path / "ck")
+    with pytest.raises(ValueError, match=message):
+        llm.model
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_a_served_file_is_still_served_once_deleted(tmp_path):
+    path = LLM("tiny", num_blocks=32).export(tmp_path / "x.pt2")
+    served = LLM.from_exported(path, num_blocks=32)
+    os.remove(path)
+    assert served.model is None and served.rewritten is None and served.report is None
+    with pytest.raises(ValueError, match="served from an exported file"):
+        served.export(tmp_path / "y.pt2")
+    with pytest.raises(ValueError, match="served from an exported file"):
+        served.plan_memory("64MiB")
+    assert all(o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_the_plan_counts_the_weights_serving_holds(tmp_path):
+    llm = LLM("tiny", num_blocks=32)
+    assert llm.plan_memory("64MiB").weight_bytes == resident_weight_bytes(llm.program.run)
+    llm.export(tmp_path / "x.pt2")  # plan and export capture again without keeping what they capture
+    assert llm._rewritten is None and llm._model is None
+    kept = LLM("tiny", num_blocks=32, keep_source_model=True)
+    held = resident_weight_bytes(kept.program.run, kept.rewritten.graph_module, kept.model)
+    assert kept.plan_memory("64MiB").weight_bytes == held > resident_weight_bytes(kept.program.run)
+    onnx = LLM("tiny", num_blocks=32, target="onnx")  # onnxruntime's session: a copy of the rewritten graph's
+    assert onnx.plan_memory("64MiB").weight_bytes == resident_weight_bytes(onnx.rewritten.graph_module) > 0
+
+
+def test_memory_budget_on_a_target_that_lowers_in_place():
+    """From an adversarial trial: the plan's shape propagation ran on the ascend-lowered graph and failed."""
+    llm = LLM("tiny", target="ascend", memory_budget="64MiB")
+    assert llm.num_blocks == llm.plan_memory("64MiB").num_blocks > 0
 
 
 def test_keep_source_model_keeps_them():
@@ -81,6 +137,11 @@ def _module_with_attrs() -> torch.fx.GraphModule:
     gm.register_buffer("unused", root.unused)  # GraphModule copies only what get_attr reads
     gm.w_again = gm.w  # the same tensor under a second name (tied weights)
     return gm
+
+
+def test_drop_unused_attrs_keeps_what_called_modules_own():
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    assert drop_unused_attrs(gm) == 0 and gm(torch.ones(1, 3)).shape == (1, 2)
 
 
 def test_drop_unused_attrs_deletes_what_no_node_reads():
