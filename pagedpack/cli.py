@@ -1,4 +1,4 @@
-"""``pagedpack`` command line: ``generate``, ``inspect`` and ``export``."""
+"""``pagedpack`` command line: ``generate``, ``inspect``, ``export`` and ``plan``."""
 from __future__ import annotations
 
 import argparse
