@@ -140,7 +140,7 @@ def test_a_registered_toy_target_runs_end_to_end(capsys):
 
 
 def test_llm_and_from_exported_share_one_validation(tmp_path):
-    llm = LLM(tiny_model("llama"), num_blocks=4)
+    llm = LLM(tiny_model("llama"), num_blocks=4, keep_source_model=True)
     path = llm.export(tmp_path / "m.pt2")
     for build in (lambda **kw: LLM(tiny_model("llama"), **kw), lambda **kw: LLM.from_exported(path, **kw)):
         with pytest.raises(ValueError, match="num_blocks, kv_cache_memory, memory_budget: expected at most one of "

@@ -41,7 +41,7 @@ EXPORTERS = {"pt2": export_pt2, "onnx": export_onnx}
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return LLM(model, block_size=16, max_num_batched_tokens=256)
+    return LLM(model, block_size=16, max_num_batched_tokens=256, keep_source_model=True)
 
 
 @pytest.fixture(scope="module", params=sorted(EXPORTERS))

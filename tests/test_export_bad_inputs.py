@@ -41,7 +41,7 @@ def model():
 @pytest.fixture(scope="module")
 def llm(model):
     """The un-exported reference, with a pool large enough never to preempt."""
-    return LLM(model, tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64)
+    return LLM(model, tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64, keep_source_model=True)
 
 
 @pytest.fixture(scope="module")

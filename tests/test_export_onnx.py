@@ -26,7 +26,7 @@ def dims(value_info) -> list:
 
 @pytest.fixture(scope="module")
 def llama():
-    return LLM(tiny_model("llama"), block_size=16, max_num_batched_tokens=256)
+    return LLM(tiny_model("llama"), block_size=16, max_num_batched_tokens=256, keep_source_model=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_dynamic_axes_and_functional_caches(exported, llama):
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_onnxruntime_generation_matches_pytorch(family, mixed_prompts, tmp_path):
     # Llama (and the fresh-process load) is covered by test_export.py for both formats.
-    llm = LLM(tiny_model(family), block_size=16, max_num_batched_tokens=256)
+    llm = LLM(tiny_model(family), block_size=16, max_num_batched_tokens=256, keep_source_model=True)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     want = [o.outputs[0].token_ids for o in llm.generate(mixed_prompts, params, use_tqdm=False)]
     loaded = LLM.from_exported(llm.export(tmp_path / f"{family}.onnx", format="onnx"), block_size=16,
@@ -87,7 +87,7 @@ def test_onnxruntime_generation_matches_pytorch(family, mixed_prompts, tmp_path)
 
 @pytest.fixture(scope="module")
 def microsoft(tmp_path_factory):
-    llm = LLM(tiny_model("llama"), dtype=torch.float16, block_size=16, num_blocks=8)
+    llm = LLM(tiny_model("llama"), dtype=torch.float16, block_size=16, num_blocks=8, keep_source_model=True)
     path = llm.export(tmp_path_factory.mktemp("onnx") / "llama-ms.onnx", format="onnx", attention="com.microsoft")
     return llm, path, onnx.load(path)
 

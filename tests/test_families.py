@@ -91,6 +91,6 @@ def test_window_and_soft_cap_survive_the_onnx_target_and_the_pt2_export(family, 
     want = [hf_greedy(model, p, 6) for p in prompts]
     onnx = LLM(model, target="onnx", num_blocks=64, max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in onnx.generate(prompts, params, use_tqdm=False)] == want
-    path = LLM(model, num_blocks=4).export(tmp_path / "m.pt2")
+    path = LLM(model, num_blocks=4, keep_source_model=True).export(tmp_path / "m.pt2")
     served = LLM.from_exported(path, num_blocks=64, max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == want

@@ -79,7 +79,7 @@ def test_projections_of_different_inputs_are_left_alone():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_merged_and_prepacked_step_generates_the_unmodified_models_tokens(family):
     model = tiny_model(family)
-    llm = LLM(model, block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    llm = LLM(model, block_size=16, num_blocks=64, max_num_batched_tokens=64, keep_source_model=True)
     assert _merge_row(llm.report).rewritten == 2 * LAYERS
     if cpu_linear.available():
         program = llm.program.run
