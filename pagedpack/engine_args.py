@@ -102,9 +102,25 @@ class EngineArgs:
                 callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
             raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
                              f"hub id, got {type(tokenizer).__name__}")
+        self._check_pool_below_ram()
         if self.is_exported and (self.dtype is not None or str(self.device) != "cpu"):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
+
+    def _check_pool_below_ram(self) -> None:
+        """A CPU pool sized beyond the machine's RAM is refused here, before the model is loaded,
+        where its size already shows (``LLM`` checks the exact size once it knows the bytes per
+        token): a budget or a byte count above RAM, or more blocks than RAM has bytes per token slot."""
+        from pagedpack.runtime.memory import physical_memory
+
+        ram = physical_memory() if torch.device(self.device).type == "cpu" else None
+        if ram is None:
+            return
+        for name, at_least in (("memory_budget", self.memory_budget), ("kv_cache_memory", self.kv_cache_memory),
+                               ("num_blocks", self.num_blocks and self.num_blocks * self.block_size)):
+            if at_least is not None and at_least > ram:
+                raise ValueError(f"{name}: a KV pool of at least {int(at_least)} bytes is more than this machine's "
+                                 f"memory ({ram} bytes)")
 
     @property
     def is_exported(self) -> bool:

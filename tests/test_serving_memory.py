@@ -88,7 +88,7 @@ def test_loading_again_refuses_a_changed_or_missing_checkpoint(tmp_path, monkeyp
 
 
 def test_a_served_file_is_still_served_once_deleted(tmp_path):
-    path = LLM("tiny", num_blocks=32).export(tmp_path / "x.pt2")
+    path = LLM("tiny", num_blocks=32, keep_source_model=True).export(tmp_path / "x.pt2")
     served = LLM.from_exported(path, num_blocks=32)
     os.remove(path)
     assert served.model is None and served.rewritten is None and served.report is None
@@ -100,15 +100,17 @@ def test_a_served_file_is_still_served_once_deleted(tmp_path):
 
 
 def test_the_plan_counts_the_weights_serving_holds(tmp_path):
-    llm = LLM("tiny", num_blocks=32)
-    assert llm.plan_memory("64MiB").weight_bytes == resident_weight_bytes(llm.program.run)
-    llm.export(tmp_path / "x.pt2")  # plan and export capture again without keeping what they capture
-    assert llm._rewritten is None and llm._model is None
-    kept = LLM("tiny", num_blocks=32, keep_source_model=True)
+    budget = "64MiB"  # the activation peak derived before lowering: no capture again for the plan
+    kept = LLM("tiny", memory_budget=budget, keep_source_model=True)
+    rewritten = resident_weight_bytes(kept.rewritten.graph_module)
     held = resident_weight_bytes(kept.program.run, kept.rewritten.graph_module, kept.model)
-    assert kept.plan_memory("64MiB").weight_bytes == held > resident_weight_bytes(kept.program.run)
-    onnx = LLM("tiny", num_blocks=32, target="onnx")  # onnxruntime's session: a copy of the rewritten graph's
-    assert onnx.plan_memory("64MiB").weight_bytes == resident_weight_bytes(onnx.rewritten.graph_module) > 0
+    assert kept.plan_memory(budget).weight_bytes == held > resident_weight_bytes(kept.program.run)
+    llm = LLM("tiny", memory_budget=budget)
+    assert llm.plan_memory(budget).weight_bytes == resident_weight_bytes(llm.program.run)
+    llm.export(tmp_path / "x.pt2")  # captures again without keeping what it captures
+    assert llm._rewritten is None and llm._model is None
+    onnx = LLM("tiny", memory_budget=budget, target="onnx")  # onnxruntime's session: the rewritten graph's copy
+    assert onnx.plan_memory(budget).weight_bytes == rewritten > 0
 
 
 def test_memory_budget_on_a_target_that_lowers_in_place():
