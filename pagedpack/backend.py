@@ -193,6 +193,8 @@ class PackedForward:
         mask = (args[self.mask_arg] if self.mask_arg is not None
                 else torch.ones(batch, seq, dtype=torch.long, device=token.device)).bool()
         flat = mask.reshape(-1).nonzero().squeeze(1)
+        if not flat.numel():  # every row is padding: no token to pack (a packed step of 0 tokens fails)
+            return self._as_captured(args)
         cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=token.device)
         cu_seqlens[1:] = mask.sum(1).cumsum(0)
         packed = [args[i].flatten(0, 1)[flat].unsqueeze(0) for i in self.token_args]

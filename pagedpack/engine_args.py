@@ -113,7 +113,8 @@ class EngineArgs:
         token): a budget or a byte count above RAM, or more blocks than RAM has bytes per token slot."""
         from pagedpack.runtime.memory import physical_memory
 
-        ram = physical_memory() if torch.device(self.device).type == "cpu" else None
+        device_type = self.device.type if isinstance(self.device, torch.device) else str(self.device).split(":")[0]
+        ram = physical_memory() if device_type == "cpu" else None  # "npu" needs torch_npu to parse
         if ram is None:
             return
         for name, at_least in (("memory_budget", self.memory_budget), ("kv_cache_memory", self.kv_cache_memory),
