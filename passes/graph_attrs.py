@@ -11,9 +11,9 @@ def attr_tensor(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
     """The tensor a ``get_attr`` node of ``gm`` reads; None for anything else."""
     if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
         return None
-    owner, _, name = node.target.rpartition(".")
     try:
-        value = getattr(gm.get_submodule(owner), name)
+        owner, name = _attr_owner(gm, node.target)
+        value = getattr(owner, name)
     except AttributeError:
         return None
     return value if isinstance(value, torch.Tensor) else None
