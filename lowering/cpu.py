@@ -1,7 +1,6 @@
 """The reference target's CPU lowering: a copy of the step graph with the CPU's fastest kernels.
 
-On the CPU, :func:`cpu_step` copies the rewritten step graph (parameters shared; the rewritten
-graph itself, which ``LLM.export`` writes, is never changed) and in the copy
+On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the copy
 
 * runs fp32 linears as oneDNN GEMMs on weights prepacked once
   (:func:`pagedpack.lowering.cpu_linear.prepack_linears`);
@@ -11,10 +10,12 @@ graph itself, which ``LLM.export`` writes, is never changed) and in the copy
   bookkeeping: tens of microseconds a call, two calls a layer). The native kernels check shapes
   and metadata bounds themselves.
 
-The copy is checked on an example step (a prefill, a decode and a chunk, random tokens and
-caches) against the rewritten graph, every row's logits within ``1e-4 * (1 + max |logits|)``
-(fp32, as ``verify_attention`` checks a site's output); if it differs or does not run, the
-rewritten graph runs instead and the report's note says why. Measurements: ``docs/cpu-kernels.md``.
+The copy is checked on an example step (prefills, decodes and chunks, random tokens and caches)
+against the graph it copied, every sequence's logits within ``1e-4 * (1 + max |logits|)``
+(fp32, as ``verify_attention`` checks a site's output); if it differs or does not run, that graph
+runs instead and the note says why. The graph copied is a rewritten model's (which stays as it
+is: ``LLM.export`` writes it) or the program of a ``.pt2`` export that ``LLM.from_exported``
+serves. Measurements: ``docs/cpu-kernels.md``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from pagedpack.runtime.batch import example_batch
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 _CHECK_BLOCK_SIZE = 4
-_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3], [0, 6, 9]  # a prefill, a decode, a chunk
+# prefills, decodes and chunks; one logits row each (what the runner asks, and all an exported program takes)
+_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3, 1, 12, 2], [0, 6, 9, 0, 21, 40]
 
 
 def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
@@ -54,34 +56,34 @@ def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
     return count
 
 
-def cpu_step(rewritten, device: torch.device | str) -> tuple[object, str | None]:
-    """``(program, note)``: the step program the reference target runs on ``device`` and what was
-    lowered. Off the CPU, or with nothing to lower, ``rewritten`` itself (note None)."""
+def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | str) -> tuple[object, str | None]:
+    """``(program, note)``: the step program the reference target runs on ``device`` for the step
+    graph ``gm`` (a rewritten model's, or a loaded ``.pt2`` program's ``.module()``) with caches
+    ``kv_cache_specs``, and what was lowered. Off the CPU, or with nothing to lower, ``gm`` itself
+    (note None)."""
     if torch.device(device).type != "cpu":
-        return rewritten, None
-    gm = rewritten.graph_module
+        return gm, None
     lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     linears = prepack_linears(lowered) if onednn_available(device) else 0
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
     if not linears and not kernels:
-        return rewritten, None
+        return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
             f"{kernels} attention/cache ops as native kernel calls")
-    reason = _check(gm, lowered, rewritten.kv_cache_specs)
+    reason = _check(gm, lowered, kv_cache_specs)
     if reason:
-        return rewritten, f"cpu lowering: kept the rewritten graph; the lowered one ({done}) {reason}"
+        return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"
     return lowered, f"cpu lowering: {done}"
 
 
 def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs) -> str | None:
-    """None if ``lowered`` computes ``reference``'s logits on an example step (all rows, random
-    tokens and caches) to :data:`FP32_RTOL`; else what differs."""
+    """None if ``lowered`` computes ``reference``'s logits on an example step (random tokens and
+    caches) to :data:`FP32_RTOL`; else what differs."""
     num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS))
     batch = example_batch(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(0)
     batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
-    batch.logits_indices = torch.arange(batch.num_tokens)
     inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
     caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
               for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]

@@ -114,8 +114,10 @@ class ReferenceTarget(Target):
         rewritten graph itself, which ``LLM.export`` writes, stays as it is."""
         from pagedpack.lowering.cpu import cpu_step
 
-        program, note = cpu_step(rewritten, device)
-        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=program is not rewritten)
+        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device)
+        if program is rewritten.graph_module:
+            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)
 
 
 # name -> "module:attribute" of a Target subclass, imported on first use.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TINY_ALIAS = "tiny"  # the built-in tiny Llama (random weights, byte-level tokenizer)
+DEFAULT_MODEL = "pagedpack/tiny-llama"  # its name: no download, random fixed-seed weights
 MARKER = "pagedpack_alias.json"  # written last into a converted directory: what it came from
 CACHE_ENV = "PAGEDPACK_CACHE"
 

@@ -13,8 +13,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.export import FORMATS
 from pagedpack.llm import LLM
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
-from pagedpack.models.aliases import TINY_ALIAS
-from pagedpack.models.loading import DEFAULT_MODEL
+from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
 from pagedpack.onnx_export import ATTENTIONS
 from pagedpack.runtime.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ import torch
 
 from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import DEFAULT_TARGET, GraphConfig, StepBounds, Target, get_target, target_names
-from pagedpack.models.loading import DEFAULT_MODEL
+from pagedpack.models.aliases import DEFAULT_MODEL
 
 
 @dataclass

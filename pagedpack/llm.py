@@ -1,4 +1,7 @@
-"""``LLM``: the offline generation API, in the style of vLLM's ``LLM``."""
+"""``LLM``: the offline generation API, in the style of vLLM's ``LLM``.
+
+The capture side (``transformers``' modeling code, the passes) is imported where it is used, so a
+process serving an exported file never imports it (its memory: ``docs/cpu-kernels.md``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +21,8 @@ from pagedpack.inputs import (
     normalize_sampling_params,
     parse_bytes,
 )
-from pagedpack.models.capture import capture
-from pagedpack.models.loading import checkpoint_stamp, describe_model, load, load_tokenizer
-from pagedpack.passes.activation_memory import activation_peak
+from pagedpack.lowering.cpu import cpu_step
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.passes.pipeline import rewrite
 from pagedpack.planner import MemoryPlan, plan_memory, resident_weight_bytes
 from pagedpack.runtime.engine import LLMEngine, Stats
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
@@ -96,8 +96,10 @@ class LLM:
             self.program, description = self._load_exported(args)
         else:
             self.program, description = self._capture_and_lower(args)
-            release_memory()  # what the rewrite's float64 checks and a let-go source model held
+        release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
         if args.tokenizer is not None:
+            from pagedpack.models.loading import load_tokenizer
+
             description.tokenizer = load_tokenizer(args.tokenizer)
         self.description, self.tokenizer = description, description.tokenizer
         self.vocab_size = description.vocab_size
@@ -141,9 +143,15 @@ class LLM:
         if args.target is not None and args.target != program.target:
             raise ValueError(f"target: {args.model!r} is run by the {program.target!r} target, got {args.target!r}")
         self.target = program.target
+        if isinstance(program.run, torch.fx.GraphModule):  # a .pt2 program: the CPU kernels, as after a capture
+            program.run, program.note = cpu_step(program.run, program.kv_cache_specs, args.device)
         return program, program.description
 
     def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
+        from pagedpack.models.capture import capture
+        from pagedpack.models.loading import checkpoint_stamp, describe_model
+        from pagedpack.passes.pipeline import rewrite
+
         target = args.lowering_target
         target.prepare_device(args.device)
         module, tokenizer = _load_source(args)
@@ -179,6 +187,8 @@ class LLM:
 
     def _load_again(self) -> torch.nn.Module:
         """The source model once let go, loaded again; ``ValueError`` if its checkpoint is gone or changed."""
+        from pagedpack.models.loading import checkpoint_stamp
+
         model = self.engine_args.model
         stamp = checkpoint_stamp(self._stamp[0] if self._stamp else model)
         try:
@@ -191,6 +201,9 @@ class LLM:
 
     def _capture_again(self):
         """The rewritten model of the source model (kept or loaded again), captured again."""
+        from pagedpack.models.capture import capture
+        from pagedpack.passes.pipeline import rewrite
+
         return rewrite(capture(self._model if self._model is not None else self._load_again()))
 
     @property
@@ -276,6 +289,8 @@ class LLM:
             lowered = getattr(self, "program", None)
             fresh = self._rewritten is not None and (lowered is None or lowered.standalone)
             rewritten = self._rewritten if fresh else self._capture_again()
+            from pagedpack.passes.activation_memory import activation_peak
+
             self._peak = activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
         return self._peak
 
@@ -382,6 +397,8 @@ class LLM:
 def _load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:
     """``(module, tokenizer)``: the caller's module (moved and cast in place; tokenizer None) or
     the model ``model`` (default ``args.model``) names, loaded for ``args.device`` / ``args.dtype``."""
+    from pagedpack.models.loading import load
+
     if isinstance(args.model, torch.nn.Module):
         check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
         return args.model.to(device=args.device, dtype=args.dtype).eval(), None

@@ -27,7 +27,8 @@ path, prompts_file = sys.argv[1:]
 llm = LLM.from_exported(path, block_size=16, max_num_batched_tokens=256)
 prompts = json.load(open(prompts_file))
 outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
-print(json.dumps([[o.error, o.outputs[0].token_ids] for o in outputs]))
+print(json.dumps({"note": llm.program.note, "imported": sorted(m for m in sys.modules if m.startswith("transformers")),
+                  "outputs": [[o.error, o.outputs[0].token_ids] for o in outputs]}))
 """
 
 
@@ -60,7 +61,11 @@ def test_fresh_process_generates_the_same_tokens(archive, mixed_prompts, tmp_pat
     result = subprocess.run([sys.executable, "-c", _GENERATE_SCRIPT, path, str(prompts_file)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    got = json.loads(result.stdout.strip().splitlines()[-1])
+    served = json.loads(result.stdout.strip().splitlines()[-1])
+    assert served["imported"] == []  # serving a file needs no transformers (nor its memory)
+    if path.endswith(".pt2"):  # the archive's program runs with the CPU kernels, as the captured model does
+        assert served["note"].startswith("cpu lowering: "), served["note"]
+    got = served["outputs"]
     assert [error for error, _ in got] == [None] * len(mixed_prompts)
     for prompt, want, (_, tokens) in zip(mixed_prompts, expected, got):
         assert tokens == want, f"prompt length {len(prompt)}"

@@ -119,11 +119,14 @@ def test_a_merge_that_fails_the_check_is_undone(monkeypatch):
 
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="oneDNN is not available")
-def test_a_prepacked_graph_that_differs_falls_back_to_the_rewritten_one(monkeypatch):
+def test_a_prepacked_graph_that_differs_falls_back_to_the_rewritten_one(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "FP32_RTOL", -1.0)  # any difference at all is too much
     llm = LLM(tiny_model("llama"), num_blocks=16)
     assert llm.program.run is llm.rewritten
-    assert any("kept the rewritten graph" in note for note in llm.report.notes), llm.report.notes
+    assert any("kept the graph as it was" in note for note in llm.report.notes), llm.report.notes
+    served = LLM.from_exported(llm.export(tmp_path / "step.pt2"), num_blocks=16)  # a .pt2's program alike
+    assert served.program.note.startswith("cpu lowering: kept the graph as it was"), served.program.note
+    assert not any(n.target is torch.ops.mkldnn._linear_pointwise.default for n in served.program.run.graph.nodes)
 
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="oneDNN is not available")

@@ -30,11 +30,12 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="the CPU lowering packs with oneDNN")
-def test_serving_from_a_checkpoint_unmaps_it_and_holds_each_weight_once(checkpoint):
+def test_serving_from_a_checkpoint_unmaps_it_and_holds_each_weight_once(checkpoint, tmp_path):
     kept = LLM(str(checkpoint), num_blocks=32, keep_source_model=True)
     assert str(checkpoint / "model.safetensors") in mapped_files()  # what transformers does
     expected = [o.outputs[0].token_ids for o in kept.generate(PROMPTS, GREEDY, use_tqdm=False)]
     report = kept.report.format().splitlines()[0]
+    exported = kept.export(tmp_path / "step.pt2")
     del kept
 
     llm = LLM(str(checkpoint), num_blocks=32)
@@ -47,6 +48,11 @@ def test_serving_from_a_checkpoint_unmaps_it_and_holds_each_weight_once(checkpoi
     buffers = sum(t.numel() * t.element_size() for t in model.buffers())  # rotary inv_freq, if kept
     assert params <= resident_weight_bytes(llm.program.run) <= params + buffers
     assert llm.plan_memory("64MiB").weight_bytes == resident_weight_bytes(llm.program.run)
+    # its .pt2 served: the same lowering, the loaded program's plain linear weights let go
+    served = LLM.from_exported(exported, num_blocks=32)
+    assert served.program.note.startswith("cpu lowering: ")
+    assert params <= resident_weight_bytes(served.program.run) <= params + buffers
+    assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
 def test_the_rewritten_model_is_captured_again_on_use():
