@@ -17,9 +17,12 @@ after the runs; the peak of loading and rewriting, before the runs, is reported 
 processes during its runs (``vllm_cpu.py`` samples it; its main-process figure inherits this
 process's peak through ``fork``). ``--vllm-python`` runs
 ``vllm_cpu.py`` from ``--bench-dir`` with that interpreter (Intel OpenMP preloaded from its venv,
-no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. Start only when
+no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. ``--pt2`` also
+serves the ``.pt2`` export of the same step program from a fresh process, as a deployment that
+captures once and serves elsewhere does (``pagedpack_pt2_process``: its time, and that process's
+peak RSS during the runs: it imports neither ``transformers`` nor the passes). Start only when
 the 1-minute load is below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
-``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx]``.
+``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx] [--pt2]``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,7 +66,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-transformers", action="store_true", help="skip the padded transformers baseline")
     parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
+    parser.add_argument("--pt2", action="store_true", help="also serve the .pt2 export from a fresh process")
+    parser.add_argument("--serve-file", nargs=3, metavar=("PT2", "PROMPTS_JSON", "NUM_BLOCKS"),
+                        help=argparse.SUPPRESS)  # the process --pt2 starts
     args = parser.parse_args()
+    if args.serve_file:
+        return print(json.dumps(_serve_file(args, *args.serve_file)))
     load = load_1min()
 
     model_dir, prompts = _workload(args)
@@ -83,6 +92,8 @@ def main() -> None:
     engines["pagedpack"]["steps_per_run"] = llm.llm_engine.stats.num_steps // (args.runs + 1)
     if args.onnx:
         engines["pagedpack_onnxruntime"] = _onnxruntime(llm, prompts, params, reference, args, eos)
+    if args.pt2:
+        engines["pagedpack_pt2_process"] = _pt2_process(llm, prompts, reference, args, eos)
     if not args.no_transformers:
         hf_s, hf_outputs = _timed(lambda: _padded_generate(llm.model, prompts, args.max_tokens), args.runs)
         engines["transformers_padded"] = _row(hf_s, hf_outputs, prompts, reference, args.max_tokens)
@@ -226,6 +237,37 @@ def _onnxruntime(llm, prompts, params, reference, args, eos_ids) -> dict:
         served = LLM.from_exported(path, block_size=args.block_size, num_blocks=llm.num_blocks)
         seconds, outputs = _timed(lambda: _generate(served, prompts, params), args.runs)
     return _row(seconds, outputs, prompts, reference, args.max_tokens, eos_ids)
+
+
+def _pt2_process(llm, prompts, reference, args, eos_ids) -> dict:
+    """The same requests, the step exported to ``.pt2`` and served by a fresh process (this script's
+    ``--serve-file``) with the same KV pool; its time and its peak RSS during the runs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, prompts_json = llm.export(os.path.join(tmp, "step.pt2")), Path(tmp, "prompts.json")
+        prompts_json.write_text(json.dumps(prompts))
+        done = subprocess.run([sys.executable, __file__, "--serve-file", path, str(prompts_json), str(llm.num_blocks),
+                               "--runs", str(args.runs), "--max-tokens", str(args.max_tokens),
+                               "--block-size", str(args.block_size)], capture_output=True, text=True)
+    if done.returncode:
+        return {"error": done.stderr.strip()[-2000:]}
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    row = _row(served["seconds"], served["outputs"], prompts, reference, args.max_tokens, eos_ids)
+    return {**row, "peak_rss_mb": served["peak_rss_mb"], "peak_rss_mb_of_load": served["peak_rss_mb_of_load"],
+            "imports_transformers": served["imports_transformers"], "note": served["note"]}
+
+
+def _serve_file(args, path: str, prompts_json: str, num_blocks: str) -> dict:
+    """``--serve-file``: serve ``path`` as ``main`` serves the captured model (timing and peak RSS alike)."""
+    served = LLM.from_exported(path, block_size=args.block_size, num_blocks=int(num_blocks),
+                               enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = json.loads(Path(prompts_json).read_text())
+    load_peak_mb = _peak_rss_mb()
+    _reset_peak_rss()
+    seconds, outputs = _timed(lambda: _generate(served, prompts, params), args.runs)
+    return {"seconds": seconds, "outputs": outputs, "peak_rss_mb": _peak_rss_mb(),
+            "peak_rss_mb_of_load": load_peak_mb, "note": served.program.note,
+            "imports_transformers": "transformers" in sys.modules}
 
 
 if __name__ == "__main__":
