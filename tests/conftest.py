@@ -4,6 +4,14 @@ import os
 import pytest
 import torch
 
+# pytest-xdist (pyproject's addopts) runs a worker per core: each worker's OpenMP threads get the cores
+# it alone would use (threads sharing a core with another worker's slow down several-fold), and so do
+# the subprocesses tests start.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 # The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
 MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
 

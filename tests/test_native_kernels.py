@@ -37,9 +37,19 @@ def run_step(seqs, params=None, *, dtype=torch.float32, **kw):
     return out, torch.cat(expected)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The kernel's work split for 1 and for 2 threads, run on that many (the suite's workers get
+    fewer threads each: tests/conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("q_len", [1, 3, 40])
 @pytest.mark.parametrize("with_params", [False, True])
-def test_long_context_split_kv(q_len, with_params):
+def test_long_context_split_kv(q_len, with_params, threads):
     """One sequence with 3000 keys: few work items, so the KV range is split and merged."""
     params = make_params(4, window=700, soft_cap=20.0, alibi=True, sinks=True) if with_params else None
     out, expected = run_step([(3000 - q_len, q_len)], params, num_kv_heads=1, ratio=4, head_dim=64, block_size=16)
