@@ -20,7 +20,7 @@ process's peak through ``fork``). ``--vllm-python`` runs
 no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. ``--pt2`` also
 serves the ``.pt2`` export of the same step program from a fresh process, as a deployment that
 captures once and serves elsewhere does (``pagedpack_pt2_process``: its time, and that process's
-peak RSS during the runs: it imports neither ``transformers`` nor the passes). Start only when
+peak RSS during the runs: it imports neither ``transformers``' modeling code nor the passes). Start only when
 the 1-minute load is below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
 ``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx] [--pt2]``.
 """
@@ -253,7 +253,7 @@ def _pt2_process(llm, prompts, reference, args, eos_ids) -> dict:
     served = json.loads(done.stdout.strip().splitlines()[-1])
     row = _row(served["seconds"], served["outputs"], prompts, reference, args.max_tokens, eos_ids)
     return {**row, "peak_rss_mb": served["peak_rss_mb"], "peak_rss_mb_of_load": served["peak_rss_mb_of_load"],
-            "imports_transformers": served["imports_transformers"], "note": served["note"]}
+            "imports_transformers_modeling": served["imports_transformers_modeling"], "note": served["note"]}
 
 
 def _serve_file(args, path: str, prompts_json: str, num_blocks: str) -> dict:
@@ -267,7 +267,7 @@ def _serve_file(args, path: str, prompts_json: str, num_blocks: str) -> dict:
     seconds, outputs = _timed(lambda: _generate(served, prompts, params), args.runs)
     return {"seconds": seconds, "outputs": outputs, "peak_rss_mb": _peak_rss_mb(),
             "peak_rss_mb_of_load": load_peak_mb, "note": served.program.note,
-            "imports_transformers": "transformers" in sys.modules}
+            "imports_transformers_modeling": "transformers.modeling_utils" in sys.modules}
 
 
 if __name__ == "__main__":
