@@ -225,7 +225,7 @@ def _plan(args) -> int:
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, memory_budget=None,
                                                         kv_cache_memory=None, keep_source_model=True))
     table = Table(title=f"memory plan: {args.model} ({llm.target} target)", show_header=False)
-    for key, value in llm.plan_memory(memory).rows():
+    for key, value in llm.plan_memory(memory, keep_source_model=False).rows():  # as `generate` would serve
         table.add_row(key, value)
     Console().print(table)
     return 0

@@ -91,7 +91,7 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         self.engine_args, self.target = args, args.lowering_target.name
         self._model, self._rewritten, self._report, self._peak = None, None, None, None
-        self._exported, self._stamp, self._weight_bytes = args.is_exported, None, 0
+        self._exported, self._stamp, self._weight_bytes = args.is_exported, None, {}
         if self._exported:
             self.program, description = self._load_exported(args)
         else:
@@ -171,7 +171,9 @@ class LLM:
         if program.note:
             rewritten.report.notes.append(program.note)
         keep = args.keep_source_model or not program.standalone
-        self._weight_bytes = _serving_weight_bytes(program, rewritten, module, keep)
+        # what serving holds, with the source kept and without: plan_memory(keep_source_model=...)
+        self._weight_bytes = {kept: _serving_weight_bytes(program, rewritten, module, kept or not program.standalone)
+                              for kept in (True, False)}
         if not keep:
             self._let_source_go(program)
         return program, description
@@ -266,20 +268,24 @@ class LLM:
         """The rewritten model: the one kept, else captured again without keeping it."""
         return self._rewritten if self._rewritten is not None else self._capture_again()
 
-    def plan_memory(self, memory) -> MemoryPlan:
+    def plan_memory(self, memory, *, keep_source_model: bool | None = None) -> MemoryPlan:
         """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
         bytes (an int or a string such as ``"4GiB"``) with this LLM's block size, step limits and
         ``max_model_len``; weights counted as serving holds them: a program of the target's own
-        (on the CPU, with the prepacked copies) alone, otherwise with the model and the rewritten
-        graph. ``ValueError`` for an LLM served from a file (no graph to plan from)."""
+        (on the CPU, with the prepacked copies) alone, otherwise, or with ``keep_source_model``
+        (None: as this LLM was built), with the model and the rewritten graph. ``ValueError`` for
+        an LLM served from a file (no graph to plan from)."""
         if self._exported:
             raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
                              "give num_blocks or kv_cache_memory")
         args = self.engine_args
+        keep = args.keep_source_model if keep_source_model is None else keep_source_model
+        if not isinstance(keep, bool):
+            raise ValueError(f"keep_source_model: expected a bool or None, got {keep_source_model!r}")
         return plan_memory(self._activation_peak(), bytes_per_token=self.bytes_per_token,
                            memory=parse_bytes("memory", memory), block_size=self.block_size,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           max_model_len=self.max_model_len, weight_bytes=self._weight_bytes)
+                           max_model_len=self.max_model_len, weight_bytes=self._weight_bytes[keep])
 
     def _activation_peak(self):
         """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`),

@@ -108,7 +108,9 @@ def test_plan_prints_the_memory_plan():
     result = run("plan", "--model", "tiny", "--memory", "64MiB", "--max-model-len", "512")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    for field in ("memory budget │ 64.0 MiB", "weights", "KV bytes │ 1024*tokens", "activation peak(T, B) │ Max(",
+    served = dict(LLM("tiny", num_blocks=8).plan_memory("64MiB").rows())["weights"]  # as `generate` serves it
+    weights = f"weights │ {served.split(' resident')[0]} resident"
+    for field in ("memory budget │ 64.0 MiB", weights, "KV bytes │ 1024*tokens", "activation peak(T, B) │ Max(",
                   "KV pool", "largest max_num_batched_tokens", "sequences of 512 tokens"):
         assert field in text, field
 

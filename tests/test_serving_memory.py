@@ -111,8 +111,13 @@ def test_the_plan_counts_the_weights_serving_holds(tmp_path):
     rewritten = resident_weight_bytes(kept.rewritten.graph_module)
     held = resident_weight_bytes(kept.program.run, kept.rewritten.graph_module, kept.model)
     assert kept.plan_memory(budget).weight_bytes == held > resident_weight_bytes(kept.program.run)
+    # what `pagedpack plan` shows (it keeps them, to plan without capturing again): serving as `generate` does
+    assert kept.plan_memory(budget, keep_source_model=False).weight_bytes == resident_weight_bytes(kept.program.run)
+    with pytest.raises(ValueError, match="keep_source_model: expected a bool or None, got 'no'"):
+        kept.plan_memory(budget, keep_source_model="no")
     llm = LLM("tiny", memory_budget=budget)
     assert llm.plan_memory(budget).weight_bytes == resident_weight_bytes(llm.program.run)
+    assert llm.plan_memory(budget, keep_source_model=True).weight_bytes == held
     llm.export(tmp_path / "x.pt2")  # captures again without keeping what it captures
     assert llm._rewritten is None and llm._model is None
     onnx = LLM("tiny", memory_budget=budget, target="onnx")  # onnxruntime's session: the rewritten graph's copy
