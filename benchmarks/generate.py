@@ -20,8 +20,9 @@ process's peak through ``fork``). ``--vllm-python`` runs
 no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. ``--pt2`` also
 serves the ``.pt2`` export of the same step program from a fresh process, as a deployment that
 captures once and serves elsewhere does (``pagedpack_pt2_process``: its time, and that process's
-peak RSS during the runs: it imports neither ``transformers``' modeling code nor the passes). Start only when
-the 1-minute load is below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
+peak RSS during the runs: it imports neither ``transformers``' modeling code nor the capture and
+rewrite passes). Start only when the 1-minute load is below 0.8 (reported as ``load_1min``).
+Prints one JSON object. Run:
 ``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx] [--pt2]``.
 """
 from __future__ import annotations

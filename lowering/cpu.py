@@ -20,6 +20,7 @@ serves. Measurements: ``docs/cpu-kernels.md``.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.fx
@@ -33,8 +34,9 @@ from pagedpack.runtime.batch import example_batch
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 _CHECK_BLOCK_SIZE = 4
-# prefills, decodes and chunks; one logits row each (what the runner asks, and all an exported program takes)
-_CHECK_Q_LENS, _CHECK_CONTEXT_LENS = [37, 1, 3, 1, 12, 2], [0, 6, 9, 0, 21, 40]
+# (cached, new) tokens: prefills, decodes and chunks, cut to the model's length limit; one logits row
+# each (what the runner asks, and all an exported program takes)
+_CHECK_SEQS = [(0, 37), (6, 1), (9, 3), (0, 1), (21, 12), (40, 2)]
 
 
 def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
@@ -56,14 +58,19 @@ def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
     return count
 
 
-def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | str) -> tuple[object, str | None]:
+def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | str,
+             max_model_len: int | None = None) -> tuple[object, str | None]:
     """``(program, note)``: the step program the reference target runs on ``device`` for the step
     graph ``gm`` (a rewritten model's, or a loaded ``.pt2`` program's ``.module()``) with caches
-    ``kv_cache_specs``, and what was lowered. Off the CPU, or with nothing to lower, ``gm`` itself
-    (note None)."""
+    ``kv_cache_specs``, and what was lowered; the example step it is checked on stays within
+    ``max_model_len`` tokens a sequence (a learned position table may have no more rows). Off the
+    CPU, or with nothing to lower, ``gm`` itself (note None)."""
     if torch.device(device).type != "cpu":
         return gm, None
-    lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():  # torch's own deprecation, copying a loaded program's pytree specs
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    lowered = torch.fx.GraphModule(gm, graph)
     linears = prepack_linears(lowered) if onednn_available(device) else 0
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
@@ -71,28 +78,34 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
         return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
             f"{kernels} attention/cache ops as native kernel calls")
-    reason = _check(gm, lowered, kv_cache_specs)
+    reason = _check(gm, lowered, kv_cache_specs, max_model_len)
     if reason:
         return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"
     return lowered, f"cpu lowering: {done}"
 
 
-def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs) -> str | None:
+def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs,
+           max_model_len: int | None) -> str | None:
     """None if ``lowered`` computes ``reference``'s logits on an example step (random tokens and
-    caches) to :data:`FP32_RTOL`; else what differs."""
-    num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS))
-    batch = example_batch(_CHECK_Q_LENS, _CHECK_CONTEXT_LENS, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
+    caches, sequences of at most ``max_model_len`` tokens) to :data:`FP32_RTOL`; else what differs."""
+    limit = max_model_len or max(c + q for c, q in _CHECK_SEQS)
+    q_lens = [min(q, limit) for _, q in _CHECK_SEQS]
+    context_lens = [min(c, limit - q) for (c, _), q in zip(_CHECK_SEQS, q_lens)]
+    num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(q_lens, context_lens))
+    batch = example_batch(q_lens, context_lens, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(0)
     batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
     inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
     caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
               for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
-    with torch.no_grad():
-        expected = reference(*inputs, *(c.clone() for c in caches))
+    results = []
+    for which, program in (("the graph itself", reference), ("the lowered copy", lowered)):
         try:
-            got = lowered(*inputs, *(c.clone() for c in caches))
-        except RuntimeError as err:
-            return f"does not run ({type(err).__name__}: {str(err)[:160]})"
+            with torch.no_grad():
+                results.append(program(*inputs, *(c.clone() for c in caches)))
+        except Exception as err:  # noqa: BLE001 -- whatever fails, the graph is served as it was
+            return f"was not checked: the example step fails on {which} ({type(err).__name__}: {str(err)[:160]})"
+    expected, got = results
     if got.shape != expected.shape:
         return f"returns logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
     diff = (got.double() - expected.double()).abs().max().item()

@@ -114,7 +114,7 @@ class ReferenceTarget(Target):
         rewritten graph itself, which ``LLM.export`` writes, stays as it is."""
         from pagedpack.lowering.cpu import cpu_step
 
-        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device)
+        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len)
         if program is rewritten.graph_module:
             return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)

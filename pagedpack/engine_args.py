@@ -103,7 +103,7 @@ class EngineArgs:
             raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
                              f"hub id, got {type(tokenizer).__name__}")
         self._check_pool_below_ram()
-        if self.is_exported and (self.dtype is not None or str(self.device) != "cpu"):
+        if self.is_exported and (self.dtype is not None or self.device_type != "cpu"):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
 
@@ -113,8 +113,7 @@ class EngineArgs:
         token): a budget or a byte count above RAM, or more blocks than RAM has bytes per token slot."""
         from pagedpack.runtime.memory import physical_memory
 
-        device_type = self.device.type if isinstance(self.device, torch.device) else str(self.device).split(":")[0]
-        ram = physical_memory() if device_type == "cpu" else None  # "npu" needs torch_npu to parse
+        ram = physical_memory() if self.device_type == "cpu" else None
         if ram is None:
             return
         for name, at_least in (("memory_budget", self.memory_budget), ("kv_cache_memory", self.kv_cache_memory),
@@ -122,6 +121,11 @@ class EngineArgs:
             if at_least is not None and at_least > ram:
                 raise ValueError(f"{name}: a KV pool of at least {int(at_least)} bytes is more than this machine's "
                                  f"memory ({ram} bytes)")
+
+    @property
+    def device_type(self) -> str:
+        """``device``'s type ("cpu" for "cpu:0"), read off the string: "npu" needs torch_npu to parse."""
+        return self.device.type if isinstance(self.device, torch.device) else str(self.device).split(":")[0]
 
     @property
     def is_exported(self) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import json
 import os
 import tempfile
@@ -177,12 +178,19 @@ def load_exported(path) -> ExportedStep:
     return load_onnx(path)
 
 
+# Ops a captured model may call that a library registers on import, by the prefix of their name in
+# an archive: Mixture-of-Experts layers of transformers call torch.ops.transformers.grouped_mm_fallback.
+_OP_LIBRARIES = {b"torch.ops.transformers.": "transformers.integrations.moe"}
+
+
 def load_pt2(path) -> ExportedStep:
     """Load an archive written by :func:`export_pt2`; ``ValueError`` if ``path`` is missing or
-    is not a pagedpack ``.pt2`` archive."""
+    is not a pagedpack ``.pt2`` archive. The libraries that register ops the program calls besides
+    pagedpack's (:data:`_OP_LIBRARIES`) are imported first."""
     path = check_export_file(path)
     extra = {META_FILE: ""}
     try:
+        _import_op_libraries(path)
         program = torch.export.load(path, extra_files=extra)
     except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
         raise ValueError(f"path: {path!r} is not a loadable torch.export archive "
@@ -190,6 +198,14 @@ def load_pt2(path) -> ExportedStep:
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
     return step_from_metadata(program.module(), extra[META_FILE], path, target="reference")
+
+
+def _import_op_libraries(path: str) -> None:
+    with zipfile.ZipFile(path) as archive:
+        graphs = [archive.read(name) for name in archive.namelist() if name.endswith(".json")]
+    for prefix, module in _OP_LIBRARIES.items():
+        if any(prefix in graph for graph in graphs):
+            importlib.import_module(module)
 
 
 def load_onnx(path: str | os.PathLike) -> ExportedStep:

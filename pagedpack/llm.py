@@ -1,7 +1,8 @@
 """``LLM``: the offline generation API, in the style of vLLM's ``LLM``.
 
-The capture side (``transformers``' modeling code, the passes) is imported where it is used, so a
-process serving an exported file never imports it (its memory: ``docs/cpu-kernels.md``)."""
+The capture side (``transformers``' modeling code, capture, the rewrite passes) is imported where
+it is used, so a process serving an exported file never imports it (its memory:
+``docs/cpu-kernels.md``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -144,7 +145,9 @@ class LLM:
             raise ValueError(f"target: {args.model!r} is run by the {program.target!r} target, got {args.target!r}")
         self.target = program.target
         if isinstance(program.run, torch.fx.GraphModule):  # a .pt2 program: the CPU kernels, as after a capture
-            program.run, program.note = cpu_step(program.run, program.kv_cache_specs, args.device)
+            limit = args.max_model_len or program.description.max_model_len
+            program.run, note = cpu_step(program.run, program.kv_cache_specs, args.device, limit)
+            program.note = "; ".join(filter(None, (program.note, note)))
         return program, program.description
 
     def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:

@@ -7,8 +7,9 @@ import torch
 # pytest-xdist (pyproject's addopts) runs a worker per core: each worker's OpenMP threads get the cores
 # it alone would use (threads sharing a core with another worker's slow down several-fold), and so do
 # the subprocesses tests start.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+_workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "").strip()
+if _workers.isdigit() and int(_workers) > 0:
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(_workers))
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 

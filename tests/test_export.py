@@ -64,7 +64,7 @@ def test_fresh_process_generates_the_same_tokens(archive, mixed_prompts, tmp_pat
     served = json.loads(result.stdout.strip().splitlines()[-1])
     assert served["imported"] == []  # serving a file needs no transformers (nor its memory)
     if path.endswith(".pt2"):  # the archive's program runs with the CPU kernels, as the captured model does
-        assert served["note"].startswith("cpu lowering: "), served["note"]
+        assert served["note"].startswith(f"loaded from {path}; cpu lowering: "), served["note"]
     got = served["outputs"]
     assert [error for error, _ in got] == [None] * len(mixed_prompts)
     for prompt, want, (_, tokens) in zip(mixed_prompts, expected, got):

@@ -3,6 +3,10 @@ the unmodified model's ``generate`` run one prompt at a time, on 12 prompts of l
 batched together (block 16, a 96-token step budget, so long prompts are chunked and sliding
 windows cross block boundaries); families the pass cannot serve exactly are refused with a reason.
 Each family runs under every ``attn_implementation`` transformers offers it (``sdpa``, ``eager``)."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers as T
@@ -94,3 +98,34 @@ def test_window_and_soft_cap_survive_the_onnx_target_and_the_pt2_export(family, 
     path = LLM(model, num_blocks=4, keep_source_model=True).export(tmp_path / "m.pt2")
     served = LLM.from_exported(path, num_blocks=64, max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == want
+
+
+_SERVE_SCRIPT = """
+import json, sys
+from pagedpack import LLM, SamplingParams
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM.from_exported(path, num_blocks=64, device="cpu:0")
+outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+print(json.dumps({"note": llm.program.note, "tokens": [o.outputs[0].token_ids for o in outputs]}))
+"""
+
+
+@pytest.mark.parametrize("family, overrides", [("mixtral", {}), ("gpt2", dict(n_positions=16))])
+def test_a_pt2_export_serves_in_a_fresh_process(family, overrides, tmp_path):
+    """From an adversarial trial: a Mixtral archive calls an op transformers registers, and did not
+    load where transformers' modeling code is not imported; a 16-position GPT-2 failed the CPU
+    lowering's check, whose example step ran past its position table. Both served, warnings as errors."""
+    config_class, config = SERVED[family][:2]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(config_class(**{**config, **overrides})).eval()
+    prompts = random_prompts((3, 9), seed=3, vocab=V)
+    llm = LLM(model, num_blocks=16, keep_source_model=True)
+    assert llm.report.notes[-1].startswith("cpu lowering: ") and "kept" not in llm.report.notes[-1]
+    path = llm.export(tmp_path / "m.pt2")
+    command = [sys.executable, "-W", "error::FutureWarning", "-c", _SERVE_SCRIPT, path, json.dumps(prompts)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    served = json.loads(done.stdout.strip().splitlines()[-1])
+    assert served["note"] == f"loaded from {path}; {llm.report.notes[-1]}"
+    assert served["tokens"] == [hf_greedy(model, p, 6) for p in prompts]

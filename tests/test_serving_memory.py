@@ -50,7 +50,7 @@ def test_serving_from_a_checkpoint_unmaps_it_and_holds_each_weight_once(checkpoi
     assert llm.plan_memory("64MiB").weight_bytes == resident_weight_bytes(llm.program.run)
     # its .pt2 served: the same lowering, the loaded program's plain linear weights let go
     served = LLM.from_exported(exported, num_blocks=32)
-    assert served.program.note.startswith("cpu lowering: ")
+    assert served.program.note == f"loaded from {exported}; {llm.report.notes[-1]}"  # "cpu lowering: ..."
     assert params <= resident_weight_bytes(served.program.run) <= params + buffers
     assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
