@@ -4,13 +4,16 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
 
 * runs fp32 linears as oneDNN GEMMs on weights prepacked once
   (:func:`pagedpack.lowering.cpu_linear.prepack_linears`);
+* runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
+  activation memory (:func:`pagedpack.lowering.cpu_mlp.chunk_mlps`);
 * calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
   (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
   them, which saves each call the custom op's Python layer (argument checks, mutation
   bookkeeping: tens of microseconds a call, two calls a layer). The native kernels check shapes
   and metadata bounds themselves.
 
-The copy is checked on an example step (prefills, decodes and chunks, random tokens and caches)
+The copy is checked on an example step (prefills, decodes and chunks, random tokens and caches,
+more tokens than an MLP row chunk)
 against the graph it copied, every sequence's logits within ``1e-4 * (1 + max |logits|)``
 (fp32, as ``verify_attention`` checks a site's output); if it differs or does not run, that graph
 runs instead and the note says why. The graph copied is a rewritten model's (which stays as it
@@ -29,6 +32,7 @@ from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.cpu_linear import available as onednn_available
 from pagedpack.lowering.cpu_linear import prepack_linears
+from pagedpack.lowering.cpu_mlp import CHUNK_ROWS, chunk_mlps
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 from pagedpack.runtime.batch import example_batch
 
@@ -37,6 +41,7 @@ _CHECK_BLOCK_SIZE = 4
 # (cached, new) tokens: prefills, decodes and chunks, cut to the model's length limit; one logits row
 # each (what the runner asks, and all an exported program takes)
 _CHECK_SEQS = [(0, 37), (6, 1), (9, 3), (0, 1), (21, 12), (40, 2)]
+_CHECK_PREFILL = 240  # tokens of the prefills added until the step is longer than CHUNK_ROWS
 
 
 def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
@@ -72,11 +77,13 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
         graph = copy.deepcopy(gm.graph)
     lowered = torch.fx.GraphModule(gm, graph)
     linears = prepack_linears(lowered) if onednn_available(device) else 0
+    mlps = chunk_mlps(lowered, CHUNK_ROWS)
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
-    if not linears and not kernels:
+    if not linears and not kernels and not mlps:
         return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
+            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, "
             f"{kernels} attention/cache ops as native kernel calls")
     reason = _check(gm, lowered, kv_cache_specs, max_model_len)
     if reason:
@@ -91,6 +98,9 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     limit = max_model_len or max(c + q for c, q in _CHECK_SEQS)
     q_lens = [min(q, limit) for _, q in _CHECK_SEQS]
     context_lens = [min(c, limit - q) for (c, _), q in zip(_CHECK_SEQS, q_lens)]
+    while sum(q_lens) <= CHUNK_ROWS:  # prefills enough for a step of several MLP row chunks
+        q_lens.append(min(_CHECK_PREFILL, limit))
+        context_lens.append(0)
     num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(q_lens, context_lens))
     batch = example_batch(q_lens, context_lens, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(0)

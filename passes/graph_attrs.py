@@ -58,24 +58,31 @@ def drop_unused_attrs(gm: torch.fx.GraphModule) -> int:
 
 
 def own_attrs(gm: torch.fx.GraphModule) -> None:
-    """Give every strided tensor ``gm`` reads with ``get_attr`` storage of its own (a copy, without
-    grad; one per tensor shared under several names, while views of one storage become separate
-    copies), so that ``gm`` no longer sees or keeps alive memory it shared with another module:
-    later in-place edits of that module, or a checkpoint file ``transformers`` memory-mapped."""
+    """Give every strided tensor ``gm`` (or a graph module inside it) reads with ``get_attr``
+    storage of its own (a copy, without grad; one per tensor shared under several names, while
+    views of one storage become separate copies), so that ``gm`` no longer sees or keeps alive
+    memory it shared with another module: later in-place edits of that module, or a checkpoint
+    file ``transformers`` memory-mapped."""
     copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, copy): the original kept alive
-    for target in dict.fromkeys(node.target for node in gm.graph.nodes if node.op == "get_attr"):
-        owner, leaf = _attr_owner(gm, target)
-        tensor = getattr(owner, leaf, None)
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            continue
-        if id(tensor) not in copies:
-            copy = tensor.detach().clone()
-            if isinstance(tensor, torch.nn.Parameter):
-                copy = torch.nn.Parameter(copy, requires_grad=False)
-            copies[id(tensor)] = tensor, copy
-        copy = copies[id(tensor)][1]
-        delattr(owner, leaf)
-        if isinstance(copy, torch.nn.Parameter):
-            owner.register_parameter(leaf, copy)
-        else:
-            owner.register_buffer(leaf, copy)
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for target in dict.fromkeys(node.target for node in module.graph.nodes if node.op == "get_attr"):
+                _own(module, target, copies)
+
+
+def _own(gm: torch.fx.GraphModule, target: str, copies: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    owner, leaf = _attr_owner(gm, target)
+    tensor = getattr(owner, leaf, None)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return
+    if id(tensor) not in copies:
+        copy = tensor.detach().clone()
+        if isinstance(tensor, torch.nn.Parameter):
+            copy = torch.nn.Parameter(copy, requires_grad=False)
+        copies[id(tensor)] = tensor, copy
+    copy = copies[id(tensor)][1]
+    delattr(owner, leaf)
+    if isinstance(copy, torch.nn.Parameter):
+        owner.register_parameter(leaf, copy)
+    else:
+        owner.register_buffer(leaf, copy)

@@ -23,7 +23,9 @@ LINEAR, ONEDNN = torch.ops.aten.linear.default, torch.ops.mkldnn._linear_pointwi
 
 
 def _count(gm, target) -> int:
-    return sum(n.target is target for n in gm.graph.nodes)
+    """Calls of ``target`` in ``gm``'s graph and the graphs of its submodules (row-chunked MLPs)."""
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(n.target is target for graph in graphs for n in graph.nodes)
 
 
 def _merge_row(report):
