@@ -3,6 +3,8 @@ the ``transformers`` model and the rewritten graph are let go (and loaded / capt
 use) unless ``keep_source_model=True``; a checkpoint ``transformers`` memory-mapped is unmapped."""
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +178,16 @@ def test_own_attrs_copies_each_tensor_once_keeping_its_kind():
         assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
     x = torch.randn(2, 2)
     assert torch.equal(gm(x), x @ before["w"] + before["b"])
+
+
+@pytest.mark.parametrize("preset", [None, "1024"])
+def test_onednn_primitive_caches_are_capped_unless_the_environment_says(preset):
+    """oneDNN keeps a primitive per step size in two process-wide caches (1024 each by default): a
+    server whose steps come in many sizes grew without bound until pagedpack capped them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    if preset:
+        env["LRU_CACHE_CAPACITY"] = preset
+    code = ("import os, pagedpack, pagedpack.lowering.cpu_linear as c;"
+            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'], c.ONEDNN_CACHE_CAPACITY)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["64", preset or "64", "64"]
