@@ -15,8 +15,9 @@ A region is the subgraph from the up projections (linears reading one tensor ``x
 input) to the down projection (a linear), made only of row-local ops (:data:`ROW_LOCAL`: linears,
 elementwise ops, slices, splits and chunks of the last dimension) on them and on constants (weights, ``get_attr``
 tensors of at most one dimension, scalars); nothing outside the region may use a tensor inside
-it. Anything else is left as it was. The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies this after
-prepacking the linears and checks the lowered graph on a step longer than ``CHUNK_ROWS``.
+it. Anything else is left as it was. The reference target's CPU lowering
+(:mod:`pagedpack.lowering.cpu`) applies this after prepacking the linears and checks the lowered
+graph on a step longer than ``CHUNK_ROWS``.
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
                 todo.append(arg)
             else:
                 return None  # something else joins in: not one tensor's rows
-    if entry is None or any(user not in members for node in members - {down} for user in node.users):
+    if entry is None or entry in members or any(user not in members for node in members - {down}
+                                                for user in node.users):
         return None
     order = {node: i for i, node in enumerate(down.graph.nodes)}
     return entry, sorted(members, key=order.__getitem__)
@@ -119,7 +121,8 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
 def _is_constant(gm: torch.fx.GraphModule, attr: torch.fx.Node, user: torch.fx.Node) -> bool:
     """A weight (or bias) of a linear, or a tensor of at most one dimension (the same for every row)."""
     tensor = attr_tensor(gm, attr)
-    return tensor is not None and (user.target in LINEARS or tensor.dim() <= 1)
+    weight = user.target in LINEARS and attr is not user.args[0]
+    return tensor is not None and (weight or tensor.dim() <= 1)
 
 
 def _row_local(node: torch.fx.Node) -> bool:

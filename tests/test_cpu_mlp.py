@@ -25,6 +25,7 @@ class _Mlp(torch.nn.Module):
         self.down = torch.nn.Linear(inter, hidden, bias=False)
         self.scale = torch.nn.Parameter(torch.rand(inter) + 0.5)
         self.table = torch.nn.Parameter(torch.rand(64, inter))
+        self.row = torch.nn.Parameter(torch.rand(1, hidden))
 
     def forward(self, x):
         if self.form == "gated":
@@ -41,6 +42,8 @@ class _Mlp(torch.nn.Module):
             return self.down(hidden), hidden
         if self.form == "token slice":  # a slice over tokens, not features
             return self.down(F.relu(self.fc(x))[..., 1:, :])
+        if self.form == "constant rows":  # a linear of a constant: rows that are not x's
+            return self.down(F.relu(self.fc(x)) + self.fc(self.row))
         raise ValueError(self.form)
 
 
@@ -73,7 +76,7 @@ def test_rows_are_all_leading_dimensions():
         torch.testing.assert_close(gm(x), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("form", ["residual inside", "row table", "used outside", "token slice"])
+@pytest.mark.parametrize("form", ["residual inside", "row table", "used outside", "token slice", "constant rows"])
 def test_a_region_that_is_not_row_local_is_left_alone(form):
     gm = _graph(form)
     before = [n.format_node() for n in gm.graph.nodes]

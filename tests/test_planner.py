@@ -4,8 +4,10 @@ import math
 
 import pytest
 import sympy
+import torch
 
 from pagedpack import LLM
+from pagedpack.contract import METADATA_INPUTS
 from pagedpack.passes.activation_memory import B, T, activation_peak
 from pagedpack.runtime.batch import example_batch
 
@@ -17,22 +19,35 @@ def llm():
     return LLM("tiny", num_blocks=64)
 
 
-def measured_step_peak(llm, q_lens) -> int:
+def measured_step_peak(llm, q_lens, program=None) -> int:
+    """Peak bytes of one step of ``q_lens`` through ``program`` with the runner's caches (default:
+    the program the runner serves)."""
     runner = llm.llm_engine.runner
     batch = example_batch(q_lens, block_size=runner.block_size, num_blocks=runner.num_blocks)
-    runner.execute(batch)  # warm up: first-call allocations are not the step's
-    return profiled_peak_bytes(lambda: runner.execute(batch))
+    inputs = batch.as_inputs()
+
+    def step():
+        if program is None:
+            return runner.execute(batch)
+        with torch.inference_mode():
+            return program(*(inputs[name] for name in METADATA_INPUTS), *runner.kv_caches)
+
+    step()  # warm up: first-call allocations are not the step's
+    return profiled_peak_bytes(step)
 
 
 def check_peak_matches_profiler(llm, token_counts=(64, 512, 2048)):
-    """The symbolic peak within 25 % of the measured one for T in ``token_counts``, one sequence
-    and eight; returns the ratios."""
+    """The symbolic peak within 25 % of the measured one of the rewritten graph (what it models)
+    for T in ``token_counts``, one sequence and eight, and at least the served program's (the CPU
+    lowering's row-chunked MLPs hold less); returns the ratios."""
     peak = activation_peak(llm.rewritten.graph_module, llm.rewritten.kv_cache_specs)
     assert peak.expr.free_symbols <= {T, B}
     ratios = []
     for tokens in token_counts:
         for seqs in (1, 8):
-            measured = measured_step_peak(llm, [tokens // seqs] * seqs)
+            measured = measured_step_peak(llm, [tokens // seqs] * seqs, llm.rewritten.graph_module)
+            served = measured_step_peak(llm, [tokens // seqs] * seqs)
+            assert served <= 1.25 * peak.bytes(tokens, seqs), (tokens, seqs, peak.bytes(tokens, seqs), served)
             ratio = peak.bytes(tokens, seqs) / measured
             assert 0.75 <= ratio <= 1.25, (tokens, seqs, peak.bytes(tokens, seqs), measured)
             ratios.append(ratio)

@@ -187,7 +187,8 @@ def test_onednn_primitive_caches_are_capped_unless_the_environment_says(preset):
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     if preset:
         env["LRU_CACHE_CAPACITY"] = preset
-    code = ("import os, pagedpack, pagedpack.lowering.cpu_linear as c;"
-            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'], c.ONEDNN_CACHE_CAPACITY)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    code = ("import os, pagedpack, pagedpack.lowering.cpu_linear as c; e = os.environ;"
+            "print(e['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], e['LRU_CACHE_CAPACITY'], c.ONEDNN_CACHE_CAPACITY)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = done.stdout.split()
     assert out == ["64", preset or "64", "64"]
