@@ -41,7 +41,8 @@ _CHECK_BLOCK_SIZE = 4
 # (cached, new) tokens: prefills, decodes and chunks, cut to the model's length limit; one logits row
 # each (what the runner asks, and all an exported program takes)
 _CHECK_SEQS = [(0, 37), (6, 1), (9, 3), (0, 1), (21, 12), (40, 2)]
-_CHECK_PREFILL = 240  # tokens of the prefills added until the step is longer than CHUNK_ROWS
+_CHECK_PREFILL = 240  # tokens of the prefills added until the step is longer than CHUNK_ROWS,
+_CHECK_MAX_TOKENS = 2048  # or than this (a larger chunk is not exercised by the check)
 
 
 def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
@@ -98,7 +99,7 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     limit = max_model_len or max(c + q for c, q in _CHECK_SEQS)
     q_lens = [min(q, limit) for _, q in _CHECK_SEQS]
     context_lens = [min(c, limit - q) for (c, _), q in zip(_CHECK_SEQS, q_lens)]
-    while sum(q_lens) <= CHUNK_ROWS:  # prefills enough for a step of several MLP row chunks
+    while sum(q_lens) <= min(CHUNK_ROWS, _CHECK_MAX_TOKENS):  # a step of more than one MLP row chunk
         q_lens.append(min(_CHECK_PREFILL, limit))
         context_lens.append(0)
     num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(q_lens, context_lens))

@@ -42,24 +42,25 @@ ROW_LOCAL = LINEARS | _ELEMENTWISE | _LAST_DIM | {operator.getitem}
 
 class RowChunked(torch.nn.Module):
     """Runs ``region`` (a graph of row-local ops on one input, :func:`chunk_mlps`) on ``x``'s rows
-    (all dimensions but the last, flattened) ``rows`` at a time; one call when ``x`` has at most
-    ``rows`` rows. Output: ``x.shape[:-1] + (features,)``, as ``region(x)``."""
+    (all dimensions but the last, flattened into the second-to-last, so that the chunks keep ``x``'s
+    rank) ``rows`` at a time; one call when ``x`` has at most ``rows`` rows. Output:
+    ``x.shape[:-1] + (features,)``, as ``region(x)``."""
 
     def __init__(self, region: torch.fx.GraphModule, rows: int = CHUNK_ROWS) -> None:
         super().__init__()
         self.region, self.rows = region, rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        total = flat.shape[0]
-        if total <= self.rows:
+        if x.dim() < 2 or x.shape[:-1].numel() <= self.rows:
             return self.region(x)
+        flat = x.reshape(*([1] * (x.dim() - 2)), -1, x.shape[-1])
+        total = flat.shape[-2]
         out = None
         for start in range(0, total, self.rows):
-            part = self.region(flat[start:start + self.rows])
+            part = self.region(flat[..., start:start + self.rows, :])
             if out is None:
-                out = part.new_empty((total, part.shape[-1]))
-            out[start:start + part.shape[0]] = part
+                out = part.new_empty((*part.shape[:-2], total, part.shape[-1]))
+            out[..., start:start + part.shape[-2], :] = part
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -96,13 +97,17 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
     members, entry, todo = {down}, None, [down]
     while todo:
         node = todo.pop()
+        if node.target in LINEARS and not _constant_weights(gm, node):
+            return None  # a weight computed from activations: it mixes rows
         for arg in node.all_input_nodes:
+            if node.target in LINEARS and arg.op == "get_attr" and arg is not node.args[0]:
+                continue  # its weight or bias
             if arg in members:
                 continue
-            if arg.op == "get_attr":
-                if not _is_constant(gm, arg, node):
+            elif arg.op == "get_attr":
+                if not _is_constant(gm, arg):
                     return None  # a tensor with rows of its own
-            elif node is not down and node.target in LINEARS and arg is node.args[0]:
+            elif node is not down and node.target in LINEARS:
                 if entry not in (None, arg):
                     return None  # up projections of different inputs
                 entry = arg
@@ -118,11 +123,16 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
     return entry, sorted(members, key=order.__getitem__)
 
 
-def _is_constant(gm: torch.fx.GraphModule, attr: torch.fx.Node, user: torch.fx.Node) -> bool:
-    """A weight (or bias) of a linear, or a tensor of at most one dimension (the same for every row)."""
+def _constant_weights(gm: torch.fx.GraphModule, linear: torch.fx.Node) -> bool:
+    """The weight and bias (if any) of ``linear`` are ``get_attr`` tensors."""
+    params = [*linear.args[1:3], linear.kwargs.get("bias")]
+    return all(p is None or isinstance(p, torch.fx.Node) and attr_tensor(gm, p) is not None for p in params)
+
+
+def _is_constant(gm: torch.fx.GraphModule, attr: torch.fx.Node) -> bool:
+    """A tensor of at most one dimension: the same for every row."""
     tensor = attr_tensor(gm, attr)
-    weight = user.target in LINEARS and attr is not user.args[0]
-    return tensor is not None and (weight or tensor.dim() <= 1)
+    return tensor is not None and tensor.dim() <= 1
 
 
 def _row_local(node: torch.fx.Node) -> bool:

@@ -31,6 +31,9 @@ class _Mlp(torch.nn.Module):
         if self.form == "gated":
             gate, up = self.gate_up(x).split(self.fc.out_features, dim=-1)
             return self.down(F.silu(gate) * up * self.scale)
+        if self.form == "positive dim":  # the features' dimension by its index in x's rank
+            gate, up = self.gate_up(x).chunk(2, dim=x.dim() - 1)
+            return self.down(torch.tanh(gate) * torch.sigmoid(up))
         if self.form == "plain":
             return self.down(F.gelu(self.fc(x), approximate="tanh"))
         if self.form == "residual inside":  # another tensor joins the region
@@ -54,7 +57,7 @@ def _graph(form: str, rows: int = 64) -> torch.fx.GraphModule:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 63])
-@pytest.mark.parametrize("form", ["gated", "plain"])
+@pytest.mark.parametrize("form", ["gated", "positive dim", "plain"])
 def test_a_chunked_mlp_computes_what_the_graph_did(form, rows):
     gm = _graph(form)
     x = torch.randn(1, rows, 16)
@@ -82,6 +85,31 @@ def test_a_region_that_is_not_row_local_is_left_alone(form):
     before = [n.format_node() for n in gm.graph.nodes]
     assert cpu_mlp.chunk_mlps(gm, rows=8) == 0
     assert [n.format_node() for n in gm.graph.nodes] == before
+
+
+class _ActivationWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Parameter(torch.rand(16, 16)), torch.nn.Parameter(torch.rand(16, 16))
+
+    def forward(self, x):
+        aten = torch.ops.aten
+        h = aten.relu.default(aten.linear.default(x, self.up))
+        return aten.linear.default(aten.linear.default(h, h), self.down)  # h's rows as a weight: rows mix
+
+
+def test_a_linear_whose_weight_is_an_activation_is_left_alone():
+    gm = torch.fx.symbolic_trace(_ActivationWeight())
+    assert cpu_mlp.chunk_mlps(gm, rows=4) == 0
+
+
+def test_a_chunk_larger_than_any_step_builds_quickly(monkeypatch):
+    """From an adversarial trial: the lowering's check added prefills until its example step was
+    longer than a chunk, which for 10**9 rows never ended."""
+    monkeypatch.setattr(cpu, "CHUNK_ROWS", 10**9)
+    llm = LLM("tiny", num_blocks=64)
+    assert "MLPs run 1000000000 token rows at a time" in llm.program.note
+    assert "kept the graph" not in llm.program.note
 
 
 # family: MLPs chunked (of 2 layers). Phi's MLP reads the GEMM it shares with q/k/v (parallel attention,
