@@ -6,6 +6,8 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
   (:func:`pagedpack.lowering.cpu_linear.prepack_linears`);
 * runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
   activation memory (:func:`pagedpack.lowering.cpu_mlp.chunk_mlps`);
+* applies rotate-half rotary embeddings in three kernels, without temporaries
+  (:func:`pagedpack.lowering.cpu_rotary.fuse_rotary`);
 * calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
   (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
   them, which saves each call the custom op's Python layer (argument checks, mutation
@@ -33,6 +35,7 @@ from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.cpu_linear import available as onednn_available
 from pagedpack.lowering.cpu_linear import prepack_linears
 from pagedpack.lowering.cpu_mlp import CHUNK_ROWS, chunk_mlps
+from pagedpack.lowering.cpu_rotary import fuse_rotary
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 from pagedpack.runtime.batch import example_batch
 
@@ -79,12 +82,13 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     lowered = torch.fx.GraphModule(gm, graph)
     linears = prepack_linears(lowered) if onednn_available(device) else 0
     mlps = chunk_mlps(lowered, CHUNK_ROWS)
+    rotary = fuse_rotary(lowered)
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
-    if not linears and not kernels and not mlps:
+    if not linears and not kernels and not mlps and not rotary:
         return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
-            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, "
+            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings in 3 kernels, "
             f"{kernels} attention/cache ops as native kernel calls")
     reason = _check(gm, lowered, kv_cache_specs, max_model_len)
     if reason:
