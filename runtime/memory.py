@@ -25,6 +25,12 @@ def release_memory() -> bool:
     Without both, SmolLM2-135M's process stays about 1 GB larger for its whole life. Returns
     False where there is no glibc (the collection still ran)."""
     gc.collect()
+    return trim_heap()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``); False where there
+    is no glibc."""
     libc = _libc()
     if libc is None:
         return False

@@ -9,6 +9,9 @@ import torch
 from pagedpack.contract import METADATA_INPUTS, StepProgram
 from pagedpack.kernels.validation import checked_step
 from pagedpack.runtime.batch import BatchMetadata
+from pagedpack.runtime.memory import trim_heap
+
+TRIM_AFTER_TOKENS = 256  # a prefill chunk's worth: its activations are MiBs, a decode step's KiBs
 
 
 class ModelRunner:
@@ -21,6 +24,12 @@ class ModelRunner:
     written (:func:`_zeros`). An in-place
     program writes them during the step; a functional one (ONNX) returns
     ``(logits, *updated caches)``, which replace them.
+
+    On the CPU, a step of at least :data:`TRIM_AFTER_TOKENS` tokens hands the heap pages its
+    activations freed back to the OS (``malloc_trim``): glibc keeps them, and the small allocations
+    of the decode steps that follow scatter over them, so the next long step could not reuse them
+    and the heap grew. W1 served from its ``.pt2``: peak RSS 583-604 -> 560-575 MiB, time +2 %
+    (``docs/cpu-kernels.md``).
     """
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
@@ -42,6 +51,8 @@ class ModelRunner:
             out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
         if self.program.functional:
             out, *self.kv_caches = out
+        if batch.num_tokens >= TRIM_AFTER_TOKENS and self.device.type == "cpu":
+            trim_heap()
         return out
 
 

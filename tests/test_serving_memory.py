@@ -192,3 +192,18 @@ def test_onednn_primitive_caches_are_capped_unless_the_environment_says(preset):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     out = done.stdout.split()
     assert out == ["64", preset or "64", "64"]
+
+
+def test_the_runner_trims_the_heap_after_long_steps_only(monkeypatch):
+    """The heap pages a long step's activations freed go back to the OS before decode steps
+    scatter small allocations over them (``ModelRunner``); decode steps do not pay for a trim."""
+    from pagedpack.runtime import model_runner
+
+    llm = LLM("tiny", num_blocks=64, max_num_batched_tokens=512)
+    trims = []
+    monkeypatch.setattr(model_runner, "trim_heap", lambda: trims.append(True))
+    long_prompt = [7] * model_runner.TRIM_AFTER_TOKENS
+    llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # 1 + 3 steps
+    assert len(trims) == 1
+    llm.generate([[7] * 10], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(trims) == 1
