@@ -51,6 +51,7 @@ import torch
 import torch.fx
 
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
+from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
 ONEDNN_CACHE_CAPACITY = 64
@@ -99,14 +100,7 @@ def prepack_linears(graph_module: torch.fx.GraphModule) -> int:
             packed_names[weight_node.target] = name
         with graph.inserting_before(node):
             packed = graph.get_attr(packed_names[weight_node.target])
-            linear = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                         (x, packed, bias_node, "none", [], ""))
-        linear.meta.update(node.meta)
-        node.replace_all_uses_with(linear)
+        replace_with_call(node, torch.ops.mkldnn._linear_pointwise.default, (x, packed, bias_node, "none", [], ""))
         graph.erase_node(node)
         replaced += 1
-    if replaced:
-        graph.eliminate_dead_code()
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+    return finish_rewrite(graph_module, replaced)

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
+from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
 CHUNK_ROWS = 256
@@ -77,17 +78,11 @@ def chunk_mlps(graph_module: torch.fx.GraphModule, rows: int = CHUNK_ROWS) -> in
         entry, region = found
         name = fresh_attr_name(graph_module, f"row_chunked_mlp_{replaced}")
         graph_module.add_submodule(name, RowChunked(_extract(graph_module, entry, region, node), rows))
-        with graph.inserting_before(node):
-            call = graph.call_module(name, (entry,))
-        call.meta.update(node.meta)
-        node.replace_all_uses_with(call)
+        replace_with_call(node, name, (entry,), op="call_module")
         for inner in reversed(region):
             graph.erase_node(inner)
         replaced += 1
-    if replaced:
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+    return finish_rewrite(graph_module, replaced)
 
 
 def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
+
 aten = torch.ops.aten
 
 
@@ -34,21 +36,13 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 def fuse_rotary(graph_module: torch.fx.GraphModule) -> int:
     """Replace each fp32 rotate-half rotary subgraph of ``graph_module`` (module docstring) by a
     call of :func:`rotate_half_rope`; returns how many were replaced."""
-    graph, replaced = graph_module.graph, 0
-    for node in list(graph.nodes):
+    replaced = 0
+    for node in list(graph_module.graph.nodes):
         found = _match(node)
-        if found is None:
-            continue
-        with graph.inserting_before(node):
-            fused = graph.call_function(rotate_half_rope, found)
-        fused.meta.update(node.meta)
-        node.replace_all_uses_with(fused)
-        replaced += 1
-    if replaced:
-        graph.eliminate_dead_code()
-        graph.lint()
-        graph_module.recompile()
-    return replaced
+        if found is not None:
+            replace_with_call(node, rotate_half_rope, found)
+            replaced += 1
+    return finish_rewrite(graph_module, replaced)
 
 
 def _match(add: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:

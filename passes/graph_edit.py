@@ -1,0 +1,25 @@
+"""Small edits of a ``torch.fx`` graph that the rewrites and lowerings share."""
+from __future__ import annotations
+
+import torch.fx
+
+
+def replace_with_call(node: torch.fx.Node, target, args, *, op: str = "call_function") -> torch.fx.Node:
+    """A new ``op`` node calling ``target(*args)`` just before ``node``, with ``node``'s meta,
+    that ``node``'s users now read instead (``node`` stays until dead-code elimination)."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        new = graph.create_node(op, target, tuple(args))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    return new
+
+
+def finish_rewrite(graph_module: torch.fx.GraphModule, count: int) -> int:
+    """After ``count`` replacements: drop the dead nodes, check the graph, regenerate its code
+    (nothing when ``count`` is 0). Returns ``count``."""
+    if count:
+        graph_module.graph.eliminate_dead_code()
+        graph_module.graph.lint()
+        graph_module.recompile()
+    return count
