@@ -25,7 +25,7 @@ aten = torch.ops.aten
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + cat(-x2, x1) * sin`` with ``x1, x2`` the halves of ``x``'s last dimension
-    (``D``, even); ``cos`` and ``sin`` broadcast against ``x``, last dimension ``D`` or 1."""
+    (``D``, even); ``cos`` broadcasts against ``x``, ``sin`` (last dimension ``D``) into ``x * cos``."""
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
@@ -60,8 +60,22 @@ def _match(add: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
             x = _rotate_half_of(cat)
             if x is not None and x in plain:
                 cos = plain[1] if plain[0] is x else plain[0]
-                return x, cos, sin
+                return (x, cos, sin) if _sin_fits(x, cos, sin) else None
     return None
+
+
+def _sin_fits(x: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node) -> bool:
+    """``sin`` has ``x``'s last dimension (its halves are sliced) and broadcasts into ``x * cos``
+    (it is added to that in place)."""
+    shapes = [node.meta.get("val") for node in (x, cos, sin)]
+    if not all(isinstance(v, torch.Tensor) for v in shapes) or shapes[2].dim() < 1:
+        return False
+    x_val, cos_val, sin_val = shapes
+    try:
+        product = torch.broadcast_shapes(x_val.shape, cos_val.shape)
+        return sin_val.shape[-1] == x_val.shape[-1] and torch.broadcast_shapes(product, sin_val.shape) == product
+    except RuntimeError:  # shapes that do not broadcast (or symbolic sizes it cannot decide)
+        return False
 
 
 def _operands(node, target) -> tuple[torch.fx.Node, torch.fx.Node] | None:

@@ -17,10 +17,14 @@ from pagedpack.contract import UnsupportedModelError
 from pagedpack.models.config import position_limit, rope_type, sliding_window
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
-# that would couple the sequences. (transformers' dynamic NTK rescales inv_freq from max(position_ids).)
+# that would couple the sequences. (transformers' dynamic NTK rescales inv_freq from max(position_ids);
+# LongRoPE switches every position to its long factors once max(position_ids) + 1 passes
+# original_max_position_embeddings: modeling_rope_utils.dynamic_rope_update.)
 _CALL_DEPENDENT_ROPE = {
     "dynamic": "dynamic-NTK RoPE recomputes its frequencies from the longest position of the forward call, "
                "which in a packed step would depend on the other sequences; not supported",
+    "longrope": "LongRoPE takes its long or short factors for the whole forward call from its longest position, "
+                "which in a packed step would depend on the other sequences; not supported",
 }
 
 

@@ -25,9 +25,10 @@ class _Rotary(torch.nn.Module):
         return apply_rotary_pos_emb(q, k, cos, sin)  # transformers' rotate-half form
 
 
-def _graph(form: str, dtype=torch.float32):
+def _graph(form: str, dtype=torch.float32, sin=None):
     q, k = torch.randn(1, 4, 10, 16, dtype=dtype), torch.randn(1, 2, 10, 16, dtype=dtype)
-    cos, sin = torch.randn(1, 10, 16, dtype=dtype), torch.randn(1, 10, 16, dtype=dtype)
+    cos = torch.randn(1, 10, 16, dtype=dtype)
+    sin = torch.randn(1, 10, 16, dtype=dtype) if sin is None else sin
     return torch.export.export(_Rotary(form), (q, k, cos, sin)).module(), (q, k, cos, sin)
 
 
@@ -39,6 +40,14 @@ def test_the_fused_rotary_computes_what_the_graph_did():
     assert targets.count(cpu_rotary.rotate_half_rope) == 2 and torch.ops.aten.cat.default not in targets
     for got, want in zip(gm(*inputs), expected):  # addcmul may fuse multiply and add: an ulp or so
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sin_shape", [(1, 10, 1), (3, 10, 16)])
+def test_a_sin_that_does_not_fit_the_in_place_adds_is_left_alone(sin_shape):
+    """From an adversarial trial: a sin of one column, or wider than x * cos, matched, and
+    the fused op then failed (the CPU lowering's check caught it and dropped the whole lowering)."""
+    gm, (q, k, cos, _) = _graph("rotate half", sin=torch.randn(sin_shape))
+    assert cpu_rotary.fuse_rotary(gm) == 0
 
 
 @pytest.mark.parametrize("form, dtype", [("interleaved", torch.float32), ("rotate half", torch.bfloat16)])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MptConfig
+from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Config, LlamaConfig, MptConfig, Phi3Config
 from transformers.models.bloom import BloomForCausalLM
 
 from pagedpack import LLM, SamplingParams
@@ -85,6 +85,18 @@ def test_cli_export_and_tokenizer_flag_on_a_directory_without_tokenizer_files(we
 def test_dynamic_ntk_rope_is_refused_naming_the_rope_type():
     model = tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(UnsupportedModelError, match="rope_type='dynamic': dynamic-NTK RoPE"):
+        LLM(model, num_blocks=8)
+
+
+def test_longrope_is_refused_naming_the_rope_type():
+    """From an adversarial trial: Phi-3's LongRoPE picks its factors from the longest position of the
+    call, so a 2-token prompt's tokens changed with the 600-token prompt beside it in a step."""
+    config = Phi3Config(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=2048, pad_token_id=0,
+                          original_max_position_embeddings=512,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="rope_type='longrope': LongRoPE"):
         LLM(model, num_blocks=8)
 
 
