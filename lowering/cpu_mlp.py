@@ -7,17 +7,17 @@ An MLP widens each token's hidden vector to the intermediate size and back: Llam
 the down projections works on each token row alone, so :func:`chunk_mlps` runs that region on
 :data:`CHUNK_ROWS` rows at a time (:class:`RowChunked`), which bounds its intermediates by
 ``CHUNK_ROWS`` rows whatever the step's size, and each chunk's intermediates stay in the CPU's
-caches. The GEMMs keep hundreds of rows per call, where oneDNN runs at the same speed as on
-thousands (``lowering/cpu_linear.py``). Steps of at most ``CHUNK_ROWS`` rows (decode) run the
-region unchanged, in one call.
+caches. The GEMMs keep hundreds of rows per call; W1's generation time did not change
+(``docs/cpu-kernels.md``). Steps of at most ``CHUNK_ROWS`` rows (decode) run the region
+unchanged, in one call.
 
 A region is the subgraph from the up projections (linears reading one tensor ``x``, the MLP's
-input) to the down projection (a linear), made only of row-local ops (:data:`ROW_LOCAL`: linears,
-elementwise ops, slices, splits and chunks of the last dimension) on them and on constants (weights, ``get_attr``
-tensors of at most one dimension, scalars); nothing outside the region may use a tensor inside
-it. Anything else is left as it was. The reference target's CPU lowering
-(:mod:`pagedpack.lowering.cpu`) applies this after prepacking the linears and checks the lowered
-graph on a step longer than ``CHUNK_ROWS``.
+input) to the down projection (a linear), made only of row-local ops (:data:`ROW_LOCAL`: linears
+whose weights and biases are ``get_attr`` tensors, elementwise ops, slices, splits and chunks of
+the last dimension) on them and on constants (``get_attr`` tensors of at most one dimension,
+scalars); nothing outside the region may use a tensor inside it. Anything else is left as it
+was. The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies this after
+prepacking the linears and checks the lowered graph on a step longer than ``CHUNK_ROWS``.
 """
 from __future__ import annotations
 
