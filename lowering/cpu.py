@@ -44,8 +44,9 @@ _CHECK_BLOCK_SIZE = 4
 # (cached, new) tokens: prefills, decodes and chunks, cut to the model's length limit; one logits row
 # each (what the runner asks, and all an exported program takes)
 _CHECK_SEQS = [(0, 37), (6, 1), (9, 3), (0, 1), (21, 12), (40, 2)]
-_CHECK_PREFILL = 240  # tokens of the prefills added until the step is longer than CHUNK_ROWS,
-_CHECK_MAX_TOKENS = 2048  # or than this (a larger chunk is not exercised by the check)
+# prefills of this many tokens are added until the step is longer than CHUNK_ROWS or than
+# _CHECK_MAX_TOKENS (a larger chunk is not exercised by the check)
+_CHECK_PREFILL, _CHECK_MAX_TOKENS = 240, 2048
 
 
 def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
@@ -85,7 +86,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     rotary = fuse_rotary(lowered)
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
-    if not linears and not kernels and not mlps and not rotary:
+    if not any((linears, mlps, rotary, kernels)):
         return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
             f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings in 3 kernels, "

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
-from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
+from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
 CHUNK_ROWS = 256
@@ -136,16 +136,12 @@ def _row_local(node: torch.fx.Node) -> bool:
         return isinstance(node.args[0], torch.fx.Node) and node.args[0].target in _LAST_DIM - {aten.slice.Tensor}
     if node.target not in _LAST_DIM:
         return True
-    if node.target is aten.slice.Tensor and _arg(node, 4, "step", 1) != 1:
+    if node.target is aten.slice.Tensor and call_arg(node, 4, "step", 1) != 1:
         return False
-    dim = _arg(node, 1, "dim", 0) if node.target is aten.slice.Tensor else _arg(node, 2, "dim", 0)
+    dim = call_arg(node, 1, "dim", 0) if node.target is aten.slice.Tensor else call_arg(node, 2, "dim", 0)
     value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     ndim = value.dim() if isinstance(value, torch.Tensor) else None
     return dim == -1 or ndim is not None and dim == ndim - 1
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _extract(gm: torch.fx.GraphModule, entry: torch.fx.Node, region: list[torch.fx.Node],

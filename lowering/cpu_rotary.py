@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
+from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
 
@@ -90,7 +90,7 @@ def _rotate_half_of(cat: torch.fx.Node) -> torch.fx.Node | None:
     """``x`` if ``cat`` is ``cat([-x[..., D/2:], x[..., :D/2]], -1)``, else None."""
     if cat.target is not aten.cat.default or len(cat.users) != 1:
         return None
-    parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    parts, dim = cat.args[0], call_arg(cat, 1, "dim", 0)
     if len(parts) != 2 or not isinstance(parts[0], torch.fx.Node) or parts[0].target is not aten.neg.default:
         return None
     upper, lower = parts[0].args[0], parts[1]
@@ -109,8 +109,8 @@ def _rotate_half_of(cat: torch.fx.Node) -> torch.fx.Node | None:
 
 def _slice(node: torch.fx.Node, dims, start: int, end: int, size: int) -> bool:
     """``node`` is ``x[..., start:end]`` (``end`` may be any value >= the dimension's ``size``)."""
-    args = list(node.args) + [None] * (5 - len(node.args))
-    dim, lo, hi, step = args[1], args[2] or 0, size if args[3] is None else args[3], args[4] or 1
+    dim, lo, hi = call_arg(node, 1, "dim", 0), call_arg(node, 2, "start") or 0, call_arg(node, 3, "end")
+    hi, step = size if hi is None else hi, call_arg(node, 4, "step", 1)
     to_the_end = end == size and isinstance(hi, int) and hi >= size
     return dim in dims and lo == start and step == 1 and (hi == end or to_the_end)
 

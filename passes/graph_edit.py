@@ -4,6 +4,12 @@ from __future__ import annotations
 import torch.fx
 
 
+def call_arg(node: torch.fx.Node, index: int, name: str, default=None):
+    """Argument ``name`` of a call node, given at position ``index`` or by keyword, else ``default``
+    (an ATen schema's default: ``slice``'s ``dim`` 0, ``step`` 1, ...)."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def replace_with_call(node: torch.fx.Node, target, args, *, op: str = "call_function") -> torch.fx.Node:
     """A new ``op`` node calling ``target(*args)`` just before ``node``, with ``node``'s meta,
     that ``node``'s users now read instead (``node`` stays until dead-code elimination)."""
