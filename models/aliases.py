@@ -124,6 +124,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path("~/.cache/pagedpack")).expanduser()
 
 
+def checkpoint_stamp(model) -> tuple | None:
+    """What tells a local checkpoint's contents apart cheaply, for loading it again later: the
+    absolute directory and the name, size and modification time of each of its files; None for
+    what has no local directory (the built-in model, a hub id, a module) or a missing one."""
+    path = resolve(str(model)) if isinstance(model, (str, os.PathLike)) else None
+    if path is None or not os.path.isdir(path):
+        return None
+    files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+    return os.path.abspath(path), tuple(files)
+
+
 def resolve(model):
     """What :func:`pagedpack.models.loading.load` should load for ``model``: None (the built-in
     model) for ``"tiny"``, the cached Hugging Face directory of a named alias (fetched and

@@ -39,19 +39,6 @@ def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: 
     return module.to(device).eval(), tokenizer
 
 
-def checkpoint_stamp(model) -> tuple | None:
-    """What tells a local checkpoint's contents apart cheaply, for loading it again later: the
-    absolute directory and the name, size and modification time of each of its files; None for
-    what has no local directory (the built-in model, a hub id, a module) or a missing one."""
-    from pagedpack.models.aliases import resolve
-
-    path = resolve(str(model)) if isinstance(model, (str, os.PathLike)) else None
-    if path is None or not os.path.isdir(path):
-        return None
-    files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
-    return os.path.abspath(path), tuple(files)
-
-
 def max_model_len(config: PretrainedConfig) -> tuple[int, str | None]:
     """Longest sequence the rewritten model serves, and a note when it is not the config's limit.
 

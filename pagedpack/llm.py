@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +95,7 @@ class LLM:
         self._model, self._rewritten, self._report, self._peak = None, None, None, None
         self._exported, self._stamp, self._weight_bytes = args.is_exported, None, {}
         if self._exported:
-            self.program, description = self._load_exported(args)
+            self.program, description = self._load_exported(args, args.model)
         else:
             self.program, description = self._capture_and_lower(args)
         release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
@@ -137,12 +138,12 @@ class LLM:
 
         return cls(check_export_file(path), **kwargs)
 
-    def _load_exported(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
+    def _load_exported(self, args: EngineArgs, path: str) -> tuple[StepProgram, ModelDescription]:
         from pagedpack.export import load_exported
 
-        program = load_exported(args.model)
+        program = load_exported(path)
         if args.target is not None and args.target != program.target:
-            raise ValueError(f"target: {args.model!r} is run by the {program.target!r} target, got {args.target!r}")
+            raise ValueError(f"target: {path!r} is run by the {program.target!r} target, got {args.target!r}")
         self.target = program.target
         if isinstance(program.run, torch.fx.GraphModule):  # a .pt2 program: the CPU kernels, as after a capture
             limit = args.max_model_len or program.description.max_model_len
@@ -151,19 +152,31 @@ class LLM:
         return program, program.description
 
     def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
-        from pagedpack.models.capture import capture
-        from pagedpack.models.loading import checkpoint_stamp, describe_model
-        from pagedpack.passes.pipeline import rewrite
+        from pagedpack.compile_cache import compiled_step, forget
+
+        compiled = compiled_step(args)
+        if compiled is not None:
+            try:
+                program, description = self._load_exported(args, compiled.path)
+            except ValueError as err:  # a damaged entry: drop it, capture here
+                forget(compiled.path)
+                print(f"pagedpack: {err}; capturing in this process", file=sys.stderr)
+            else:
+                self._stamp, self._report = compiled.stamp, compiled.report
+                self._report.notes.append(program.note)
+                # kept, the source would share all but the prepacked copies with the program
+                tensors = [*program.run.parameters(), *program.run.buffers()]
+                packed = sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
+                self._weight_bytes = {False: resident_weight_bytes(program.run),
+                                      True: packed + compiled.source_weight_bytes}
+                return program, description
+        from pagedpack.models.aliases import checkpoint_stamp
 
         target = args.lowering_target
         target.prepare_device(args.device)
-        module, tokenizer = _load_source(args)
+        module, description, rewritten = capture_source(args)
         self._model, self._stamp = module, checkpoint_stamp(args.model)
-        description, note = describe_model(module, tokenizer)
-        rewritten = self._rewritten = rewrite(capture(module))
-        self._report = rewritten.report
-        if note:
-            rewritten.report.notes.append(note)
+        self._rewritten, self._report = rewritten, rewritten.report
         rewritten.raise_if_refused()
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
         target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
@@ -192,7 +205,7 @@ class LLM:
 
     def _load_again(self) -> torch.nn.Module:
         """The source model once let go, loaded again; ``ValueError`` if its checkpoint is gone or changed."""
-        from pagedpack.models.loading import checkpoint_stamp
+        from pagedpack.models.aliases import checkpoint_stamp
 
         model = self.engine_args.model
         stamp = checkpoint_stamp(self._stamp[0] if self._stamp else model)
@@ -401,6 +414,23 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription, object]:
+    """``(module, description, rewritten)``: ``args.model`` loaded (:func:`_load_source`),
+    described (eos ids, ``max_model_len``, tokenizer) and captured and rewritten (a
+    :class:`~pagedpack.passes.pipeline.RewrittenModel`, whose report notes the description's
+    caveat); refused sites are not raised here (``rewritten.raise_if_refused()``)."""
+    from pagedpack.models.capture import capture
+    from pagedpack.models.loading import describe_model
+    from pagedpack.passes.pipeline import rewrite
+
+    module, tokenizer = _load_source(args)
+    description, note = describe_model(module, tokenizer)
+    rewritten = rewrite(capture(module))
+    if note:
+        rewritten.report.notes.append(note)
+    return module, description, rewritten
 
 
 def _load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:

@@ -13,6 +13,10 @@ if _workers.isdigit() and int(_workers) > 0:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
+# LLM(path) captures in this process, as it does with PAGEDPACK_COMPILE_CACHE=0 (tests/test_compile_cache.py
+# turns the compile cache on, with a cache of its own); so do the subprocesses tests start.
+os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
+
 # The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
 MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
 

@@ -1,0 +1,134 @@
+"""``LLM(path)`` on the CPU with the compile cache on: captured in a child process, served from the
+``.pt2`` the cache keeps (:mod:`pagedpack.compile_cache`); same tokens as the unmodified model."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.contract import UnsupportedModelError
+from pagedpack.models.tiny import tiny_model
+from pagedpack.models.tokenizer import byte_level_tokenizer
+
+from conftest import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-checkpoint")
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(folder)
+    byte_level_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
+    return tmp_path / "cache" / "compiled"
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """The child processes the compile cache starts (their argument lists)."""
+    started, run = [], subprocess.run
+
+    def counted(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-m", "pagedpack.compile_cache"]:
+            started.append(cmd)
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    return started
+
+
+def tokens(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cache, children):
+    llm = LLM(str(checkpoint), num_blocks=32)
+    (entry,) = cache.iterdir()
+    assert len(children) == 1 and {p.name for p in entry.iterdir()} == {"step.pt2", "info.json"}
+    assert llm.report.notes[-1].startswith(f"loaded from {entry / 'step.pt2'}; cpu lowering: ")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+
+    os.environ["PAGEDPACK_COMPILE_CACHE"] = "0"  # the same LLM captured in this process (monkeypatch restores)
+    in_process = LLM(str(checkpoint), num_blocks=32)
+    assert llm.report.format().splitlines()[0] == in_process.report.format().splitlines()[0]
+    assert llm.description.eos_token_ids == in_process.description.eos_token_ids
+    assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text == \
+        in_process.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text
+    for keep in (False, True):  # plan_memory's weights, as if captured here
+        assert llm._weight_bytes[keep] == in_process._weight_bytes[keep]
+    assert llm.model is not None and llm.rewritten.ok  # loaded and captured again on use, as in process
+
+
+def test_a_later_llm_starts_from_the_entry_until_the_checkpoint_changes(checkpoint, cache, children, tmp_path):
+    changed = tmp_path / "checkpoint"
+    changed.mkdir()
+    for f in checkpoint.iterdir():
+        (changed / f.name).write_bytes(f.read_bytes())
+    LLM(str(changed), num_blocks=32)
+    expected = tokens(LLM(str(changed), num_blocks=32))
+    assert len(children) == 1
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    llm = LLM(str(changed), num_blocks=32)
+    assert len(children) == 2 and len(list(cache.iterdir())) == 1  # built again in its place
+    reference = AutoModelForCausalLM.from_pretrained(changed).eval()
+    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS] != expected
+
+
+def test_the_serving_process_imports_neither_modeling_code_nor_the_passes(checkpoint, cache):
+    capture_side = ("transformers.models.llama", "transformers.modeling_utils", "pagedpack.models.capture",
+                    "pagedpack.passes.pipeline")
+    script = ("import sys; from pagedpack import LLM; LLM(sys.argv[1], num_blocks=8); "
+              f"print([m for m in sys.modules if m.startswith({capture_side})])")
+    done = subprocess.run([sys.executable, "-c", script, str(checkpoint)], capture_output=True, text=True,
+                          env=os.environ.copy())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]" and "in a child process" in done.stderr
+
+
+def test_a_refused_checkpoint_raises_as_in_process_and_is_remembered(cache, children, tmp_path):
+    tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(tmp_path / "ntk")
+    for _ in range(2):
+        with pytest.raises(UnsupportedModelError, match="rope_type='dynamic': dynamic-NTK RoPE"):
+            LLM(str(tmp_path / "ntk"), num_blocks=8)
+    assert len(children) == 1  # the second LLM knew
+    (entry,) = cache.iterdir()
+    assert "UnsupportedModelError" in json.loads((entry / "info.json").read_text())["error"]
+
+
+def test_a_damaged_entry_is_dropped_and_the_model_captured_in_process(checkpoint, cache, children, capfd):
+    expected = tokens(LLM(str(checkpoint), num_blocks=32))
+    (entry,) = cache.iterdir()
+    (entry / "step.pt2").write_bytes(b"not an archive")
+    llm = LLM(str(checkpoint), num_blocks=32)
+    assert "capturing in this process" in capfd.readouterr().err and not entry.exists()
+    assert tokens(llm) == expected and llm._model is None and len(children) == 1  # let go after lowering
+
+
+def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "a-file"))
+    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
+    llm = LLM(str(checkpoint), num_blocks=32)
+    assert "cannot write the compile cache" in capfd.readouterr().err and not children
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kwargs", [dict(keep_source_model=True, num_blocks=32), dict(memory_budget="64MiB"),
+                                    dict(target="onnx", num_blocks=32)])
+def test_what_needs_the_source_model_or_another_target_captures_in_process(checkpoint, cache, children, kwargs):
+    LLM(str(checkpoint), **kwargs)
+    assert not children and not cache.exists()
