@@ -84,6 +84,10 @@ class LLM:
     captured again on first use and kept; ``export`` and ``plan_memory`` do so without keeping
     them. Loading again refuses a checkpoint directory whose files changed since (``ValueError``).
     ``keep_source_model=True`` keeps both instead.
+
+    A local checkpoint served on the CPU by the reference target is captured in a child process
+    whose ``.pt2`` export this LLM loads, kept for later LLMs of it (:mod:`pagedpack.compile_cache`;
+    ``PAGEDPACK_COMPILE_CACHE=0``: in this process).
     Raises:
         ValueError on bad arguments; :class:`pagedpack.contract.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
