@@ -131,8 +131,9 @@ def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> d
           file=sys.stderr, flush=True)
     try:
         dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}  # pagedpack as imported here
         done = subprocess.run([sys.executable, "-m", "pagedpack.compile_cache", model, dtype_name, str(staging)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         result = _read_json(staging / "result.json")
         if done.returncode not in (0, _UNCOMPILABLE) or not result:
             last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
