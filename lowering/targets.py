@@ -67,7 +67,9 @@ class Target:
     ``name``: the registry key (``LLM(target=...)``, ``--target``); ``default_block_size``:
     tokens per KV block when the user gives none; ``builtin_model``: config overrides that shape
     the built-in tiny model for this target (:func:`pagedpack.models.tiny.default_model`);
-    ``description``: one line for ``--help``.
+    ``description``: one line for ``--help``; ``serves_pt2``: its program for a rewritten graph on
+    the CPU is the one ``LLM.from_exported`` builds from the graph's ``.pt2`` export, so ``LLM(path)``
+    may capture in a child process (:mod:`pagedpack.compile_cache`).
     """
 
     name: str = ""
@@ -75,6 +77,7 @@ class Target:
     description: str = ""
     builtin_model: dict = field(default_factory=dict)
     graph_modes: tuple[str, ...] = ()
+    serves_pt2: bool = False
 
     def graph_config(self, mode: str | None = None, batch_sizes=None) -> GraphConfig:
         """The :class:`GraphConfig` for ``mode`` / ``batch_sizes`` (None: the target's defaults);
@@ -107,6 +110,7 @@ class ReferenceTarget(Target):
 
     name: str = "reference"
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
+    serves_pt2: bool = True
 
     def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
         """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked

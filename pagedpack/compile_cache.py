@@ -86,7 +86,7 @@ def forget(path: str) -> None:
 
 def _applies(args: EngineArgs) -> bool:
     return (os.environ.get(ENV, "1") != "0" and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
-            and args.lowering_target.name == "reference" and args.device_type == "cpu"
+            and args.lowering_target.serves_pt2 and args.device_type == "cpu"
             and not args.keep_source_model and args.memory_budget is None)
 
 
@@ -158,8 +158,8 @@ def _main(model: str, dtype_name: str, out: str) -> int:
     ``out``, and ``result.json``: ``{"error": None, "source_weight_bytes": n, "report": pickled}``,
     or for a checkpoint it cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`)."""
     from pagedpack.export import export_pt2
-    from pagedpack.llm import capture_source
     from pagedpack.planner import resident_weight_bytes
+    from pagedpack.source import capture_source
 
     args = EngineArgs(model=model, dtype=None if dtype_name == "auto" else getattr(torch, dtype_name))
     result = Path(out) / "result.json"

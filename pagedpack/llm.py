@@ -17,7 +17,6 @@ from pagedpack.contract import ModelDescription, StepProgram, bytes_per_token
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import (
     Prompt,
-    check_causal_lm,
     check_token_ids,
     normalize_prompts,
     normalize_sampling_params,
@@ -33,6 +32,7 @@ from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import Scheduler
+from pagedpack.source import capture_source, load_source
 
 _DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes, when neither num_blocks nor kv_cache_memory is given
 
@@ -216,7 +216,7 @@ class LLM:
         try:
             if stamp != self._stamp:
                 raise ValueError("its files changed since or are gone")
-            return _load_source(self.engine_args, model=stamp[0] if stamp else None)[0]
+            return load_source(self.engine_args, model=stamp[0] if stamp else None)[0]
         except (ValueError, OSError) as err:
             raise ValueError(f"model: this LLM let its source model go once lowered and cannot load {model!r} "
                              f"again ({err}); build the LLM with keep_source_model=True to keep it") from err
@@ -418,37 +418,6 @@ class LLM:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription, object]:
-    """``(module, description, rewritten)``: ``args.model`` loaded (:func:`_load_source`),
-    described (eos ids, ``max_model_len``, tokenizer) and captured and rewritten (a
-    :class:`~pagedpack.passes.pipeline.RewrittenModel`, whose report notes the description's
-    caveat); refused sites are not raised here (``rewritten.raise_if_refused()``)."""
-    from pagedpack.models.capture import capture
-    from pagedpack.models.loading import describe_model
-    from pagedpack.passes.pipeline import rewrite
-
-    module, tokenizer = _load_source(args)
-    description, note = describe_model(module, tokenizer)
-    rewritten = rewrite(capture(module))
-    if note:
-        rewritten.report.notes.append(note)
-    return module, description, rewritten
-
-
-def _load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:
-    """``(module, tokenizer)``: the caller's module (moved and cast in place; tokenizer None) or
-    the model ``model`` (default ``args.model``) names, loaded for ``args.device`` / ``args.dtype``."""
-    from pagedpack.models.loading import load
-
-    if isinstance(args.model, torch.nn.Module):
-        check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
-        return args.model.to(device=args.device, dtype=args.dtype).eval(), None
-    builtin = args.lowering_target.builtin_model
-    module, tokenizer = load(model or args.model, dtype=args.dtype, device=args.device, builtin=builtin)
-    check_causal_lm(module)
-    return module, tokenizer
 
 
 def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:

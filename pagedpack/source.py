@@ -1,0 +1,41 @@
+"""The model an ``LLM`` serves: loaded from what ``EngineArgs.model`` names, described, captured
+and rewritten. The capture side (``transformers``' modeling code, capture, the passes) is imported
+inside the functions, so importing this module costs a serving process nothing."""
+from __future__ import annotations
+
+import torch
+
+from pagedpack.contract import ModelDescription
+from pagedpack.engine_args import EngineArgs
+from pagedpack.inputs import check_causal_lm
+
+
+def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription, object]:
+    """``(module, description, rewritten)``: ``args.model`` loaded (:func:`load_source`),
+    described (eos ids, ``max_model_len``, tokenizer) and captured and rewritten (a
+    :class:`~pagedpack.passes.pipeline.RewrittenModel`, whose report notes the description's
+    caveat); refused sites are not raised here (``rewritten.raise_if_refused()``)."""
+    from pagedpack.models.capture import capture
+    from pagedpack.models.loading import describe_model
+    from pagedpack.passes.pipeline import rewrite
+
+    module, tokenizer = load_source(args)
+    description, note = describe_model(module, tokenizer)
+    rewritten = rewrite(capture(module))
+    if note:
+        rewritten.report.notes.append(note)
+    return module, description, rewritten
+
+
+def load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:
+    """``(module, tokenizer)``: the caller's module (moved and cast in place; tokenizer None) or
+    the model ``model`` (default ``args.model``) names, loaded for ``args.device`` / ``args.dtype``."""
+    from pagedpack.models.loading import load
+
+    if isinstance(args.model, torch.nn.Module):
+        check_causal_lm(args.model)  # before moving it: the caller's module is converted in place
+        return args.model.to(device=args.device, dtype=args.dtype).eval(), None
+    builtin = args.lowering_target.builtin_model
+    module, tokenizer = load(model or args.model, dtype=args.dtype, device=args.device, builtin=builtin)
+    check_causal_lm(module)
+    return module, tokenizer
