@@ -126,12 +126,14 @@ def cache_dir() -> Path:
 
 def checkpoint_stamp(model) -> tuple | None:
     """What tells a local checkpoint's contents apart cheaply, for loading it again later: the
-    absolute directory and the name, size and modification time of each of its files; None for
-    what has no local directory (the built-in model, a hub id, a module) or a missing one."""
+    absolute directory and the name, size, modification and status-change times of each of its
+    files (a file written and given its old modification time back has a new status-change time);
+    None for what has no local directory (the built-in model, a hub id, a module) or a missing one."""
     path = resolve(str(model)) if isinstance(model, (str, os.PathLike)) else None
     if path is None or not os.path.isdir(path):
         return None
-    files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file())
+    files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns, e.stat().st_ctime_ns)
+                   for e in os.scandir(path) if e.is_file())
     return os.path.abspath(path), tuple(files)
 
 

@@ -71,12 +71,24 @@ def compiled_step(args: EngineArgs) -> CompiledStep | None:
     entry = _entry_dir(stamp, args.dtype)
     key = _key(stamp, args.dtype)
     info = _read_json(entry / "info.json")
-    if info.get("key") != key:
-        info = _compile(stamp[0], args.dtype, entry, key)
-    if info.get("error") is not None:
+    compiled = _parse(info, entry, stamp) if info.get("key") == key else None
+    if compiled is None and not (info.get("key") == key and isinstance(info.get("error"), str)):
+        compiled = _parse(_compile(stamp[0], args.dtype, entry, key), entry, stamp)
+    return compiled
+
+
+def _parse(info: dict, entry: Path, stamp: tuple) -> CompiledStep | None:
+    """The entry ``info`` (an ``info.json`` record) describes; None for a failed or damaged one."""
+    try:
+        if info.get("error") is not None or not (entry / "step.pt2").is_file():
+            return None
+        report = pickle.loads(base64.b64decode(info["report"], validate=True))
+        weights = info["source_weight_bytes"]
+        if not (callable(getattr(report, "format", None)) and isinstance(weights, int)):
+            return None
+        return CompiledStep(str(entry / "step.pt2"), report, stamp, weights)
+    except Exception:  # noqa: BLE001 -- whatever a damaged record raises: build the entry again
         return None
-    report = pickle.loads(base64.b64decode(info["report"]))
-    return CompiledStep(str(entry / "step.pt2"), report, stamp, info["source_weight_bytes"])
 
 
 def forget(path: str) -> None:

@@ -79,8 +79,11 @@ def test_a_later_llm_starts_from_the_entry_until_the_checkpoint_changes(checkpoi
     LLM(str(changed), num_blocks=32)
     expected = tokens(LLM(str(changed), num_blocks=32))
     assert len(children) == 1
-    config = json.loads((changed / "config.json").read_text())
-    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    config, before = changed / "config.json", (changed / "config.json").stat()
+    text = config.read_text()
+    config.write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 5e-01'))
+    os.utime(config, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size, same modification time
+    assert config.stat().st_size == before.st_size and config.read_text() != text
     llm = LLM(str(changed), num_blocks=32)
     assert len(children) == 2 and len(list(cache.iterdir())) == 1  # built again in its place
     reference = AutoModelForCausalLM.from_pretrained(changed).eval()
@@ -115,6 +118,17 @@ def test_a_damaged_entry_is_dropped_and_the_model_captured_in_process(checkpoint
     llm = LLM(str(checkpoint), num_blocks=32)
     assert "capturing in this process" in capfd.readouterr().err and not entry.exists()
     assert tokens(llm) == expected and llm._model is None and len(children) == 1  # let go after lowering
+
+
+def test_a_damaged_record_is_built_again(checkpoint, cache, children):
+    LLM(str(checkpoint), num_blocks=32)
+    (entry,) = cache.iterdir()
+    info = json.loads((entry / "info.json").read_text())
+    for damage in ({"report": "not base64"}, {"source_weight_bytes": "x"}):
+        (entry / "info.json").write_text(json.dumps({**info, **damage}))
+        assert tokens(LLM(str(checkpoint), num_blocks=32))
+        assert json.loads((entry / "info.json").read_text())["source_weight_bytes"] == info["source_weight_bytes"]
+    assert len(children) == 3
 
 
 def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd):
