@@ -16,9 +16,13 @@ the entry is built again in its place: one entry per checkpoint and dtype. A che
 cannot compile (the pass refuses it, or ``torch.export`` fails) is recorded as such, and its
 ``LLM`` captures in its own process, which raises the errors that capture raises there.
 
-``PAGEDPACK_COMPILE_CACHE=0`` turns this off (everything in one process, as for an ``nn.Module``,
-the built-in ``tiny`` model, a hub id, another target or device, ``keep_source_model=True`` or a
-``memory_budget``, which all capture in process).
+``PAGEDPACK_COMPILE_CACHE=0`` (or ``false``, ``off``, ``no``) turns this off: everything in one
+process, as for an ``nn.Module``, the built-in ``tiny`` model, a hub id, another target or device,
+``keep_source_model=True``, a ``memory_budget`` or ``PAGEDPACK_DUMP_GRAPHS`` (the passes' graphs
+are written where they run), which all capture in process. The child's messages (``transformers``'
+loading report among them) show on the run that builds the entry; the report's pass times are that
+run's. Entries of checkpoints that are gone, and what a killed build left, are removed when the next
+entry is built.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.models.aliases import cache_dir, checkpoint_stamp
 
 ENV = "PAGEDPACK_COMPILE_CACHE"
+_OFF = ("0", "false", "off", "no")
 _UNCOMPILABLE = 3  # the child's exit status for a checkpoint it cannot compile (anything else may be passing)
 _PACKAGES = ("pagedpack", "pagedpack.passes", "pagedpack.lowering", "pagedpack.kernels", "pagedpack.models",
              "pagedpack.runtime")
@@ -97,13 +102,14 @@ def forget(path: str) -> None:
 
 
 def _applies(args: EngineArgs) -> bool:
-    return (os.environ.get(ENV, "1") != "0" and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
+    return (os.environ.get(ENV, "1").lower() not in _OFF and not os.environ.get("PAGEDPACK_DUMP_GRAPHS")
+            and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
             and args.lowering_target.serves_pt2 and args.device_type == "cpu"
             and not args.keep_source_model and args.memory_budget is None)
 
 
 def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:
-    digest = hashlib.sha256(f"{stamp[0]}|{dtype}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(os.fsencode(stamp[0]) + f"|{dtype}".encode()).hexdigest()[:16]
     return cache_dir() / "compiled" / digest
 
 
@@ -125,35 +131,49 @@ def _source_digest() -> str:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return record if isinstance(record, dict) else {}
+
+
+# The child's program: pagedpack and everything else imported from the parent's sys.path, not from
+# the working directory that ``python -m`` / ``-c`` would put first.
+_CHILD = ("import json, os, sys; sys.path[:] = json.loads(os.environ['PAGEDPACK_SYS_PATH']); "
+          "from pagedpack.compile_cache import _main; sys.exit(_main(*sys.argv[1:]))")
 
 
 def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> dict:
-    """Build the entry for ``model`` in a child process (``python -m pagedpack.compile_cache``)
-    into a staging folder renamed into place; its ``info.json`` record."""
+    """Build the entry for ``model`` in a child process (:func:`_main`, its messages on this
+    process's stderr) into a staging folder renamed into place; its ``info.json`` record. A record
+    whose ``error`` comes from a child that could not run (or a cache that cannot be written) is
+    returned, not kept: the next ``LLM`` tries again."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".partial-{entry.name}-", dir=entry.parent))
+        _remove_leftovers(entry.parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".partial-{os.getpid()}-", dir=entry.parent))
     except OSError as err:
         print(f"pagedpack: cannot write the compile cache ({err}); capturing in this process", file=sys.stderr)
         return {"key": key, "error": str(err)}
-    print(f"pagedpack: capturing {model} in a child process; its step program is kept in {entry} for later runs",
-          file=sys.stderr, flush=True)
+    print(f"pagedpack: capturing {model} in a child process (compile cache: {entry})", file=sys.stderr, flush=True)
     try:
         dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}  # pagedpack as imported here
-        done = subprocess.run([sys.executable, "-m", "pagedpack.compile_cache", model, dtype_name, str(staging)],
-                              capture_output=True, text=True, env=env)
+        env = {**os.environ, "PAGEDPACK_SYS_PATH": json.dumps(sys.path)}
+        try:
+            done = subprocess.run([sys.executable, "-c", _CHILD, model, dtype_name, str(staging)], env=env)
+        except OSError as err:  # no interpreter to start (an embedded or frozen Python)
+            done = subprocess.CompletedProcess([], None, stderr=str(err))
         result = _read_json(staging / "result.json")
         if done.returncode not in (0, _UNCOMPILABLE) or not result:
-            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-            print(f"pagedpack: the child process failed ({last[:300]}); capturing in this process",
+            reason = result.get("error") or done.stderr or f"exit status {done.returncode}"
+            print(f"pagedpack: the child process failed ({reason}); capturing in this process",
                   file=sys.stderr, flush=True)
-            return {"key": key, "error": last}  # not recorded: it may pass next time
+            return {"key": key, "error": reason}
+        if result["error"] is not None:
+            print(f"pagedpack: {model} cannot be compiled ({result['error'][:300]}); capturing in this process",
+                  file=sys.stderr, flush=True)
         info = {"key": key, **result}
-        (staging / "result.json").rename(staging / "info.json")
+        (staging / "result.json").unlink()
         (staging / "info.json").write_text(json.dumps(info))
         shutil.rmtree(entry, ignore_errors=True)
         try:
@@ -165,10 +185,41 @@ def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> d
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _remove_leftovers(folder: Path) -> None:
+    """Remove staging folders of processes that are gone (killed while a child compiled) and the
+    entries of checkpoints that no longer exist."""
+    for path in folder.iterdir():
+        if path.name.startswith(".partial-"):
+            pid = path.name.split("-")[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+        elif path.is_dir():
+            key = _read_json(path / "info.json").get("key")
+            checkpoint = key.get("checkpoint") if isinstance(key, dict) else None
+            if isinstance(checkpoint, list) and checkpoint and isinstance(checkpoint[0], str) \
+                    and not os.path.isdir(checkpoint[0]):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+# Failures of the machine, not of the checkpoint: reported, never recorded.
+_TRANSIENT = (ImportError, MemoryError, OSError)
+
+
 def _main(model: str, dtype_name: str, out: str) -> int:
-    """The child: capture and rewrite ``model``, write ``step.pt2`` to
-    ``out``, and ``result.json``: ``{"error": None, "source_weight_bytes": n, "report": pickled}``,
-    or for a checkpoint it cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`)."""
+    """The child: capture and rewrite ``model``, write ``step.pt2`` to ``out`` and ``result.json``:
+    ``{"error": None, "source_weight_bytes": n, "report": pickled}``, or for a checkpoint it cannot
+    compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent."""
+    _die_with_parent()
     from pagedpack.export import export_pt2
     from pagedpack.planner import resident_weight_bytes
     from pagedpack.source import capture_source
@@ -179,6 +230,9 @@ def _main(model: str, dtype_name: str, out: str) -> int:
         module, description, rewritten = capture_source(args)
         rewritten.raise_if_refused()
         export_pt2(rewritten, os.path.join(out, "step.pt2"), description)
+    except _TRANSIENT as err:
+        result.write_text(json.dumps({"error": f"{type(err).__name__}: {err}"[:1000]}))
+        return 1
     except Exception as err:  # noqa: BLE001 -- the parent captures in process and raises it there
         result.write_text(json.dumps({"error": f"{type(err).__name__}: {err}"[:1000]}))
         return _UNCOMPILABLE
@@ -188,5 +242,13 @@ def _main(model: str, dtype_name: str, out: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(_main(*sys.argv[1:]))
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a killed
+    ``LLM`` leaves no child compiling for nobody; elsewhere nothing."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -164,7 +164,8 @@ class LLM:
                 program, description = self._load_exported(args, compiled.path)
             except ValueError as err:  # a damaged entry: drop it, capture here
                 forget(compiled.path)
-                print(f"pagedpack: {err}; capturing in this process", file=sys.stderr)
+                print(f"pagedpack: the compile cache's entry does not load ({err}); capturing in this process",
+                      file=sys.stderr)
             else:
                 self._stamp, self._report = compiled.stamp, compiled.report
                 self._report.notes.append(program.note)

@@ -2,13 +2,14 @@
 ``.pt2`` the cache keeps (:mod:`pagedpack.compile_cache`); same tokens as the unmodified model."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from pagedpack import LLM, SamplingParams
+from pagedpack import LLM, SamplingParams, compile_cache
 from pagedpack.contract import UnsupportedModelError
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
@@ -40,7 +41,7 @@ def children(monkeypatch):
     started, run = [], subprocess.run
 
     def counted(cmd, *args, **kwargs):
-        if cmd[1:3] == ["-m", "pagedpack.compile_cache"]:
+        if cmd[1:3] == ["-c", compile_cache._CHILD]:
             started.append(cmd)
         return run(cmd, *args, **kwargs)
 
@@ -129,6 +130,43 @@ def test_a_damaged_record_is_built_again(checkpoint, cache, children):
         assert tokens(LLM(str(checkpoint), num_blocks=32))
         assert json.loads((entry / "info.json").read_text())["source_weight_bytes"] == info["source_weight_bytes"]
     assert len(children) == 3
+
+
+def test_a_child_that_cannot_run_is_reported_and_tried_again_next_time(checkpoint, cache, children, monkeypatch,
+                                                                      capfd):
+    monkeypatch.setattr(compile_cache, "_CHILD", "import sys; sys.exit(1)")  # e.g. killed, or out of memory
+    for n in (1, 2):
+        llm = LLM(str(checkpoint), num_blocks=32)
+        assert "the child process failed (exit status 1); capturing in this process" in capfd.readouterr().err
+        assert len(children) == n and llm.report.ok
+
+
+def test_the_child_imports_what_the_parent_imports_not_the_working_directory_s(checkpoint, cache, tmp_path):
+    """From an adversarial trial: ``python -m`` put the working directory first on the child's path,
+    so a project's own ``transformers.py`` failed the child, and the failure was recorded for good."""
+    shadow = tmp_path / "project"
+    shadow.mkdir()
+    (shadow / "transformers.py").write_text("raise ImportError('a project module named transformers')\n")
+    (tmp_path / "serve.py").write_text("import sys; from pagedpack import LLM; LLM(sys.argv[1], num_blocks=8)\n")
+    done = subprocess.run([sys.executable, str(tmp_path / "serve.py"), str(checkpoint)], cwd=shadow,
+                          capture_output=True, text=True, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr
+    (entry,) = cache.iterdir()
+    assert json.loads((entry / "info.json").read_text())["error"] is None
+
+
+def test_what_killed_builds_and_gone_checkpoints_left_is_removed(checkpoint, cache, tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for f in checkpoint.iterdir():
+        (gone / f.name).write_bytes(f.read_bytes())
+    LLM(str(gone), num_blocks=8)
+    shutil.rmtree(gone)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (cache / f".partial-{dead.stdout.strip()}-x").mkdir()
+    LLM(str(checkpoint), num_blocks=8)
+    (entry,) = cache.iterdir()
+    assert json.loads((entry / "info.json").read_text())["key"]["checkpoint"][0] == str(checkpoint)
 
 
 def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd):
