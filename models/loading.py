@@ -32,7 +32,8 @@ def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: 
         raise ValueError(f"model: expected a local Hugging Face directory or a hub id, got {model!r} "
                          "(no such directory)")
     else:
-        module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or "auto", attn_implementation="sdpa")
+        # transformers' own choice: sdpa where the family has it, eager where not (Gemma 2, Bloom, MPT)
+        module = AutoModelForCausalLM.from_pretrained(model, dtype=dtype or "auto")
         tokenizer = AutoTokenizer.from_pretrained(model) if has_tokenizer(model) else None
     if dtype is not None:
         module = module.to(dtype)

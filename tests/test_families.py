@@ -129,3 +129,16 @@ def test_a_pt2_export_serves_in_a_fresh_process(family, overrides, tmp_path):
     served = json.loads(done.stdout.strip().splitlines()[-1])
     assert served["note"] == f"loaded from {path}; {llm.report.notes[-1]}"
     assert served["tokens"] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("family", [f for f, entry in SERVED.items() if "sdpa" not in entry[2]])
+def test_a_checkpoint_directory_of_a_family_without_sdpa_loads(family, tmp_path):
+    """From an adversarial trial: loading asked transformers for sdpa attention, which Gemma 2,
+    Bloom and MPT do not have, so their checkpoint directories did not load at all."""
+    model = family_model(SERVED, family, "eager")
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), num_blocks=64)
+    assert llm.report.ok
+    prompts = random_prompts((3, 40), seed=4, vocab=V)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 6) for p in prompts]
