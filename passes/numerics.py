@@ -27,8 +27,25 @@ def float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     strip_export_checks(module)
     for node in module.graph.nodes:
         node.args, node.kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _as_float64)
+        if node.target is torch.ops.aten._grouped_mm.default and len(node.args) == 3 and not node.kwargs:
+            node.target = grouped_mm  # aten's kernel takes no float64 (Mixture-of-Experts layers in bf16)
     module.recompile()
     return module
+
+
+def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``aten._grouped_mm(input, weight, offs)`` for a 2-D ``input`` [S, K] whose rows are grouped
+    by expert, 3-D ``weight`` [E, K, N] and ``offs`` [E], each group's end row (cumulative), in
+    any dtype: ``[S, N]``, rows ``offs[e-1]:offs[e]`` times ``weight[e]``; rows past ``offs[-1]``
+    (which aten leaves unset) are zero, as in transformers' own fallback (``integrations/moe.py``)."""
+    if input.dim() != 2 or weight.dim() != 3:
+        raise NotImplementedError(f"grouped_mm: a 2-D input and a 3-D weight, got {input.dim()}-D and {weight.dim()}-D")
+    out = input.new_zeros(input.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        out[start:end] = input[start:end] @ weight[expert]
+        start = end
+    return out
 
 
 def _as_float64(value):

@@ -13,6 +13,7 @@ import transformers as T
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.contract import UnsupportedModelError
+from pagedpack.passes.numerics import grouped_mm
 
 from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts
 
@@ -142,3 +143,26 @@ def test_a_checkpoint_directory_of_a_family_without_sdpa_loads(family, tmp_path)
     prompts = random_prompts((3, 40), seed=4, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_grouped_mm_reference_equals_aten_s_kernel():
+    """float64 copies of a graph run Mixture-of-Experts GEMMs through numerics.grouped_mm (aten's
+    _grouped_mm takes no float64): same rows per expert, empty experts, rows past the last end zero."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 8, generator=g), torch.randn(4, 8, 12, generator=g)
+    offs = torch.tensor([3, 3, 7, 9], dtype=torch.int32)
+    expected = torch.ops.aten._grouped_mm.default(a, b, offs)
+    got = grouped_mm(a.double(), b.double(), offs)
+    assert got.dtype == torch.float64 and torch.allclose(got[:9].float(), expected[:9], atol=1e-5)
+    assert torch.equal(got[9:], torch.zeros(1, 12, dtype=torch.float64))  # aten leaves them unset
+
+
+def test_mixtral_in_bfloat16_is_served():
+    """From an adversarial trial: in bfloat16 transformers' MoE layers call aten._grouped_mm, and the
+    passes' float64 check of the graph failed on it (RuntimeError from inside the pass manager)."""
+    model = family_model(SERVED, "mixtral", "sdpa").to(torch.bfloat16)
+    llm = LLM(model, num_blocks=64)
+    assert llm.report.ok
+    prompts = random_prompts((3, 40, 100), seed=2, vocab=V)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 1) for p in prompts]
