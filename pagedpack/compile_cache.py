@@ -76,10 +76,11 @@ def compiled_step(args: EngineArgs) -> CompiledStep | None:
     entry = _entry_dir(stamp, args.dtype)
     key = _key(stamp, args.dtype)
     info = _read_json(entry / "info.json")
-    compiled = _parse(info, entry, stamp) if info.get("key") == key else None
-    if compiled is None and not (info.get("key") == key and isinstance(info.get("error"), str)):
-        compiled = _parse(_compile(stamp[0], args.dtype, entry, key), entry, stamp)
-    return compiled
+    current = info.get("key") == key
+    if current and isinstance(info.get("error"), str):  # recorded: the child cannot compile this checkpoint
+        return None
+    compiled = _parse(info, entry, stamp) if current else None
+    return compiled or _parse(_compile(stamp[0], args.dtype, entry, key), entry, stamp)
 
 
 def _parse(info: dict, entry: Path, stamp: tuple) -> CompiledStep | None:

@@ -156,25 +156,12 @@ class LLM:
         return program, program.description
 
     def _capture_and_lower(self, args: EngineArgs) -> tuple[StepProgram, ModelDescription]:
-        from pagedpack.compile_cache import compiled_step, forget
+        from pagedpack.compile_cache import compiled_step
 
         compiled = compiled_step(args)
-        if compiled is not None:
-            try:
-                program, description = self._load_exported(args, compiled.path)
-            except ValueError as err:  # a damaged entry: drop it, capture here
-                forget(compiled.path)
-                print(f"pagedpack: the compile cache's entry does not load ({err}); capturing in this process",
-                      file=sys.stderr)
-            else:
-                self._stamp, self._report = compiled.stamp, compiled.report
-                self._report.notes.append(program.note)
-                # kept, the source would share all but the prepacked copies with the program
-                tensors = [*program.run.parameters(), *program.run.buffers()]
-                packed = sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
-                self._weight_bytes = {False: resident_weight_bytes(program.run),
-                                      True: packed + compiled.source_weight_bytes}
-                return program, description
+        loaded = self._load_compiled(args, compiled) if compiled is not None else None
+        if loaded is not None:
+            return loaded
         from pagedpack.models.aliases import checkpoint_stamp
 
         target = args.lowering_target
@@ -197,6 +184,26 @@ class LLM:
                               for kept in (True, False)}
         if not keep:
             self._let_source_go(program)
+        return program, description
+
+    def _load_compiled(self, args: EngineArgs, compiled) -> tuple[StepProgram, ModelDescription] | None:
+        """The program and description of a compile-cache entry (:mod:`pagedpack.compile_cache`), with
+        its report and weight counts as after a capture here; None (the entry dropped) if it does not load."""
+        from pagedpack.compile_cache import forget
+
+        try:
+            program, description = self._load_exported(args, compiled.path)
+        except ValueError as err:
+            forget(compiled.path)
+            print(f"pagedpack: the compile cache's entry does not load ({err}); capturing in this process",
+                  file=sys.stderr)
+            return None
+        self._stamp, self._report = compiled.stamp, compiled.report
+        self._report.notes.append(program.note)
+        # kept, the source would share all but the prepacked copies with the program
+        tensors = [*program.run.parameters(), *program.run.buffers()]
+        packed = sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
+        self._weight_bytes = {False: resident_weight_bytes(program.run), True: packed + compiled.source_weight_bytes}
         return program, description
 
     def _let_source_go(self, program: StepProgram) -> None:
