@@ -14,7 +14,8 @@ model's greedy tokens, prompt by prompt (``first4_match``); pagedpack's ``peak_r
 process's peak RSS during its runs (imports, the step program's weights, KV pool and activations;
 ``LLM(path)`` captures in a child process and serves the ``.pt2`` it keeps in the compile cache,
 ``pagedpack.compile_cache``, and the references are computed after the runs; the peak of loading,
-before the runs, and the capturing child's peak, when there was one, are reported apart), vLLM's the peak sum over its
+before the runs, and the largest peak of this process's children so far, the capturing child's when
+there was one (or the C++ compiler's on the native kernels' first build), are reported apart), vLLM's the peak sum over its
 processes during its runs (``vllm_cpu.py`` samples it; its main-process figure inherits this
 process's peak through ``fork``). ``--vllm-python`` runs
 ``vllm_cpu.py`` from ``--bench-dir`` with that interpreter (Intel OpenMP preloaded from its venv,
@@ -93,7 +94,7 @@ def main() -> None:
     engines = {"pagedpack": _row(paged_s, paged_outputs, prompts, reference, args.max_tokens, eos)}
     engines["pagedpack"]["peak_rss_mb"] = peak_mb
     engines["pagedpack"]["peak_rss_mb_of_load"] = load_peak_mb
-    engines["pagedpack"]["peak_rss_mb_of_the_capturing_child"] = child_peak_mb
+    engines["pagedpack"]["peak_rss_mb_of_child_processes"] = child_peak_mb
     engines["pagedpack"]["steps_per_run"] = llm.llm_engine.stats.num_steps // (args.runs + 1)
     if args.onnx:
         engines["pagedpack_onnxruntime"] = _onnxruntime(llm, prompts, params, reference, args, eos)
