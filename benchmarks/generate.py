@@ -15,7 +15,8 @@ process's peak RSS during its runs (imports, the step program's weights, KV pool
 ``LLM(path)`` captures in a child process and serves the ``.pt2`` it keeps in the compile cache,
 ``pagedpack.compile_cache``, and the references are computed after the runs; the peak of loading,
 before the runs, and the largest peak of this process's children so far, the capturing child's when
-there was one (or the C++ compiler's on the native kernels' first build), are reported apart), vLLM's the peak sum over its
+there was one (or the C++ compiler's on the native kernels' first build), are reported apart),
+vLLM's the peak sum over its
 processes during its runs (``vllm_cpu.py`` samples it; its main-process figure inherits this
 process's peak through ``fork``). ``--vllm-python`` runs
 ``vllm_cpu.py`` from ``--bench-dir`` with that interpreter (Intel OpenMP preloaded from its venv,
