@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedpack.files import atomic_write
+
 FIGURE_SIZE = (10.0, 7.0)  # inches
 DPI = 100  # so the PNG is 1000 x 700 pixels
 _GRID_COLUMNS = 32
@@ -115,7 +117,8 @@ def draw_kv_timeline(timeline: KVTimeline, path, step: int | None = None) -> int
                Patch(facecolor="#ffffff", edgecolor="#999999", label="free")]
     bottom.legend(handles=legend, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, format="png")
     plt.close(fig)
     return step
 

@@ -22,6 +22,7 @@ import torch.fx
 from torch.fx import Node
 
 from pagedpack.contract import KVCacheSpec
+from pagedpack.files import atomic_write
 from pagedpack.passes.attention_sites import AttentionSite
 from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts
 
@@ -152,4 +153,5 @@ class _Snapshot:
 
 
 def _dump(gm: torch.fx.GraphModule, path: Path) -> None:
-    path.write_text(gm.print_readable(print_output=False))
+    with atomic_write(path) as tmp:
+        Path(tmp).write_text(gm.print_readable(print_output=False))

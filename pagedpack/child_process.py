@@ -1,0 +1,25 @@
+"""Child processes that die with their parent (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` for ``subprocess``: the child gets ``sig`` when this process dies, from
+    before its first instruction (the flag is set between fork and exec, and exec keeps it); a
+    parent already gone by then ends the child at once. Elsewhere than Linux, nothing."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the flag was set
+            os._exit(1)
+
+    return preexec
