@@ -52,6 +52,9 @@ class EngineArgs:
         keep_source_model: keep the ``transformers`` model and the rewritten graph after lowering
             (for ``LLM.export`` / ``plan_memory`` without a second capture); by default a target that
             lowers to a program of its own lets them go (``LLM``'s docstring, Memory).
+        trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
+            calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
+            ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
     Raises:
         ValueError: naming the argument, what was expected and what came.
     """
@@ -72,6 +75,7 @@ class EngineArgs:
     graph_mode: str | None = None
     graph_batch_sizes: list[int] | None = None
     keep_source_model: bool = False
+    trust_file: bool = False
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -84,7 +88,7 @@ class EngineArgs:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        for name in ("enable_prefix_caching", "keep_source_model"):
+        for name in ("enable_prefix_caching", "keep_source_model", "trust_file"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         memory = self.kv_cache_memory
@@ -164,6 +168,9 @@ class EngineArgs:
                             help="directory or hub id of the tokenizer; default: the model's")
         parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                             help="default: the checkpoint's dtype")
+        parser.add_argument("--trust-file", action="store_true",
+                            help="load a .pt2 file even if it holds what runs code when loaded (pickled members, "
+                                 "calls that are not operators); only for a file you trust as code")
         if not engine:
             return
         parser.add_argument("--target", choices=target_names(), default=None,

@@ -38,10 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedpack.checksum import seal_pt2, verify_onnx, verify_pt2
 from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
+from pagedpack.files import RecordingWriter, atomic_write, check_file_name
 from pagedpack.lowering.targets import LoweredStep
+from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
 from pagedpack.runtime.batch import example_batch
-from pagedpack.runtime.onnx_session import OnnxSessionStep
+from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
 
 FORMATS = ("pt2", "onnx")
 FORMAT_VERSION = 1
@@ -88,8 +91,13 @@ def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription
     # functionalised it and the loaded .module() copies the new caches into the inputs.
     meta["cache_mutation"] = "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
                                                   program.graph_signature.output_specs) else "in_place"
-    with writing(path):
-        torch.export.save(program, path, extra_files={META_FILE: json.dumps(meta)})
+    with writing(path), atomic_write(path) as tmp:
+        with open(tmp, "wb") as file:
+            writer = RecordingWriter(file)  # a write error must not unwind through torch's C++ writer
+            torch.export.save(program, writer, extra_files={META_FILE: json.dumps(meta)})
+        if writer.error is not None:
+            raise writer.error
+        seal_pt2(tmp)
     return path
 
 
@@ -144,10 +152,11 @@ def check_output_path(path) -> str:
 
 @contextlib.contextmanager
 def writing(path: str):
-    """Turn what a writer raises for ``path`` (``OSError``, torch's ``RuntimeError``) into a ``ValueError``."""
+    """Turn an exporter's ``RuntimeError`` for ``path`` into a ``ValueError``; an ``OSError`` (a
+    full disk, no permission) stays one, naming ``path``. The file at ``path`` is left as it was."""
     try:
         yield
-    except (OSError, RuntimeError) as err:
+    except RuntimeError as err:
         raise ValueError(f"path: cannot write {path!r} ({type(err).__name__}: {err})") from err
 
 
@@ -169,12 +178,16 @@ def check_export_file(path) -> str:
     return path
 
 
-def load_exported(path) -> ExportedStep:
+def load_exported(path, *, trust_file: bool = False) -> ExportedStep:
     """Load a file written by ``pagedpack export``, whatever its name: a ``.pt2`` archive (a zip
-    file) or an ONNX model (anything else); ``ValueError`` if it is neither."""
+    file) or an ONNX model (anything else); ``ValueError`` if it is
+    neither, is damaged (its checksum), or its metadata disagrees with its program.
+    ``trust_file``: see :func:`load_pt2`."""
     path = check_export_file(path)
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
     if zipfile.is_zipfile(path):
-        return load_pt2(path)
+        return load_pt2(path, trust_file=trust_file)
     return load_onnx(path)
 
 
@@ -183,25 +196,79 @@ def load_exported(path) -> ExportedStep:
 _OP_LIBRARIES = {b"torch.ops.transformers.": "transformers.integrations.moe"}
 
 
-def load_pt2(path) -> ExportedStep:
-    """Load an archive written by :func:`export_pt2`; ``ValueError`` if ``path`` is missing or
-    is not a pagedpack ``.pt2`` archive. The libraries that register ops the program calls besides
-    pagedpack's (:data:`_OP_LIBRARIES`) are imported first."""
+def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
+    """Load an archive written by :func:`export_pt2`. Checked before ``torch.export.load`` reads
+    it: its sha256 record (:mod:`pagedpack.checksum`) and, unless ``trust_file``, that nothing in it
+    would run code (:mod:`pagedpack.pt2_check`: pickled members, non-operator node targets, ...;
+    refused with :class:`~pagedpack.pt2_check.UntrustedFileError`); after: that its metadata
+    matches the program's own signature. ``ValueError`` if ``path`` is missing or is not such an
+    archive. The libraries that register ops the program calls besides pagedpack's
+    (:data:`_OP_LIBRARIES`) are imported first."""
     path = check_export_file(path)
     extra = {META_FILE: ""}
-    try:
-        _import_op_libraries(path)
-        program = torch.export.load(path, extra_files=extra)
-    except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
-        raise ValueError(f"path: {path!r} is not a loadable torch.export archive "
-                         f"({type(err).__name__}: {err})") from err
+    with open(path, "rb") as file:  # one open file for the checks and the load
+        verify_pt2(file, path)
+        if not trust_file:
+            check_pt2_archive(file, path)
+        try:
+            file.seek(0)
+            _import_op_libraries(file)
+            file.seek(0)
+            with contextlib.nullcontext() if trust_file else weights_only_loads():
+                program = torch.export.load(file, extra_files=extra)
+        except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
+            raise ValueError(f"path: {path!r} is not a loadable torch.export archive "
+                             f"({type(err).__name__}: {err})") from err
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    return step_from_metadata(program.module(), extra[META_FILE], path, target="reference")
+    step = step_from_metadata(None, extra[META_FILE], path, target="reference")
+    check_program_signature(step, _pt2_signature(program), path)
+    program._guards_code = []  # module() would exec these strings from the file (pagedpack.pt2_check)
+    step.run = program.module()
+    return step
 
 
-def _import_op_libraries(path: str) -> None:
-    with zipfile.ZipFile(path) as archive:
+def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tuple], tuple]:
+    """``({input name: (shape, dtype)}, logits shape)`` of an exported step program; a symbolic size is None."""
+    def static(sizes) -> tuple:
+        return tuple(int(n) if isinstance(n, int) else None for n in sizes)
+
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    inputs = {}
+    for name in program.graph_signature.user_inputs:
+        val = placeholders[name].meta.get("val") if name in placeholders else None
+        if isinstance(val, torch.Tensor):
+            inputs[name] = (static(val.shape), val.dtype)
+    output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
+    val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
+    return inputs, static(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple], tuple], path: str) -> None:
+    """The metadata of ``step`` (KV cache specs, vocabulary) matches its program's own inputs and
+    logits (``signature`` as :func:`_pt2_signature` gives it; a shape entry None is symbolic);
+    ``ValueError`` naming the field, what the program has and what the metadata says."""
+    inputs, logits = signature
+    expected = [*METADATA_INPUTS, *cache_input_names(len(step.kv_cache_specs))]
+    if list(inputs) != expected:
+        raise ValueError(f"path: {path!r}: its metadata describes the inputs {expected}, its program has "
+                         f"{list(inputs)}")
+    caches = expected[len(METADATA_INPUTS):]
+    for spec, names in zip(step.kv_cache_specs, zip(caches[::2], caches[1::2])):
+        for name, head_size in zip(names, (spec.key_head_size, spec.value_head_size)):
+            shape, dtype = inputs[name]
+            if tuple(shape[2:]) != (spec.num_kv_heads, head_size) or dtype != spec.dtype:
+                raise ValueError(f"path: {path!r}: kv_cache_specs: the metadata says {name} is {spec.dtype} "
+                                 f"[num_blocks, block_size, {spec.num_kv_heads}, {head_size}], its program takes "
+                                 f"{dtype} {list(shape)}")
+    vocab = step.description.vocab_size
+    if len(logits) != 2 or logits[1] != vocab:
+        raise ValueError(f"path: {path!r}: vocab_size: the metadata says {vocab}, its program returns logits of "
+                         f"shape {list(logits)}")
+
+
+def _import_op_libraries(file) -> None:
+    with zipfile.ZipFile(file) as archive:
         graphs = [archive.read(name) for name in archive.namelist() if name.endswith(".json")]
     for prefix, module in _OP_LIBRARIES.items():
         if any(prefix in graph for graph in graphs):
@@ -209,33 +276,54 @@ def _import_op_libraries(path: str) -> None:
 
 
 def load_onnx(path: str | os.PathLike) -> ExportedStep:
-    """Load an ONNX file written by :func:`pagedpack.onnx_export.export_onnx` onto an onnxruntime CPU session.
+    """Load an ONNX file written by :func:`pagedpack.onnx_export.export_onnx` onto an onnxruntime
+    CPU session, once its sha256 record (:mod:`pagedpack.checksum`) checks out. (An ONNX model is
+    data: loading one runs no code of the file's.)
 
-    Raises ``ValueError`` if ``path`` is not such a file, or if its attention is
-    ``com.microsoft.PagedAttention``, which onnxruntime implements for CUDA only.
+    Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
+    graph, or its attention is ``com.microsoft.PagedAttention``, which onnxruntime implements for
+    CUDA only.
     """
     import onnx
     import onnxruntime
 
     path = check_export_file(path)
+    with open(path, "rb") as file:
+        data = file.read()
     try:
-        model = onnx.load(path, load_external_data=False)
+        model = onnx.load_model_from_string(data)
     except Exception as err:  # not a protobuf, truncated, ...
         raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
                          f"({type(err).__name__}: {err})") from err
     props = {p.key: p.value for p in model.metadata_props}
     if META_FILE not in props:
         raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
+    verify_onnx(data, props, path)
+    del data, model
     step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
     if step.attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")
+    check_cache_dtypes(step.kv_cache_specs)
     try:
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     except Exception as err:  # a graph onnxruntime rejects
         raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
+    check_program_signature(step, _onnx_signature(session), path)
     step.run = OnnxSessionStep(session, step.kv_cache_specs)
     return step
+
+
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
+
+
+def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
+    """:func:`_pt2_signature` of an onnxruntime session (its first output is the logits)."""
+    def static(sizes) -> tuple:
+        return tuple(n if isinstance(n, int) else None for n in sizes)
+
+    inputs = {i.name: (static(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
+    return inputs, static(session.get_outputs()[0].shape)
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -276,6 +364,11 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
         raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry)", meta["signature"])
     if not all(isinstance(i, int) for i in meta["eos_token_ids"]):
         raise invalid("eos_token_ids", "a list of ints", meta["eos_token_ids"])
+    for name in meta.get("tokenizer_files") or {}:
+        try:
+            check_file_name(name, "tokenizer_files")
+        except ValueError as err:
+            raise invalid("tokenizer_files", "plain file names (no folder, no '..')", name) from err
     try:
         tokenizer = _load_tokenizer(meta.get("tokenizer_files"))
     except Exception as err:  # corrupt files: whatever transformers raises
@@ -319,28 +412,31 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
 
 
 def _tokenizer_files(tokenizer) -> dict[str, str] | None:
+    """The files ``tokenizer.save_pretrained`` writes, by plain file name, base64."""
     if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         files = {}
-        for root, _, names in os.walk(tmp):
-            for name in names:
-                full = os.path.join(root, name)
-                with open(full, "rb") as f:
-                    files[os.path.relpath(full, tmp)] = base64.b64encode(f.read()).decode("ascii")
+        for entry in os.scandir(tmp):
+            if not entry.is_file():
+                raise ValueError(f"tokenizer: save_pretrained wrote a folder {entry.name!r}; an export stores plain "
+                                 "files only")
+            with open(entry.path, "rb") as f:
+                files[entry.name] = base64.b64encode(f.read()).decode("ascii")
     return files
 
 
 def _load_tokenizer(files: dict[str, str] | None):
+    """The tokenizer saved as ``files``; each name must be a plain file name (it comes from the file)."""
     if not files:
         return None
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in files.items():
-            full = os.path.join(tmp, name)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "wb") as f:
-                f.write(base64.b64decode(data))
+            if not isinstance(data, str):
+                raise ValueError(f"tokenizer_files: {name}: expected base64 text, got {type(data).__name__}")
+            with open(os.path.join(tmp, check_file_name(name, "tokenizer_files")), "wb") as f:
+                f.write(base64.b64decode(data, validate=True))
         return AutoTokenizer.from_pretrained(tmp)

@@ -24,8 +24,10 @@ import warnings
 
 import torch
 
+from pagedpack.checksum import seal_onnx
 from pagedpack.contract import METADATA_INPUTS, ModelDescription, cache_input_names
 from pagedpack.export import META_FILE, check_output_path, check_portable, example_step, export_metadata, writing
+from pagedpack.files import atomic_write
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -54,8 +56,9 @@ def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescriptio
     meta["attention"] = attention
     meta["cache_mutation"] = "returned"
     program.model.metadata_props[META_FILE] = json.dumps(meta)
-    with writing(path):
-        program.save(path)
+    with writing(path), atomic_write(path) as tmp:
+        program.save(tmp)
+        seal_onnx(tmp)
     return path
 
 

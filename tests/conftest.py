@@ -21,6 +21,26 @@ os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
 MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
 
 
+def pt2_edited(src, dst, edits: dict) -> str:
+    """A copy of the ``.pt2`` archive ``src`` at ``dst`` whose members named ``<root>/<key>`` are
+    ``edits[key](bytes)`` (a key missing from the archive is added), with a valid checksum record
+    (:mod:`pagedpack.checksum`): what a consistent file written by someone else looks like."""
+    import zipfile
+
+    from pagedpack.checksum import seal_pt2
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        root = zin.namelist()[0].split("/", 1)[0]
+        for info in zin.infolist():
+            key = info.filename.split("/", 1)[1]
+            data = zin.read(info)
+            zout.writestr(info, edits[key](data) if key in edits else data)
+        for key in set(edits) - {n.split("/", 1)[1] for n in zin.namelist()}:
+            zout.writestr(f"{root}/{key}", edits[key](b""))
+    seal_pt2(str(dst))
+    return str(dst)
+
+
 def random_prompts(lens, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]

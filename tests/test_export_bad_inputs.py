@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.checksum import ONNX_KEY, seal_onnx, seal_pt2
 from pagedpack.cli import main
 from pagedpack.contract import ModelDescription
 from pagedpack.export import META_FILE, export_pt2, load_exported, load_onnx, load_pt2
@@ -27,7 +28,7 @@ from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.onnx_export import export_onnx
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
 
-from conftest import random_prompts
+from conftest import pt2_edited, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 EXPORTERS = {"pt2": export_pt2, "onnx": export_onnx}
@@ -60,25 +61,29 @@ def reference(llm, prompts, params=GREEDY) -> list[list[int]]:
     return tokens(llm.generate(prompts, params, use_tqdm=False))
 
 
+def onnx_sealed(model: onnx.ModelProto, dst) -> str:
+    """Save ``model`` to ``dst`` with a valid checksum record, as a consistent file written elsewhere would have."""
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONNX_KEY]
+    del model.metadata_props[:]
+    for key, value in kept:
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, dst)
+    seal_onnx(str(dst))
+    return str(dst)
+
+
 def onnx_with_meta(src: str, dst, edit) -> str:
-    """A copy of the ONNX file ``src`` whose pagedpack metadata (JSON text) is ``edit(text)``."""
+    """A copy of the ONNX file ``src`` whose pagedpack metadata (JSON text) is ``edit(text)`` (checksum valid)."""
     model = onnx.load(src)
     for prop in model.metadata_props:
         if prop.key == META_FILE:
             prop.value = edit(prop.value)
-    onnx.save(model, dst)
-    return str(dst)
+    return onnx_sealed(model, dst)
 
 
 def pt2_with_meta(src: str, dst, edit) -> str:
-    """A copy of the ``.pt2`` archive ``src`` whose pagedpack metadata is ``edit(text)``."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
-        for info in zin.infolist():
-            data = zin.read(info)
-            if info.filename.endswith(f"/extra/{META_FILE}"):
-                data = edit(data.decode()).encode()
-            zout.writestr(info, data)
-    return str(dst)
+    """A copy of the ``.pt2`` archive ``src`` whose pagedpack metadata is ``edit(text)`` (checksum valid)."""
+    return pt2_edited(src, dst, {f"extra/{META_FILE}": lambda data: edit(data.decode()).encode()})
 
 
 def json_edit(**changes):
@@ -168,12 +173,14 @@ def test_export_to_a_directory_an_empty_or_a_non_path(fmt, llm, tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_write_errors_name_the_path(llm, tmp_path, monkeypatch):
+def test_write_errors_name_the_path_and_leave_the_old_file(llm, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")
+    (tmp_path / "x.pt2").write_bytes(b"the old file")
     monkeypatch.setattr(torch.export, "save", fail)
-    with pytest.raises(ValueError, match=r"path: cannot write .*x.pt2' \(OSError: .*No space left on device\)"):
+    with pytest.raises(OSError, match=r"cannot write .*x.pt2': No space left on device"):
         export_pt2(llm.rewritten, tmp_path / "x.pt2")
+    assert os.listdir(tmp_path) == ["x.pt2"] and (tmp_path / "x.pt2").read_bytes() == b"the old file"
 
 
 @pytest.mark.parametrize("attention", [None, "", "Pagedpack", "PAGEDPACK", "com.Microsoft", "microsoft", 1])
@@ -211,8 +218,8 @@ def test_load_a_truncated_export(fmt, keep, files, tmp_path):
     data = open(files[fmt], "rb").read()
     path = tmp_path / f"truncated.{fmt}"
     path.write_bytes(data[:int(len(data) * keep)])
-    # A zip cut short has lost its central directory: no longer recognisable as a .pt2 archive.
-    with pytest.raises(ValueError, match=f"path: '{path}' (is not a loadable torch.export archive|is neither a "
+    # A zip cut short has lost its central directory (no longer recognisable as a .pt2 archive) or its checksum.
+    with pytest.raises(ValueError, match=f"path: '{path}' (carries no pagedpack checksum .*cut short|is neither a "
                                          rf"\.pt2 archive \(a zip file\) nor a loadable ONNX model)"):
         LLM.from_exported(path)
 
@@ -235,8 +242,8 @@ def test_load_a_foreign_graph_carrying_pagedpack_metadata(files, tmp_path):
                                                             "g", [x], [y]))
     for prop in onnx.load(files["onnx"]).metadata_props:
         foreign.metadata_props.add(key=prop.key, value=prop.value)
-    onnx.save(foreign, tmp_path / "foreign.onnx")
-    with pytest.raises(ValueError, match=r"expected the inputs \['input_ids', .*got \['x'\]"):
+    onnx_sealed(foreign, tmp_path / "foreign.onnx")
+    with pytest.raises(ValueError, match=r"its metadata describes the inputs \['input_ids', .*its program has \['x'\]"):
         LLM.from_exported(tmp_path / "foreign.onnx")
 
 
@@ -247,19 +254,23 @@ def test_load_a_torch_export_archive_that_is_not_a_pagedpack_one(tmp_path):
 
     path = tmp_path / "foreign.pt2"
     torch.export.save(torch.export.export(AddOne(), (torch.ones(2),)), path)
+    with pytest.raises(ValueError, match="carries no pagedpack checksum"):
+        LLM.from_exported(path)
+    seal_pt2(str(path))
     with pytest.raises(ValueError, match="is a torch.export archive but not a pagedpack one"):
         LLM.from_exported(path)
     other_zip = tmp_path / "other.zip"
     with zipfile.ZipFile(other_zip, "w") as z:
         z.writestr("a.txt", "hello")
-    with pytest.raises(ValueError, match="is not a loadable torch.export archive"):
+    seal_pt2(str(other_zip))
+    with pytest.raises(ValueError, match="is not a torch.export .pt2 archive"):
         load_exported(other_zip)
 
 
 def test_each_format_through_the_other_loader(files):
     with pytest.raises(ValueError, match="nor a loadable ONNX model"):
         load_onnx(files["pt2"])
-    with pytest.raises(ValueError, match="is not a loadable torch.export archive"):
+    with pytest.raises(ValueError, match="carries no pagedpack checksum"):
         load_pt2(files["onnx"])
 
 
@@ -328,8 +339,9 @@ def test_load_metadata_disagreeing_with_the_graph(files, tmp_path):
     # Regression: a head count the graph does not have loaded, then failed inside onnxruntime.
     spec = {**_SPEC, "num_kv_heads": 3}
     path = onnx_with_meta(files["onnx"], tmp_path / "m.onnx", json_edit(kv_cache_specs=[spec, spec]))
-    with pytest.raises(ValueError,
-                       match=r"session: key_cache_0: expected tensor\(float\) \[num_blocks, block_size, 3, 16\]"):
+    with pytest.raises(ValueError, match=r"kv_cache_specs: the metadata says key_cache_0 is torch.float32 "
+                                         r"\[num_blocks, block_size, 3, 16\], its program takes torch.float32 "
+                                         r"\[None, None, 2, 16\]"):
         LLM.from_exported(path)
 
 
