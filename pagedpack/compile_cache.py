@@ -10,7 +10,7 @@ memory: ``docs/cpu-kernels.md``), and a later ``LLM`` of the same checkpoint sta
 
 An entry is ``<cache>/compiled/<digest of the checkpoint's path and dtype>/`` (``<cache>``:
 ``$PAGEDPACK_CACHE`` or ``~/.cache/pagedpack``) with ``step.pt2`` and ``info.json`` (the pass
-report, pickled, and a ``key`` (the checkpoint's files with sizes and times, dtype, the versions of
+report as JSON, and a ``key`` (the checkpoint's files with sizes and times, dtype, the versions of
 torch and transformers, a digest of pagedpack's own source) which must equal the current one, else
 the entry is built again in its place: one entry per checkpoint and dtype. A checkpoint the child
 cannot compile (the pass refuses it, or ``torch.export`` fails) is recorded as such, and its
@@ -26,14 +26,12 @@ entry is built.
 """
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -43,8 +41,11 @@ from pathlib import Path
 
 import torch
 
+from pagedpack.child_process import die_with_parent
 from pagedpack.engine_args import EngineArgs
+from pagedpack.files import pid_alive
 from pagedpack.models.aliases import cache_dir, checkpoint_stamp
+from pagedpack.passes.report import PassReport
 
 ENV = "PAGEDPACK_COMPILE_CACHE"
 _OFF = ("0", "false", "off", "no")
@@ -88,9 +89,9 @@ def _parse(info: dict, entry: Path, stamp: tuple) -> CompiledStep | None:
     try:
         if info.get("error") is not None or not (entry / "step.pt2").is_file():
             return None
-        report = pickle.loads(base64.b64decode(info["report"], validate=True))
+        report = PassReport.from_dict(info["report"])  # JSON data: a record is never unpickled
         weights = info["source_weight_bytes"]
-        if not (callable(getattr(report, "format", None)) and isinstance(weights, int)):
+        if type(weights) is not int:
             return None
         return CompiledStep(str(entry / "step.pt2"), report, stamp, weights)
     except Exception:  # noqa: BLE001 -- whatever a damaged record raises: build the entry again
@@ -161,7 +162,8 @@ def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> d
         dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
         env = {**os.environ, "PAGEDPACK_SYS_PATH": json.dumps(sys.path)}
         try:
-            done = subprocess.run([sys.executable, "-c", _CHILD, model, dtype_name, str(staging)], env=env)
+            done = subprocess.run([sys.executable, "-c", _CHILD, model, dtype_name, str(staging)], env=env,
+                                  preexec_fn=die_with_parent())
         except OSError as err:  # no interpreter to start (an embedded or frozen Python)
             done = subprocess.CompletedProcess([], None, stderr=str(err))
         result = _read_json(staging / "result.json")
@@ -192,7 +194,7 @@ def _remove_leftovers(folder: Path) -> None:
     for path in folder.iterdir():
         if path.name.startswith(".partial-"):
             pid = path.name.split("-")[1]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(path, ignore_errors=True)
         elif path.is_dir():
             key = _read_json(path / "info.json").get("key")
@@ -202,25 +204,15 @@ def _remove_leftovers(folder: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
-
-
 # Failures of the machine, not of the checkpoint: reported, never recorded.
 _TRANSIENT = (ImportError, MemoryError, OSError)
 
 
 def _main(model: str, dtype_name: str, out: str) -> int:
     """The child: capture and rewrite ``model``, write ``step.pt2`` to ``out`` and ``result.json``:
-    ``{"error": None, "source_weight_bytes": n, "report": pickled}``, or for a checkpoint it cannot
-    compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent."""
-    _die_with_parent()
+    ``{"error": None, "source_weight_bytes": n, "report": PassReport.to_dict()}``, or for a checkpoint it
+    cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent
+    (:func:`pagedpack.child_process.die_with_parent`, set before it starts)."""
     from pagedpack.export import export_pt2
     from pagedpack.planner import resident_weight_bytes
     from pagedpack.source import capture_source
@@ -239,17 +231,5 @@ def _main(model: str, dtype_name: str, out: str) -> int:
         return _UNCOMPILABLE
     result.write_text(json.dumps({"error": None,
                                   "source_weight_bytes": resident_weight_bytes(rewritten.graph_module, module),
-                                  "report": base64.b64encode(pickle.dumps(rewritten.report)).decode("ascii")}))
+                                  "report": rewritten.report.to_dict()}))
     return 0
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a killed
-    ``LLM`` leaves no child compiling for nobody; elsewhere nothing."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +100,7 @@ class LLM:
         self._model, self._rewritten, self._report, self._peak = None, None, None, None
         self._exported, self._stamp, self._weight_bytes = args.is_exported, None, {}
         if self._exported:
-            self.program, description = self._load_exported(args, args.model)
+            self.program, description = self._load_exported(args, args.model, trust_file=args.trust_file)
         else:
             self.program, description = self._capture_and_lower(args)
         release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
@@ -126,6 +127,7 @@ class LLM:
                               max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
         self.llm_engine = LLMEngine(runner, scheduler)
         self._ids = itertools.count()
+        self._generate_lock = threading.Lock()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLM":
@@ -142,10 +144,12 @@ class LLM:
 
         return cls(check_export_file(path), **kwargs)
 
-    def _load_exported(self, args: EngineArgs, path: str) -> tuple[StepProgram, ModelDescription]:
+    def _load_exported(self, args: EngineArgs, path: str, *, trust_file: bool = False
+                       ) -> tuple[StepProgram, ModelDescription]:
+        """A file's program and description (a compile-cache entry is never trusted as code)."""
         from pagedpack.export import load_exported
 
-        program = load_exported(path)
+        program = load_exported(path, trust_file=trust_file)
         if args.target is not None and args.target != program.target:
             raise ValueError(f"target: {path!r} is run by the {program.target!r} target, got {args.target!r}")
         self.target = program.target
@@ -189,15 +193,18 @@ class LLM:
     def _load_compiled(self, args: EngineArgs, compiled) -> tuple[StepProgram, ModelDescription] | None:
         """The program and description of a compile-cache entry (:mod:`pagedpack.compile_cache`), with
         its report and weight counts as after a capture here; None (the entry dropped) if it does not load."""
-        from pagedpack.compile_cache import forget
+        from pagedpack.compile_cache import compiled_step, forget
 
-        try:
-            program, description = self._load_exported(args, compiled.path)
-        except ValueError as err:
-            forget(compiled.path)
-            print(f"pagedpack: the compile cache's entry does not load ({err}); capturing in this process",
-                  file=sys.stderr)
-            return None
+        for attempt in ("building it again", "capturing in this process"):
+            try:
+                program, description = self._load_exported(args, compiled.path)
+                break
+            except ValueError as err:  # damaged (its checksum), or written by something else
+                forget(compiled.path)
+                print(f"pagedpack: the compile cache's entry does not load ({err}); {attempt}", file=sys.stderr)
+                compiled = compiled_step(args) if attempt.startswith("building") else None
+                if compiled is None:
+                    return None
         self._stamp, self._report = compiled.stamp, compiled.report
         self._report.notes.append(program.note)
         # kept, the source would share all but the prepacked copies with the program
@@ -366,7 +373,14 @@ class LLM:
         A request that can never run (token ids outside the vocabulary, prompt longer than
         ``max_model_len``, more tokens than the whole KV pool) gets ``error`` set; the others
         finish normally. Malformed arguments raise ``ValueError`` before anything is queued.
+
+        Thread-safe: calls from several threads run one after another (the engine, the tokenizer and
+        the caches are one per ``LLM``), so no call sees or aborts another call's requests.
         """
+        with self._generate_lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         prompts = normalize_prompts(prompts)
         params = normalize_sampling_params(sampling_params, len(prompts))
         if any(isinstance(p.content, str) for p in prompts) and self.tokenizer is None:
@@ -396,7 +410,7 @@ class LLM:
                         out.error = out.error or request.error
                         bar.update(1)
         except BaseException:
-            self.llm_engine.scheduler.abort_all()  # leave the engine usable for the next call
+            self.llm_engine.scheduler.abort_all()  # this call's requests only (the lock): the engine stays usable
             raise
         for out in outputs:
             out.outputs.sort(key=lambda completion: completion.index)

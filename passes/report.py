@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch.fx
 
@@ -64,6 +64,31 @@ class PassReport:
     unmatched_softmaxes: list[UnmatchedSoftmax] = field(default_factory=list)
     stopped_at: str | None = None  # the pass that refused; the graph was left as captured
     left_as_captured: str | None = None  # the torch.compile backend: what made it run the graph as captured
+
+    def to_dict(self) -> dict:
+        """The report as plain JSON data (what the compile cache stores; :meth:`from_dict` reads it)."""
+        counts = {"ops_before": dict(self.ops_before), "ops_after": dict(self.ops_after)}
+        return {**asdict(replace(self, ops_before=Counter(), ops_after=Counter())), **counts}
+
+    @classmethod
+    def from_dict(cls, data) -> "PassReport":
+        """The report :meth:`to_dict` gave; ``ValueError`` for data of another shape (it comes from a file)."""
+        records = {"sites": SiteRecord, "passes": PassRecord, "unmatched_softmaxes": UnmatchedSoftmax}
+        try:
+            if not isinstance(data, dict) or set(data) != {f.name for f in fields(cls)}:
+                raise TypeError("not a PassReport record")
+            report = cls(**{name: [_record(records[name], item) for item in value] if name in records else value
+                            for name, value in data.items()})
+            report.ops_before, report.ops_after = Counter(report.ops_before), Counter(report.ops_after)
+            checks = [all(isinstance(x, str) for x in report.inputs_added + report.notes),
+                      all(isinstance(k, str) and type(v) is int for c in (report.ops_before, report.ops_after)
+                          for k, v in c.items()),
+                      all(x is None or isinstance(x, str) for x in (report.stopped_at, report.left_as_captured))]
+            if not all(checks):
+                raise TypeError("a field of the wrong type")
+        except (TypeError, AttributeError) as err:
+            raise ValueError(f"report: expected a PassReport record, got {str(data)[:80]!r} ({err})") from err
+        return report
 
     @property
     def num_found(self) -> int:
@@ -134,3 +159,17 @@ class PassReport:
             if a != b:
                 lines.append(f"  {op:<50} {b:>5} -> {a:<5}")
         return "\n".join(lines)
+
+
+def _record(kind, data):
+    """A ``kind`` dataclass from its :func:`dataclasses.asdict` form, each field of its annotated type."""
+    types = {"str": str, "int": int, "float": (int, float), "bool": bool}
+    if not isinstance(data, dict) or set(data) != {f.name for f in fields(kind)}:
+        raise TypeError(f"not a {kind.__name__} record")
+    for f in fields(kind):
+        allowed = tuple(t for name, t in types.items() if name in str(f.type).split(" | ")) + \
+            ((type(None),) if "None" in str(f.type) else ())
+        value = data[f.name]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise TypeError(f"{kind.__name__}.{f.name}: {value!r:.40}")
+    return kind(**data)

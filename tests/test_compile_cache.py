@@ -1,10 +1,13 @@
 """``LLM(path)`` on the CPU with the compile cache on: captured in a child process, served from the
 ``.pt2`` the cache keeps (:mod:`pagedpack.compile_cache`); same tokens as the unmodified model."""
+import base64
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -128,13 +131,27 @@ def test_a_refused_checkpoint_raises_as_in_process_and_is_remembered(cache, chil
     assert "UnsupportedModelError" in json.loads((entry / "info.json").read_text())["error"]
 
 
-def test_a_damaged_entry_is_dropped_and_the_model_captured_in_process(checkpoint, warm, children, capfd):
-    expected = tokens(LLM(str(checkpoint), num_blocks=32))
+def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpoint, warm, children, capfd):
+    # Regression (trust and faults, 5): a flipped byte in step.pt2 was served as garbage text.
     (entry,) = warm.iterdir()
-    (entry / "step.pt2").write_bytes(b"not an archive")
+    step = entry / "step.pt2"
+    data = bytearray(step.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    step.write_bytes(data)
     llm = LLM(str(checkpoint), num_blocks=32)
-    assert "capturing in this process" in capfd.readouterr().err and not entry.exists()
-    assert tokens(llm) == expected and llm._model is None and not children  # let go after lowering
+    err = capfd.readouterr().err
+    assert f"path: {str(step)!r} is damaged" in err and "building it again" in err and len(children) == 1
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert llm._model is None and step.read_bytes() != data  # let go after lowering; the entry is new
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
 
 
 def test_a_damaged_record_is_built_again(checkpoint, warm, children):
@@ -147,6 +164,18 @@ def test_a_damaged_record_is_built_again(checkpoint, warm, children):
     assert compile_cache._parse(info, entry, stamp) is not None
     for damage in ({"report": None}, {"report": "bm90IGEgcGlja2xl"}, {"source_weight_bytes": "x"}, {"error": "x"}):
         assert compile_cache._parse({**info, **damage}, entry, stamp) is None, damage
+
+
+def test_a_pickled_record_is_never_unpickled(checkpoint, warm, children, tmp_path):
+    # Regression (trust and faults, 3): the report was stored as a pickle and unpickled on every load,
+    # so whoever could write the cache ran code in every user's process.
+    (entry,) = warm.iterdir()
+    marker = tmp_path / "ran"
+    info = json.loads((entry / "info.json").read_text())
+    planted = base64.b64encode(pickle.dumps(_Payload(marker))).decode("ascii")
+    (entry / "info.json").write_text(json.dumps({**info, "report": planted}))
+    assert tokens(LLM(str(checkpoint), num_blocks=32)) and len(children) == 1  # built again
+    assert not marker.exists() and isinstance(json.loads((entry / "info.json").read_text())["report"], dict)
 
 
 def test_a_child_that_cannot_run_is_reported_and_tried_again_next_time(checkpoint, cache, children, monkeypatch,
