@@ -6,7 +6,9 @@ libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library re
 ``torch.ops.load_library``. The library is cached under ``$PAGEDPACK_CACHE`` (default
 ``~/.cache/pagedpack``) ``/native/<key>/``, the key hashing the source, the torch version, the
 compiler flags and the CPU capability, so a change of any of them rebuilds (about 30 s on two
-cores) and a second process reuses the build.
+cores) and a second process reuses the build. The build records the library's size and sha256
+beside it (``libpagedpack_cpu.json``); a library that does not match is built again, never
+mapped. An interrupted build leaves no compiler running and no temporary file.
 
 Without a compiler, or with ``PAGEDPACK_NATIVE=0``, :func:`native_ops` returns ``None`` and the
 ops run their PyTorch reference kernels (:mod:`pagedpack.kernels.ops`); :func:`status` says
@@ -16,21 +18,26 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+
+from pagedpack.child_process import die_with_parent
+from pagedpack.files import atomic_write, sha256_file
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
 }
+_MIN_FREE = 256 << 20  # bytes: below this, a failed build's message names the free space
 _reason: str | None = None
 
 
@@ -79,28 +86,67 @@ def _load():
     cache = Path(os.environ.get("PAGEDPACK_CACHE", Path.home() / ".cache" / "pagedpack"))
     library = cache / "native" / key.hexdigest()[:16] / "libpagedpack_cpu.so"
     try:
-        if not library.exists():
+        if not _valid(library):
             _build(compiler, flags, library)
         torch.ops.load_library(str(library))
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
-        _reason = f"native build failed: {str(e).strip()[-500:]}"
+        _reason = f"native build failed: {str(e).strip()[-800:]}"
         warnings.warn(f"pagedpack: {_reason}; using the reference kernels", RuntimeWarning, stacklevel=3)
         return None
     return torch.ops.pagedpack_cpu
 
 
+def _record(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def _valid(library: Path) -> bool:
+    """``library`` is the file a build wrote: its size and sha256 are those recorded beside it at
+    build time (a truncated or overwritten library is never mapped: that ends in a ``Bus error``)."""
+    try:
+        record = json.loads(_record(library).read_text())
+        return (isinstance(record, dict) and record.get("size") == library.stat().st_size
+                and record.get("sha256") == sha256_file(library))
+    except (OSError, ValueError):
+        return False
+
+
+# The compiler runs under this watchdog, in a process group of its own: when pagedpack's process
+# dies (even by SIGKILL) the watchdog gets SIGTERM (PR_SET_PDEATHSIG) and kills the whole group,
+# the compiler's own children (cc1plus, as, ld) included.
+_WATCHDOG = ("import os, signal, subprocess, sys\n"
+             "group = []\n"
+             "def stop(*_):\n"
+             "    if group: os.killpg(group[0], signal.SIGKILL)\n"
+             "    os._exit(1)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             "child = subprocess.Popen(sys.argv[1:], start_new_session=True)\n"
+             "group.append(child.pid)\n"
+             "sys.exit(child.wait())\n")
+
+
 def _build(compiler: str, flags: list[str], library: Path) -> None:
-    """Compile into a temporary file beside ``library``, then rename (safe with concurrent builds)."""
+    """Compile into a temporary file beside ``library`` (:func:`pagedpack.files.atomic_write`: safe
+    with concurrent builds, none left by a killed one), record its size and sha256, rename it into
+    place. ``RuntimeError`` with the compiler's errors, and the free space when the disk is short."""
     print(f"pagedpack: building the native CPU kernels into {library.parent} (first use only, about 30 s)",
           file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, str(_SOURCE), "-o", tmp, *flags], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(done.stderr)
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(library) as tmp:
+        command = [sys.executable, "-c", _WATCHDOG, compiler, str(_SOURCE), "-o", tmp, *flags]
+        watchdog = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=die_with_parent(signal.SIGTERM))
+        try:
+            _, stderr = watchdog.communicate()
+        except BaseException:  # KeyboardInterrupt, ...: stop the compiler before going on
+            watchdog.terminate()
+            watchdog.wait()
+            raise
+        if watchdog.returncode:
+            errors = stderr.strip().splitlines()[-8:]  # the cause (ld's, cc1plus') comes before collect2's last word
+            free = shutil.disk_usage(library.parent).free
+            short = f" (only {free >> 20} MiB free under {library.parent})" if free < _MIN_FREE else ""
+            raise RuntimeError(f"{compiler} exited with {watchdog.returncode}{short}: " + " | ".join(errors)[-800:])
+        record = {"size": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+        with atomic_write(_record(library)) as record_tmp:
+            Path(record_tmp).write_text(json.dumps(record))

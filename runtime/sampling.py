@@ -1,7 +1,9 @@
 """Sampling parameters and the sampler that turns one step's logits into next tokens.
 
 Semantics follow vLLM: ``temperature == 0`` is greedy (argmax), otherwise logits are divided
-by the temperature in fp32, restricted by top-k and then top-p (nucleus), and a token is drawn.
+by the temperature, restricted by top-k and then top-p (nucleus), and a token is drawn. The
+division is in float64 and the tokens are ranked by the logits before it, so no finite
+temperature overflows (fp32 made ``1e39`` infinite and every logit 0) or reorders tokens.
 A request with a ``seed`` draws from its own ``torch.Generator`` so its tokens do not depend on
 which other requests share the batch.
 """
@@ -83,21 +85,26 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to ``-inf``) every token outside each row's top-k and then top-p set.
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask (to ``-inf``) every token outside each row's top-k and then top-p set, and divide by
+    ``temperature``.
 
-    logits: float ``[N, V]``; top_k: int64 ``[N]`` (``<= 0`` disables); top_p: fp32 ``[N]``.
-    Top-p keeps the smallest set of most likely tokens whose probability (after top-k) sums to
-    at least ``top_p``; the most likely token is always kept. Ties are ordered by token id.
-    Returns a new tensor of the same shape and dtype.
+    logits: float ``[N, V]``; top_k: int64 ``[N]`` (``<= 0`` disables); top_p: fp32 ``[N]``;
+    temperature: ``[N]`` (> 0; None: 1). Tokens are ranked by ``logits`` (ties by token id); top-p
+    keeps the smallest set of most likely tokens whose probability (after top-k, at the
+    temperature) sums to at least ``top_p``; the most likely token is always kept. Returns the
+    masked ``logits / temperature``: float64 with a temperature, else ``logits``' dtype.
     """
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if temperature is not None:
+        logits, sorted_logits = (t.double() / temperature.double()[:, None] for t in (logits, sorted_logits))
     rank = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     drop = rank[None, :] >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    probs = sorted_logits.float().softmax(dim=-1)
+    probs = sorted_logits.softmax(dim=-1) if temperature is not None else sorted_logits.float().softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop_in_vocab_order = torch.empty_like(drop).scatter_(-1, order, drop)
@@ -108,7 +115,7 @@ class Sampler:
     """``Sampler()(logits [N, V], requests) -> list[int]``: one next token per row.
 
     Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Greedy rows take the
-    argmax; the others are sampled in fp32 as described in the module docstring. Seeded
+    argmax; the others are sampled as described in the module docstring. Seeded
     requests get ``request.generator`` (created on first use, on the logits' device).
     """
 
@@ -123,11 +130,10 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
             device = logits.device
-            temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+            temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float64, device=device)
             top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
             top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-            scaled = logits[rows].float() / temperature[:, None]
-            probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+            probs = apply_top_k_top_p(logits[rows], top_k, top_p, temperature).softmax(dim=-1).float()
             tokens[rows] = self._draw(probs, [requests[i] for i in rows])
         return tokens.tolist()
 

@@ -238,3 +238,21 @@ def test_model_tiny_runs_offline(cache, monkeypatch, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "model: tiny (built-in, random weights" in out and "1 (0 failed)" in out
     assert not cache.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_converted_file_is_converted_again(cache, fake_alias, fake_convert, capsys, damage):
+    # Regression (trust and faults, 5 and 11): a flipped byte in model.safetensors was served as garbage
+    # text, a truncated one ended in a raw SafetensorError with no hint to delete the folder.
+    weights = aliases.fetch("fake") / "model.safetensors"
+    good = weights.read_bytes()
+    data = bytearray(good)
+    if damage == "flip":
+        data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data) if damage == "flip" else good[: len(good) // 2])
+    capsys.readouterr()
+    assert aliases.fetch("fake") == cache / "fake" and len(fake_alias) == 2  # converted again
+    err = capsys.readouterr().err
+    assert f"{weights} does not match the sha256 recorded when fake was converted" in err
+    assert weights.read_bytes() == good and sorted(p.name for p in cache.iterdir()) == ["fake"]
+    assert aliases.fetch("fake") == cache / "fake" and len(fake_alias) == 2  # now it matches
