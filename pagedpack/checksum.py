@@ -8,7 +8,8 @@
 - ``.onnx`` (a protobuf ``ModelProto``): the record is one more ``metadata_props`` entry
   (``pagedpack.sha256``) serialized after the model; protobuf merges a message from concatenated
   encodings, so the file parses as the model with that entry, and the digest covers every byte
-  before it.
+  before it. A model above 2 GB keeps its tensors in ``<file>.data``, whose sha256 is one more
+  entry before the record.
 
 :func:`seal_pt2` / :func:`seal_onnx` add the record to a file just written (before it is renamed
 into place); :func:`verify_pt2` / :func:`verify_onnx` check it at load and raise ``ValueError``
@@ -18,12 +19,14 @@ speed on this project's machine: README, "Trust and files").
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 
-from pagedpack.files import sha256_of
+from pagedpack.files import sha256_file, sha256_of
 
 PREFIX = b"pagedpack-sha256:"
 ONNX_KEY = "pagedpack.sha256"
+DATA_KEY = "pagedpack.data.sha256"  # an ONNX model's external data file (models above 2 GB)
 _EOCD = b"PK\x05\x06"  # zip end-of-central-directory signature; the record is 22 bytes + comment
 _EOCD_SIZE = 22
 _COMMENT_SIZE = len(PREFIX) + 64
@@ -56,9 +59,14 @@ def verify_pt2(file, path: str) -> None:
     _compare(path, recorded, sha256_of(file, size - 2 - _COMMENT_SIZE))
 
 
-def seal_onnx(path: str) -> None:
-    """Append the sha256 record to the serialized ``ModelProto`` at ``path``."""
+def seal_onnx(path: str, data_path: str | None = None) -> None:
+    """Append the sha256 record to the serialized ``ModelProto`` at ``path``; with ``data_path``
+    (its external data file), first an entry ``pagedpack.data.sha256`` with that file's sha256,
+    which the record then covers."""
     with open(path, "r+b") as file:
+        file.seek(0, 2)
+        if data_path is not None:
+            file.write(_onnx_record(sha256_file(data_path), DATA_KEY))
         digest = sha256_of(file)
         file.seek(0, 2)
         file.write(_onnx_record(digest))
@@ -74,12 +82,33 @@ def verify_onnx(data: bytes, props: dict[str, str], path: str) -> None:
     _compare(path, recorded, hashlib.sha256(memoryview(data)[:len(data) - len(record)]).hexdigest())
 
 
-def _onnx_record(digest: str) -> bytes:
+def verify_onnx_data(model, props: dict[str, str], path: str) -> None:
+    """An ONNX model whose tensors live in an external data file: that file is ``<path>.data``
+    (the only one pagedpack writes; any other location is refused) and its sha256 is the one the
+    model records (``pagedpack.data.sha256``, covered by the model's own record)."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    locations = {entry.value for tensor in _get_all_tensors(model) if uses_external_data(tensor)
+                 for entry in tensor.external_data if entry.key == "location"}
+    if not locations:
+        return
+    expected = os.path.basename(path) + ".data"
+    if locations != {expected}:
+        raise ValueError(f"path: {path!r} keeps tensors in {sorted(locations)[:3]}; expected only its own data file "
+                         f"{expected!r}")
+    recorded = props.get(DATA_KEY)
+    data_path = os.path.join(os.path.dirname(os.path.abspath(path)), expected)
+    if not isinstance(recorded, str):
+        raise ValueError(f"path: {path!r} records no sha256 of its data file {expected!r}; export it again")
+    _compare(data_path, recorded, sha256_file(data_path))
+
+
+def _onnx_record(digest: str, key: str = ONNX_KEY) -> bytes:
     import onnx
 
     model = onnx.ModelProto()
     entry = model.metadata_props.add()
-    entry.key, entry.value = ONNX_KEY, digest
+    entry.key, entry.value = key, digest
     return model.SerializeToString()
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.checksum import seal_pt2, verify_onnx, verify_pt2
+from pagedpack.checksum import seal_pt2, verify_onnx, verify_onnx_data, verify_pt2
 from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
 from pagedpack.files import RecordingWriter, atomic_write, check_file_name
 from pagedpack.lowering.targets import LoweredStep
@@ -299,6 +299,7 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     if META_FILE not in props:
         raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
     verify_onnx(data, props, path)
+    verify_onnx_data(model, props, path)
     del data, model
     step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
     if step.attention == "com.microsoft":
@@ -362,13 +363,20 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
     signature = [*METADATA_INPUTS, *cache_input_names(len(specs))]
     if not specs or meta["signature"] != signature:
         raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry)", meta["signature"])
-    if not all(isinstance(i, int) for i in meta["eos_token_ids"]):
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["eos_token_ids"]):
         raise invalid("eos_token_ids", "a list of ints", meta["eos_token_ids"])
+    for name in ("max_model_len", "vocab_size"):
+        if meta.get(name) is not None and meta[name] < 1:
+            raise invalid(name, "an int >= 1", meta[name])
     for name in meta.get("tokenizer_files") or {}:
         try:
             check_file_name(name, "tokenizer_files")
         except ValueError as err:
             raise invalid("tokenizer_files", "plain file names (no folder, no '..')", name) from err
+    try:
+        check_tokenizer_files(meta.get("tokenizer_files"))
+    except ValueError as err:
+        raise ValueError(f"path: {path!r} has invalid pagedpack metadata: {err}") from err
     try:
         tokenizer = _load_tokenizer(meta.get("tokenizer_files"))
     except Exception as err:  # corrupt files: whatever transformers raises
@@ -411,8 +419,46 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     return tuple(args), tuple(dynamic_shapes)
 
 
+# The files a tokenizer is saved as (transformers' tokenizer file names); anything else (a config.json,
+# a module of custom code) is refused in an export: AutoTokenizer could be led to import code from it.
+TOKENIZER_FILE_NAMES = frozenset((
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model"))
+
+
+def check_tokenizer_files(files: dict[str, str] | None) -> None:
+    """``files`` (name -> base64) are a tokenizer's data only: known tokenizer file names, a
+    ``tokenizer_config.json`` with no ``auto_map`` whose ``tokenizer_class`` is a tokenizer class of
+    ``transformers``; ``ValueError`` naming ``tokenizer_files`` and what is wrong otherwise."""
+    files = files or {}
+    unknown = sorted(set(files) - TOKENIZER_FILE_NAMES)
+    if unknown:
+        raise ValueError(f"tokenizer_files: expected tokenizer files only, got {unknown[:5]!r:.200} (taken: "
+                         f"{', '.join(sorted(TOKENIZER_FILE_NAMES))})")
+    if "tokenizer_config.json" not in files:
+        return
+    try:
+        config = json.loads(base64.b64decode(files["tokenizer_config.json"], validate=True))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"tokenizer_files: tokenizer_config.json: expected base64 JSON ({err})") from err
+    if not isinstance(config, dict) or "auto_map" in config:
+        got = "auto_map" if isinstance(config, dict) else repr(config)[:80]
+        raise ValueError(f"tokenizer_files: tokenizer_config.json: expected a JSON object without auto_map "
+                         f"(custom tokenizer code), got {got}")
+    name = config.get("tokenizer_class")
+    import transformers  # a tokenizer is loaded with it next
+    from transformers import PreTrainedTokenizerBase
+
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if name is not None and not (isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase)):
+        raise ValueError(f"tokenizer_files: tokenizer_config.json: tokenizer_class: expected a tokenizer class of "
+                         f"transformers, got {name!r:.80}")
+
+
 def _tokenizer_files(tokenizer) -> dict[str, str] | None:
-    """The files ``tokenizer.save_pretrained`` writes, by plain file name, base64."""
+    """The files ``tokenizer.save_pretrained`` writes, by plain file name, base64 (those
+    :func:`check_tokenizer_files` takes)."""
     if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -424,6 +470,7 @@ def _tokenizer_files(tokenizer) -> dict[str, str] | None:
                                  "files only")
             with open(entry.path, "rb") as f:
                 files[entry.name] = base64.b64encode(f.read()).decode("ascii")
+    check_tokenizer_files(files)
     return files
 
 
@@ -431,7 +478,7 @@ def _load_tokenizer(files: dict[str, str] | None):
     """The tokenizer saved as ``files``; each name must be a plain file name (it comes from the file)."""
     if not files:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in files.items():
@@ -439,4 +486,7 @@ def _load_tokenizer(files: dict[str, str] | None):
                 raise ValueError(f"tokenizer_files: {name}: expected base64 text, got {type(data).__name__}")
             with open(os.path.join(tmp, check_file_name(name, "tokenizer_files")), "wb") as f:
                 f.write(base64.b64decode(data, validate=True))
-        return AutoTokenizer.from_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)  # never a file's code
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise ValueError(f"tokenizer_files: expected a tokenizer, got a {type(tokenizer).__name__}")
+    return tokenizer

@@ -15,6 +15,7 @@ import io
 import os
 import re
 import secrets
+import shutil
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]+\.tmp$")
 _CHUNK = 1 << 20
@@ -36,21 +37,31 @@ def atomic_write(path: str | os.PathLike):
     written there is fsynced and renamed to ``path`` (and the folder fsynced). On an exception the
     temporary file is removed and ``path`` is left as it was. An ``OSError`` (a full disk, no
     permission) is raised again as an ``OSError`` that names ``path``."""
-    path = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    _remove_stale_temps(folder, name)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp = temp_path(path)
     try:
         yield tmp
-        with open(tmp, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(folder)
+        publish(tmp, path)
     except OSError as err:
-        raise OSError(err.errno, f"cannot write {path!r}: {err.strerror or err}") from err
+        raise OSError(err.errno, f"cannot write {os.fspath(path)!r}: {err.strerror or err}") from err
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def temp_path(path: str | os.PathLike) -> str:
+    """A fresh temporary name beside ``path`` (``.<name>.<pid>-<random>.tmp``), for a file or a
+    staging folder; what killed writers left beside ``path`` is removed first."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    _remove_stale_temps(folder, name)
+    return os.path.join(folder, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def publish(tmp: str, path: str | os.PathLike) -> None:
+    """fsync the finished file ``tmp`` and rename it to ``path`` (same folder), then fsync the folder."""
+    with open(tmp, "rb+") as file:
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(os.fspath(path))))
 
 
 class RecordingWriter(io.RawIOBase):
@@ -112,13 +123,16 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def _remove_stale_temps(folder: str, name: str) -> None:
-    """Remove ``.<name>.<pid>-*.tmp`` files in ``folder`` whose process is gone (killed mid-write)."""
+    """Remove ``.<name>.<pid>-*.tmp`` files and folders in ``folder`` whose process is gone (killed mid-write)."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(folder):
             match = _TEMP.match(entry.name)
             if match and match["name"] == name and not pid_alive(int(match["pid"])):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
 
 
 def pid_alive(pid: int) -> bool:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import warnings
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from pagedpack.checksum import seal_onnx
 from pagedpack.contract import METADATA_INPUTS, ModelDescription, cache_input_names
 from pagedpack.export import META_FILE, check_output_path, check_portable, example_step, export_metadata, writing
-from pagedpack.files import atomic_write
+from pagedpack.files import publish, temp_path
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -56,10 +57,29 @@ def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescriptio
     meta["attention"] = attention
     meta["cache_mutation"] = "returned"
     program.model.metadata_props[META_FILE] = json.dumps(meta)
-    with writing(path), atomic_write(path) as tmp:
-        program.save(tmp)
-        seal_onnx(tmp)
+    with writing(path):
+        _save(program, path)
     return path
+
+
+def _save(program: torch.onnx.ONNXProgram, path: str) -> None:
+    """Save and seal ``program`` in a staging folder beside ``path``, then rename its external data
+    file (``<path>.data``, above 2 GB) and the model into place: the data first, so a model never
+    names data that is not there (an old model beside new data fails its data checksum)."""
+    staging = temp_path(path)
+    name = os.path.basename(path)
+    try:
+        os.mkdir(staging)
+        model, data = os.path.join(staging, name), os.path.join(staging, name + ".data")
+        program.save(model)
+        seal_onnx(model, data if os.path.exists(data) else None)
+        if os.path.exists(data):
+            publish(data, path + ".data")
+        publish(model, path)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot write {path!r}: {err.strerror or err}") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def check_attention(attention, rewritten) -> None:

@@ -13,6 +13,9 @@
   ``torch.sym_*`` are taken;
 - symbolic expressions, parsed with ``sympy.sympify`` (an ``eval``): only sympy's constructors,
   torch's sympy functions, symbol names and numbers are taken;
+- names of weights, buffers, constants and modules (the signature's and the payload configs'),
+  which ``ExportedProgram.module()`` writes into the Python source of the module it ``exec``-s:
+  only dotted names of letters, digits and ``_`` are taken (``layers.0.weight``);
 - ``guards_code`` strings, which ``ExportedProgram.module()`` ``exec``-s: the loader clears them
   before building the module (the runtime checks the metadata itself).
 
@@ -42,6 +45,9 @@ _SYMPY_NAMES = frozenset(
     "positive negative integer real nonnegative nonpositive finite infinite commutative".split())
 _TOKEN = re.compile(r"\s+|'[A-Za-z]+\d+'|[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+*/%(),=<>!]")
 _SYMBOL = re.compile(r"[A-Za-z]+\d+")
+_FQN = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")  # torch.fx writes such a segment as getattr(self, "0")
+# Keys of the serialized program whose values are module paths / attribute names ("fqn" may be "": the root).
+_FQN_KEYS = ("parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name", "fqn")
 _env_lock = threading.Lock()
 
 
@@ -79,6 +85,7 @@ def check_pt2_archive(file, path: str) -> None:
         for config_name in ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json"):
             config = _read_json(archive, root, config_name, path) if config_name in members else {}
             for fqn, payload in (config.get("config") or {}).items():
+                _check_fqn(fqn, refuse)
                 if not isinstance(payload, dict) or payload.get("use_pickle") is not False \
                         or not str(payload.get("path_name", "")).startswith(("weight_", "tensor_")):
                     raise refuse(f"a pickled or non-tensor member for {fqn!r:.80}")
@@ -126,6 +133,9 @@ def _check_program(program: dict, refuse) -> None:
             expr = value.get("expr_str")
             if isinstance(expr, str):
                 _check_expr(expr, refuse)
+            for key in _FQN_KEYS:
+                if key in value and not (key == "fqn" and value[key] == ""):
+                    _check_fqn(value[key], refuse)
             for item in value.values():
                 walk(item)
         elif isinstance(value, list):
@@ -144,6 +154,11 @@ def _check_target(target: str, refuse) -> None:
           or (len(parts) == 2 and parts[0] == "torch" and parts[1].startswith(("sym_", "_sym_"))))
     if not ok:
         raise refuse(f"a graph node calling {target!r:.120} (not an operator of {list(_NAMESPACES)})")
+
+
+def _check_fqn(name, refuse) -> None:
+    if not (isinstance(name, str) and _FQN.fullmatch(name)):
+        raise refuse(f"a weight or module name that is not dotted letters, digits and '_' ({name!r:.120})")
 
 
 def _check_expr(expr: str, refuse) -> None:

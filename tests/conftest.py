@@ -1,4 +1,5 @@
 """Shared test inputs and the independent reference: the unmodified HF model, one sequence at a time."""
+import copy
 import os
 
 import pytest
@@ -19,6 +20,54 @@ os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
 
 # The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
 MIXED_PROMPT_LENS = (1, 2, 15, 16, 17, 31, 64, 100, 127, 128, 129, 300)
+
+
+def assert_rounded_close(out: torch.Tensor, exact: torch.Tensor, *, ulps: float = 1.0, atol: float = 1e-5) -> None:
+    """The suite's rule for a bf16/fp16 result of a computation done in fp32 (on the same
+    low-precision inputs): ``out`` is the fp32/float64 ``exact`` up to ``ulps`` units in the last
+    place of ``out.dtype`` (rounding ``exact`` to the dtype alone costs half of one; one allows the
+    neighbour), plus ``atol`` near zero: elementwise ``|out - exact| <= ulps * eps * |exact| + atol``.
+    Never a fixed 1e-2-scale tolerance, which let a dropped KV key pass (each use pins that it fails one)."""
+    assert out.dtype in (torch.bfloat16, torch.float16), out.dtype
+    torch.testing.assert_close(out.float(), exact.float(), rtol=ulps * torch.finfo(out.dtype).eps, atol=atol)
+
+
+def assert_within_own_error(got: torch.Tensor, low_precision_reference: torch.Tensor, exact: torch.Tensor, *,
+                            factor: float = 2.0) -> None:
+    """The rule for a low-precision result of a whole model or step (where rounding compounds):
+    its largest error against the fp32 ``exact`` is at most ``factor`` times that of
+    ``low_precision_reference``, the independent reference computed in the same dtype."""
+    own = (low_precision_reference.float() - exact.float()).abs().max()
+    error = (got.float() - exact.float()).abs().max()
+    assert own > 0 and error <= factor * own, f"error {error:.3g} against fp32, the reference's own {own:.3g}"
+
+
+def onnx_sealed(model, dst) -> str:
+    """Save ``model`` to ``dst`` with a valid checksum record, as a consistent file written elsewhere would have."""
+    import onnx
+
+    from pagedpack.checksum import ONNX_KEY, seal_onnx
+
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONNX_KEY]
+    del model.metadata_props[:]
+    for key, value in kept:
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, dst)
+    seal_onnx(str(dst))
+    return str(dst)
+
+
+def onnx_with_meta(src: str, dst, edit) -> str:
+    """A copy of the ONNX file ``src`` whose pagedpack metadata (JSON text) is ``edit(text)`` (checksum valid)."""
+    import onnx
+
+    from pagedpack.export import META_FILE
+
+    model = onnx.load(src)
+    for prop in model.metadata_props:
+        if prop.key == META_FILE:
+            prop.value = edit(prop.value)
+    return onnx_sealed(model, dst)
 
 
 def pt2_edited(src, dst, edits: dict) -> str:
@@ -65,6 +114,12 @@ def mixed_prompts() -> list[list[int]]:
     return random_prompts(MIXED_PROMPT_LENS)
 
 
+def snapshot(model):
+    """An independent copy of ``model``, taken before an ``LLM`` is built from it: the reference the
+    test compares with, so an in-place change of the weights by the LLM cannot fool both sides."""
+    return copy.deepcopy(model)
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The unmodified model's greedy ``generate`` on ``prompt`` alone: the new tokens. The attention
     mask is given (all ones): otherwise ``generate`` masks every prompt token equal to the pad id."""
@@ -79,6 +134,19 @@ def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
     """The unmodified model's logits for the last token of ``tokens`` (one sequence, no cache)."""
     with torch.no_grad():
         return model(torch.tensor([tokens]), use_cache=False).logits[0, -1]
+
+
+def assert_greedy_tokens_or_tie(model, prompt: list[int], got: list[int], expected: list[int]) -> None:
+    """Equal greedy tokens of a low-precision model; a difference is allowed only where the
+    unmodified model has a bf16 tie (top logits within 2 bf16 ulps of the largest), and the
+    sequence is not compared past it."""
+    assert len(got) == len(expected), (len(got), len(expected))
+    if got == expected:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, expected)) if a != b)
+    logits = hf_last_logits(model, prompt + expected[:i]).float()
+    ulp = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)
+    assert logits.max() - logits[got[i]] <= 2 * ulp, f"prompt length {len(prompt)}: token {i} differs, no tie"
 
 
 def run_step(llm, parts):

@@ -19,7 +19,7 @@ from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
-from conftest import random_prompts
+from conftest import assert_within_own_error, random_prompts, snapshot
 
 BLOCK = 128
 TND_MODEL = dict(dtype=torch.bfloat16, head_dim=128)  # inside TND's limits
@@ -57,6 +57,8 @@ def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_mode
     num_blocks, max_model_len = 96, 512
     llms = {target: LLM(tnd_model, target=target, block_size=BLOCK, num_blocks=num_blocks,
                         max_model_len=max_model_len) for target in ("ascend", "reference")}
+    llms["fp32"] = LLM(snapshot(tnd_model).float(), block_size=BLOCK, num_blocks=num_blocks,
+                       max_model_len=max_model_len)  # the exact reference the two bf16 runs are measured against
     runners = {target: llm.llm_engine.runner for target, llm in llms.items()}
     sentinel = float("nan")
     for cache in runners["ascend"].kv_caches:
@@ -79,9 +81,9 @@ def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_mode
         for s in scheduled:
             assert kv.allocate_slots(s.request, s.num_new_tokens)
         batch = build_batch(scheduled, block_size=BLOCK, num_blocks=num_blocks)
-        got, expected = (runners[t].execute(batch) for t in ("ascend", "reference"))
+        got, expected, exact = (runners[t].execute(batch) for t in ("ascend", "reference", "fp32"))
         assert got.shape == expected.shape
-        torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0)  # bf16 logits of magnitude ~3
+        assert_within_own_error(got, expected, exact)
         for s in scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
     stats = llms["ascend"].program.graphs

@@ -42,13 +42,13 @@ def assert_matches_per_sequence(model, ids, mask, logits, padding_zero=True):
             torch.testing.assert_close(logits[b][real], ref, atol=1e-4, rtol=0)
 
 
-def count_graphs(model, batches, **compile_kwargs) -> int:
+def count_graphs(model, batches, call=None, **compile_kwargs) -> int:
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, **compile_kwargs)
     with torch.no_grad():
         for ids, mask in batches:
-            compiled(input_ids=ids, attention_mask=mask)
+            compiled(input_ids=ids, attention_mask=mask, **(call or {}))
     return counters["stats"]["unique_graphs"]
 
 
@@ -58,23 +58,42 @@ FIRST_SHAPES = [(3, 10), (2, 7), (1, 5), (4, 1), (1, 1)]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_padded_calls_match_eager_and_compile_no_more_than_dynamo(family):
+    """Every tiny family, the KV cache returned (use_cache) but for Mistral: its window (12) engages in
+    these rows, and a sliding-window cache is left as captured (the next test)."""
     model = tiny_model(family)
+    call = dict(use_cache=False) if family == "mistral" else {}
     first, more = calls(1, 24, FIRST_SHAPES), calls(2, 24)  # more's include a batch of empty rows only
-    eager_graphs = count_graphs(model, first, backend="eager", dynamic=True)
+    eager_graphs = count_graphs(model, first, call, backend="eager", dynamic=True)
 
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="pagedpack", dynamic=True)
     with torch.no_grad():
         for ids, mask in first:
-            assert_matches_per_sequence(model, ids, mask, compiled(input_ids=ids, attention_mask=mask).logits)
+            assert_matches_per_sequence(model, ids, mask, compiled(input_ids=ids, attention_mask=mask, **call).logits)
         graphs = counters["stats"]["unique_graphs"]
         assert graphs <= eager_graphs
         for ids, mask in more:
-            assert_matches_per_sequence(model, ids, mask, compiled(input_ids=ids, attention_mask=mask).logits)
+            assert_matches_per_sequence(model, ids, mask, compiled(input_ids=ids, attention_mask=mask, **call).logits)
     assert counters["stats"]["unique_graphs"] == graphs
     packed = [r for r in backend.LAST_REPORTS[-graphs:] if r.num_rewritten]
     assert packed and all(r.num_rewritten == model.config.num_hidden_layers for r in packed)
+
+
+def test_a_sliding_window_cache_returned_to_the_caller_is_left_as_captured():
+    """With use_cache, Mistral returns each layer's KV cut to its window: a per-sequence shape the
+    packed graph cannot give back, so the backend runs the graph as captured (saying which output)
+    and the values are the unmodified model's."""
+    model = tiny_model("mistral")  # window 12
+    torch._dynamo.reset()
+    backend.LAST_REPORTS.clear()
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    ids, mask = padded_batch(random.Random(3), 3, 20, left=False)
+    mask[1, :] = 1
+    with torch.no_grad():
+        logits = compiled(input_ids=ids, attention_mask=mask).logits
+    assert "output 2" in backend.LAST_REPORTS[-1].left_as_captured
+    assert_matches_per_sequence(model, ids, mask, logits, padding_zero=False)
 
 
 def test_a_batch_of_empty_rows_only_gives_zeros():
@@ -155,10 +174,11 @@ def test_inductor_hand_off_keeps_values_and_custom_ops_opaque():
     compiled = torch.compile(model, backend="pagedpack", dynamic=True, options={"inductor": True})
     batches = calls(3, 4, [(3, 9), (2, 5), (4, 1)])  # the last: sizes Dynamo would specialise
     with torch.no_grad():
-        out, code = run_and_get_code(compiled, input_ids=batches[0][0], attention_mask=batches[0][1])
+        out, code = run_and_get_code(compiled, input_ids=batches[0][0], attention_mask=batches[0][1], use_cache=False)
         assert_matches_per_sequence(model, *batches[0], out.logits)
         for ids, mask in batches[1:]:
-            assert_matches_per_sequence(model, ids, mask, compiled(input_ids=ids, attention_mask=mask).logits)
+            assert_matches_per_sequence(model, ids, mask,
+                                        compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits)
     assert any("torch.ops.pagedpack.varlen_attention" in c for c in code)
 
 

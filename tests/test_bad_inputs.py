@@ -3,33 +3,37 @@ never a traceback from deep inside, a silent wrong answer, or a poisoned ``LLM``
 
 Tests marked "wrong now:" describe what the code currently does instead.
 """
+import re
+
 import pytest
 import torch
 import transformers
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack)
 from pagedpack import LLM, SamplingParams
+from pagedpack.models.loading import load
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_config, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 
-from conftest import hf_greedy, random_prompts
+from conftest import assert_greedy_tokens_or_tie, hf_greedy, random_prompts, snapshot
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 
 
 @pytest.fixture(scope="module")
 def model():
+    """The unmodified reference: LLMs are built from copies of it (``snapshot``), never from it."""
     return tiny_model("llama", num_hidden_layers=1)  # one layer: capture is the cost here
 
 
 @pytest.fixture(scope="module")
 def llm(model):
     """Shared by tests whose bad input is rejected before any request is queued."""
-    return LLM(model, tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64)
+    return LLM(snapshot(model), tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64)
 
 
 def _fresh(model, **kwargs):
-    return LLM(model, **{"block_size": 16, "num_blocks": 64, **kwargs})
+    return LLM(snapshot(model), **{"block_size": 16, "num_blocks": 64, **kwargs})
 
 
 def _assert_still_serves(llm, model):
@@ -41,17 +45,20 @@ def _assert_still_serves(llm, model):
     assert out.error is None and out.outputs[0].token_ids == hf_greedy(model, prompt, 4)
 
 
-def _rejected(llm, model, prompts, bad_index: int, *needles: str) -> None:
-    """``prompts[bad_index]`` must be refused clearly: either ``generate`` raises ``ValueError``
-    with ``needles`` in the message, or that request alone gets ``error`` (with ``needles``) and
-    the others finish with the unmodified model's tokens. Either way the LLM stays usable."""
-    try:
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    except ValueError as err:
+def _rejected(llm, model, prompts, bad_index: int, *needles: str, branch: str) -> None:
+    """``prompts[bad_index]`` must be refused clearly, the way ``branch`` pins: ``"call"``,
+    ``generate`` raises ``ValueError`` with ``needles`` in the message and queues nothing;
+    ``"request"``, that request alone gets ``error`` (with ``needles``) and the others finish with
+    the unmodified model's tokens. Either way the LLM stays usable."""
+    if branch == "call":
+        with pytest.raises(ValueError) as err:
+            llm.generate(prompts, GREEDY, use_tqdm=False)
         for needle in needles:
-            assert needle in str(err), f"{needle!r} not in {str(err)!r}"
+            assert needle in str(err.value), f"{needle!r} not in {str(err.value)!r}"
     else:
-        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        assert branch == "request", branch
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
             if i == bad_index:
                 assert out.error, f"prompt {prompt!r} was accepted: {out.outputs}"
                 for needle in needles:
@@ -70,26 +77,21 @@ def test_token_id_outside_vocab_is_refused_and_the_rest_finish(model):
     # request of the call is lost and the LLM keeps them running, so the next generate fails too
     llm = _fresh(model)
     for bad in (-1, VOCAB_SIZE):
-        _rejected(llm, model, [[5, 6], [1, bad, 3], [7, 8, 9]], 1, str(bad), str(VOCAB_SIZE))
+        _rejected(llm, model, [[5, 6], [1, bad, 3], [7, 8, 9]], 1, str(bad), str(VOCAB_SIZE), branch="request")
 
 
 def test_fractional_token_id_is_refused(model, llm):
     # wrong now: [1.7, 2] is silently truncated to [1, 2] and generated from (a silent wrong answer)
-    _rejected(llm, model, [[1.7, 2]], 0, "1.7")
+    _rejected(llm, model, [[1.7, 2]], 0, "prompts[0]", "1.7", branch="call")
 
 
 def test_bad_prompt_after_good_ones_leaves_nothing_queued(model):
     # wrong now: the good prompts before the bad one stay queued in the scheduler after the error,
     # and the next generate() crashes with KeyError('0') on a request it does not know
     llm = _fresh(model)  # no tokenizer: a string prompt is a bad prompt here
-    for bad in (None, "hello"):
-        prompts = [[1, 2], [3, 4, 5, 6], bad]
-        try:
-            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        except ValueError as err:
-            assert "prompt" in str(err)
-        else:
-            assert outputs[2].error and all(o.error is None for o in outputs[:2])
+    for bad, message in ((None, "prompts[2]: expected a string"), ("hello", "prompts: got a string but the model")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate([[1, 2], [3, 4, 5, 6], bad], GREEDY, use_tqdm=False)
         _assert_still_serves(llm, model)
 
 
@@ -119,15 +121,11 @@ def test_bad_prompt_fields_fail_before_anything_is_queued(llm, prompts, message)
     assert not llm.llm_engine.scheduler.has_unfinished() and llm.get_stats().kv_blocks_used == 0
 
 
-def test_tensor_prompt_is_served_or_refused_clearly(model, llm):
-    # wrong now: RuntimeError "Boolean value of Tensor with more than one value is ambiguous"
-    prompt = torch.tensor([3, 4, 5])
-    try:
-        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    except ValueError as err:
-        assert "prompt" in str(err)
-    else:
-        assert out.outputs[0].token_ids == hf_greedy(model, [3, 4, 5], 4)
+def test_tensor_prompt_is_served_as_its_token_ids(model, llm):
+    # was: RuntimeError "Boolean value of Tensor with more than one value is ambiguous"
+    outputs = llm.generate(torch.tensor([3, 4, 5]), GREEDY, use_tqdm=False)
+    assert len(outputs) == 1 and outputs[0].error is None
+    assert outputs[0].outputs[0].token_ids == hf_greedy(model, [3, 4, 5], 4)
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, "greedy"], ids=["dict", "str"])
@@ -138,15 +136,12 @@ def test_sampling_params_of_wrong_type_raise_naming_it(llm, params):
     assert not llm.llm_engine.scheduler.has_unfinished()
 
 
-def test_sampling_params_as_tuple_is_served_or_refused_clearly(llm):
-    # wrong now: AttributeError "'tuple' object has no attribute 'max_tokens'" (a tuple of one
-    # SamplingParams per prompt is taken as a single SamplingParams)
-    try:
-        outputs = llm.generate(["ab", "cd"], (GREEDY, GREEDY), use_tqdm=False)
-    except ValueError as err:
-        assert "sampling_params" in str(err)
-    else:
-        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+def test_sampling_params_as_tuple_is_one_per_prompt(model, llm):
+    # was: AttributeError "'tuple' object has no attribute 'max_tokens'"
+    longer = SamplingParams(temperature=0.0, max_tokens=6)
+    outputs = llm.generate(["ab", "cd"], (GREEDY, longer), use_tqdm=False)
+    ids = [llm.tokenizer("ab").input_ids, llm.tokenizer("cd").input_ids]
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, ids[0], 4), hf_greedy(model, ids[1], 6)]
     assert not llm.llm_engine.scheduler.has_unfinished()
 
 
@@ -165,15 +160,11 @@ def test_sampling_params_rejects_naming_the_field(field, value):
 # ---------------------------------------------------------------- LLM constructor
 
 
-def test_kv_cache_memory_as_float(model):
-    # wrong now: TypeError from torch.zeros in ModelRunner ("must be tuple of ints, but found
-    # element of type float"); kv_cache_memory="1GB" likewise gives a bare TypeError
-    try:
-        llm = LLM(model, kv_cache_memory=1e6)
-    except ValueError as err:
-        assert str(err).startswith("kv_cache_memory:")
-    else:
-        assert isinstance(llm.num_blocks, int)
+def test_kv_cache_memory_as_float_sizes_the_pool(model):
+    # was: TypeError from torch.zeros in ModelRunner ("must be tuple of ints, but found element of type float")
+    llm = LLM(snapshot(model), kv_cache_memory=1e6)
+    assert llm.num_blocks == int(1e6 // (llm.bytes_per_token * llm.block_size))
+    assert llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(model, [3, 4, 5], 4)
 
 
 @pytest.mark.parametrize("value", [100.5, "100"])
@@ -185,28 +176,24 @@ def test_max_model_len_of_wrong_type(model, value):
 
 @pytest.mark.parametrize("value", [4, 8])
 def test_small_max_model_len_in_the_advertised_range(model, value):
-    # wrong now: "max_num_tokens: expected > 8, got 4" (an internal name) although the error for
-    # max_model_len=0 advertises "expected 1 .. 512"; a model with <= 8 positions cannot load at all
-    try:
-        llm = _fresh(model, max_model_len=value)
-    except ValueError as err:
-        assert str(err).startswith("max_model_len:")
-        return
+    # was: "max_num_tokens: expected > 8, got 4" (an internal name) although the error for
+    # max_model_len=0 advertises "expected 1 .. 512"; a model with <= 8 positions could not load at all
+    llm = _fresh(model, max_model_len=value)
     out = llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(model, [1, 2], 4)[: value - 2]
 
 
 @pytest.mark.parametrize("model_arg", [None, "instance"])
-def test_dtype_as_string_is_accepted_or_named(model_arg):
-    # wrong now: RuntimeError "Invalid device string: 'bfloat16'" (built-in model) / TypeError
+def test_dtype_as_string_is_accepted(model_arg):
+    # was: RuntimeError "Invalid device string: 'bfloat16'" (built-in model) / TypeError
     # "to() received an invalid combination of arguments" (model instance)
     module = tiny_model("llama", num_hidden_layers=1) if model_arg else None
-    try:
-        llm = LLM(module, dtype="bfloat16", num_blocks=16)
-    except ValueError as err:
-        assert str(err).startswith("dtype:")
-    else:
-        assert llm.llm_engine.runner.kv_caches[0].dtype == torch.bfloat16
+    llm = LLM(module, dtype="bfloat16", num_blocks=16)
+    assert llm.llm_engine.runner.kv_caches[0].dtype == torch.bfloat16
+    reference = (module if model_arg else load(None)[0]).to(torch.bfloat16)  # the instance is cast in place
+    prompt = [3, 4, 5, 6, 7]
+    got = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert_greedy_tokens_or_tie(reference, prompt, got, hf_greedy(reference, prompt, 4))
 
 
 def _not_causal_lms():
@@ -290,12 +277,12 @@ def test_op_rejects_non_floating_or_empty_heads(case, device):
 def test_preemption_under_a_tiny_pool_keeps_every_request_exact(model):
     """Pool of 8 blocks x 4 tokens, long request needing all of them, many short ones, an
     impossible one, a duplicate and a max_tokens=1: all finish as the unmodified model alone."""
-    llm = LLM(model, block_size=4, num_blocks=8, max_num_batched_tokens=12, max_num_seqs=8)
+    llm = LLM(snapshot(model), block_size=4, num_blocks=8, max_num_batched_tokens=12, max_num_seqs=8)
     prompts = random_prompts((22, 3, 9, 14, 1, 30, 6), seed=21)
     prompts += [prompts[2], random_prompts((40,), seed=22)[0]]
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (10, 8, 8, 6, 8, 2, 1, 8, 8)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.llm_engine.stats.num_preemptions > 0
+    assert len(outputs) == len(prompts) and llm.llm_engine.stats.num_preemptions > 0
     assert "more than the whole pool of num_blocks=8" in outputs[-1].error
     for prompt, p, out in zip(prompts[:-1], params, outputs):
         assert out.error is None
@@ -308,6 +295,6 @@ def test_seeded_request_same_tokens_across_batch_compositions(model, llm):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=10)
     noise = SamplingParams(temperature=0.8, max_tokens=6)
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    chunked = LLM(model, block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    chunked = LLM(snapshot(model), block_size=4, num_blocks=64, max_num_batched_tokens=16)
     mixed = chunked.generate([others[2], prompt, others[0]], [noise, seeded, noise], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone

@@ -1,6 +1,9 @@
 """Row-chunked MLPs (``lowering/cpu_mlp.py``): which subgraphs are chunked and which are left alone,
 the chunked graph against the graph as it was, and greedy tokens equal to the unmodified model's
 ``generate`` with steps many chunks long, across the MLP forms of the families."""
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +11,7 @@ import torch.nn.functional as F
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering import cpu, cpu_mlp
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts
+from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
 from test_families import SERVED
 
 
@@ -103,13 +106,15 @@ def test_a_linear_whose_weight_is_an_activation_is_left_alone():
     assert cpu_mlp.chunk_mlps(gm, rows=4) == 0
 
 
-def test_a_chunk_larger_than_any_step_builds_quickly(monkeypatch):
+def test_a_chunk_larger_than_any_step_builds_quickly():
     """From an adversarial trial: the lowering's check added prefills until its example step was
-    longer than a chunk, which for 10**9 rows never ended."""
-    monkeypatch.setattr(cpu, "CHUNK_ROWS", 10**9)
-    llm = LLM("tiny", num_blocks=64)
-    assert "MLPs run 1000000000 token rows at a time" in llm.program.note
-    assert "kept the graph" not in llm.program.note
+    longer than a chunk, which for 10**9 rows never ended. Run in a child with a time bound, so a
+    regression fails instead of hanging the suite."""
+    script = ("from pagedpack import LLM; from pagedpack.lowering import cpu; cpu.CHUNK_ROWS = 10**9; "
+              "print(LLM('tiny', num_blocks=64).program.note)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "MLPs run 1000000000 token rows at a time" in done.stdout and "kept the graph" not in done.stdout
 
 
 # family: MLPs chunked (of 2 layers). Phi's MLP reads the GEMM it shares with q/k/v (parallel attention,
@@ -124,11 +129,12 @@ def test_chunked_steps_generate_the_unmodified_models_tokens(family, monkeypatch
     config_cls, config, _, _ = SERVED[family]
     torch.manual_seed(0)
     model = __import__("transformers").AutoModelForCausalLM.from_config(config_cls(**config)).eval()
+    reference = snapshot(model)
     llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
     chunked = [m for m in llm.program.run.modules() if isinstance(m, cpu_mlp.RowChunked)]
     assert len(chunked) == CHUNKED[family] and all(m.rows == 8 for m in chunked)
     assert f"{len(chunked)} MLPs run 8 token rows at a time" in llm.report.notes[-1]
     prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=5)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 4), f"prompt length {len(prompt)}"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"

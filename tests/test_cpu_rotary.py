@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering import cpu_rotary
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts
+from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
 from test_families import SERVED
 
 
@@ -68,9 +68,10 @@ def test_fused_rotary_steps_generate_the_unmodified_models_tokens(family):
     config_cls, config, _, _ = SERVED[family]
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
+    reference = snapshot(model)
     llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
     assert f"{FUSED[family]} rotary embeddings in 3 kernels" in llm.report.notes[-1]
     prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=6)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 4), f"prompt length {len(prompt)}"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.checksum import ONNX_KEY, seal_onnx, seal_pt2
+from pagedpack.checksum import seal_pt2
 from pagedpack.cli import main
 from pagedpack.contract import ModelDescription
 from pagedpack.export import META_FILE, export_pt2, load_exported, load_onnx, load_pt2
@@ -28,7 +28,7 @@ from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.onnx_export import export_onnx
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
 
-from conftest import pt2_edited, random_prompts
+from conftest import onnx_sealed, onnx_with_meta, pt2_edited, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 EXPORTERS = {"pt2": export_pt2, "onnx": export_onnx}
@@ -59,26 +59,6 @@ def tokens(outputs) -> list[list[int]]:
 
 def reference(llm, prompts, params=GREEDY) -> list[list[int]]:
     return tokens(llm.generate(prompts, params, use_tqdm=False))
-
-
-def onnx_sealed(model: onnx.ModelProto, dst) -> str:
-    """Save ``model`` to ``dst`` with a valid checksum record, as a consistent file written elsewhere would have."""
-    kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONNX_KEY]
-    del model.metadata_props[:]
-    for key, value in kept:
-        model.metadata_props.add(key=key, value=value)
-    onnx.save(model, dst)
-    seal_onnx(str(dst))
-    return str(dst)
-
-
-def onnx_with_meta(src: str, dst, edit) -> str:
-    """A copy of the ONNX file ``src`` whose pagedpack metadata (JSON text) is ``edit(text)`` (checksum valid)."""
-    model = onnx.load(src)
-    for prop in model.metadata_props:
-        if prop.key == META_FILE:
-            prop.value = edit(prop.value)
-    return onnx_sealed(model, dst)
 
 
 def pt2_with_meta(src: str, dst, edit) -> str:

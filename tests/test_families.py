@@ -15,7 +15,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.contract import UnsupportedModelError
 from pagedpack.passes.numerics import grouped_mm
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts
+from conftest import MIXED_PROMPT_LENS, assert_greedy_tokens_or_tie, hf_greedy, random_prompts, snapshot
 
 V = 258
 _BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -72,14 +72,15 @@ def family_model(table, family, attn):
 @pytest.mark.parametrize("family, attn", [(f, a) for f, entry in SERVED.items() for a in entry[2]])
 def test_family_is_served_token_for_token(family, attn):
     model = family_model(SERVED, family, attn)
+    reference = snapshot(model)
     llm = LLM(model, block_size=16, num_blocks=512, max_num_batched_tokens=96)
     params = [s.params for s in llm.report.sites]
     assert params == (SERVED[family][3] or [""] * len(params)), llm.report.format()
     prompts = random_prompts(MIXED_PROMPT_LENS, seed=1, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.error is None
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6), f"prompt length {len(prompt)}"
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt length {len(prompt)}"
 
 
 @pytest.mark.parametrize("family, attn", [(f, a) for f, entry in REFUSED.items() for a in entry[2]])
@@ -166,3 +167,21 @@ def test_mixtral_in_bfloat16_is_served():
     prompts = random_prompts((3, 40, 100), seed=2, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 1) for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bfloat16_greedy_tokens_equal_transformers(family):
+    """bf16 end to end, 8 tokens of 5 prompts batched with chunked prefill, against the unmodified bf16
+    model one prompt at a time; a difference only at a bf16 tie of its logits."""
+    cls, config = (T.LlamaConfig, _BASE) if family == "llama" else SERVED[family][:2]
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cls(**config), attn_implementation="sdpa").eval().to(torch.bfloat16)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    llm = LLM(model, num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    assert llm.report.ok
+    prompts = random_prompts((1, 17, 40, 90, 130), seed=7, vocab=V)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    model.load_state_dict(snapshot)  # the reference runs the weights as they were before the LLM was built
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_greedy_tokens_or_tie(model, prompt, out.outputs[0].token_ids, hf_greedy(model, prompt, 8))

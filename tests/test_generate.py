@@ -8,7 +8,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.models.tiny import FAMILIES, tiny_model
 from pagedpack.runtime.request import Request
 
-from conftest import hf_greedy, hf_last_logits, random_prompts, run_step
+from conftest import hf_greedy, hf_last_logits, random_prompts, run_step, snapshot
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -19,11 +19,12 @@ def family_model(request):
 
 
 def test_mixed_batch_matches_unmodified_model(family_model, mixed_prompts):
+    reference = snapshot(family_model)
     llm = LLM(family_model, block_size=16, max_num_batched_tokens=256)
     outputs = llm.generate(mixed_prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(mixed_prompts, outputs):
+    for prompt, out in zip(mixed_prompts, outputs, strict=True):
         assert out.error is None
-        assert out.outputs[0].token_ids == hf_greedy(family_model, prompt, 24), f"prompt length {len(prompt)}"
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 24), f"prompt length {len(prompt)}"
     assert llm.llm_engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 

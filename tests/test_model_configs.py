@@ -64,12 +64,18 @@ def test_a_directory_without_tokenizer_files_loads_and_takes_token_ids(weights_o
     llm = LLM(weights_only_dir, num_blocks=16)
     assert llm.tokenizer is None
     (out,) = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    assert len(out.outputs[0].token_ids) == 5
+    reference = AutoModelForCausalLM.from_pretrained(weights_only_dir).eval()
+    assert out.outputs[0].token_ids == hf_greedy(reference, [1, 2, 3], 5)
     with pytest.raises(ValueError, match=r"prompts: got a string but the model \(.*weights-only.*\) has no tokenizer"
                                          r".*tokenizer=.*--tokenizer"):
         llm.generate(["Hello"], GREEDY)
-    with_tokenizer = LLM(weights_only_dir, num_blocks=16, tokenizer=byte_level_tokenizer())
-    assert with_tokenizer.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].text is not None
+    tokenizer = byte_level_tokenizer()
+    with_tokenizer = LLM(weights_only_dir, num_blocks=16, tokenizer=tokenizer)
+    (out,) = with_tokenizer.generate(["Hello"], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == tokenizer("Hello").input_ids
+    expected = hf_greedy(reference, out.prompt_token_ids, 5)
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_cli_export_and_tokenizer_flag_on_a_directory_without_tokenizer_files(weights_only_dir, tmp_path, capsys):

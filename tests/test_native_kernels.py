@@ -17,19 +17,24 @@ from hypothesis import strategies as st
 from pagedpack.kernels import native
 from pagedpack.kernels.validation import checked_step
 
+from conftest import assert_rounded_close
 from test_ops import make_params, make_step, reference_attention
 
 ops = torch.ops.pagedpack
 pytestmark = pytest.mark.skipif(native.native_ops() is None, reason=f"native kernels: {native.status()}")
 
 
-def run_step(seqs, params=None, *, dtype=torch.float32, **kw):
+def run_step(seqs, params=None, *, dtype=torch.float32, drop_last_key=None, **kw):
     """Write a packed step's K/V, run ``paged_attention``; returns the output and, per sequence,
-    the explicit-mask reference in fp32."""
+    the explicit-mask reference in fp32. ``drop_last_key=b``: the kernel is told sequence ``b`` has
+    one key fewer (a defect the checks must see; the reference keeps every key)."""
     batch, write, full_kv = make_step(seqs, dtype=dtype, **kw)
     params = params or {}
     ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"],
                           write["slot_mapping"])
+    if drop_last_key is not None:
+        batch["seq_lens"] = batch["seq_lens"].clone()
+        batch["seq_lens"][drop_last_key] -= 1
     out = ops.paged_attention(**batch, **params)
     cu = batch["cu_seqlens_q"].tolist()
     expected = [reference_attention(batch["query"][cu[b]:cu[b + 1]].float(), k.float(), v.float(), batch["scale"],
@@ -70,15 +75,20 @@ def test_mixed_steps_both_paths(seqs, head_dim, ratio, block_size, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_caches_match_the_reference_kernel(dtype, monkeypatch):
-    """bf16/fp16 query and caches: the fp32-accumulating native kernel and the reference kernel
-    agree to the inputs' rounding (the fp32-vs-dtype tolerance rule is in ``test_ops``)."""
+def test_low_precision_caches_are_the_fp32_result_rounded(dtype, monkeypatch):
+    """bf16/fp16 query and caches: the fp32-accumulating native kernel and the reference kernel are
+    the fp32 explicit-mask result up to its rounding (``assert_rounded_close``); a kernel that
+    drops the (600, 1) decode's last key fails that rule."""
     seqs = [(0, 37), (100, 1), (5, 3), (600, 1)]
-    out, _ = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1))
+    out, exact = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1))
+    assert out.dtype == dtype
+    assert_rounded_close(out, exact)
+    dropped, _ = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1), drop_last_key=3)
+    with pytest.raises(AssertionError):
+        assert_rounded_close(dropped, exact)
     monkeypatch.setenv("PAGEDPACK_NATIVE", "0")
     reference, _ = run_step(seqs, dtype=dtype, head_dim=64, g=torch.Generator().manual_seed(1))
-    assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), reference.float(), atol=1e-2, rtol=1e-2)
+    assert_rounded_close(reference, exact)
 
 
 def test_bad_metadata_raises_inside_a_checked_step():

@@ -226,6 +226,10 @@ def test_paged_attention_low_precision(dtype, with_params):
     ref_error = (reference_paged_attention(**batch, dtype=dtype, **params).float() - exact).abs().max()
     assert ref_error > 0
     assert (out.float() - exact).abs().max() <= 2 * ref_error
+    seq_lens = batch["seq_lens"].clone()
+    seq_lens[1] -= 1  # the decode row's newest key dropped: the rule must see it
+    dropped = ops.paged_attention(**dict(batch, seq_lens=seq_lens), **params)
+    assert (dropped.float() - exact).abs().max() > 2 * ref_error
 
 
 SEQ = st.tuples(st.integers(0, 40), st.integers(0, 20))  # (num_cached, q_len)

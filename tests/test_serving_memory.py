@@ -15,6 +15,8 @@ from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.graph_attrs import drop_unused_attrs, own_attrs
 from pagedpack.planner import resident_weight_bytes
 
+from conftest import hf_greedy
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
 
@@ -96,7 +98,9 @@ def test_loading_again_refuses_a_changed_or_missing_checkpoint(tmp_path, monkeyp
 
 
 def test_a_served_file_is_still_served_once_deleted(tmp_path):
-    path = LLM("tiny", num_blocks=32, keep_source_model=True).export(tmp_path / "x.pt2")
+    source = LLM("tiny", num_blocks=32, keep_source_model=True)
+    expected = [hf_greedy(source.model, p, GREEDY.max_tokens) for p in PROMPTS]
+    path = source.export(tmp_path / "x.pt2")
     served = LLM.from_exported(path, num_blocks=32)
     os.remove(path)
     assert served.model is None and served.rewritten is None and served.report is None
@@ -104,7 +108,7 @@ def test_a_served_file_is_still_served_once_deleted(tmp_path):
         served.export(tmp_path / "y.pt2")
     with pytest.raises(ValueError, match="served from an exported file"):
         served.plan_memory("64MiB")
-    assert all(o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
 def test_the_plan_counts_the_weights_serving_holds(tmp_path):

@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 import time
-import zipfile
 from pathlib import Path
 
 import onnx
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.checksum import ONNX_KEY, seal_onnx
 from pagedpack.export import META_FILE, export_pt2, load_exported
 from pagedpack.files import atomic_write
 from pagedpack.kernels import native
@@ -34,7 +32,7 @@ from pagedpack.pt2_check import UntrustedFileError
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import Sampler
 
-from conftest import pt2_edited, random_prompts
+from conftest import onnx_sealed, onnx_with_meta, pt2_edited, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -66,18 +64,6 @@ def pickled(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def onnx_with_meta(src, dst, edit) -> str:
-    model = onnx.load(src)
-    kept = [(p.key, edit(p.value) if p.key == META_FILE else p.value) for p in model.metadata_props
-            if p.key != ONNX_KEY]
-    del model.metadata_props[:]
-    for key, value in kept:
-        model.metadata_props.add(key=key, value=value)
-    onnx.save(model, dst)
-    seal_onnx(str(dst))
-    return str(dst)
 
 
 def stored_meta(files) -> dict:
@@ -449,3 +435,73 @@ def test_the_compile_child_dies_with_a_parent_killed_in_its_first_moments(tmp_pa
                               env=env, stderr=subprocess.DEVNULL)
     pids = _kill_when(parent, bool)  # as soon as the child exists, before it has imported anything
     assert _gone(pids)
+
+
+# ------------------------------------------------------------------ found by an adversarial trial of the above
+
+
+def test_a_weight_name_that_is_code_is_refused(files, tmp_path):
+    # torch.fx wrote the name into the module's source as getattr(self, "<name>") and exec-ed it on the first step.
+    marker = tmp_path / "ran"
+    evil = f'w", getattr(__import__("os"), "system")("touch {marker}") or "'
+
+    def rename(data):
+        text = data.decode()
+        old = json.loads(text)["graph_module"]["signature"]["input_specs"][0]["parameter"]["parameter_name"]
+        return text.replace(json.dumps(old), json.dumps(evil)).encode()
+
+    path = pt2_edited(files["pt2"], tmp_path / "evil.pt2", {"models/model.json": rename})
+    with pytest.raises(UntrustedFileError, match="a weight or module name that is not dotted letters"):
+        LLM(path, num_blocks=4).generate([[1, 2]], GREEDY, use_tqdm=False)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"evil.py": "import os", "config.json": '{"auto_map": {"AutoConfig": "evil.Cfg"}}'},
+     "expected tokenizer files only"),
+    ({"tokenizer_config.json": '{"auto_map": {"AutoTokenizer": ["evil.Tok", null]}}'}, "without auto_map"),
+    ({"tokenizer_config.json": '{"tokenizer_class": "AutoConfig"}'}, "tokenizer_class: expected a tokenizer class"),
+])
+def test_tokenizer_files_that_could_import_code_are_refused(extra, message, files, tmp_path):
+    # transformers could be led to import a module stored in the file (it asks on a terminal, and waits).
+    import base64
+    tokenizer_files = {**stored_meta(files)["tokenizer_files"],
+                       **{name: base64.b64encode(text.encode()).decode() for name, text in extra.items()}}
+    path = with_meta("pt2", files["pt2"], tmp_path / "evil.pt2", tokenizer_files=tokenizer_files)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_exported(path)
+
+
+def test_a_negative_max_model_len_is_refused_at_load(files, tmp_path):
+    # It made the CPU lowering's check loop for ever.
+    path = with_meta("pt2", files["pt2"], tmp_path / "m.pt2", max_model_len=-5)
+    with pytest.raises(ValueError, match="max_model_len: expected an int >= 1, got -5"):
+        LLM(path, num_blocks=4)
+
+
+def test_onnx_external_data_is_the_file_s_own_and_checksummed(llm, tmp_path, monkeypatch):
+    # Above 2 GB the weights go to <file>.data: it was left as '.<tmp>.data' beside every export, outside
+    # the checksum, and a crafted model could name any file of its folder.
+    from torch.onnx._internal.exporter import _onnx_program
+
+    monkeypatch.setattr(_onnx_program, "_LARGE_MODEL_THRESHOLD", 0)  # the tiny model takes the > 2 GB path
+    path = tmp_path / "m.onnx"
+    for _ in range(2):
+        export_onnx(llm.rewritten, path, llm.description)
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data"]
+    prompts = random_prompts((5, 20), seed=4)
+    assert _tokens(LLM(str(path), block_size=16, num_blocks=16), prompts) == _tokens(llm, prompts)
+    data = bytearray((tmp_path / "m.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 1
+    (tmp_path / "m.onnx.data").write_bytes(data)
+    with pytest.raises(ValueError, match=f"path: {re.escape(repr(str(path) + '.data'))} is damaged"):
+        LLM(str(path), num_blocks=4)
+    model = onnx.load(path, load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "other.bin"
+    (tmp_path / "other.bin").write_bytes(data)
+    crafted = onnx_sealed(model, tmp_path / "crafted.onnx")
+    with pytest.raises(ValueError, match="keeps tensors in \\['other.bin'\\]; expected only its own data file"):
+        load_exported(crafted)
