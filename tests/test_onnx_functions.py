@@ -30,6 +30,7 @@ from pagedpack.lowering.onnx import (
     unsupported_params,
 )
 
+from conftest import assert_within_own_error
 from test_ops import (
     GRID,
     PACKED_STEPS,
@@ -144,9 +145,12 @@ def test_paged_attention_fp16(seqs, with_params):
     out = onnx_attention(batch, **params)
     assert out.dtype == torch.float16
     exact = reference_paged_attention(**batch, **params)
-    ref_error = (reference_paged_attention(**batch, dtype=torch.float16, **params).float() - exact).abs().max()
-    assert ref_error > 0
-    assert (out.float() - exact).abs().max() <= 2 * ref_error
+    low_precision = reference_paged_attention(**batch, dtype=torch.float16, **params)
+    assert_within_own_error(out, low_precision, exact)
+    seq_lens = batch["seq_lens"].clone()
+    seq_lens[-1] -= 1  # the last sequence's newest key dropped: the rule must see it
+    with pytest.raises(AssertionError):
+        assert_within_own_error(onnx_attention(dict(batch, seq_lens=seq_lens), **params), low_precision, exact)
 
 
 def test_value_head_dim_differs_from_key_head_dim():
