@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -414,6 +415,7 @@ def _gone(pids, within: float = 15) -> bool:
     return not _alive(pids)
 
 
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_a_killed_native_build_leaves_no_compiler_running(tmp_path):
     script = (f"from pathlib import Path; from pagedpack.kernels import native; "
               f"native._build('c++', native._flags(), Path({str(tmp_path / 'libpagedpack_cpu.so')!r}))")
@@ -434,7 +436,7 @@ def test_the_compile_child_dies_with_a_parent_killed_in_its_first_moments(tmp_pa
     parent = subprocess.Popen([sys.executable, "-c", f"from pagedpack import LLM; LLM({str(checkpoint)!r})"],
                               env=env, stderr=subprocess.DEVNULL)
     pids = _kill_when(parent, bool)  # as soon as the child exists, before it has imported anything
-    assert _gone(pids)
+    assert _gone(pids, within=4)  # before, it went on importing and capturing (~10 s) for nobody
 
 
 # ------------------------------------------------------------------ found by an adversarial trial of the above
