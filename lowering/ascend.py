@@ -70,7 +70,7 @@ from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
 from pagedpack.lowering.ascend_limits import WINDOW_DUMMY_ROWS, AttentionShape, check_supported
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
-from pagedpack.runtime.batch import example_batch
+from pagedpack.metadata import example_metadata
 
 aten = torch.ops.aten
 COMPRESSED_MASK_SIZE = 2048
@@ -255,7 +255,7 @@ def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
 def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
     """Inputs of ``rewritten``'s step graph for reading its sites' shapes: one sequence of two
     tokens and one-block caches."""
-    inputs = example_batch([2], block_size=block_size, num_blocks=1, device=device).as_inputs()
+    inputs = example_metadata([2], block_size=block_size, num_blocks=1, device=device).as_inputs()
     caches = [torch.zeros(shape, dtype=spec.dtype, device=device)
               for spec in rewritten.kv_cache_specs for shape in spec.cache_shapes(1, block_size)]
     return [inputs[name] for name in METADATA_INPUTS] + caches

@@ -33,6 +33,7 @@ import torch
 import torch.fx
 
 from pagedpack.contract import METADATA_INPUTS
+from pagedpack.metadata import StepMetadata
 
 GRAPH_MODES = ("decode_buckets", "dynamic")
 DEFAULT_GRAPH_MODE = "decode_buckets"
@@ -129,9 +130,8 @@ class DecodeBuckets:
         return next((size for size in self.batch_sizes if size >= num_seqs), None)
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        metadata, caches = list(inputs[:len(METADATA_INPUTS)]), inputs[len(METADATA_INPUTS):]
-        input_ids, seq_lens, block_table = metadata[0], metadata[3], metadata[4]
-        bucket = self.bucket(input_ids.shape[0], seq_lens.shape[0], block_table.shape[1])
+        metadata, caches = StepMetadata(*inputs[:len(METADATA_INPUTS)]), inputs[len(METADATA_INPUTS):]
+        bucket = self.bucket(metadata.num_tokens, metadata.num_seqs, metadata.block_table.shape[1])
         if bucket is None:
             self.stats.eager_steps += 1
             return self.eager(*inputs)
@@ -143,7 +143,7 @@ class DecodeBuckets:
         padded = pad_decode(metadata, bucket, width=self.max_blocks_per_seq, padding_block=key_cache.shape[0] - 1,
                             block_size=key_cache.shape[1])
         self.stats.graph_steps += 1
-        return self.graphs[bucket](*padded, *caches)[:seq_lens.shape[0]]
+        return self.graphs[bucket](*padded, *caches)[:metadata.num_seqs]
 
 
 class DynamicGraph:

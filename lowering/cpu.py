@@ -30,14 +30,13 @@ import warnings
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.cpu_linear import available as onednn_available
 from pagedpack.lowering.cpu_linear import prepack_linears
 from pagedpack.lowering.cpu_mlp import CHUNK_ROWS, chunk_mlps
 from pagedpack.lowering.cpu_rotary import fuse_rotary
+from pagedpack.metadata import example_metadata
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
-from pagedpack.runtime.batch import example_batch
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 _CHECK_BLOCK_SIZE = 4
@@ -108,10 +107,9 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
         q_lens.append(min(_CHECK_PREFILL, limit))
         context_lens.append(0)
     num_blocks = sum(-(-(q + c) // _CHECK_BLOCK_SIZE) for q, c in zip(q_lens, context_lens))
-    batch = example_batch(q_lens, context_lens, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
+    batch = example_metadata(q_lens, context_lens, block_size=_CHECK_BLOCK_SIZE, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(0)
-    batch.input_ids = torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)
-    inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
+    inputs = list(batch._replace(input_ids=torch.randint(0, vocab_size(reference), (batch.num_tokens,), generator=g)))
     caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
               for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
     results = []

@@ -42,8 +42,8 @@ from pagedpack.checksum import seal_pt2, verify_onnx, verify_onnx_data, verify_p
 from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
 from pagedpack.files import RecordingWriter, atomic_write, check_file_name
 from pagedpack.lowering.targets import LoweredStep
+from pagedpack.metadata import example_metadata
 from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
-from pagedpack.runtime.batch import example_batch
 from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
 
 FORMATS = ("pt2", "onnx")
@@ -404,7 +404,7 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     """
     device = next(rewritten.graph_module.parameters()).device
     block_size, num_blocks = 6, 11  # T=11 tokens of B=3 sequences, KV lengths 2, 14, 7 (blocks 1, 3, 2)
-    batch = example_batch([2, 5, 4], [0, 9, 3], block_size=block_size, num_blocks=num_blocks, device=device)
+    batch = example_metadata([2, 5, 4], [0, 9, 3], block_size=block_size, num_blocks=num_blocks, device=device)
     inputs = batch.as_inputs()
     args = [inputs[name] for name in METADATA_INPUTS]
     for spec in rewritten.kv_cache_specs:

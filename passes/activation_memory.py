@@ -84,11 +84,11 @@ def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> Activ
 
 
 def _example_inputs(kv_cache_specs) -> list[tuple[str, torch.Tensor]]:
-    from pagedpack.runtime.batch import example_batch
+    from pagedpack.metadata import example_metadata
 
     q_lens = [_EXAMPLE_T - 2 * (_EXAMPLE_B - 1)] + [2] * (_EXAMPLE_B - 1)
     context = [0] + [(_EXAMPLE_WIDTH - 1) * _EXAMPLE_BLOCK_SIZE] * (_EXAMPLE_B - 1)
-    batch = example_batch(q_lens, context, block_size=_EXAMPLE_BLOCK_SIZE, num_blocks=_EXAMPLE_BLOCKS)
+    batch = example_metadata(q_lens, context, block_size=_EXAMPLE_BLOCK_SIZE, num_blocks=_EXAMPLE_BLOCKS)
     metadata = batch.as_inputs()
     inputs = [(name, metadata[name]) for name in METADATA_INPUTS]
     for spec in kv_cache_specs:

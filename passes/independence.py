@@ -19,15 +19,12 @@ import torch
 import torch.fx
 
 from pagedpack.contract import METADATA_INPUTS
+from pagedpack.metadata import paged_metadata
 from pagedpack.passes.find import token_sizes
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.passes.report import op_name
 from pagedpack.passes.verify import sample_values
-from pagedpack.runtime.batch import build_batch
-from pagedpack.runtime.request import Request
-from pagedpack.runtime.sampling import SamplingParams
-from pagedpack.runtime.scheduler import ScheduledRequest
 
 # Step 1 computes A[:5], B[:11], C[:4]; step 2 computes C[4:9] and A's sixth token (a decode).
 _LENGTHS = {"A": 6, "B": 11, "C": 9}
@@ -87,22 +84,23 @@ class _Sample:
 
     def steps(self) -> list[tuple[list[str], dict]]:
         """Each step's sequence order and graph inputs (logits for every row: ``logits_indices`` = all)."""
-        requests = {name: Request(name, tokens, SamplingParams()) for name, tokens in self.tokens.items()}
+        computed = dict.fromkeys(self.tokens, 0)
+        block_ids: dict[str, list[int]] = {name: [] for name in self.tokens}
         next_block, out = 0, []
         for step in _STEPS:
-            scheduled = []
             for name, n in step.items():
-                request = requests[name]
-                needed = -(-(request.num_computed_tokens + n) // _BLOCK_SIZE)
-                while len(request.block_ids) < needed:
-                    request.block_ids.append(next_block)
+                needed = -(-(computed[name] + n) // _BLOCK_SIZE)
+                while len(block_ids[name]) < needed:
+                    block_ids[name].append(next_block)
                     next_block += 1
-                scheduled.append(ScheduledRequest(request, n))
-            batch = build_batch(scheduled, block_size=_BLOCK_SIZE, num_blocks=self.num_blocks, device=self.device)
-            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+            batch = paged_metadata(list(step.values()), [computed[name] for name in step],
+                                   [block_ids[name] for name in step], block_size=_BLOCK_SIZE,
+                                   input_ids=[t for name, n in step.items()
+                                              for t in self.tokens[name][computed[name]:computed[name] + n]])
+            batch = batch._replace(logits_indices=torch.arange(batch.num_tokens)).to(self.device)
             out.append((list(step), batch.as_inputs()))
-            for s in scheduled:
-                s.request.num_computed_tokens += s.num_new_tokens
+            for name, n in step.items():
+                computed[name] += n
         return out
 
     @property

@@ -38,10 +38,10 @@ import torch.fx
 from torch.fx import Node
 
 from pagedpack.contract import METADATA_INPUTS
+from pagedpack.metadata import example_metadata
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_size
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy
-from pagedpack.runtime.batch import example_batch
 
 aten = torch.ops.aten
 _SAMPLE_BLOCK_SIZE = 4
@@ -220,10 +220,9 @@ class _StepSample:
         g = torch.Generator().manual_seed(0)
         self.tokens = torch.randint(0, vocab_size(ctx.graph_module), (n,), generator=g).to(self.device)
         self.num_blocks = -(-n // _SAMPLE_BLOCK_SIZE)
-        batch = example_batch([n], block_size=_SAMPLE_BLOCK_SIZE, num_blocks=self.num_blocks, device=self.device)
-        batch.input_ids = self.tokens
-        batch.logits_indices = torch.arange(n, device=self.device)
-        self.inputs = batch.as_inputs()
+        batch = example_metadata([n], block_size=_SAMPLE_BLOCK_SIZE, num_blocks=self.num_blocks, device=self.device)
+        every_row = torch.arange(n, device=self.device)
+        self.inputs = batch._replace(input_ids=self.tokens, logits_indices=every_row).as_inputs()
 
     def run(self, gm: torch.fx.GraphModule) -> torch.Tensor:
         """``[n, vocab]`` logits of the step graph ``gm`` (recompiled first) on fresh caches."""

@@ -8,7 +8,7 @@ import torch
 
 from pagedpack.contract import METADATA_INPUTS, StepProgram
 from pagedpack.kernels.validation import checked_step
-from pagedpack.runtime.batch import BatchMetadata
+from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.memory import trim_heap
 
 TRIM_AFTER_TOKENS = 256  # a prefill chunk's worth: its activations are MiBs, a decode step's KiBs
@@ -44,7 +44,7 @@ class ModelRunner:
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, batch: BatchMetadata) -> torch.Tensor:
+    def execute(self, batch: StepMetadata) -> torch.Tensor:
         """Run one step; returns ``logits [B, vocab]`` (one row per sequence: its last token)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
         with checked_step():

@@ -10,8 +10,10 @@ import tomllib
 import torch
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.contract import METADATA_INPUTS
 from pagedpack.lowering import targets
 from pagedpack.lowering.targets import LoweredStep, Target, register_target
+from pagedpack.metadata import StepMetadata
 from pagedpack.models.tiny import tiny_model
 
 from conftest import hf_greedy, random_prompts, snapshot
@@ -74,9 +76,21 @@ def test_no_module_imports_another_in_a_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_contract_is_a_leaf():
+def test_the_contract_and_the_step_metadata_are_leaves():
     modules = _modules()
     assert _imports(modules["pagedpack.contract"], modules) == set()
+    assert _imports(modules["pagedpack.metadata"], modules) == set()
+    assert StepMetadata._fields == METADATA_INPUTS
+
+
+@pytest.mark.parametrize("module", ["pagedpack.passes.pipeline", "pagedpack.passes.varlen", "pagedpack.backend",
+                                    "pagedpack.lowering.cpu", "pagedpack.lowering.ascend"])
+def test_the_compile_side_imports_no_serving_runtime(module):
+    """Passes and lowerings build their sample steps with pagedpack.metadata, not the scheduler's requests."""
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('pagedpack.runtime')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("module, absent", [

@@ -13,8 +13,9 @@ import pagedpack.lowering.ascend_target as ascend_target
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.ascend import emulated_ops, step_example_inputs
 from pagedpack.lowering.ascend_graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
+from pagedpack.metadata import example_metadata
 from pagedpack.models.tiny import tiny_model
-from pagedpack.runtime.batch import build_batch, example_batch
+from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
@@ -31,7 +32,7 @@ def tnd_model():
 
 
 def test_pad_decode_keeps_t_equal_to_the_last_cumulative_length_and_writes_only_the_padding_block():
-    batch = example_batch([1, 1, 1], [5, 130, 0], block_size=BLOCK, num_blocks=8)
+    batch = example_metadata([1, 1, 1], [5, 130, 0], block_size=BLOCK, num_blocks=8)
     metadata = list(batch.as_inputs().values())
     input_ids, positions, cu, seq_lens, table, slots, logits_indices = pad_decode(
         metadata, 8, width=4, padding_block=8, block_size=BLOCK)
@@ -44,7 +45,7 @@ def test_pad_decode_keeps_t_equal_to_the_last_cumulative_length_and_writes_only_
     assert (slots[3:] // BLOCK == 8).all() and len(set(slots[3:].tolist())) == 5  # the padding block, distinct slots
     assert logits_indices.tolist() == list(range(8))
     with pytest.raises(ValueError, match="pad_decode: expected a decode step"):
-        pad_decode(list(example_batch([2, 1], block_size=BLOCK, num_blocks=8).as_inputs().values()), 4,
+        pad_decode(list(example_metadata([2, 1], block_size=BLOCK, num_blocks=8).as_inputs().values()), 4,
                    width=4, padding_block=8, block_size=BLOCK)
 
 

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedpack.runtime.batch import BatchMetadata, build_batch
+from pagedpack.metadata import StepMetadata
+from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import ScheduledRequest
@@ -59,7 +60,7 @@ def reference_batch(scheduled: list[ScheduledRequest], block_size: int) -> dict[
     return ref
 
 
-def assert_matches_reference(md: BatchMetadata, scheduled: list[ScheduledRequest], block_size: int) -> None:
+def assert_matches_reference(md: StepMetadata, scheduled: list[ScheduledRequest], block_size: int) -> None:
     ref = reference_batch(scheduled, block_size)
     inputs = md.as_inputs()
     assert list(inputs) == INPUT_NAMES

@@ -8,8 +8,8 @@ import torch
 
 from pagedpack import LLM
 from pagedpack.contract import METADATA_INPUTS
+from pagedpack.metadata import example_metadata
 from pagedpack.passes.activation_memory import B, T, activation_peak
-from pagedpack.runtime.batch import example_batch
 
 from conftest import profiled_peak_bytes
 
@@ -23,7 +23,7 @@ def measured_step_peak(llm, q_lens, program=None) -> int:
     """Peak bytes of one step of ``q_lens`` through ``program`` with the runner's caches (default:
     the program the runner serves)."""
     runner = llm.llm_engine.runner
-    batch = example_batch(q_lens, block_size=runner.block_size, num_blocks=runner.num_blocks)
+    batch = example_metadata(q_lens, block_size=runner.block_size, num_blocks=runner.num_blocks)
     inputs = batch.as_inputs()
 
     def step():
