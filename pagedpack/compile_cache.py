@@ -18,7 +18,7 @@ cannot compile (the pass refuses it, or ``torch.export`` fails) is recorded as s
 
 ``PAGEDPACK_COMPILE_CACHE=0`` (or ``false``, ``off``, ``no``) turns this off: everything in one
 process, as for an ``nn.Module``, the built-in ``tiny`` model, a hub id, another target or device,
-``keep_source_model=True``, a ``memory_budget`` or ``PAGEDPACK_DUMP_GRAPHS`` (the passes' graphs
+``keep_source_model=True``, a ``memory_budget``, ``extra_passes`` or ``PAGEDPACK_DUMP_GRAPHS`` (the passes' graphs
 are written where they run), which all capture in process. The child's messages (``transformers``'
 loading report among them) show on the run that builds the entry; the report's pass times are that
 run's. Entries of checkpoints that are gone, and what a killed build left, are removed when the next
@@ -107,7 +107,7 @@ def _applies(args: EngineArgs) -> bool:
     return (os.environ.get(ENV, "1").lower() not in _OFF and not os.environ.get("PAGEDPACK_DUMP_GRAPHS")
             and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
             and args.lowering_target.serves_pt2 and args.device_type == "cpu"
-            and not args.keep_source_model and args.memory_budget is None)
+            and not args.keep_source_model and args.memory_budget is None and not args.extra_passes)
 
 
 def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:
@@ -115,9 +115,14 @@ def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:
     return cache_dir() / "compiled" / digest
 
 
-def _key(stamp: tuple, dtype: torch.dtype | None) -> dict:
+def _key(stamp: tuple, dtype: torch.dtype | None, extra_passes=()) -> dict:
+    """What an entry must have been built from: the checkpoint, dtype, versions, pagedpack's source
+    (which covers the step pipeline's own passes) and the uuids of ``extra_passes``
+    (:meth:`~pagedpack.passes.manager.Pass.uuid`; passes of this process, so today an ``LLM`` with
+    extra passes captures in process and uses no entry)."""
     return {"checkpoint": json.loads(json.dumps(stamp)), "dtype": str(dtype), "torch": torch.__version__,
-            "transformers": importlib.metadata.version("transformers"), "pagedpack": _source_digest()}
+            "transformers": importlib.metadata.version("transformers"), "pagedpack": _source_digest(),
+            "extra_passes": [p.uuid() for p in extra_passes]}
 
 
 @functools.cache

@@ -52,6 +52,9 @@ class EngineArgs:
         keep_source_model: keep the ``transformers`` model and the rewritten graph after lowering
             (for ``LLM.export`` / ``plan_memory`` without a second capture); by default a target that
             lowers to a program of its own lets them go (``LLM``'s docstring, Memory).
+        extra_passes: user passes (:class:`pagedpack.passes.manager.Pass` instances) run in the
+            step pipeline after ``merge_linears`` and before ``sequence_independence`` (which checks
+            them too); the model is then captured in this process (no compile cache). docs/design.md.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -76,6 +79,7 @@ class EngineArgs:
     graph_batch_sizes: list[int] | None = None
     keep_source_model: bool = False
     trust_file: bool = False
+    extra_passes: tuple = ()
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -106,10 +110,24 @@ class EngineArgs:
                 callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
             raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
                              f"hub id, got {type(tokenizer).__name__}")
+        self._check_extra_passes()
+        if self.extra_passes and self.is_exported:
+            raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
         if self.is_exported and (self.dtype is not None or self.device_type != "cpu"):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
+
+    def _check_extra_passes(self) -> None:
+        if not isinstance(self.extra_passes, (list, tuple)):
+            raise ValueError(f"extra_passes: expected a list of passes, got {self.extra_passes!r:.120}")
+        self.extra_passes = tuple(self.extra_passes)
+        if self.extra_passes:  # the passes are imported only by those who give some
+            from pagedpack.passes.manager import Pass
+
+            bad = [p for p in self.extra_passes if not isinstance(p, Pass)]
+            if bad:
+                raise ValueError(f"extra_passes: expected pagedpack.passes.manager.Pass instances, got {bad[0]!r:.120}")
 
     def _check_pool_below_ram(self) -> None:
         """A CPU pool sized beyond the machine's RAM is refused here, before the model is loaded,

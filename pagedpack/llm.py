@@ -241,7 +241,8 @@ class LLM:
         from pagedpack.models.capture import capture
         from pagedpack.passes.pipeline import rewrite
 
-        return rewrite(capture(self._model if self._model is not None else self._load_again()))
+        module = self._model if self._model is not None else self._load_again()
+        return rewrite(capture(module), extra_passes=self.engine_args.extra_passes)
 
     @property
     def model(self) -> torch.nn.Module | None:

@@ -2,6 +2,11 @@
 
 ``torch.export.load`` (torch 2.13) runs code from the file in these ways, each refused here:
 
+- members other than those of the one program pagedpack writes (``models/model.json``, its
+  configs, ``weight_N`` / ``tensor_N`` payloads, ``extra/pagedpack.json``, ...): torch loads every
+  ``models/*`` entry as another program with configs of its own, and finds names
+  case-insensitively (a ``MODELS/model.json`` after the checked one is what it reads); compressed
+  members (a zip bomb);
 - members it unpickles: weights and constants marked ``use_pickle`` (``torch.load(weights_only=False)``),
   opaque constants (``pickle.loads``), TorchScript objects, the legacy ``data/*/model.pt`` files,
   and the sample inputs, whose failed weights-only load falls back to a full unpickle (the load
@@ -12,7 +17,8 @@
   ``aten.from_file``, which maps a file the graph names), ``operator`` arithmetic, ``math`` and
   ``torch.sym_*`` are taken;
 - symbolic expressions, parsed with ``sympy.sympify`` (an ``eval``): only sympy's constructors,
-  torch's sympy functions, symbol names and numbers are taken;
+  torch's sympy functions, symbol names and numbers of at most 18 digits are taken, no power
+  (``3**3**20`` never finishes evaluating);
 - names of weights, buffers, constants and modules (the signature's and the payload configs'),
   which ``ExportedProgram.module()`` writes into the Python source of the module it ``exec``-s:
   only dotted names of letters, digits and ``_`` are taken (``layers.0.weight``);
@@ -36,14 +42,21 @@ _DENIED_OPS = ("torch.ops.aten.from_file",)
 _OPERATORS = frozenset("getitem add sub mul truediv floordiv mod neg pos pow abs eq ne lt le gt ge and_ or_ xor "
                        "not_ invert lshift rshift matmul".split())
 _SYMPY_NAMES = frozenset(
-    "Symbol Integer Rational Float Add Mul Pow Max Min Abs Eq Ne Lt Le Gt Ge StrictLessThan StrictGreaterThan "
+    "Symbol Integer Rational Float Add Mul Max Min Abs Eq Ne Lt Le Gt Ge StrictLessThan StrictGreaterThan "
     "LessThan GreaterThan Equality Unequality And Or Not Piecewise ExprCondPair BooleanTrue BooleanFalse true "
     "false True False oo zoo nan NegativeOne One Zero Half floor ceiling sqrt FloorDiv ModularIndexing Where "
     "PythonMod Mod CleanDiv CeilToInt FloorToInt CeilDiv IntTrueDiv FloatTrueDiv LShift RShift "
-    "IsNonOverlappingAndDenseIndicator TruncToFloat TruncToInt RoundToInt RoundDecimal ToFloat FloatPow "
-    "PowByNatural Identity OpaqueUnaryFn_sqrt BitwiseFn_bitwise_and BitwiseFn_bitwise_or "
+    "IsNonOverlappingAndDenseIndicator TruncToFloat TruncToInt RoundToInt RoundDecimal ToFloat "
+    "Identity OpaqueUnaryFn_sqrt BitwiseFn_bitwise_and BitwiseFn_bitwise_or "
     "positive negative integer real nonnegative nonpositive finite infinite commutative".split())
-_TOKEN = re.compile(r"\s+|'[A-Za-z]+\d+'|[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+*/%(),=<>!]")
+# Numbers of at most 18 digits, no '**' nor 'Pow' (sympify evaluates 3**3**20 for ever), no '!' (factorial).
+_TOKEN = re.compile(r"\s+|'[A-Za-z]+\d+'|[A-Za-z_][A-Za-z0-9_]*|\d{1,18}(?:\.\d{1,18})?(?:[eE][-+]?\d{1,3})?(?!\d)"
+                    r"|\*(?!\*)|[-+/%(),=<>]")
+# The members of the one program pagedpack exports (names after the archive's root folder).
+_MEMBERS = frozenset(("archive_format", "archive_version", "byteorder", ".data/version", ".data/serialization_id",
+                      "models/model.json", "data/sample_inputs/model.pt", "data/weights/model_weights_config.json",
+                      "data/constants/model_constants_config.json", "extra/pagedpack.json"))
+_PAYLOAD = re.compile(r"data/weights/weight_\d+|data/constants/tensor_\d+")
 _SYMBOL = re.compile(r"[A-Za-z]+\d+")
 _FQN = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")  # torch.fx writes such a segment as getattr(self, "0")
 # Keys of the serialized program whose values are module paths / attribute names ("fqn" may be "": the root).
@@ -69,6 +82,8 @@ def check_pt2_archive(file, path: str) -> None:
             raise ValueError(f"path: {path!r} is not a torch.export archive (members under {sorted(roots)[:4]})")
         root = roots.pop() + "/"
         members = {name[len(root):] for name in names}
+        if len({name.lower() for name in names}) != len(names):  # which copy a reader takes differs
+            raise ValueError(f"path: {path!r} is not a valid .pt2 archive (two members of one name)")
 
         def refuse(what: str) -> UntrustedFileError:
             return UntrustedFileError(
@@ -77,11 +92,14 @@ def check_pt2_archive(file, path: str) -> None:
 
         if "archive_format" not in members or archive.read(root + "archive_format") != b"pt2":
             raise ValueError(f"path: {path!r} is not a torch.export .pt2 archive (no archive_format 'pt2')")
-        for member in sorted(members):
+        for info in archive.infolist():
+            member = info.filename[len(root):]
             if member.startswith("data/aotinductor/"):
                 raise refuse(f"an AOTInductor library ({member})")
-            if member in ("data/weights/model.pt", "data/constants/model.pt"):
-                raise refuse(f"a pickled legacy state ({member})")
+            if not (member in _MEMBERS or _PAYLOAD.fullmatch(member)):  # torch reads names case-insensitively
+                raise refuse(f"a member {member!r:.80} that is not one of the one program pagedpack exports")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise refuse(f"a compressed member ({member}; pagedpack stores every member as it is)")
         for config_name in ("data/weights/model_weights_config.json", "data/constants/model_constants_config.json"):
             config = _read_json(archive, root, config_name, path) if config_name in members else {}
             for fqn, payload in (config.get("config") or {}).items():
@@ -89,8 +107,7 @@ def check_pt2_archive(file, path: str) -> None:
                 if not isinstance(payload, dict) or payload.get("use_pickle") is not False \
                         or not str(payload.get("path_name", "")).startswith(("weight_", "tensor_")):
                     raise refuse(f"a pickled or non-tensor member for {fqn!r:.80}")
-        for member in sorted(m for m in members if m.startswith("models/") and m.endswith(".json")):
-            _check_program(_read_json(archive, root, member, path), refuse)
+        _check_program(_read_json(archive, root, "models/model.json", path), refuse)
 
 
 @contextlib.contextmanager

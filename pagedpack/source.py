@@ -21,7 +21,7 @@ def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription,
 
     module, tokenizer = load_source(args)
     description, note = describe_model(module, tokenizer)
-    rewritten = rewrite(capture(module))
+    rewritten = rewrite(capture(module), extra_passes=args.extra_passes)
     if note:
         rewritten.report.notes.append(note)
     return module, description, rewritten

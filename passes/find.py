@@ -40,6 +40,7 @@ class FindAttention(Pass):
     """
 
     name = "find_attention"
+    provides = ("sites",)
     mutates = False
 
     def __call__(self, ctx: PassContext) -> PassResult:

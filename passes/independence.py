@@ -40,6 +40,7 @@ class SequenceIndependence(Pass):
     """
 
     name = "sequence_independence"
+    requires = ("kv_cache_specs",)
     mutates = False
 
     def __call__(self, ctx: PassContext) -> PassResult:

@@ -64,6 +64,7 @@ class MergeLinears(Pass):
     (0 if the sample check undid them; a note says why)."""
 
     name = "merge_linears"
+    requires = ("kv_cache_specs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
         gm = ctx.graph_module

@@ -23,6 +23,7 @@ class GatherLogits(Pass):
     """
 
     name = "gather_logits"
+    requires = ("inputs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
         where = gather_logits(ctx.graph, ctx.inputs["logits_indices"])

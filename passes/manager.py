@@ -1,16 +1,21 @@
 """One interface for the passes, and the manager that runs a pipeline of them.
 
 A pass is a callable on a shared :class:`PassContext` (the graph module, the report, what earlier
-passes found) that returns a :class:`PassResult`. :class:`PassManager` runs a list of passes in
-order, times each and appends one :class:`~pagedpack.passes.report.PassRecord` per pass to the
-report. The first pass that refuses anything stops the pipeline, and the graph module is put back
-as it was before the first pass that mutates it. With ``PAGEDPACK_DUMP_GRAPHS=DIR`` set, the graph
+passes found) that returns a :class:`PassResult`. It names the context fields it reads
+(``requires``) and fills (``provides``); :class:`PassManager` refuses a pipeline in which a pass
+reads what no earlier pass provides, runs the passes in order, times each and appends one
+:class:`~pagedpack.passes.report.PassRecord` per pass to the report. ``Pass.uuid()`` (name,
+version, options) identifies a pass in cache keys (``PassManager.uuid()`` the pipeline's). The
+first pass that refuses anything stops the pipeline, and the graph module is put back as it was
+before the first pass that mutates it. With ``PAGEDPACK_DUMP_GRAPHS=DIR`` set, the graph
 is written before and after each pass as readable code: ``DIR/NN-<pass>-before.txt`` and
 ``DIR/NN-<pass>-after.txt`` (a later pipeline run overwrites them).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +62,10 @@ class PassContext:
         return self.graph_module.graph
 
 
+# The context fields a pipeline starts with; the others are analyses some pass provides.
+GIVEN = ("graph_module", "report", "sample_inputs", "num_tokens", "reference", "make_sample", "window_hint")
+
+
 @dataclass(frozen=True)
 class PassResult:
     """What one pass did: things it matched, rewrote and refused (any refusal stops the pipeline)."""
@@ -70,14 +79,24 @@ class Pass:
     """A pass: called on the context, it returns its :class:`PassResult`.
 
     ``name`` names its report row and dump files; ``mutates`` says whether it may change the graph
-    (the manager snapshots the graph before the first pass that does).
+    (the manager snapshots the graph before the first pass that does); ``requires`` / ``provides``
+    name the :class:`PassContext` fields it reads and fills (beyond :data:`GIVEN`); ``version``
+    changes when what it does changes (its :meth:`uuid`).
     """
 
     name: str = ""
     mutates: bool = True
+    requires: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
+    version: int = 1
 
     def __call__(self, ctx: PassContext) -> PassResult:
         raise NotImplementedError
+
+    def uuid(self) -> str:
+        """``name:version:<digest of the options>`` (the instance's attributes), stable across runs."""
+        options = repr(sorted(vars(self).items())).encode()
+        return f"{self.name}:{self.version}:{hashlib.sha256(options).hexdigest()[:12]}"
 
 
 class SiteRewritePass(Pass):
@@ -85,6 +104,8 @@ class SiteRewritePass(Pass):
 
     Counts: matched = rewritten = the sites.
     """
+
+    requires = ("sites", "records", "inputs")
 
     def __call__(self, ctx: PassContext) -> PassResult:
         for index, (site, record) in enumerate(zip(ctx.sites, ctx.records)):
@@ -97,10 +118,19 @@ class SiteRewritePass(Pass):
 
 
 class PassManager:
-    """Runs ``passes`` in order on one :class:`PassContext` (see the module docstring)."""
+    """Runs ``passes`` in order on one :class:`PassContext` (see the module docstring).
+
+    ``ValueError`` at construction for a pipeline whose order is wrong: a pass that requires a field
+    no earlier pass provides (naming the pass and the one that provides it later, if any), or a
+    name that is no field of :class:`PassContext`."""
 
     def __init__(self, passes: Sequence[Pass]):
         self.passes = list(passes)
+        check_order(self.passes)
+
+    def uuid(self) -> list[str]:
+        """The passes' :meth:`Pass.uuid`, in order."""
+        return [p.uuid() for p in self.passes]
 
     def run(self, ctx: PassContext) -> bool:
         """Run the pipeline; fills ``ctx.report`` (a row per pass run, op counts before and after).
@@ -136,6 +166,24 @@ class PassManager:
                 gm.recompile()
         report.ops_after = op_counts(gm.graph)
         return report.stopped_at is None
+
+
+def check_order(passes: Sequence[Pass]) -> None:
+    """``ValueError`` unless each pass's ``requires`` are :data:`GIVEN` or provided by an earlier pass."""
+    fields = {f.name for f in dataclasses.fields(PassContext)}
+    available = set(GIVEN)
+    for index, p in enumerate(passes):
+        if not isinstance(p, Pass) or not p.name:
+            raise ValueError(f"passes: expected Pass instances with a name, got {p!r} at position {index}")
+        for name in (*p.requires, *p.provides):
+            if name not in fields:
+                raise ValueError(f"passes: {p.name!r} names {name!r}, which is no field of PassContext")
+        for name in p.requires:
+            if name not in available:
+                later = next((q.name for q in passes[index + 1:] if name in q.provides), None)
+                by = f"{later!r} provides it later" if later else "no pass provides it"
+                raise ValueError(f"passes: {p.name!r} requires {name!r} before any pass provides it ({by})")
+        available.update(p.provides)
 
 
 class _Snapshot:

@@ -59,6 +59,7 @@ class PagedAttention(SiteRewritePass):
     one :class:`~pagedpack.contract.KVCacheSpec` per site to ``ctx.kv_cache_specs``."""
 
     name = "paged_attention"
+    provides = ("kv_cache_specs",)
 
     def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
         rewrite_site(ctx.graph, site, key_cache=ctx.inputs[f"key_cache_{index}"],

@@ -15,6 +15,7 @@ site cannot be rewritten safely, nothing is changed and the report says why.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,8 @@ class AddStepInputs(Pass):
     graph lacks those inputs. Counts: matched = rewritten = inputs added or renamed."""
 
     name = "step_inputs"
+    requires = ("sites", "records")
+    provides = ("inputs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
         graph, report = ctx.graph, ctx.report
@@ -110,13 +113,32 @@ STEP_PIPELINE: tuple[Pass, ...] = (
 )
 
 
-def rewrite(captured: CapturedModel) -> RewrittenModel:
-    """Rewrite every attention site of ``captured`` with :data:`STEP_PIPELINE` (see the module
-    docstring for the result). A refused model comes back untouched, its report saying why."""
+# Where user passes go by default: after the paged rewrite and the merged linears, before the check
+# that the packed step keeps its sequences apart (which so checks them too).
+EXTRA_PASSES_AFTER = "merge_linears"
+
+
+def step_pipeline(extra_passes: Sequence[Pass] = (), after: str = EXTRA_PASSES_AFTER) -> tuple[Pass, ...]:
+    """:data:`STEP_PIPELINE` with ``extra_passes`` (user passes, :class:`~pagedpack.passes.manager.Pass`
+    instances) inserted after the pass named ``after``; ``ValueError`` for an unknown name."""
+    names = [p.name for p in STEP_PIPELINE]
+    if after not in names:
+        raise ValueError(f"after: expected the name of a pass of the step pipeline {names}, got {after!r}")
+    index = names.index(after) + 1
+    return (*STEP_PIPELINE[:index], *extra_passes, *STEP_PIPELINE[index:])
+
+
+def rewrite(captured: CapturedModel, extra_passes: Sequence[Pass] = (), after: str = EXTRA_PASSES_AFTER
+            ) -> RewrittenModel:
+    """Rewrite every attention site of ``captured`` with :data:`STEP_PIPELINE`, plus ``extra_passes``
+    after the pass ``after`` (:func:`step_pipeline`; the manager checks their ``requires``); see the
+    module docstring for the result. A refused model comes back untouched, its report saying why.
+    ``ValueError`` for an unknown ``after`` or a pipeline whose order is wrong."""
+    manager = PassManager(step_pipeline(extra_passes, after))
     gm = captured.graph_module
     n = min(_VERIFY_NUM_TOKENS, captured.example_num_tokens)
     ctx = PassContext(gm, PassReport(), captured.sample(n), n,
                       reference=torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
                       make_sample=captured.sample, window_hint=captured.window_hint)
-    done = PassManager(STEP_PIPELINE).run(ctx)
+    done = manager.run(ctx)
     return RewrittenModel(gm, ctx.report, ctx.kv_cache_specs if done else [])

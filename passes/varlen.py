@@ -54,6 +54,7 @@ class AddVarlenInputs(Pass):
     (``ctx.inputs``). Counts: matched = rewritten = 2."""
 
     name = "varlen_inputs"
+    provides = ("inputs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
         graph = ctx.graph
@@ -71,6 +72,7 @@ class PositionsInput(Pass):
     rewritten = nodes replaced."""
 
     name = "positions_input"
+    requires = ("sites", "values", "inputs")
 
     def __call__(self, ctx: PassContext) -> PassResult:
         graph, positions = ctx.graph, ctx.inputs["positions"]
@@ -113,6 +115,7 @@ class FirstTokenGather(Pass):
     ``index_select(x, 1, cu_seqlens[:-1])`` (``[1, B, ...]``). Counts: matched = rewritten = selects."""
 
     name = "first_token_gather"
+    requires = ("inputs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
         count = _rewrite_first_token_selects(ctx.graph, ctx.inputs["cu_seqlens"])

@@ -64,6 +64,8 @@ class VerifyAttention(Pass):
     """
 
     name = "verify_attention"
+    requires = ("sites",)
+    provides = ("records", "kinds", "values")
     mutates = False
 
     def __init__(self, *, causal_only: bool, also: Callable[[Node, int], bool] = lambda node, num_tokens: False):

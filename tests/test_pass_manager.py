@@ -6,18 +6,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig
 
-from pagedpack import LLM, SamplingParams
+from pagedpack import LLM, SamplingParams, compile_cache
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import FAMILIES, VOCAB_SIZE, tiny_model
 from pagedpack.passes import paged_attention
 from pagedpack.passes.attention_sites import ATTENTION_PATTERNS, HEADS_FIRST, MERGED_HEADS, find_attention_sites
-from pagedpack.passes.pipeline import STEP_PIPELINE, UnsupportedModelError, rewrite
+from pagedpack.passes.manager import Pass, PassManager, PassResult
+from pagedpack.passes.pipeline import STEP_PIPELINE, UnsupportedModelError, rewrite, step_pipeline
 from pagedpack.passes.varlen import VARLEN_PIPELINE, rewrite_varlen
 from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
 from pagedpack.runtime.request import Request
 
-from conftest import hf_greedy, hf_last_logits, random_prompts, run_step
+from conftest import hf_greedy, hf_last_logits, random_prompts, run_step, snapshot
 from test_families import REFUSED, SERVED, family_model
 
 LAYERS = 3
@@ -309,3 +310,54 @@ def test_attention_left_after_the_rewrite_refuses_the_model(monkeypatch, attn, s
     with torch.no_grad():  # the capture still runs, as captured
         (logits,) = result.graph_module(ids, torch.arange(9)[None])
         torch.testing.assert_close(logits, model(ids).logits)
+
+
+# ---------------------------------------------------------------- declared analyses, uuids, user passes
+
+
+class SiluAsSigmoid(Pass):
+    """A user's pass (docs/design.md's example): ``silu(x)`` as ``x * sigmoid(x)``."""
+
+    name = "silu_as_sigmoid"
+    requires = ("kv_cache_specs",)  # runs on the paged step graph
+
+    def __call__(self, ctx):
+        nodes = [n for n in ctx.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.silu.default]
+        for node in nodes:
+            with ctx.graph.inserting_before(node):
+                gate = ctx.graph.call_function(torch.ops.aten.sigmoid.default, (node.args[0],))
+                product = ctx.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[0], gate))
+            node.replace_all_uses_with(product)
+            ctx.graph.erase_node(node)
+        return PassResult(matched=len(nodes), rewritten=len(nodes))
+
+
+def test_a_pipeline_with_a_reader_before_its_writer_is_refused_naming_both():
+    find, verify = STEP_PIPELINE[0], STEP_PIPELINE[1]
+    with pytest.raises(ValueError, match="'verify_attention' requires 'sites' before any pass provides it "
+                                         r"\('find_attention' provides it later\)"):
+        PassManager([verify, find])
+    with pytest.raises(ValueError, match="'silu_as_sigmoid' requires 'kv_cache_specs' before any pass provides it"):
+        PassManager(step_pipeline([SiluAsSigmoid()], after="step_inputs"))
+    with pytest.raises(ValueError, match=r"after: expected the name of a pass of the step pipeline"):
+        step_pipeline([SiluAsSigmoid()], after="nowhere")
+    PassManager(STEP_PIPELINE)  # the shipped pipelines are in order
+    PassManager(VARLEN_PIPELINE)
+
+
+def test_a_user_pass_runs_is_reported_and_changes_the_cache_key():
+    model = tiny_model("llama")
+    reference = snapshot(model)
+    llm = LLM(model, num_blocks=32, extra_passes=[SiluAsSigmoid()])
+    row = next(r for r in llm.report.passes if r.name == "silu_as_sigmoid")
+    assert row.rewritten == model.config.num_hidden_layers and llm.report.ok  # sequence_independence ran after it
+    names = [r.name for r in llm.report.passes]
+    assert names.index("merge_linears") < names.index("silu_as_sigmoid") < names.index("sequence_independence")
+    prompts = random_prompts((3, 20), seed=1)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, 5) for p in prompts]
+    stamp = ("/ckpt", (("config.json", 1, 2, 3),))
+    assert compile_cache._key(stamp, None, (SiluAsSigmoid(),)) != compile_cache._key(stamp, None)
+    assert SiluAsSigmoid().uuid() == SiluAsSigmoid().uuid() and SiluAsSigmoid().uuid().startswith("silu_as_sigmoid:1:")
+    with pytest.raises(ValueError, match="extra_passes: expected pagedpack.passes.manager.Pass instances"):
+        LLM(model, num_blocks=4, extra_passes=[lambda ctx: None])

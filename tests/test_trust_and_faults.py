@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import onnx
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.checksum import seal_pt2
 from pagedpack.export import META_FILE, export_pt2, load_exported
 from pagedpack.files import atomic_write
 from pagedpack.kernels import native
@@ -103,17 +105,17 @@ def test_a_tokenizer_file_name_outside_the_folder_is_refused(fmt, files, tmp_pat
 
 
 def _pickled_weight(data: bytes) -> bytes:
-    """The weights config with its first weight read from the pickled member ``weight_pickled``."""
+    """The weights config with its first weight read from the pickled member ``weight_999``."""
     config = json.loads(data)
     fqn = next(iter(config["config"]))
-    config["config"][fqn].update(use_pickle=True, path_name="weight_pickled")
+    config["config"][fqn].update(use_pickle=True, path_name="weight_999")
     return json.dumps(config).encode()
 
 
 def test_a_pickled_weight_is_refused_unless_the_file_is_trusted(files, tmp_path):
     marker = tmp_path / "ran"
     path = pt2_edited(files["pt2"], tmp_path / "evil.pt2", {"data/weights/model_weights_config.json": _pickled_weight,
-                                                           "data/weights/weight_pickled": lambda _: pickled(
+                                                           "data/weights/weight_999": lambda _: pickled(
                                                                Payload(marker))})
     with pytest.raises(UntrustedFileError, match="a pickled or non-tensor member .*trust_file=True"):
         LLM(path, num_blocks=4)
@@ -507,3 +509,59 @@ def test_onnx_external_data_is_the_file_s_own_and_checksummed(llm, tmp_path, mon
     crafted = onnx_sealed(model, tmp_path / "crafted.onnx")
     with pytest.raises(ValueError, match="keeps tensors in \\['other.bin'\\]; expected only its own data file"):
         load_exported(crafted)
+
+
+# ------------------------------------------------------------------ found by a second adversarial trial
+
+
+@pytest.mark.parametrize("member", ["models/evil.json", "models/evil_json", "MODELS/model.json",
+                                    "data/constants/opaque_obj_0", "extra/other.json"])
+def test_a_member_outside_the_one_program_is_refused(member, files, tmp_path):
+    # torch loads every models/* entry as a program with configs of its own (an opaque constant is
+    # pickle.loads-ed) and finds names case-insensitively, so MODELS/model.json is what it read.
+    path = pt2_edited(files["pt2"], tmp_path / "evil.pt2", {member: lambda _: b"{}"})
+    with pytest.raises(ValueError, match=f"a member {re.escape(repr(member))} that is not one of the one program "
+                                         "pagedpack exports|two members of one name"):
+        load_exported(path)
+
+
+def test_duplicate_and_compressed_members_are_refused(files, tmp_path):
+    with zipfile.ZipFile(files["pt2"]) as archive:
+        members = [(info, archive.read(info)) for info in archive.infolist()]
+    for name, compress in (("duplicate", zipfile.ZIP_STORED), ("compressed", zipfile.ZIP_DEFLATED)):
+        path = tmp_path / f"{name}.pt2"
+        with zipfile.ZipFile(path, "w") as out:
+            for info, data in members:
+                if info.filename.endswith("models/model.json"):
+                    if name == "duplicate":
+                        out.writestr(info, data)
+                    info.compress_type = compress
+                out.writestr(info, data)
+        seal_pt2(str(path))
+        with pytest.raises(ValueError, match="two members of one name|a compressed member"):
+            load_exported(path)
+
+
+def test_a_symbolic_power_that_never_finishes_is_refused(files, tmp_path):
+    def edit(data):
+        return data.replace(b'"expr_str": "', b'"expr_str": "0*3**3**20+', 1)
+
+    path = pt2_edited(files["pt2"], tmp_path / "slow.pt2", {"models/model.json": edit})
+    start = time.monotonic()
+    with pytest.raises(UntrustedFileError, match="a symbolic expression that is not plain arithmetic"):
+        load_exported(path)
+    assert time.monotonic() - start < 30
+
+
+def test_a_sparse_initializer_in_another_file_is_refused(files, tmp_path):
+    (tmp_path / "sib.bin").write_bytes(b"\0" * 64)
+    model = onnx.load(files["onnx"])
+    values = onnx.helper.make_tensor("sparse_values", onnx.TensorProto.FLOAT, [4], [0.0] * 4)
+    values.ClearField("float_data")
+    values.data_location = onnx.TensorProto.EXTERNAL
+    values.external_data.add(key="location", value="sib.bin")
+    indices = onnx.helper.make_tensor("sparse_indices", onnx.TensorProto.INT64, [4], [0, 1, 2, 3])
+    model.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(values, indices, [16]))
+    path = onnx_sealed(model, tmp_path / "sparse.onnx")
+    with pytest.raises(ValueError, match=r"keeps tensors in \['sib.bin'\]; expected only its own data file"):
+        load_exported(path)
