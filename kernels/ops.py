@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from pagedpack.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.validation import (
@@ -184,7 +185,7 @@ def reshape_and_cache(
     block_size = key_cache.shape[1]
     if validation_enabled():
         check_slot_mapping(slot_mapping, key_cache.shape[0], block_size)
-    native = native_ops() if key_cache.device.type == "cpu" else None
+    native = native_ops() if is_cpu(key_cache) else None
     if native is not None:
         native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -254,7 +255,7 @@ def paged_attention(
             num_tokens=query.shape[0], cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
             block_table=block_table, slot_mapping=None, num_blocks=key_cache.shape[0], block_size=key_cache.shape[1],
         )
-    native = native_ops() if query.device.type == "cpu" else None
+    native = native_ops() if is_cpu(query) else None
     if native is not None:
         return native.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                                       sliding_window, logits_soft_cap, alibi_slopes, sinks)

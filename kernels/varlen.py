@@ -13,6 +13,7 @@ its own rows; the reference kernel below serves every other case.
 import torch
 from torch import Tensor
 
+from pagedpack.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import (
@@ -76,7 +77,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
     head_dim_v = value.shape[2]
     if validation_enabled():
         check_cu_seqlens_q(cu_seqlens, num_tokens)
-    native = native_ops() if causal and query.device.type == "cpu" else None
+    native = native_ops() if causal and is_cpu(query) else None
     if native is not None:
         lens = cu_seqlens.diff()
         width = max(int(lens.max()), 1) if lens.numel() else 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from pagedpack.devices import is_npu
 from pagedpack.lowering.ascend import (
     describe,
     emulated_ops,
@@ -39,10 +40,6 @@ from pagedpack.lowering.ascend_graphs import (
 from pagedpack.lowering.ascend_limits import MAX_TND_SEQS, check_supported
 from pagedpack.lowering.ascend_torchair import compile_step, torchair_backend
 from pagedpack.lowering.targets import GraphConfig, LoweredStep, StepBounds, Target
-
-
-def is_npu(device: torch.device | str) -> bool:
-    return str(device).split(":")[0] == "npu"
 
 
 def emulation_backend(gm: torch.fx.GraphModule, example_inputs):

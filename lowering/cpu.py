@@ -30,6 +30,7 @@ import warnings
 import torch
 import torch.fx
 
+from pagedpack.devices import is_cpu
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.cpu_linear import available as onednn_available
 from pagedpack.lowering.cpu_linear import prepack_linears
@@ -74,7 +75,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     ``kv_cache_specs``, and what was lowered; the example step it is checked on stays within
     ``max_model_len`` tokens a sequence (a learned position table may have no more rows). Off the
     CPU, or with nothing to lower, ``gm`` itself (note None)."""
-    if torch.device(device).type != "cpu":
+    if not is_cpu(device):
         return gm, None
     with warnings.catch_warnings():  # torch's own deprecation, copying a loaded program's pytree specs
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

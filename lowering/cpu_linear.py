@@ -50,6 +50,7 @@ import os
 import torch
 import torch.fx
 
+from pagedpack.devices import is_cpu
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
 from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
 
@@ -61,14 +62,14 @@ for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
 
 def available(device: torch.device | str = "cpu") -> bool:
     """oneDNN is built in and enabled, and ``device`` is the CPU."""
-    return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+    return (is_cpu(device) and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled)
 
 
 
 
 def _packable(weight: torch.Tensor | None, bias: torch.Tensor | None, has_bias: bool) -> bool:
-    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+    if weight is None or weight.dtype != torch.float32 or not is_cpu(weight) or weight.dim() != 2:
         return False
     if weight.layout != torch.strided:
         return False

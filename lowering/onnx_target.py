@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedpack.devices import is_cpu
 from pagedpack.lowering.targets import LoweredStep, StepBounds, Target
 from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
 
@@ -29,7 +30,7 @@ class OnnxTarget(Target):
 
         from pagedpack.onnx_export import onnx_program
 
-        if torch.device(device).type != "cpu":
+        if not is_cpu(device):
             raise ValueError(f"device: the 'onnx' target runs on onnxruntime's CPU provider, got {device!r}")
         model = onnx_program(rewritten).model
         session = onnxruntime.InferenceSession(_serialize(model), providers=["CPUExecutionProvider"])

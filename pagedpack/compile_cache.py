@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from pagedpack.child_process import die_with_parent
+from pagedpack.devices import is_cpu
 from pagedpack.engine_args import EngineArgs
 from pagedpack.files import pid_alive
 from pagedpack.models.aliases import cache_dir, checkpoint_stamp
@@ -106,7 +107,7 @@ def forget(path: str) -> None:
 def _applies(args: EngineArgs) -> bool:
     return (os.environ.get(ENV, "1").lower() not in _OFF and not os.environ.get("PAGEDPACK_DUMP_GRAPHS")
             and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
-            and args.lowering_target.serves_pt2 and args.device_type == "cpu"
+            and args.lowering_target.serves_pt2 and is_cpu(args.device)
             and not args.keep_source_model and args.memory_budget is None and not args.extra_passes)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pagedpack.devices import device_type, is_cpu
 from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import DEFAULT_TARGET, GraphConfig, StepBounds, Target, get_target, target_names
 from pagedpack.models.aliases import DEFAULT_MODEL
@@ -114,7 +115,7 @@ class EngineArgs:
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
-        if self.is_exported and (self.dtype is not None or self.device_type != "cpu"):
+        if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
 
@@ -135,7 +136,7 @@ class EngineArgs:
         token): a budget or a byte count above RAM, or more blocks than RAM has bytes per token slot."""
         from pagedpack.runtime.memory import physical_memory
 
-        ram = physical_memory() if self.device_type == "cpu" else None
+        ram = physical_memory() if is_cpu(self.device) else None
         if ram is None:
             return
         for name, at_least in (("memory_budget", self.memory_budget), ("kv_cache_memory", self.kv_cache_memory),
@@ -147,7 +148,7 @@ class EngineArgs:
     @property
     def device_type(self) -> str:
         """``device``'s type ("cpu" for "cpu:0"), read off the string: "npu" needs torch_npu to parse."""
-        return self.device.type if isinstance(self.device, torch.device) else str(self.device).split(":")[0]
+        return device_type(self.device)
 
     @property
     def is_exported(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedpack.contract import ModelDescription, StepProgram, bytes_per_token
+from pagedpack.devices import is_cpu
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import (
     Prompt,
@@ -338,7 +339,7 @@ class LLM:
 
     def _check_pool_fits(self, args: EngineArgs) -> None:
         """A CPU pool larger than the machine's RAM would fail in the allocator (or swap): refuse it."""
-        ram = physical_memory() if args.device_type == "cpu" else None
+        ram = physical_memory() if is_cpu(args.device) else None
         pool = self.num_blocks * self.block_size * self.bytes_per_token
         if ram is not None and pool > ram:
             sizes = ("num_blocks", "kv_cache_memory", "memory_budget")

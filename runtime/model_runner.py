@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from pagedpack.contract import METADATA_INPUTS, StepProgram
+from pagedpack.devices import is_cpu
 from pagedpack.kernels.validation import checked_step
 from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.memory import trim_heap
@@ -51,7 +52,7 @@ class ModelRunner:
             out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
         if self.program.functional:
             out, *self.kv_caches = out
-        if batch.num_tokens >= TRIM_AFTER_TOKENS and self.device.type == "cpu":
+        if batch.num_tokens >= TRIM_AFTER_TOKENS and is_cpu(self.device):
             trim_heap()
         return out
 
@@ -69,7 +70,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor. On the CPU from ``numpy.zeros`` (``calloc``: the OS maps zero pages on first
     touch), so a pool sized for the worst case costs memory only for the blocks in use, as
     ``torch.zeros`` (which writes every byte) would not."""
-    if device.type != "cpu":
+    if not is_cpu(device):
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

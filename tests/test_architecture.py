@@ -119,6 +119,18 @@ def test_no_target_name_is_compared_outside_the_registry():
                     f"{name}:{node.lineno} compares a target name"
 
 
+def test_device_types_are_compared_only_in_the_devices_module():
+    """``x.device.type == "cpu"``-style tests go through pagedpack.devices (is_cpu, is_npu, device_type)."""
+    device_names = {"cpu", "npu", "cuda", "meta", "mps", "xpu"}
+    for name, path in _modules().items():
+        if name == "pagedpack.devices":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                literals = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
+                assert not device_names & literals, f"{name}:{node.lineno} compares a device type"
+
+
 @dataclass
 class ToyTarget(Target):
     """A target defined in a few lines: the reference graph, run through a wrapper that counts steps."""
