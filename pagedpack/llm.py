@@ -196,14 +196,15 @@ class LLM:
         its report and weight counts as after a capture here; None (the entry dropped) if it does not load."""
         from pagedpack.compile_cache import compiled_step, forget
 
-        for attempt in ("building it again", "capturing in this process"):
+        for rebuild in (True, False):  # a damaged entry (its checksum) is built once more, then given up
             try:
                 program, description = self._load_exported(args, compiled.path)
                 break
-            except ValueError as err:  # damaged (its checksum), or written by something else
+            except ValueError as err:
                 forget(compiled.path)
-                print(f"pagedpack: the compile cache's entry does not load ({err}); {attempt}", file=sys.stderr)
-                compiled = compiled_step(args) if attempt.startswith("building") else None
+                then = "building it again" if rebuild else "capturing in this process"
+                print(f"pagedpack: the compile cache's entry does not load ({err}); {then}", file=sys.stderr)
+                compiled = compiled_step(args) if rebuild else None
                 if compiled is None:
                     return None
         self._stamp, self._report = compiled.stamp, compiled.report
