@@ -203,9 +203,10 @@ def _inspect(args) -> int:
     from pagedpack.models.loading import load, max_model_len
     from pagedpack.passes.pipeline import rewrite
 
-    model, _ = load(args.model, dtype=EngineArgs.from_cli_args(args).dtype)
+    engine_args = EngineArgs.from_cli_args(args)
+    model, _ = load(args.model, dtype=engine_args.dtype)
     _, note = max_model_len(model.config)
-    rewritten = rewrite(capture(model))
+    rewritten = rewrite(capture(model), extra_passes=engine_args.extra_passes)
     if note:
         rewritten.report.notes.append(note)
     print(rewritten.report.format())

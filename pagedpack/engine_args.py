@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -16,6 +17,17 @@ from pagedpack.devices import device_type, is_cpu
 from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import DEFAULT_TARGET, GraphConfig, StepBounds, Target, get_target, target_names
 from pagedpack.models.aliases import DEFAULT_MODEL
+
+
+def user_pass(spec: str):
+    """An instance of the pass class ``spec`` names (``"module:Class"``, the module imported as
+    Python imports it: the user's own code, named on the command line); ``ValueError`` otherwise."""
+    module_name, _, class_name = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"--extra-pass: expected MODULE:CLASS of an importable pass, got {spec!r} ({err})") from err
+    return cls()
 
 
 @dataclass
@@ -187,6 +199,9 @@ class EngineArgs:
                             help="directory or hub id of the tokenizer; default: the model's")
         parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                             help="default: the checkpoint's dtype")
+        parser.add_argument("--extra-pass", dest="extra_passes", action="append", default=[], metavar="MODULE:CLASS",
+                            help="a pass of your own (a pagedpack.passes.manager.Pass subclass, made with no "
+                                 "arguments) run after merge_linears; repeatable (docs/design.md)")
         parser.add_argument("--trust-file", action="store_true",
                             help="load a .pt2 file even if it holds what runs code when loaded (pickled members, "
                                  "calls that are not operators); only for a file you trust as code")
@@ -222,4 +237,5 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
         """The fields :meth:`add_cli_args` added, read off ``args``; ``overrides`` win."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        given["extra_passes"] = [user_pass(spec) for spec in given.get("extra_passes", ())]
         return cls(**{**given, **overrides})

@@ -18,7 +18,7 @@ from pagedpack.passes.varlen import VARLEN_PIPELINE, rewrite_varlen
 from pagedpack.passes.verify import CAUSAL, classify_site, sample_values
 from pagedpack.runtime.request import Request
 
-from conftest import hf_greedy, hf_last_logits, random_prompts, run_step, snapshot
+from conftest import hf_greedy, hf_last_logits, random_prompts, run_cli, run_step, snapshot
 from test_families import REFUSED, SERVED, family_model
 
 LAYERS = 3
@@ -361,3 +361,13 @@ def test_a_user_pass_runs_is_reported_and_changes_the_cache_key():
     assert SiluAsSigmoid().uuid() == SiluAsSigmoid().uuid() and SiluAsSigmoid().uuid().startswith("silu_as_sigmoid:1:")
     with pytest.raises(ValueError, match="extra_passes: expected pagedpack.passes.manager.Pass instances"):
         LLM(model, num_blocks=4, extra_passes=[lambda ctx: None])
+
+
+def test_pagedpack_inspect_runs_and_lists_a_user_pass(capsys):
+    code, stdout, stderr = run_cli(capsys, "inspect", "--extra-pass", f"{__name__}:SiluAsSigmoid")
+    assert code == 0, stderr
+    rows = [line.split()[0] for line in stdout.splitlines() if line.startswith("  ") and " / " in line]
+    assert rows.index("merge_linears") + 1 == rows.index("silu_as_sigmoid") < rows.index("sequence_independence")
+    code, _, stderr = run_cli(capsys, "inspect", "--extra-pass", "no_such_module:Pass")
+    assert code != 0
+    assert "--extra-pass: expected MODULE:CLASS of an importable pass, got 'no_such_module:Pass'" in stderr
