@@ -7,7 +7,7 @@
   ``models/*`` entry as another program with configs of its own, and finds names
   case-insensitively (a ``MODELS/model.json`` after the checked one is what it reads); compressed
   members (a zip bomb);
-- members it unpickles: weights and constants marked ``use_pickle`` (``torch.load(weights_only=False)``),
+- members it unpickles: weights and constants marked ``use_pickle`` (a full ``torch.load``, not weights-only),
   opaque constants (``pickle.loads``), TorchScript objects, the legacy ``data/*/model.pt`` files,
   and the sample inputs, whose failed weights-only load falls back to a full unpickle (the load
   itself runs with ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1``: :func:`weights_only_loads`);
