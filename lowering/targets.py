@@ -2,19 +2,23 @@
 
 A target is one object (a :class:`Target`) saying its default block size, which limits a
 rewritten model must meet, how to lower it, what runs the result and whether that is an
-emulation. ``LLM``, the CLI and the exporters look targets up here and nowhere else know their
-names. Adding a target is one module defining a :class:`Target` subclass plus one line in
-:data:`_BUILTIN` (or, from user code, one :func:`register_target` call).
+emulation, which options it takes (a :class:`TargetOptions` dataclass) and how it serves an
+exported file. ``LLM``, the CLI and the exporters look targets up here and nowhere else know their
+names. Each built-in target is one package under ``lowering/`` (``reference/``, ``ascend/``,
+``onnx/``: its lowering, limits, runner and exporter, the :class:`Target` in ``target.py``); adding
+one is such a package plus one line in :data:`_BUILTIN` (or, from user code, one
+:func:`register_target` call).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 
-from pagedpack.contract import KVCacheSpec
+from pagedpack.contract import KVCacheSpec, ModelDescription
 
 
 class TargetUnavailableError(RuntimeError):
@@ -32,19 +36,46 @@ class StepBounds:
 
 
 @dataclass(frozen=True)
-class GraphConfig:
-    """Which steps a target that compiles graphs runs in them: ``mode`` (one of the target's
-    ``graph_modes``) and ``batch_sizes`` (the batch sizes graphs are compiled for, ascending).
-    Made by :meth:`Target.graph_config`, which fills in the target's defaults."""
+class TargetOptions:
+    """A target's own options (``LLM(target_options={...})``, ``--target-option key=value``): a
+    frozen dataclass whose fields are the options, with defaults, checked in ``__post_init__``
+    (``ValueError`` naming the option). This base has none; a target with options subclasses it
+    and names the subclass in :attr:`Target.options_type`."""
 
-    mode: str | None = None
-    batch_sizes: tuple[int, ...] = ()
+    @classmethod
+    def from_strings(cls, target: str, pairs) -> dict:
+        """``{"key": value}`` from ``["key=value", ...]`` (the command line), each value read as its
+        field's type: ``int``, ``float``, ``bool`` (true/false/1/0), ``str``, or a tuple of ints
+        (``4,8,16``); ``ValueError`` naming ``--target-option`` otherwise."""
+        hints = typing.get_type_hints(cls)
+        out = {}
+        for pair in pairs:
+            key, sep, text = pair.partition("=")
+            if not sep or key not in hints:
+                raise ValueError(f"--target-option: expected KEY=VALUE with KEY one of {sorted(hints)} "
+                                 f"(the {target} target's options), got {pair!r}")
+            out[key] = _from_string(key, hints[key], text)
+        return out
+
+
+def _from_string(key: str, hint, text: str):
+    kinds = [k for k in typing.get_args(hint) or (hint,) if k is not type(None)]
+    kind = kinds[0] if kinds else str
+    try:
+        if typing.get_origin(kind) is tuple:
+            return tuple(int(item) for item in text.split(","))
+        if kind is bool:
+            return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+        return kind(text)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"--target-option: {key}: expected a {getattr(kind, '__name__', kind)}, got {text!r}") from err
 
 
 @dataclass
 class LoweredStep:
     """A :class:`~pagedpack.contract.StepProgram` made by a target: ``run`` called with the step
-    signature, plus the report line saying what was lowered to what."""
+    signature, plus the report line saying what was lowered to what and the model's
+    ``description`` (set by whoever built or loaded it)."""
 
     run: Callable
     kv_cache_specs: list[KVCacheSpec]
@@ -55,6 +86,7 @@ class LoweredStep:
     # run uses nothing of the rewritten model's graph (a lowered copy, another runtime's session):
     # the LLM may let the rewritten model and the source model go (their shared tensors aside)
     standalone: bool = False
+    description: ModelDescription | None = None
 
     def __call__(self, *inputs: torch.Tensor):
         return self.run(*inputs)
@@ -69,23 +101,30 @@ class Target:
     the built-in tiny model for this target (:func:`pagedpack.models.tiny.default_model`);
     ``description``: one line for ``--help``; ``serves_pt2``: its program for a rewritten graph on
     the CPU is the one ``LLM.from_exported`` builds from the graph's ``.pt2`` export, so ``LLM(path)``
-    may capture in a child process (:mod:`pagedpack.compile_cache`).
+    may capture in a child process (:mod:`pagedpack.compile_cache`); ``options_type``: the
+    :class:`TargetOptions` subclass of its options.
     """
 
     name: str = ""
     default_block_size: int = 16
     description: str = ""
     builtin_model: dict = field(default_factory=dict)
-    graph_modes: tuple[str, ...] = ()
     serves_pt2: bool = False
+    options_type: type = TargetOptions
 
-    def graph_config(self, mode: str | None = None, batch_sizes=None) -> GraphConfig:
-        """The :class:`GraphConfig` for ``mode`` / ``batch_sizes`` (None: the target's defaults);
-        ``ValueError`` naming the argument for one the target does not take."""
-        if mode is not None or batch_sizes is not None:
-            raise ValueError(f"graph_mode, graph_batch_sizes: the {self.name} target compiles no step graphs; "
-                             f"expected None, got {mode!r}, {batch_sizes!r}")
-        return GraphConfig()
+    def options(self, given=None) -> TargetOptions:
+        """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or
+        an instance); ``ValueError`` naming ``target_options`` for an option it does not take."""
+        if isinstance(given, self.options_type):
+            return given
+        if given is None:
+            given = {}
+        names = [f.name for f in fields(self.options_type)]
+        if not isinstance(given, dict) or any(key not in names for key in given):
+            unknown = [key for key in given if key not in names] if isinstance(given, dict) else given
+            raise ValueError(f"target_options: the {self.name} target takes {names or 'no options'}, "
+                             f"got {unknown!r:.120}")
+        return self.options_type(**given)
 
     def prepare_device(self, device: torch.device | str) -> None:
         """Make ``device`` usable before the model is moved there (e.g. import a device plugin)."""
@@ -93,42 +132,28 @@ class Target:
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
-        """The program that runs ``rewritten``'s steps on this target (may lower it in place). A
-        target with ``graph_modes`` also takes ``graph=`` (a :class:`GraphConfig` from :meth:`graph_config`)."""
+    def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
+              device: torch.device | str) -> LoweredStep:
+        """The program that runs ``rewritten``'s steps on this target (may lower it in place);
+        ``options`` from :meth:`options`."""
         return LoweredStep(rewritten, rewritten.kv_cache_specs)
+
+    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
+                      max_model_len: int | None) -> LoweredStep:
+        """The program serving ``path``, a file ``pagedpack export`` wrote in a format this target runs
+        (:data:`pagedpack.export.FILE_TARGETS`), with its ``description``; ``ValueError`` if it is not one."""
+        raise ValueError(f"model: the {self.name} target serves no exported file, got {path!r}")
 
     def emulated(self, device: torch.device | str) -> bool:
         """True if on ``device`` the target's ops run as an emulation of the real ones."""
         return False
 
 
-@dataclass
-class ReferenceTarget(Target):
-    """The project's own ops, run as the rewrite left them (any device PyTorch runs); on the CPU the
-    linears of a copy run on prepacked oneDNN weights (:meth:`lower`)."""
-
-    name: str = "reference"
-    description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
-    serves_pt2: bool = True
-
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
-        """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
-        oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.cpu`); the
-        rewritten graph itself, which ``LLM.export`` writes, stays as it is."""
-        from pagedpack.lowering.cpu import cpu_step
-
-        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len)
-        if program is rewritten.graph_module:
-            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
-        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)
-
-
 # name -> "module:attribute" of a Target subclass, imported on first use.
 _BUILTIN = {
-    "reference": "pagedpack.lowering.targets:ReferenceTarget",
-    "ascend": "pagedpack.lowering.ascend_target:AscendTarget",
-    "onnx": "pagedpack.lowering.onnx_target:OnnxTarget",
+    "reference": "pagedpack.lowering.reference.target:ReferenceTarget",
+    "ascend": "pagedpack.lowering.ascend.target:AscendTarget",
+    "onnx": "pagedpack.lowering.onnx.target:OnnxTarget",
 }
 _REGISTRY: dict[str, Target] = {}
 DEFAULT_TARGET = "reference"

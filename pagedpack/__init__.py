@@ -15,8 +15,9 @@ from pagedpack.kernels import varlen as _varlen  # noqa: F401  (registers torch.
 
 _PUBLIC = {
     "LLM": "pagedpack.llm",
-    "CompletionOutput": "pagedpack.llm",
-    "RequestOutput": "pagedpack.llm",
+    "AsyncLLM": "pagedpack.async_llm",
+    "CompletionOutput": "pagedpack.runtime.outputs",
+    "RequestOutput": "pagedpack.runtime.outputs",
     "EngineArgs": "pagedpack.engine_args",
     "SamplingParams": "pagedpack.runtime.sampling",
     "rewrite": "pagedpack.passes.pipeline",

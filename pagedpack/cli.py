@@ -9,12 +9,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pagedpack.chat import has_chat_template, render
 from pagedpack.engine_args import EngineArgs
 from pagedpack.export import FORMATS
 from pagedpack.llm import LLM
+from pagedpack.lowering.onnx.export import ATTENTIONS
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
-from pagedpack.onnx_export import ATTENTIONS
+from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -45,7 +47,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedpack`` argument parser, every subcommand with its options."""
     parser = argparse.ArgumentParser(prog="pagedpack", description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed; default: not seeded")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt (the prompt's KV is computed once)")
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable); cut from the text")
+    gen.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                     help="send the prompts as raw text; by default a model whose tokenizer has a chat template "
+                          "gets each prompt as a user message")
     gen.add_argument("--kv-plot", metavar="FILE.png", default=None,
                      help="draw the KV block pool over the run (needs matplotlib: pip install 'pagedpack[plot]')")
     gen.add_argument("--kv-plot-step", type=int, default=None,
@@ -83,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "and sequences a budget holds", formatter_class=_HelpFormatter)
     EngineArgs.add_cli_args(plan)
     plan.add_argument("--memory", required=True, help="the budget in bytes, e.g. 4GiB or 512MB")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return {"generate": _generate, "inspect": _inspect, "export": _export, "plan": _plan}[args.command](args)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args) -> int:
     console = Console()
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)  # bad values fail before loading
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)  # bad values fail first
     timeline = _kv_timeline(args)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM.from_engine_args(engine_args)
@@ -110,19 +120,14 @@ def _generate(args) -> int:
     console.print(f"[bold]model:[/bold] {args.model}"
                   + (" (built-in, random weights: the text is noise by design)" if builtin else "")
                   + f"  [bold]target:[/bold] {llm.target}{where}")
+    chat = args.chat_template and has_chat_template(llm.tokenizer)
+    if chat:
+        console.print("[bold]chat template:[/bold] each prompt is a user message (--no-chat-template: raw text)")
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    requests = [render(llm.tokenizer, [{"role": "user", "content": p}])[1] for p in prompts] if chat else prompts
+    shown = {tuple(r.content): p for r, p in zip(requests, prompts)} if chat else {}
+    outputs = _stream(console, llm.generate(requests, params, stream=True), shown, params.n)
     elapsed = time.perf_counter() - start
-
-    for out in outputs:
-        console.rule(f"request {out.request_id}")
-        console.print(f"[bold]prompt:[/bold] {out.prompt!r}")
-        if out.error:
-            console.print(f"[red]error:[/red] {out.error}")
-        else:
-            for completion in out.outputs:
-                label = f"completion {completion.index}" if len(out.outputs) > 1 else "completion"
-                console.print(f"[bold]{label}[/bold] (finish reason: {completion.finish_reason}): {completion.text!r}")
     console.print(_summary(llm, outputs, elapsed))
     if timeline is not None:
         from pagedpack.kv_plot import draw_kv_timeline
@@ -134,6 +139,38 @@ def _generate(args) -> int:
         shown = draw_kv_timeline(timeline, args.kv_plot, step)
         console.print(f"[bold]KV plot:[/bold] {args.kv_plot} ({timeline.num_steps} steps; blocks of step {shown})")
     return 1 if all(o.error for o in outputs) else 0
+
+
+def _stream(console: Console, deltas, prompts: dict[tuple, str], n: int) -> list:
+    """Show each completion's text as it is generated, one completion at a time on screen (the
+    others' text is held until their turn, in the order their first tokens came); ``prompts``:
+    the prompt to show by prompt token ids (chat prompts), else each output's own; ``n``:
+    completions per prompt. Returns the
+    whole outputs, in request order."""
+    whole, shown, turns, current = {}, {}, [], None
+    for delta in deltas:
+        whole[delta.request_id] = merge(whole.get(delta.request_id), delta)
+        keys = [(delta.request_id, None)] if delta.error else [(delta.request_id, c.index) for c in delta.outputs]
+        turns += [key for key in keys if key not in shown and key not in turns]
+        while current is not None or turns:
+            if current is None:
+                current = turns.pop(0)
+                shown[current] = 0
+                out = whole[current[0]]
+                console.rule(f"request {current[0]}" + (f", completion {current[1]}" if n > 1 else ""))
+                console.print(f"[bold]prompt:[/bold] {prompts.get(tuple(out.prompt_token_ids), out.prompt)!r}")
+                if current[1] is None:
+                    console.print(f"[red]error:[/red] {out.error}")
+                    current = None
+                    continue
+            completion = next(c for c in whole[current[0]].outputs if c.index == current[1])
+            console.out(completion.text[shown[current]:], end="", highlight=False)
+            shown[current] = len(completion.text)
+            if not completion.finished:
+                break
+            console.print(f"\n[dim](finish reason: {completion.finish_reason})[/dim]")
+            current = None
+    return [whole[i] for i in sorted(whole, key=int)]
 
 
 def _kv_timeline(args):

@@ -132,8 +132,8 @@ def _source_digest() -> str:
     digest = hashlib.sha256()
     for package in _PACKAGES:
         for folder in importlib.util.find_spec(package).submodule_search_locations:
-            for path in sorted(Path(folder).glob("*.py")):
-                digest.update(f"{package}.{path.name}\0".encode() + path.read_bytes())
+            for path in sorted(Path(folder).rglob("*.py")):  # with the target packages under lowering/
+                digest.update(f"{package}.{path.relative_to(folder)}\0".encode() + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -15,7 +15,14 @@ import torch
 
 from pagedpack.devices import device_type, is_cpu
 from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
-from pagedpack.lowering.targets import DEFAULT_TARGET, GraphConfig, StepBounds, Target, get_target, target_names
+from pagedpack.lowering.targets import (
+    DEFAULT_TARGET,
+    StepBounds,
+    Target,
+    TargetOptions,
+    get_target,
+    target_names,
+)
 from pagedpack.models.aliases import DEFAULT_MODEL
 
 
@@ -57,11 +64,10 @@ class EngineArgs:
             (:mod:`pagedpack.runtime.block_pool`; on by default, as in vLLM v1).
         dtype: ``torch.dtype`` or its name (``"bfloat16"``); None keeps the checkpoint's.
         device: where the model runs.
-        graph_mode / graph_batch_sizes: for a target that compiles step graphs (``ascend``): which
-            steps run in a compiled graph (``"decode_buckets"``, the default: decode steps in a
-            static graph per batch-size bucket, the others eager; ``"dynamic"``: one dynamic graph
-            for every step) and the buckets (default 1, 2, 4, 8, 16, 32, 64);
-            :mod:`pagedpack.lowering.ascend_graphs`.
+        target_options: the target's own options by name (a dict, or its
+            :class:`~pagedpack.lowering.targets.TargetOptions` dataclass), e.g. for ``ascend``
+            ``{"graph_mode": "dynamic"}`` (:class:`pagedpack.lowering.ascend.target.AscendOptions`);
+            validated into that dataclass here.
         keep_source_model: keep the ``transformers`` model and the rewritten graph after lowering
             (for ``LLM.export`` / ``plan_memory`` without a second capture); by default a target that
             lowers to a program of its own lets them go (``LLM``'s docstring, Memory).
@@ -88,15 +94,14 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
     device: str | torch.device = "cpu"
-    graph_mode: str | None = None
-    graph_batch_sizes: list[int] | None = None
+    target_options: dict | TargetOptions | None = None
     keep_source_model: bool = False
     trust_file: bool = False
     extra_passes: tuple = ()
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
-        target.graph_config(self.graph_mode, self.graph_batch_sizes)  # ValueError for options it does not take
+        self.target_options = target.options(self.target_options)  # ValueError for options it does not take
         self.dtype = resolve_dtype(self.dtype)
         if self.block_size is None:
             self.block_size = target.default_block_size
@@ -176,10 +181,6 @@ class EngineArgs:
         return StepBounds(max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                           max_model_len=self.max_model_len)
 
-    @property
-    def graph_config(self) -> GraphConfig:
-        return self.lowering_target.graph_config(self.graph_mode, self.graph_batch_sizes)
-
     def as_kwargs(self) -> dict:
         """The fields by name (shallow: a model instance is passed as it is)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -226,16 +227,20 @@ class EngineArgs:
                             help="most tokens per request; default: the model's limit")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
-        parser.add_argument("--graph-mode", default=None,
-                            help="--target ascend: decode_buckets (default; decode steps in a static graph per "
-                                 "batch-size bucket, prefill eager, as production runs) or dynamic (one graph "
-                                 "with dynamic shapes for every step)")
-        parser.add_argument("--graph-batch-sizes", type=int, nargs="+", default=None,
-                            help="--target ascend, decode_buckets: the buckets (default 1 2 4 8 16 32 64)")
+        parser.add_argument("--target-option", dest="target_options", action="append", default=[],
+                            metavar="KEY=VALUE",
+                            help="an option of the target's own, repeatable; --target ascend: graph_mode="
+                                 "decode_buckets (default; decode steps in a static graph per batch-size bucket, "
+                                 "prefill eager, as production runs) or dynamic (one graph with dynamic shapes for "
+                                 "every step); graph_batch_sizes=1,2,4 (decode_buckets' buckets, default "
+                                 "1,2,4,8,16,32,64)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
         """The fields :meth:`add_cli_args` added, read off ``args``; ``overrides`` win."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         given["extra_passes"] = [user_pass(spec) for spec in given.get("extra_passes", ())]
+        if given.get("target_options") is not None:
+            target = get_target(DEFAULT_TARGET if given.get("target") is None else given["target"])
+            given["target_options"] = target.options_type.from_strings(target.name, given["target_options"])
         return cls(**{**given, **overrides})

@@ -1,6 +1,6 @@
 """Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back;
-the metadata and example step shared with the ONNX export (:mod:`pagedpack.onnx_export`), and
-the loading of either format (:func:`load_exported`).
+the metadata and example step shared with the ONNX export (:mod:`pagedpack.lowering.onnx.export`), and
+which target serves each format (:data:`FILE_TARGETS`, :func:`file_format`).
 
 The archive holds one ``ExportedProgram`` of the step graph (the signature of
 :mod:`pagedpack.contract`)::
@@ -23,7 +23,7 @@ The exporters take a rewritten model and a plain :class:`~pagedpack.contract.Mod
 what the runtime needs (see :func:`export_metadata`): format version, input names, KV cache
 specs, eos ids, ``max_model_len``, vocabulary size, the model name, and the tokenizer's files
 (base64) when there is one. ``import pagedpack`` registers the custom ops the program calls, which is all
-a fresh process needs before :func:`load_pt2` (or :func:`load_exported`, for either format).
+a fresh process needs before :func:`load_pt2` (or :func:`pagedpack.program.load_exported`, for either format).
 """
 from __future__ import annotations
 
@@ -38,15 +38,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.checksum import seal_pt2, verify_onnx, verify_onnx_data, verify_pt2
+from pagedpack.checksum import seal_pt2, verify_pt2
 from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
 from pagedpack.files import RecordingWriter, atomic_write, check_file_name
 from pagedpack.lowering.targets import LoweredStep
 from pagedpack.metadata import example_metadata
 from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
-from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
 
 FORMATS = ("pt2", "onnx")
+# the target that serves each format (Target.load_exported): a .pt2 archive is a zip file, ONNX anything else
+FILE_TARGETS = {"pt2": "reference", "onnx": "onnx"}
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
 
@@ -56,11 +57,10 @@ class ExportedStep(LoweredStep):
     """A step program loaded from a file written by ``pagedpack export`` (a
     :class:`~pagedpack.contract.StepProgram`): ``run`` is ``torch.export.load(path).module()``
     (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)``
-    (:class:`pagedpack.runtime.onnx_session.OnnxSessionStep`, functional). ``description``: what
+    (:class:`pagedpack.lowering.onnx.session.OnnxSessionStep`, functional). ``description``: what
     the file stores besides the program; ``target``: the registry name of what runs it;
     ``attention``: the ONNX attention lowering it was exported with."""
 
-    description: ModelDescription | None = None
     target: str = "reference"
     attention: str | None = None
 
@@ -178,17 +178,13 @@ def check_export_file(path) -> str:
     return path
 
 
-def load_exported(path, *, trust_file: bool = False) -> ExportedStep:
-    """Load a file written by ``pagedpack export``, whatever its name: a ``.pt2`` archive (a zip
-    file) or an ONNX model (anything else); ``ValueError`` if it is
-    neither, is damaged (its checksum), or its metadata disagrees with its program.
-    ``trust_file``: see :func:`load_pt2`."""
+def file_format(path) -> str:
+    """The export format of the file at ``path`` (one of :data:`FORMATS`), whatever its name: a
+    ``.pt2`` archive is a zip file, an ONNX model anything else; ``ValueError`` for no file or an empty one."""
     path = check_export_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
-    if zipfile.is_zipfile(path):
-        return load_pt2(path, trust_file=trust_file)
-    return load_onnx(path)
+    return "pt2" if zipfile.is_zipfile(path) else "onnx"
 
 
 # Ops a captured model may call that a library registers on import, by the prefix of their name in
@@ -235,13 +231,13 @@ def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tup
     for name in program.graph_signature.user_inputs:
         val = placeholders[name].meta.get("val") if name in placeholders else None
         if isinstance(val, torch.Tensor):
-            inputs[name] = (_static(val.shape), val.dtype)
+            inputs[name] = (static_shape(val.shape), val.dtype)
     output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
     val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
-    return inputs, _static(val.shape) if isinstance(val, torch.Tensor) else ()
+    return inputs, static_shape(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-def _static(sizes) -> tuple:
+def static_shape(sizes) -> tuple:
     """A shape with each symbolic size (a ``SymInt``, an ONNX dim name) as None."""
     return tuple(int(n) if isinstance(n, int) else None for n in sizes)
 
@@ -275,55 +271,6 @@ def _import_op_libraries(file) -> None:
     for prefix, module in _OP_LIBRARIES.items():
         if any(prefix in graph for graph in graphs):
             importlib.import_module(module)
-
-
-def load_onnx(path: str | os.PathLike) -> ExportedStep:
-    """Load an ONNX file written by :func:`pagedpack.onnx_export.export_onnx` onto an onnxruntime
-    CPU session, once its sha256 record (:mod:`pagedpack.checksum`) checks out. (An ONNX model is
-    data: loading one runs no code of the file's.)
-
-    Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
-    graph, or its attention is ``com.microsoft.PagedAttention``, which onnxruntime implements for
-    CUDA only.
-    """
-    import onnx
-    import onnxruntime
-
-    path = check_export_file(path)
-    with open(path, "rb") as file:
-        data = file.read()
-    try:
-        model = onnx.load_model_from_string(data)
-    except Exception as err:  # not a protobuf, truncated, ...
-        raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
-                         f"({type(err).__name__}: {err})") from err
-    props = {p.key: p.value for p in model.metadata_props}
-    if META_FILE not in props:
-        raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
-    verify_onnx(data, props, path)
-    verify_onnx_data(model, props, path)
-    del data, model
-    step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
-    if step.attention == "com.microsoft":
-        raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
-                         f"provider only; export with attention='pagedpack' to run it here")
-    check_cache_dtypes(step.kv_cache_specs)
-    try:
-        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    except Exception as err:  # a graph onnxruntime rejects
-        raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
-    check_program_signature(step, _onnx_signature(session), path)
-    step.run = OnnxSessionStep(session, step.kv_cache_specs)
-    return step
-
-
-_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
-
-
-def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
-    """:func:`_pt2_signature` of an onnxruntime session (its first output is the logits)."""
-    inputs = {i.name: (_static(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
-    return inputs, _static(session.get_outputs()[0].shape)
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.runtime.sampling import SamplingParams
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _ATTENTION_FORMS = ("sdpa", "eager")
 
@@ -35,10 +33,13 @@ def normalize_prompts(prompts) -> list[Prompt]:
     if not isinstance(prompts, Sequence):
         raise ValueError(f"prompts: expected a string, a list of token ids, a dict, or a list of those, "
                          f"got {type(prompts).__name__}")
-    return [_prompt(f"prompts[{i}]", prompt) for i, prompt in enumerate(prompts)]
+    return [normalize_prompt(prompt, f"prompts[{i}]") for i, prompt in enumerate(prompts)]
 
 
-def _prompt(name: str, prompt) -> Prompt:
+def normalize_prompt(prompt, name: str = "prompt") -> Prompt:
+    """One prompt as a :class:`Prompt` (the forms of :func:`normalize_prompts`); ``ValueError`` naming ``name``."""
+    if isinstance(prompt, Prompt):
+        return prompt
     if isinstance(prompt, str):
         return Prompt(_text(name, prompt))
     if _is_token_list(prompt):
@@ -83,17 +84,6 @@ def _is_token_list(value) -> bool:
                 and value.dtype != torch.bool)
     return (isinstance(value, (list, tuple)) and len(value) > 0
             and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-
-def normalize_sampling_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
-    """One :class:`SamplingParams` per prompt (None means the defaults)."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * num_prompts
-    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"sampling_params: expected one per prompt ({num_prompts}), got {len(sampling_params)}")
-        return list(sampling_params)
-    raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {sampling_params!r:.80}")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int) -> None:

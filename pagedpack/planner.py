@@ -20,7 +20,10 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from pagedpack.devices import is_cpu
 from pagedpack.passes.activation_memory import ActivationPeak
+
+DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes, when neither num_blocks, kv_cache_memory nor memory_budget is given
 
 MAX_TOKENS_SEARCHED = 1 << 24  # largest_batched_tokens is reported up to this
 
@@ -128,3 +131,45 @@ def _mib(num_bytes: int) -> str:
     if abs(num_bytes) < 2**20:
         return f"{num_bytes / 2**10:,.1f} KiB"
     return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def pool_num_blocks(args, *, bytes_per_token: int, max_model_len: int, plan) -> int:
+    """KV blocks of the pool ``args`` (an ``EngineArgs``) asks for: ``num_blocks``; what
+    ``memory_budget`` leaves (``plan(memory)`` is the :class:`MemoryPlan`); ``kv_cache_memory`` bytes;
+    or by default what fits :data:`DEFAULT_KV_CACHE_MEMORY`, capped at ``max_num_seqs`` full-length
+    sequences. ``ValueError`` naming the argument when no block fits, or when the pool is larger
+    than the CPU machine's memory."""
+    block_size = args.block_size
+    bytes_per_block = bytes_per_token * block_size
+    if args.num_blocks is not None:
+        num_blocks = args.num_blocks
+    elif args.memory_budget is not None:
+        memory_plan = plan(args.memory_budget)
+        if memory_plan.num_blocks < 1:
+            raise ValueError(f"memory_budget: {memory_plan.memory} bytes leave no room for the KV pool after the "
+                             f"weights ({memory_plan.weight_bytes} bytes) and one step's activation peak at "
+                             f"max_num_batched_tokens={memory_plan.max_num_batched_tokens} "
+                             f"({memory_plan.activation_bytes} bytes)")
+        num_blocks = memory_plan.num_blocks
+    elif args.kv_cache_memory is not None:
+        if args.kv_cache_memory < bytes_per_block:
+            raise ValueError(f"kv_cache_memory: expected at least one block ({bytes_per_block} bytes), "
+                             f"got {args.kv_cache_memory}")
+        num_blocks = int(args.kv_cache_memory // bytes_per_block)
+    else:
+        full = args.max_num_seqs * -(-max_model_len // block_size)
+        num_blocks = max(1, min(full, DEFAULT_KV_CACHE_MEMORY // bytes_per_block))
+    _check_pool_fits(args, num_blocks * bytes_per_block, num_blocks)
+    return num_blocks
+
+
+def _check_pool_fits(args, pool: int, num_blocks: int) -> None:
+    """A CPU pool larger than the machine's RAM would fail in the allocator (or swap): refuse it."""
+    from pagedpack.runtime.memory import physical_memory
+
+    ram = physical_memory() if is_cpu(args.device) else None
+    if ram is not None and pool > ram:
+        sizes = ("num_blocks", "kv_cache_memory", "memory_budget")
+        given = next((n for n in sizes if getattr(args, n) is not None), "num_blocks")
+        raise ValueError(f"{given}: a KV pool of {num_blocks} blocks ({pool} bytes) is more than this "
+                         f"machine's memory ({ram} bytes)")

@@ -1,12 +1,27 @@
-"""The engine loop: schedule a step, build its metadata, run the graph, sample, update."""
+"""The engine: requests in at any time, one step at a time, per-request deltas out.
+
+Each :meth:`LLMEngine.step` schedules a step, builds its metadata, runs the program, samples,
+updates the requests and returns what each request gained (vLLM's ``LLMEngine.step`` /
+``EngineCoreOutputs``). Requests join and leave between steps: :meth:`~LLMEngine.add_request`
+queues one for the next step's admission (chunked prefill keeps a long prompt from holding the
+others' decode back), :meth:`~LLMEngine.abort_request` finishes one and frees its blocks at once.
+The engine is not thread-safe: one thread drives it (:mod:`pagedpack.runtime.engine_loop`);
+:meth:`~LLMEngine.make_request` (tokenizing and checking a prompt) may run in any thread.
+"""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
+from pagedpack.contract import ModelDescription
+from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
+from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.model_runner import ModelRunner
-from pagedpack.runtime.request import Request
-from pagedpack.runtime.sampling import Sampler
+from pagedpack.runtime.output_processor import OutputProcessor
+from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
+from pagedpack.runtime.request import Request, RequestStatus, make_request
+from pagedpack.runtime.sampling import Sampler, SamplingParams
 from pagedpack.runtime.scheduler import Scheduler
 
 
@@ -52,18 +67,94 @@ class Stats:
     kv_blocks_peak_used: int
 
 
-class LLMEngine:
-    """Drives requests to completion with continuous batching over one step graph."""
+class RequestRejected(ValueError):
+    """A prompt that can never run (``LLMEngine.make_request``): the message names the request and
+    the limit; ``prompt_token_ids`` are its tokens."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None):
+    def __init__(self, message: str, prompt_token_ids: list[int]):
+        super().__init__(message)
+        self.prompt_token_ids = prompt_token_ids
+
+    def output(self, request_id: str, prompt: str | None) -> RequestOutput:
+        """The request's output: ``error`` set, one empty completion finished with ``"error"``."""
+        return RequestOutput(request_id, prompt, self.prompt_token_ids, [CompletionOutput(0, "", [], "error")],
+                             error=str(self))
+
+
+class LLMEngine:
+    """Drives requests to completion with continuous batching over one step program.
+
+    ``description``: the model's eos ids, vocabulary and tokenizer (prompts as text, text deltas,
+    stop strings need the tokenizer; without one, token ids only)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
+                 description: ModelDescription | None = None):
         self.runner, self.scheduler = runner, scheduler
         self.sampler = sampler or Sampler()
+        self.description = description or ModelDescription()
         self.stats = EngineStats()
         self.step_observers: list = []  # called with the engine after every step that ran
+        self.tokenizer_lock = threading.Lock()  # encoding (any thread) and decoding (the stepping one)
+        self.output_processor = OutputProcessor(self.description.tokenizer, self.tokenizer_lock)
 
-    def add_request(self, request: Request) -> None:
-        """Queue ``request``; ``ValueError`` (from the scheduler's checks) if it can never run."""
+    @classmethod
+    def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
+              enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
+              max_model_len: int) -> "LLMEngine":
+        """The engine of ``program`` (a :class:`~pagedpack.contract.StepProgram`) over a pool of
+        ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits."""
+        runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device)
+        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        return cls(runner, scheduler, description=description)
+
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Request, str | None]:
+        """``(request, prompt text)`` for ``prompt`` (text, token ids or a dict as
+        :func:`pagedpack.inputs.normalize_prompts` takes): tokenized and checked against the
+        vocabulary and the scheduler's limits; thread-safe. :class:`RequestRejected` for a prompt
+        that can never run, ``ValueError`` for a malformed one."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected a SamplingParams, got {params!r:.80}")
+        prompt = normalize_prompt(prompt)
+        tokenizer = self.description.tokenizer
+        if isinstance(prompt.content, str):
+            if tokenizer is None:
+                name = self.description.model_name or "given as an instance"
+                raise ValueError(f"prompts: got a string but the model ({name}) has no tokenizer (no tokenizer "
+                                 "files); pass token ids, or a tokenizer with LLM(..., tokenizer=...) / --tokenizer")
+            with self.tokenizer_lock:
+                token_ids = tokenizer(prompt.content).input_ids
+        else:
+            token_ids = prompt.content
+        request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
+                               cache_salt=prompt.cache_salt)
+        try:
+            if self.description.vocab_size is not None:
+                check_token_ids(request.prompt_token_ids, self.description.vocab_size)
+            self.scheduler.check_request(request)
+        except ValueError as err:
+            message = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
+            raise RequestRejected(message, request.prompt_token_ids) from err
+        return request, prompt.content if isinstance(prompt.content, str) else None
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    made: tuple[Request, str | None] | None = None) -> None:
+        """Queue ``prompt`` as ``request_id`` for the next step (``made``: what :meth:`make_request`
+        returned for it, made in another thread). ``ValueError`` for an id already live, or a
+        prompt that can never run."""
+        if request_id in self.output_processor:
+            raise ValueError(f"request_id: {request_id!r} is already running; expected a new id")
+        request, text = made if made is not None else self.make_request(request_id, prompt, params)
+        self.output_processor.add_request(request_id, request, text)
         self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish ``request_id`` now (its completions end with ``finish_reason="abort"``) and free its
+        KV blocks; returns its last delta, None if it is not live."""
+        self.scheduler.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -81,8 +172,8 @@ class LLMEngine:
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_cached_free=cached_free,
             kv_blocks_free=pool.num_free_blocks - cached_free, kv_blocks_peak_used=pool.peak_used_blocks)
 
-    def step(self) -> list[Request]:
-        """One scheduled step; returns the requests that finished in it."""
+    def step(self) -> list[RequestOutput]:
+        """One scheduled step; returns a delta for every request that advanced or finished in it."""
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
@@ -108,6 +199,9 @@ class LLMEngine:
         self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
         sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
         finished = self.scheduler.update_from_output(output, sampled)
+        outputs, stopped = self.output_processor.process([*to_sample, *(r for r in finished if r not in to_sample)])
+        if stopped:  # by a stop string in the text
+            self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
         for observe in self.step_observers:
             observe(self)
-        return finished
+        return outputs

@@ -1,6 +1,7 @@
 """One generation request: its tokens, its place in the KV cache and its life cycle."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
@@ -15,12 +16,20 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ERROR = enum.auto()
+    FINISHED_ABORTED = enum.auto()
 
     def is_finished(self) -> bool:
         """``status.is_finished()`` or, as in vLLM, ``RequestStatus.is_finished(status)``."""
-        return self in (
-            RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ERROR
-        )
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's name of a finished status ("stop", "length", "error", "abort"); None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ERROR: "error", RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 class Request:
@@ -32,7 +41,7 @@ class Request:
         num_computed_tokens: leading tokens of ``all_token_ids`` whose KV is in the cache.
         block_ids: physical KV blocks, in order (block ``j`` holds positions
             ``j * block_size ..``); owned by the ``KVCacheManager``.
-        status / finish_reason ("stop", "length", "error") / error (message for "error").
+        status / finish_reason ("stop", "length", "error", "abort") / error (message for "error").
         generator: the request's own ``torch.Generator`` when it has a seed (created lazily by
             the sampler).
         num_preemptions: how often the scheduler evicted it (its KV is then recomputed).
@@ -114,16 +123,37 @@ class Request:
         self._all_token_ids.append(token_id)
         params = self.sampling_params
         if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
-            self._finish(RequestStatus.FINISHED_STOPPED, "stop")
+            self.finish(RequestStatus.FINISHED_STOPPED)
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
-            self._finish(RequestStatus.FINISHED_LENGTH, "length")
+            self.finish(RequestStatus.FINISHED_LENGTH)
         return self.is_finished
 
     def fail(self, error: str) -> None:
         """Finish the request with ``finish_reason="error"`` and the given message."""
         self.error = error
-        self._finish(RequestStatus.FINISHED_ERROR, "error")
+        self.finish(RequestStatus.FINISHED_ERROR)
 
-    def _finish(self, status: RequestStatus, reason: str) -> None:
+    def finish(self, status: RequestStatus) -> None:
+        """End the request with a finished ``status`` (its ``finish_reason`` follows)."""
         self.status = status
-        self.finish_reason = reason
+        self.finish_reason = status.finish_reason
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 eos_token_ids: list[int], cache_salt: str | None = None) -> Request:
+    """The request of one prompt: it stops on the first of ``eos_token_ids`` (the others join its
+    ``stop_token_ids`` unless ``ignore_eos``); with ``params.n > 1`` it is the first of the ``n``
+    completions (id ``"0_<request_id>"``, as vLLM's child requests) and carries the others as its
+    ``forks``, seeded ``seed + i``."""
+    eos = eos_token_ids[0] if eos_token_ids else None
+    if len(eos_token_ids) > 1 and not params.ignore_eos:
+        params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_token_ids[1:]])
+    if params.n == 1:
+        return Request(request_id, prompt_token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
+    first, *forks = [
+        Request(f"{i}_{request_id}", prompt_token_ids, dataclasses.replace(
+            params, n=1, seed=None if params.seed is None else params.seed + i),
+            eos_token_id=eos, cache_salt=cache_salt)
+        for i in range(params.n)]
+    first.forks = forks
+    return first

@@ -44,6 +44,10 @@ class SamplingParams:
     max_tokens: at most this many output tokens (``>= 1``).
     stop_token_ids: generating any of these finishes the request (the token is kept).
     ignore_eos: keep generating past the model's EOS token.
+    stop: strings that finish the request when the generated text contains one; the text is cut
+        before it (after it with ``include_stop_str_in_output``) and ``stop_reason`` is the string.
+        Found across token and delta boundaries; a streamed delta never shows part of one.
+    skip_special_tokens: leave special tokens out of the text (vLLM's default, True).
 
     Raises ``ValueError`` naming the field, the expectation and the value.
     """
@@ -56,6 +60,9 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -77,12 +84,28 @@ class SamplingParams:
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: expected a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop: expected a non-empty str, a list of them or None, got {self.stop!r:.120}")
+        self.stop = list(stop)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def normalize_sampling_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per prompt (None means the defaults)."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    if isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"sampling_params: expected one per prompt ({num_prompts}), got {len(sampling_params)}")
+        return list(sampling_params)
+    raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {sampling_params!r:.80}")
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

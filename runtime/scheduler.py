@@ -191,6 +191,21 @@ class Scheduler:
         self.running, self.waiting = [], deque()
         return aborted
 
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """Finish the queued or running requests of ``request_ids`` with ``status`` (an abort, a
+        stop string found in the text) and free their blocks at once (prefix-cache blocks go back
+        to the LRU); their parallel samples not yet started go with them. Returns them."""
+        ids = set(request_ids)
+        done = [r for r in [*self.running, *self.waiting] if r.request_id in ids]
+        for request in done:
+            self.kv_cache_manager.free(request)
+            request.finish(status)
+            request.forks = []
+        if done:
+            self.running = [r for r in self.running if r.request_id not in ids]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        return done
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style eviction: drop its KV and queue it first among the waiting."""
         self.kv_cache_manager.free(request)

@@ -12,7 +12,7 @@ import torch
 from pagedpack import LLM, SamplingParams
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.lowering import targets
-from pagedpack.lowering.targets import LoweredStep, Target, register_target
+from pagedpack.lowering.targets import LoweredStep, Target, TargetOptions, register_target
 from pagedpack.metadata import StepMetadata
 from pagedpack.models.tiny import tiny_model
 
@@ -26,8 +26,10 @@ def _modules() -> dict[str, Path]:
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     out = {}
     for package, folder in package_dir.items():
-        for path in (ROOT / folder).glob("*.py"):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in (ROOT / folder).rglob("*.py"):  # the target packages under lowering/ too
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            out[name.removesuffix(".__init__")] = path
     return out
 
 
@@ -84,9 +86,12 @@ def test_the_contract_and_the_step_metadata_are_leaves():
 
 
 @pytest.mark.parametrize("module", ["pagedpack.passes.pipeline", "pagedpack.passes.varlen", "pagedpack.backend",
-                                    "pagedpack.lowering.cpu", "pagedpack.lowering.ascend"])
+                                    "pagedpack.export", "pagedpack.lowering.reference.target",
+                                    "pagedpack.lowering.ascend.target", "pagedpack.lowering.onnx.target",
+                                    "pagedpack.lowering.onnx.export", "pagedpack.program"])
 def test_the_compile_side_imports_no_serving_runtime(module):
-    """Passes and lowerings build their sample steps with pagedpack.metadata, not the scheduler's requests."""
+    """Passes, lowerings, the exporters and the program builder build their sample steps with
+    pagedpack.metadata, not the scheduler's requests."""
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('pagedpack.runtime')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -95,7 +100,7 @@ def test_the_compile_side_imports_no_serving_runtime(module):
 
 @pytest.mark.parametrize("module, absent", [
     ("pagedpack.runtime.engine", ["pagedpack.passes.pipeline", "pagedpack.llm", "transformers"]),
-    ("pagedpack.export", ["pagedpack.llm", "onnx", "onnxruntime", "onnxscript", "pagedpack.lowering.onnx"]),
+    ("pagedpack.export", ["pagedpack.llm", "onnx", "onnxruntime", "onnxscript", "pagedpack.lowering.onnx.functions"]),
 ])
 def test_importing_one_part_does_not_import_the_others(module, absent):
     code = f"import sys, {module}; print([m for m in {absent!r} if m in sys.modules])"
@@ -106,9 +111,8 @@ def test_importing_one_part_does_not_import_the_others(module, absent):
 
 def test_no_target_name_is_compared_outside_the_registry():
     """No ``target == "ascend"``-style test outside the registry and the target modules."""
-    allowed = {"targets.py", "ascend_target.py", "onnx_target.py"}
     for name, path in _modules().items():
-        if path.name in allowed:
+        if name == "pagedpack.lowering.targets" or name.endswith(".target"):  # the registry, each target's class
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
@@ -131,19 +135,29 @@ def test_device_types_are_compared_only_in_the_devices_module():
                 assert not device_names & literals, f"{name}:{node.lineno} compares a device type"
 
 
+@dataclass(frozen=True)
+class ToyOptions(TargetOptions):
+    label: str = "toy lowering"
+
+    def __post_init__(self):
+        if not self.label:
+            raise ValueError("label: expected a non-empty str")
+
+
 @dataclass
 class ToyTarget(Target):
     """A target defined in a few lines: the reference graph, run through a wrapper that counts steps."""
 
     name: str = "toy"
     default_block_size: int = 8
+    options_type: type = ToyOptions
     steps: int = 0
 
-    def lower(self, rewritten, *, block_size, bounds, device):
+    def lower(self, rewritten, options, *, block_size, bounds, device):
         def run(*inputs):
             self.steps += 1
             return rewritten.graph_module(*inputs)
-        return LoweredStep(run, rewritten.kv_cache_specs, note="toy lowering")
+        return LoweredStep(run, rewritten.kv_cache_specs, note=options.label)
 
 
 def test_a_registered_toy_target_runs_end_to_end(capsys):
@@ -152,8 +166,11 @@ def test_a_registered_toy_target_runs_end_to_end(capsys):
         model = tiny_model("llama")
         prompts = random_prompts((3, 20, 41), seed=7)
         reference = snapshot(model)
-        llm = LLM(model, target="toy", num_blocks=32)
-        assert llm.block_size == 8 and "toy lowering" in llm.report.notes
+        llm = LLM(model, target="toy", num_blocks=32, target_options={"label": "labelled toy"})
+        assert llm.block_size == 8 and "labelled toy" in llm.report.notes
+        assert llm.engine_args.target_options == ToyOptions("labelled toy")
+        with pytest.raises(ValueError, match="label: expected a non-empty str"):
+            LLM(model, target="toy", num_blocks=32, target_options={"label": ""})
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
         assert toy.steps > 0
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -177,3 +194,11 @@ def test_llm_and_from_exported_share_one_validation(tmp_path):
             build(max_num_seqs=0)
     with pytest.raises(ValueError, match="an exported file runs on the CPU in the dtype it was exported with"):
         LLM.from_exported(path, dtype=torch.float16)
+
+
+def test_llm_is_a_thin_client_of_the_program_builder_and_the_engine():
+    """``LLM`` builds a program (pagedpack.program), an engine, and generates: it stays small and
+    imports no lowering module."""
+    modules = _modules()
+    assert len(modules["pagedpack.llm"].read_text().splitlines()) <= 200
+    assert not {m for m in _imports(modules["pagedpack.llm"], modules) if m.startswith("pagedpack.lowering")}

@@ -1,4 +1,4 @@
-"""Graph modes of the ``ascend`` target (``lowering/ascend_graphs.py``), on the op emulation.
+"""Graph modes of the ``ascend`` target (``lowering/ascend/graphs.py``), on the op emulation.
 
 Decode steps run a static graph per batch-size bucket, the others eagerly; the padded steps are
 compared with the reference target (the project's own ops, unpadded) on the same batches.
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import pagedpack.lowering.ascend_target as ascend_target
+import pagedpack.lowering.ascend.target as ascend_target
 from pagedpack import LLM, SamplingParams
-from pagedpack.lowering.ascend import emulated_ops, step_example_inputs
-from pagedpack.lowering.ascend_graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
+from pagedpack.lowering.ascend.graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
+from pagedpack.lowering.ascend.lower import emulated_ops, step_example_inputs
 from pagedpack.metadata import example_metadata
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.batch import build_batch
@@ -105,8 +105,9 @@ def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd
     prompts = random_prompts((3, 40, 130, 9, 200), seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     tokens = {}
-    for name, kwargs in (("reference", {}), ("decode_buckets", dict(target="ascend", graph_batch_sizes=[4, 8])),
-                         ("dynamic", dict(target="ascend", graph_mode="dynamic"))):
+    for name, kwargs in (("reference", {}),
+                         ("decode_buckets", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
+                         ("dynamic", dict(target="ascend", target_options={"graph_mode": "dynamic"}))):
         llm = LLM(tnd_model, block_size=BLOCK, max_num_batched_tokens=256, **kwargs)
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       params, use_tqdm=False)]
@@ -140,12 +141,37 @@ def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_m
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(graph_mode="dynamic"), "graph_mode, graph_batch_sizes: the reference target compiles no step graphs"),
-    (dict(target="ascend", graph_mode="static"), "graph_mode: expected one of \\['decode_buckets', 'dynamic'\\]"),
-    (dict(target="ascend", graph_batch_sizes=[0, 4]), "graph_batch_sizes: expected a non-empty list of ints in 1..40"),
-    (dict(target="ascend", graph_batch_sizes=[]), "graph_batch_sizes: expected a non-empty list"),
-    (dict(target="ascend", graph_mode="dynamic", graph_batch_sizes=[4]), "only the decode_buckets graph mode"),
+    (dict(target_options={"graph_mode": "dynamic"}),
+     "target_options: the reference target takes no options, got \\['graph_mode'\\]"),
+    (dict(target="ascend", target_options={"graph_mode": "static"}),
+     "graph_mode: expected one of \\['decode_buckets', 'dynamic'\\]"),
+    (dict(target="ascend", target_options={"graph_batch_sizes": [0, 4]}),
+     "graph_batch_sizes: expected a non-empty list of ints in 1..40"),
+    (dict(target="ascend", target_options={"graph_batch_sizes": []}), "graph_batch_sizes: expected a non-empty list"),
+    (dict(target="ascend", target_options={"graph_mode": "dynamic", "graph_batch_sizes": [4]}),
+     "only the decode_buckets graph mode"),
+    (dict(target="ascend", target_options={"graph_modes": "dynamic"}),
+     "target_options: the ascend target takes \\['graph_mode', 'graph_batch_sizes'\\], got \\['graph_modes'\\]"),
+    (dict(target="ascend", target_options=["graph_mode"]), "target_options: the ascend target takes"),
 ])
 def test_graph_options_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM("tiny", **kwargs)
+
+
+def test_target_options_from_the_command_line():
+    """``--target-option KEY=VALUE`` reads each value as its option's type."""
+    from pagedpack.cli import build_parser
+    from pagedpack.engine_args import EngineArgs
+    from pagedpack.lowering.ascend.target import AscendOptions
+
+    parser = build_parser()
+    argv = ["generate", "--model", "tiny", "--target", "ascend", "--target-option", "graph_batch_sizes=8,2",
+            "--target-option", "graph_mode=decode_buckets"]
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert args.target_options == AscendOptions(graph_mode="decode_buckets", graph_batch_sizes=(2, 8))
+    for bad, message in (("graph_batch_sizes=two", "--target-option: graph_batch_sizes: expected a tuple"),
+                         ("graph_mode", "expected KEY=VALUE with KEY one of \\['graph_batch_sizes', 'graph_mode'\\]"),
+                         ("size=3", "the ascend target's options\\), got 'size=3'")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs.from_cli_args(parser.parse_args([*argv[:5], "--target-option", bad]))

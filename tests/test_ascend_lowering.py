@@ -16,8 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.cli import main as cli_main
-from pagedpack.lowering.ascend import AscendUnavailableError, emulated_ops, lower_to_ascend, npu_ops
-from pagedpack.lowering.ascend_limits import (
+from pagedpack.lowering.ascend.limits import (
     AscendLoweringError,
     AscendUnverifiedWarning,
     AttentionShape,
@@ -25,7 +24,8 @@ from pagedpack.lowering.ascend_limits import (
     check_supported,
     violations,
 )
-from pagedpack.lowering.ascend_torchair import ascend_backend, compile_step, torchair_backend
+from pagedpack.lowering.ascend.lower import AscendUnavailableError, emulated_ops, lower_to_ascend, npu_ops
+from pagedpack.lowering.ascend.torchair import ascend_backend, compile_step, torchair_backend
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer

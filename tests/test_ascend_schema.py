@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedpack import LLM
-from pagedpack.lowering.ascend import emulated_ops
+from pagedpack.lowering.ascend.lower import emulated_ops
 from pagedpack.models.tiny import tiny_model
 
 AIR_FIA = (

@@ -89,7 +89,7 @@ def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(check
     assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text == \
         in_process.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text
     for keep in (False, True):  # plan_memory's weights, as if captured here
-        assert llm._weight_bytes[keep] == in_process._weight_bytes[keep]
+        assert llm._builder.weight_bytes(keep) == in_process._builder.weight_bytes(keep)
     assert llm.model is not None and llm.rewritten.ok  # loaded and captured again on use, as in process
 
 
@@ -143,7 +143,7 @@ def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpo
     assert f"path: {str(step)!r} is damaged" in err and "building it again" in err and len(children) == 1
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
-    assert llm._model is None and step.read_bytes() != data  # let go after lowering; the entry is new
+    assert llm._builder._model is None and step.read_bytes() != data  # let go after lowering; the entry is new
 
 
 class _Payload:

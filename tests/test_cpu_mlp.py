@@ -1,4 +1,4 @@
-"""Row-chunked MLPs (``lowering/cpu_mlp.py``): which subgraphs are chunked and which are left alone,
+"""Row-chunked MLPs (``lowering/reference/cpu_mlp.py``): which subgraphs are chunked and which are left alone,
 the chunked graph against the graph as it was, and greedy tokens equal to the unmodified model's
 ``generate`` with steps many chunks long, across the MLP forms of the families."""
 import subprocess
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.lowering import cpu, cpu_mlp
+from pagedpack.lowering.reference import cpu, cpu_mlp
 
 from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
 from test_families import SERVED
@@ -110,7 +110,7 @@ def test_a_chunk_larger_than_any_step_builds_quickly():
     """From an adversarial trial: the lowering's check added prefills until its example step was
     longer than a chunk, which for 10**9 rows never ended. Run in a child with a time bound, so a
     regression fails instead of hanging the suite."""
-    script = ("from pagedpack import LLM; from pagedpack.lowering import cpu; cpu.CHUNK_ROWS = 10**9; "
+    script = ("from pagedpack import LLM; from pagedpack.lowering.reference import cpu; cpu.CHUNK_ROWS = 10**9; "
               "print(LLM('tiny', num_blocks=64).program.note)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]

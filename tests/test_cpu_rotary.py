@@ -1,4 +1,4 @@
-"""The rotary embedding in three kernels (``lowering/cpu_rotary.py``): the values of
+"""The rotary embedding in three kernels (``lowering/reference/cpu_rotary.py``): the values of
 ``transformers``' ``apply_rotary_pos_emb`` to rounding, which forms are fused and which are left
 alone, and greedy tokens equal to the unmodified model's across the families' rotary forms."""
 import pytest
@@ -7,7 +7,7 @@ import transformers as T
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.lowering import cpu_rotary
+from pagedpack.lowering.reference import cpu_rotary
 
 from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
 from test_families import SERVED

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.export import check_format, export_pt2, load_exported
+from pagedpack.export import check_format, export_pt2
+from pagedpack.lowering.onnx.export import export_onnx
 from pagedpack.models.tiny import tiny_model
-from pagedpack.onnx_export import export_onnx
+from pagedpack.program import load_exported
 from pagedpack.runtime.request import Request
 
 from conftest import random_prompts, run_cli, run_step

@@ -21,12 +21,13 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.checksum import seal_pt2
 from pagedpack.cli import main
 from pagedpack.contract import ModelDescription
-from pagedpack.export import META_FILE, export_pt2, load_exported, load_onnx, load_pt2
+from pagedpack.export import META_FILE, export_pt2, load_pt2
+from pagedpack.lowering.onnx.export import export_onnx, load_onnx
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
-from pagedpack.onnx_export import export_onnx
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
+from pagedpack.program import load_exported
 
 from conftest import onnx_sealed, onnx_with_meta, pt2_edited, random_prompts
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.lowering import cpu, cpu_linear
+from pagedpack.lowering.reference import cpu, cpu_linear
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes import linear_merge

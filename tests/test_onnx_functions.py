@@ -1,4 +1,4 @@
-"""The ``pagedpack`` ONNX functions (:mod:`pagedpack.lowering.onnx`) on their own, run by
+"""The ``pagedpack`` ONNX functions (:mod:`pagedpack.lowering.onnx.functions`) on their own, run by
 onnxruntime's CPU provider.
 
 Each function is called from a one-node model (``onnx.checker`` full check passes) and compared
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from onnx import helper
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pagedpack.lowering.onnx import (
+from pagedpack.lowering.onnx.functions import (
     OPSET,
     PAGEDPACK_DOMAIN,
     functionalize_caches,

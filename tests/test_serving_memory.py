@@ -125,7 +125,7 @@ def test_the_plan_counts_the_weights_serving_holds(tmp_path):
     assert llm.plan_memory(budget).weight_bytes == resident_weight_bytes(llm.program.run)
     assert llm.plan_memory(budget, keep_source_model=True).weight_bytes == held
     llm.export(tmp_path / "x.pt2")  # captures again without keeping what it captures
-    assert llm._rewritten is None and llm._model is None
+    assert llm._builder._rewritten is None and llm._builder._model is None
     onnx = LLM("tiny", memory_budget=budget, target="onnx")  # onnxruntime's session: the rewritten graph's copy
     assert onnx.plan_memory(budget).weight_bytes == rewritten > 0
 
@@ -191,7 +191,7 @@ def test_onednn_primitive_caches_are_capped_unless_the_environment_says(preset):
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     if preset:
         env["LRU_CACHE_CAPACITY"] = preset
-    code = ("import os, pagedpack, pagedpack.lowering.cpu_linear as c; e = os.environ;"
+    code = ("import os, pagedpack, pagedpack.lowering.reference.cpu_linear as c; e = os.environ;"
             "print(e['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], e['LRU_CACHE_CAPACITY'], c.ONEDNN_CACHE_CAPACITY)")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     out = done.stdout.split()

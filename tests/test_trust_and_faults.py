@@ -25,12 +25,13 @@ import torch
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.checksum import seal_pt2
-from pagedpack.export import META_FILE, export_pt2, load_exported
+from pagedpack.export import META_FILE, export_pt2
 from pagedpack.files import atomic_write
 from pagedpack.kernels import native
+from pagedpack.lowering.onnx.export import export_onnx
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
-from pagedpack.onnx_export import export_onnx
+from pagedpack.program import load_exported
 from pagedpack.pt2_check import UntrustedFileError
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import Sampler

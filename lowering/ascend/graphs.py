@@ -15,7 +15,7 @@ static graphs avoid. Here:
   runs the eager program: torch_npu's FIA with host length lists, as vllm-ascend's eager path.
 
 ``"dynamic"`` compiles one graph whose metadata dimensions are dynamic and runs every step in it
-(:func:`pagedpack.lowering.ascend_torchair.compile_step`); no production stack ships this.
+(:func:`pagedpack.lowering.ascend.torchair.compile_step`); no production stack ships this.
 
 Padding sequences read and write no real block: each has one query row (so that the TND rule
 ``T == actual_seq_lengths[-1]`` holds, vllm-ascend #6076), KV length 1 (vllm-ascend pads decode

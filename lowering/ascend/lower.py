@@ -13,7 +13,7 @@ Per attention site::
 
 One call serves prefill, decode, chunked prefill and mixed steps: sparse_mode 3 aligns each
 sequence's causal mask bottom-right (row i sees keys j <= i + kv_len - q_len), which is the
-reference op's rule. The limits this form must meet live in :mod:`pagedpack.lowering.ascend_limits`.
+reference op's rule. The limits this form must meet live in :mod:`pagedpack.lowering.ascend.limits`.
 
 Attention parameters are read off each site by name
 (:meth:`pagedpack.kernels.attention_params.AttentionParams.from_node`). A sliding window of ``w``
@@ -32,8 +32,8 @@ step on the band's branch; its two output rows are dropped::
               sparse_mode=4, pre_tokens=w - 1, next_tokens=0)[0][:-2]
 
 Logit soft-capping, ALiBi and sinks have no FIA equivalent: such a site is refused with an
-:class:`~pagedpack.lowering.ascend_limits.AscendLoweringError` naming the parameter and the reason
-(:func:`pagedpack.lowering.ascend_limits.parameter_violations`).
+:class:`~pagedpack.lowering.ascend.limits.AscendLoweringError` naming the parameter and the reason
+(:func:`pagedpack.lowering.ascend.limits.parameter_violations`).
 
 Caches keep the runtime's ``[num_blocks, block_size, Hkv, D]`` layout; FIA gets their
 ``(blocknum, blocksize, Hkv*D)`` view, a paged layout TND queries accept
@@ -45,7 +45,7 @@ the air op runs only under TorchAir's max-autotune (GE) mode, so this is the for
 graphs. A graph lowered with ``eager=True`` calls torch_npu's ``torch.ops.npu`` op instead, which
 takes host int lists (``SymInt[]``): the lengths are read to the host once per step (``tolist``)
 and shared by every site, as vllm-ascend's eager attention passes them. Which steps run which
-graph: :mod:`pagedpack.lowering.ascend_graphs`.
+graph: :mod:`pagedpack.lowering.ascend.graphs`.
 
 Cache writes use ``npu_scatter_nd_update_`` (rows by slot, in place, no ATB; TorchAir converts it to
 an in-place ScatterNdUpdate and restores the in-place form after functionalisation,
@@ -68,7 +68,7 @@ from torch.fx import Node
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
-from pagedpack.lowering.ascend_limits import WINDOW_DUMMY_ROWS, AttentionShape, check_supported
+from pagedpack.lowering.ascend.limits import WINDOW_DUMMY_ROWS, AttentionShape, check_supported
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
 from pagedpack.metadata import example_metadata
 
@@ -181,7 +181,7 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
     used, to read each site's heads, head sizes, dtype and block size). ``eager``: for running
     ``gm`` eagerly, with torch_npu's FIA and the lengths read to host lists (``tolist``) once per
     step, as vllm-ascend's eager attention passes them; otherwise TorchAir's tensor-length form.
-    Raises :class:`pagedpack.lowering.ascend_limits.AscendLoweringError` (a ``ValueError``) if a
+    Raises :class:`pagedpack.lowering.ascend.limits.AscendLoweringError` (a ``ValueError``) if a
     site breaks a documented limit; ``gm`` is then unchanged.
     """
     values = _fake_values(gm, example_inputs)

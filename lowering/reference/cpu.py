@@ -3,11 +3,11 @@
 On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the copy
 
 * runs fp32 linears as oneDNN GEMMs on weights prepacked once
-  (:func:`pagedpack.lowering.cpu_linear.prepack_linears`);
+  (:func:`pagedpack.lowering.reference.cpu_linear.prepack_linears`);
 * runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
-  activation memory (:func:`pagedpack.lowering.cpu_mlp.chunk_mlps`);
+  activation memory (:func:`pagedpack.lowering.reference.cpu_mlp.chunk_mlps`);
 * applies rotate-half rotary embeddings in three kernels, without temporaries
-  (:func:`pagedpack.lowering.cpu_rotary.fuse_rotary`);
+  (:func:`pagedpack.lowering.reference.cpu_rotary.fuse_rotary`);
 * calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
   (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
   them, which saves each call the custom op's Python layer (argument checks, mutation
@@ -32,10 +32,10 @@ import torch.fx
 
 from pagedpack.devices import is_cpu
 from pagedpack.kernels.native import native_ops
-from pagedpack.lowering.cpu_linear import available as onednn_available
-from pagedpack.lowering.cpu_linear import prepack_linears
-from pagedpack.lowering.cpu_mlp import CHUNK_ROWS, chunk_mlps
-from pagedpack.lowering.cpu_rotary import fuse_rotary
+from pagedpack.lowering.reference.cpu_linear import available as onednn_available
+from pagedpack.lowering.reference.cpu_linear import prepack_linears
+from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
+from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
 from pagedpack.metadata import example_metadata
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 

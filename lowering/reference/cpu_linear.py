@@ -40,7 +40,7 @@ caps both at :data:`ONEDNN_CACHE_CAPACITY` entries (``ONEDNN_PRIMITIVE_CACHE_CAP
 its first oneDNN primitive): 586 MiB after the same 300, and the same W1 time (a step of a
 shape no longer cached rebuilds its primitives, ~0.6 ms a linear). vLLM keeps 32 per weight.
 
-The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies it to a copy of the
+The reference target's CPU lowering (:mod:`pagedpack.lowering.reference.cpu`) applies it to a copy of the
 rewritten graph and checks the result.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ must take the inputs dynamo traced). Compile the rewritten step graph with :func
 The backend lowers the ``pagedpack`` ops of the graph dynamo hands it
 (:func:`pagedpack.lowering.ascend.lower_to_ascend`) and passes the result to
 ``torchair.get_npu_backend(compiler_config=...)``. ``LLM(..., target="ascend")``
-(:class:`pagedpack.lowering.ascend_target.AscendTarget`) lowers at construction instead (so a
+(:class:`pagedpack.lowering.ascend.target.AscendTarget`) lowers at construction instead (so a
 refused model fails there, not at the first step), then compiles the lowered graph with
 TorchAir's backend. torch_npu and TorchAir are
 imported only when an NPU is used.
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from pagedpack.contract import METADATA_INPUTS
-from pagedpack.lowering.ascend import AscendOps, import_torchair, lower_to_ascend, npu_ops
+from pagedpack.lowering.ascend.lower import AscendOps, import_torchair, lower_to_ascend, npu_ops
 from pagedpack.lowering.targets import StepBounds
 
 

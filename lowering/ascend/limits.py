@@ -1,6 +1,6 @@
 """The limits an attention site must meet for the ``ascend`` lowering's FIA call, each with its source.
 
-The lowering has one form (see :mod:`pagedpack.lowering.ascend`): a single
+The lowering has one form (see :mod:`pagedpack.lowering.ascend.lower`): a single
 ``npu_fused_infer_attention_score`` (FIA) call per site over the whole packed step, in TND, paged,
 ``sparse_mode=3`` (or, for a sliding window, the band ``sparse_mode=4`` over the step plus one
 two-row dummy sequence). Every limit below is quoted from the torch-npu 2.13.0 wheel,
@@ -88,7 +88,7 @@ def violations(s: AttentionShape, b: StepBounds) -> list[str]:
     if not (128 <= s.block_size <= 512 and s.block_size % 128 == 0):
         out.append(f"block_size={s.block_size}: paged attention with multi-token queries needs 128..512, a "
                    f"multiple of 128 [{FIA}, constraints Q_S > 1, page attention]")
-    # A windowed site appends a dummy sequence of WINDOW_DUMMY_ROWS rows (see pagedpack.lowering.ascend).
+    # A windowed site appends a dummy sequence of WINDOW_DUMMY_ROWS rows (see pagedpack.lowering.ascend.lower).
     windowed = s.sliding_window is not None
     tokens = b.max_num_tokens + (WINDOW_DUMMY_ROWS if windowed else 0)
     seqs = b.max_num_seqs + (1 if windowed else 0)

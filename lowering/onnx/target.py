@@ -2,7 +2,7 @@
 
 What ``pagedpack export --format onnx`` writes and ``LLM.from_exported`` serves, without the
 file: ``LLM(model, target="onnx")`` runs the same ONNX program on an onnxruntime CPU session
-(:mod:`pagedpack.onnx_export`, attention as the ``pagedpack`` domain's standard-op functions).
+(:mod:`pagedpack.lowering.onnx.export`, attention as the ``pagedpack`` domain's standard-op functions).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedpack.devices import is_cpu
-from pagedpack.lowering.targets import LoweredStep, StepBounds, Target
-from pagedpack.runtime.onnx_session import OnnxSessionStep, check_cache_dtypes
+from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
+from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
 
 
 @dataclass
@@ -25,10 +25,11 @@ class OnnxTarget(Target):
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         check_cache_dtypes(rewritten.kv_cache_specs)
 
-    def lower(self, rewritten, *, block_size: int, bounds: StepBounds, device: torch.device | str) -> LoweredStep:
+    def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
+              device: torch.device | str) -> LoweredStep:
         import onnxruntime
 
-        from pagedpack.onnx_export import onnx_program
+        from pagedpack.lowering.onnx.export import onnx_program
 
         if not is_cpu(device):
             raise ValueError(f"device: the 'onnx' target runs on onnxruntime's CPU provider, got {device!r}")
@@ -38,6 +39,13 @@ class OnnxTarget(Target):
                 "onnxruntime CPU")
         return LoweredStep(OnnxSessionStep(session, rewritten.kv_cache_specs), rewritten.kv_cache_specs,
                            functional=True, note=note, standalone=True)
+
+    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
+                      max_model_len: int | None) -> LoweredStep:
+        """An ONNX export on an onnxruntime CPU session (:func:`pagedpack.lowering.onnx.export.load_onnx`)."""
+        from pagedpack.lowering.onnx.export import load_onnx
+
+        return load_onnx(path)
 
 
 def _serialize(model) -> bytes:

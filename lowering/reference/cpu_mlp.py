@@ -16,7 +16,7 @@ input) to the down projection (a linear), made only of row-local ops (:data:`ROW
 whose weights and biases are ``get_attr`` tensors, elementwise ops, slices, splits and chunks of
 the last dimension) on them and on constants (``get_attr`` tensors of at most one dimension,
 scalars); nothing outside the region may use a tensor inside it. Anything else is left as it
-was. The reference target's CPU lowering (:mod:`pagedpack.lowering.cpu`) applies this after
+was. The reference target's CPU lowering (:mod:`pagedpack.lowering.reference.cpu`) applies this after
 prepacking the linears and checks the lowered graph on a step longer than ``CHUNK_ROWS``.
 """
 from __future__ import annotations

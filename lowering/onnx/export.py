@@ -1,5 +1,5 @@
-"""Export the step graph as an ONNX model (:func:`pagedpack.export.load_onnx` loads it back onto
-an onnxruntime session).
+"""Export the step graph as an ONNX model, and load one back onto an onnxruntime session
+(:func:`load_onnx`).
 
 The model has the step signature of :mod:`pagedpack.export`, made functional::
 
@@ -9,7 +9,7 @@ The model has the step signature of :mod:`pagedpack.export`, made functional::
      key_cache_0, value_cache_0, ...)                    # [num_blocks, block_size, H_kv, D]
       -> (logits [num_seqs, vocab], key_cache_out_0, value_cache_out_0, ...)
 
-with those named dynamic axes. The attention lowering (:mod:`pagedpack.lowering.onnx`) is either
+with those named dynamic axes. The attention lowering (:mod:`pagedpack.lowering.onnx.functions`) is either
 the ``pagedpack`` domain's functions, which onnxruntime runs on any provider, or
 ``com.microsoft.PagedAttention`` (onnxruntime's CUDA provider only). ``metadata_props["pagedpack.json"]``
 carries the same metadata as a ``.pt2`` archive, plus the attention lowering used.
@@ -25,10 +25,23 @@ import warnings
 
 import torch
 
-from pagedpack.checksum import seal_onnx
+from pagedpack.checksum import seal_onnx, verify_onnx, verify_onnx_data
 from pagedpack.contract import METADATA_INPUTS, ModelDescription, cache_input_names
-from pagedpack.export import META_FILE, check_output_path, check_portable, example_step, export_metadata, writing
+from pagedpack.export import (
+    META_FILE,
+    ExportedStep,
+    check_export_file,
+    check_output_path,
+    check_portable,
+    check_program_signature,
+    example_step,
+    export_metadata,
+    static_shape,
+    step_from_metadata,
+    writing,
+)
 from pagedpack.files import publish, temp_path
+from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -93,7 +106,7 @@ def check_attention(attention, rewritten) -> None:
                          f"bfloat16, and NumPy, which feeds onnxruntime, neither), got a model with KV dtype {dtypes}; "
                          f"load it with dtype float16 or float32, or use attention='com.microsoft'")
     if attention == "com.microsoft":
-        from pagedpack.lowering.onnx import ORT_FLOAT_TYPES, unsupported_params
+        from pagedpack.lowering.onnx.functions import ORT_FLOAT_TYPES, unsupported_params
 
         dtypes = {spec.dtype for spec in rewritten.kv_cache_specs}
         if not dtypes <= set(ORT_FLOAT_TYPES):
@@ -109,7 +122,7 @@ def check_attention(attention, rewritten) -> None:
 def onnx_program(rewritten, attention: str = "pagedpack") -> torch.onnx.ONNXProgram:
     """The functional step program of ``rewritten`` as an ``ONNXProgram`` (module docstring),
     with ``attention``'s lowering (:func:`check_attention` first)."""
-    from pagedpack.lowering import onnx as lowering
+    from pagedpack.lowering.onnx import functions as lowering
 
     args, dynamic_shapes = example_step(rewritten)
     num_layers = len(rewritten.kv_cache_specs)
@@ -140,3 +153,52 @@ def _quiet_exporter():
             yield
     finally:
         registry_log.setLevel(level)
+
+
+def load_onnx(path: str | os.PathLike) -> ExportedStep:
+    """Load an ONNX file written by :func:`export_onnx` onto an onnxruntime
+    CPU session, once its sha256 record (:mod:`pagedpack.checksum`) checks out. (An ONNX model is
+    data: loading one runs no code of the file's.)
+
+    Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
+    graph, or its attention is ``com.microsoft.PagedAttention``, which onnxruntime implements for
+    CUDA only.
+    """
+    import onnx
+    import onnxruntime
+
+    path = check_export_file(path)
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as err:  # not a protobuf, truncated, ...
+        raise ValueError(f"path: {path!r} is neither a .pt2 archive (a zip file) nor a loadable ONNX model "
+                         f"({type(err).__name__}: {err})") from err
+    props = {p.key: p.value for p in model.metadata_props}
+    if META_FILE not in props:
+        raise ValueError(f"path: {path!r} is not a pagedpack ONNX model (no {META_FILE} metadata)")
+    verify_onnx(data, props, path)
+    verify_onnx_data(model, props, path)
+    del data, model
+    step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
+    if step.attention == "com.microsoft":
+        raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
+                         f"provider only; export with attention='pagedpack' to run it here")
+    check_cache_dtypes(step.kv_cache_specs)
+    try:
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as err:  # a graph onnxruntime rejects
+        raise ValueError(f"path: {path!r} does not load in onnxruntime ({type(err).__name__}: {err})") from err
+    check_program_signature(step, _onnx_signature(session), path)
+    step.run = OnnxSessionStep(session, step.kv_cache_specs)
+    return step
+
+
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
+
+
+def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
+    """:func:`_pt2_signature` of an onnxruntime session (its first output is the logits)."""
+    inputs = {i.name: (static_shape(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
+    return inputs, static_shape(session.get_outputs()[0].shape)

@@ -1,0 +1,42 @@
+"""The ``reference`` target: the rewritten graph as the passes left it, lowered on the CPU to
+prepacked oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.reference.cpu`);
+it serves ``.pt2`` exports the same way."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedpack.lowering.reference.cpu import cpu_step
+from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
+
+
+@dataclass
+class ReferenceTarget(Target):
+    """The project's ops, run as the rewrite left them (any device PyTorch runs); on the CPU the
+    linears of a copy run on prepacked oneDNN weights (:meth:`lower`)."""
+
+    name: str = "reference"
+    description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
+    serves_pt2: bool = True
+
+    def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
+              device: torch.device | str) -> LoweredStep:
+        """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
+        oneDNN linears and direct native kernel calls; the rewritten graph itself, which
+        ``LLM.export`` writes, stays as it is."""
+        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len)
+        if program is rewritten.graph_module:
+            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)
+
+    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
+                      max_model_len: int | None) -> LoweredStep:
+        """A ``.pt2`` export (:func:`pagedpack.export.load_pt2`), lowered as after a capture."""
+        from pagedpack.export import load_pt2
+
+        step = load_pt2(path, trust_file=trust_file)
+        limit = max_model_len or step.description.max_model_len
+        step.run, note = cpu_step(step.run, step.kv_cache_specs, device, limit)
+        step.note = "; ".join(filter(None, (step.note, note)))
+        return step

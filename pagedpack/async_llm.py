@@ -1,0 +1,84 @@
+"""``AsyncLLM``: the asyncio front of the engine (vLLM's ``AsyncLLM``), for servers and notebooks.
+
+::
+
+    engine = AsyncLLM("smollm2-135m")
+    async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=16), "req-1"):
+        print(out.outputs[0].text)            # all the text so far (delta=True: what is new)
+
+One engine loop thread (:mod:`pagedpack.runtime.engine_loop`) runs steps while any request is live
+and batches every caller's requests together; awaiting a request never blocks the event loop.
+Leaving the ``async for`` early (``break``, an exception, the task cancelled, a client gone)
+aborts the request: its blocks are freed before the next step, its cached prefix blocks go back
+to the prefix cache's LRU.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+from pagedpack.llm import LLM
+from pagedpack.runtime.outputs import RequestOutput, merge
+from pagedpack.runtime.sampling import SamplingParams
+
+
+class AsyncLLM:
+    """``AsyncLLM(model, **kwargs)``: the arguments of :class:`pagedpack.LLM` (which builds the
+    program and the engine); or :meth:`from_llm` to share an existing ``LLM``'s engine."""
+
+    def __init__(self, model=None, **kwargs):
+        self.llm = LLM(model, **kwargs)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_llm(cls, llm: LLM) -> "AsyncLLM":
+        engine = cls.__new__(cls)
+        engine.llm, engine._ids = llm, itertools.count()
+        return engine
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                       *, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request as it runs, the last with ``finished`` set: cumulative (all
+        tokens and text so far, vLLM's default) or, with ``delta``, only what each step added.
+        ``prompt`` as ``LLM.generate`` takes one; ``request_id`` must be unique among live requests
+        (default: a new one). ``ValueError`` (before anything runs) for a bad prompt or parameter,
+        :class:`~pagedpack.runtime.engine.RequestRejected` for one that can never run; the step's
+        exception if the engine's step failed."""
+        request_id = f"async-{next(self._ids)}" if request_id is None else request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r:.80}")
+        loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(out):  # called in the engine loop's thread
+            try:
+                loop.call_soon_threadsafe(arrived.put_nowait, out)
+            except RuntimeError:  # the event loop is closed: nobody waits for this request any more
+                pass
+
+        made = self.llm.llm_engine.make_request(request_id, prompt, sampling_params)
+        self.llm._loop.add_request(request_id, None, sampling_params, sink, made=made)
+        whole, finished = None, False
+        try:
+            while not finished:
+                out = await arrived.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                whole = out if delta else merge(whole, out)
+                yield whole
+        finally:
+            if not finished:
+                self.llm._loop.abort_request(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` (its generator then ends with an ``"abort"`` output)."""
+        self.llm._loop.abort_request(request_id)
+
+    def get_stats(self):
+        return self.llm.get_stats()

@@ -1,0 +1,163 @@
+"""From requests that advanced in a step to per-request deltas (vLLM's ``OutputProcessor``).
+
+For every request the engine holds it keeps one state per completion (``SamplingParams.n``): an
+incremental detokenizer (:mod:`pagedpack.runtime.detokenizer`), the stop strings and what was
+already handed out. :meth:`OutputProcessor.process` turns the step's advanced requests into one
+:class:`~pagedpack.runtime.outputs.RequestOutput` per request with the new token ids and text of
+each completion that moved, and names the requests a stop string finished (the engine then
+finishes them in the scheduler, freeing their blocks).
+
+Stop strings (vLLM's semantics): searched in the completion's text from where a match could
+start after the last search, so one that straddles two tokens or two deltas is found; the text is
+cut before the string (after it with ``include_stop_str_in_output``) and ``stop_reason`` is the
+string. While a request runs, the last ``len(longest stop string) - 1`` characters are held
+back, so a streamed delta never shows part of a stop string that the next token completes.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from pagedpack.runtime.detokenizer import IncrementalDetokenizer
+from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
+from pagedpack.runtime.request import Request
+
+
+@dataclass
+class _Completion:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    stop: list[str]
+    include_stop: bool
+    text: str = ""  # the completion's text (cut at a stop string)
+    num_tokens: int = 0  # output tokens handed out
+    num_chars: int = 0  # characters of text handed out
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: dict[str, _Completion] = field(default_factory=dict)  # by the scheduler's request id
+
+
+class OutputProcessor:
+    """Per-request output state; ``tokenizer`` None: token ids only (empty text, no stop strings).
+    ``tokenizer_lock`` is held around every use of the tokenizer (encoding runs in other threads)."""
+
+    def __init__(self, tokenizer=None, tokenizer_lock: threading.Lock | None = None):
+        self.tokenizer, self.tokenizer_lock = tokenizer, tokenizer_lock or threading.Lock()
+        self._states: dict[str, _RequestState] = {}
+        self._by_child: dict[str, _RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def add_request(self, request_id: str, request: Request, prompt: str | None) -> None:
+        """Keep the state of ``request`` (and its ``forks``) under ``request_id``."""
+        params = request.sampling_params
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop: stop strings need a tokenizer and the model has none, got {params.stop!r}")
+        state = _RequestState(request_id, prompt, request.prompt_token_ids)
+        for index, child in enumerate([request, *request.forks]):
+            detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, lock=self.tokenizer_lock)
+            state.completions[child.request_id] = _Completion(index, detokenizer, params.stop,
+                                                              params.include_stop_str_in_output)
+            self._by_child[child.request_id] = state
+        self._states[request_id] = state
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The scheduler's request ids of ``request_id``'s unfinished completions."""
+        state = self._states.get(request_id)
+        return [] if state is None else [i for i, c in state.completions.items() if not c.finished]
+
+    def process(self, requests: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
+        """``(outputs, stopped)``: one delta per request among ``requests`` (each advanced or
+        finished this step), and those a stop string finished, still to finish in the scheduler."""
+        moved: dict[str, list[CompletionOutput]] = {}
+        errors: dict[str, str] = {}
+        stopped = []
+        for request in requests:
+            state = self._by_child.get(request.request_id)
+            if state is None:
+                continue
+            completion = state.completions[request.request_id]
+            if completion.finished:
+                continue
+            if self._advance(completion, request):
+                stopped.append(request)
+            if request.error:
+                errors[state.request_id] = request.error
+            moved.setdefault(state.request_id, []).append(self._delta(completion, request))
+        return [self._output(self._states[rid], deltas, errors.get(rid)) for rid, deltas in moved.items()], stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The final delta of an aborted request (its unfinished completions end with ``"abort"``)."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        deltas = []
+        for completion in state.completions.values():
+            if not completion.finished:
+                completion.finish_reason = "abort"
+                deltas.append(CompletionOutput(completion.index, "", [], "abort"))
+        return self._output(state, deltas, None)
+
+    def _advance(self, completion: _Completion, request: Request) -> bool:
+        """Take ``request``'s new tokens into ``completion``; True if a stop string finished it."""
+        new = request.output_token_ids[completion.num_tokens:]
+        if completion.detokenizer is not None:
+            searched = max(0, len(completion.text) - max((len(s) for s in completion.stop), default=1) + 1)
+            completion.detokenizer.push(new)
+            if request.is_finished:
+                completion.detokenizer.finish()
+            completion.text = completion.detokenizer.text
+            hit = _find_stop(completion.text, completion.stop, searched)
+            if hit is not None:
+                at, stop = hit
+                completion.text = completion.text[:at + len(stop) if completion.include_stop else at]
+                completion.finish_reason, completion.stop_reason = "stop", stop
+                return True
+        if request.is_finished:
+            completion.finish_reason = request.finish_reason
+            last = request.output_token_ids[-1] if request.output_token_ids else None
+            completion.stop_reason = last if request.finish_reason == "stop" and last in \
+                request.sampling_params.stop_token_ids else None
+        return False
+
+    def _delta(self, completion: _Completion, request: Request) -> CompletionOutput:
+        token_ids = request.output_token_ids[completion.num_tokens:]
+        completion.num_tokens = request.num_output_tokens
+        held = 0 if completion.finished else max((len(s) for s in completion.stop), default=1) - 1
+        end = max(completion.num_chars, len(completion.text) - held)
+        text = completion.text[completion.num_chars:end]
+        completion.num_chars = end
+        return CompletionOutput(completion.index, text, list(token_ids), completion.finish_reason,
+                                completion.stop_reason)
+
+    def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None) -> RequestOutput:
+        finished = all(c.finished for c in state.completions.values())
+        if finished:
+            del self._states[state.request_id]
+            for child in state.completions:
+                self._by_child.pop(child, None)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, deltas, error=error,
+                             finished=finished)
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """The first stop string in ``text[start:]`` as ``(index, string)`` (the earliest; the longest at a tie)."""
+    hits = [(text.find(stop, start), -len(stop), stop) for stop in stops]
+    hits = [h for h in hits if h[0] >= 0]
+    if not hits:
+        return None
+    at, _, stop = min(hits)
+    return at, stop

@@ -1,0 +1,58 @@
+"""What generation returns, per request (vLLM's ``RequestOutput`` / ``CompletionOutput``).
+
+The engine hands out deltas (new token ids and text since the last output of that request);
+:func:`merge` folds a delta into the request's whole output, which is what ``LLM.generate``
+returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion (or its delta): generated ``token_ids`` and their decoded ``text``;
+    ``finish_reason`` ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None while it runs;
+    ``stop_reason``: the stop string or stop token id that finished it (None for EOS or length)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one prompt (or its delta). ``error`` is set (and ``outputs[0]`` empty) if it
+    failed; ``finished``: every completion has finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    error: str | None = None
+    finished: bool = True
+
+
+def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """``whole`` with ``delta`` appended (a new output for the first delta), completions by index."""
+    if whole is None:
+        whole = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, finished=False)
+    by_index = {c.index: c for c in whole.outputs}
+    for part in delta.outputs:
+        completion = by_index.get(part.index)
+        if completion is None:
+            completion = by_index[part.index] = CompletionOutput(part.index, "", [])
+            whole.outputs.append(completion)
+        completion.text += part.text
+        completion.token_ids += part.token_ids
+        completion.finish_reason, completion.stop_reason = part.finish_reason, part.stop_reason
+    whole.outputs.sort(key=lambda c: c.index)
+    whole.error = whole.error or delta.error
+    whole.finished = delta.finished
+    return whole
