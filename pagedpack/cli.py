@@ -16,12 +16,13 @@ from pagedpack.llm import LLM
 from pagedpack.lowering.onnx.export import ATTENTIONS
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
+from pagedpack.program import ProgramBuilder
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams
 
 DEFAULT_PROMPTS = [
     "Hello",
-    "The capital of France is",
+    "What is the capital of France?",
     "Paged attention stores keys and values in fixed-size blocks, so",
     "Once upon a time, in a land far away, there lived a small team of engineers who wanted to "
     "serve language models without padding. They wrote a compiler pass that",
@@ -236,16 +237,7 @@ def _mib(num_bytes: int) -> str:
 
 
 def _inspect(args) -> int:
-    from pagedpack.models.capture import capture
-    from pagedpack.models.loading import load, max_model_len
-    from pagedpack.passes.pipeline import rewrite
-
-    engine_args = EngineArgs.from_cli_args(args)
-    model, _ = load(args.model, dtype=engine_args.dtype)
-    _, note = max_model_len(model.config)
-    rewritten = rewrite(capture(model), extra_passes=engine_args.extra_passes)
-    if note:
-        rewritten.report.notes.append(note)
+    _, _, rewritten = ProgramBuilder(EngineArgs.from_cli_args(args)).capture()
     print(rewritten.report.format())
     if args.graph:
         print(rewritten.graph_module.code)

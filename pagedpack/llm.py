@@ -115,16 +115,7 @@ class LLM:
         ``attention`` for ONNX as in :func:`pagedpack.lowering.onnx.export.export_onnx`) with this LLM's
         description (eos ids, ``max_model_len``, vocabulary, tokenizer); returns ``str(path)``.
         ``ValueError`` for an LLM served from a file or lowered for a target other than the reference."""
-        from pagedpack.export import check_format, export_pt2
-
-        check_format(format)
-        if format == "onnx":
-            from pagedpack.lowering.onnx.export import export_onnx
-
-            return export_onnx(self._builder.source_graph(), path, self.description, attention=attention)
-        if attention != "pagedpack":
-            raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
-        return export_pt2(self._builder.source_graph(), path, self.description)
+        return self._builder.export(path, self.description, format=format, attention=attention)
 
     def plan_memory(self, memory, *, keep_source_model: bool | None = None) -> MemoryPlan:
         """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``

@@ -67,14 +67,20 @@ class ProgramBuilder:
         return load_exported(path, trust_file=trust_file, device=self.args.device,
                              max_model_len=self.args.max_model_len)
 
-    def _capture_and_lower(self) -> StepProgram:
+    def capture(self) -> tuple[torch.nn.Module, ModelDescription, object]:
+        """``(module, description, rewritten)``: the source loaded, captured and rewritten, not lowered
+        (what ``pagedpack inspect`` prints); refused sites are in the report, not raised."""
         from pagedpack.models.aliases import checkpoint_stamp
 
-        args, target = self.args, self.args.lowering_target
-        target.prepare_device(args.device)
-        module, description, rewritten = capture_source(args)
-        self._model, self._stamp = module, checkpoint_stamp(args.model)
+        self.args.lowering_target.prepare_device(self.args.device)
+        module, description, rewritten = capture_source(self.args)
+        self._model, self._stamp = module, checkpoint_stamp(self.args.model)
         self._rewritten, self.report = rewritten, rewritten.report
+        return module, description, rewritten
+
+    def _capture_and_lower(self) -> StepProgram:
+        args, target = self.args, self.args.lowering_target
+        module, description, rewritten = self.capture()
         rewritten.raise_if_refused()
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
         target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
@@ -172,6 +178,19 @@ class ProgramBuilder:
             raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
                              "again; export the original model")
         return self._rewritten if self._rewritten is not None else self._capture_again()
+
+    def export(self, path, description: ModelDescription, *, format: str = "pt2", attention: str = "pagedpack") -> str:
+        """Write the rewritten step program with ``description`` to ``path`` as ``format`` (``LLM.export``)."""
+        from pagedpack.export import check_format, export_pt2
+
+        check_format(format)
+        if format == "onnx":
+            from pagedpack.lowering.onnx.export import export_onnx
+
+            return export_onnx(self.source_graph(), path, description, attention=attention)
+        if attention != "pagedpack":
+            raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
+        return export_pt2(self.source_graph(), path, description)
 
     def weight_bytes(self, keep_source_model: bool) -> int:
         """Bytes of weights serving holds, with the source model and the rewritten graph kept or not."""

@@ -24,20 +24,15 @@ from pagedpack.runtime.request import Request
 
 
 @dataclass
-class _Completion:
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-    stop: list[str]
-    include_stop: bool
-    text: str = ""  # the completion's text (cut at a stop string)
-    num_tokens: int = 0  # output tokens handed out
-    num_chars: int = 0  # characters of text handed out
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class _Completion(CompletionOutput):
+    """A completion's state: its ``text`` (cut at a stop string), finish and stop reasons, and how
+    many output tokens and characters were handed out (``token_ids`` stay the request's own)."""
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    detokenizer: IncrementalDetokenizer | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop: bool = False
+    num_tokens: int = 0
+    num_chars: int = 0
 
 
 @dataclass
@@ -69,8 +64,8 @@ class OutputProcessor:
         for index, child in enumerate([request, *request.forks]):
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, lock=self.tokenizer_lock)
-            state.completions[child.request_id] = _Completion(index, detokenizer, params.stop,
-                                                              params.include_stop_str_in_output)
+            state.completions[child.request_id] = _Completion(index, "", [], detokenizer=detokenizer, stop=params.stop,
+                                                              include_stop=params.include_stop_str_in_output)
             self._by_child[child.request_id] = state
         self._states[request_id] = state
 

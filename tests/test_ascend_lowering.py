@@ -351,7 +351,7 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "1 (0 failed)" in out
     assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in out
-    assert cli_main([*args, "--model", str(tmp_path), "--graph-mode", "dynamic"]) == 0
+    assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=dynamic"]) == 0
     assert "dynamic: " in capsys.readouterr().out
     # A float32 model is outside TND's limits: a clear error, no traceback.
     tiny_model("llama", dtype=torch.float32, head_dim=128).save_pretrained(tmp_path / "fp32")
