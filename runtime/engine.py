@@ -130,9 +130,13 @@ class LLMEngine:
             token_ids = prompt.content
         request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
                                cache_salt=prompt.cache_salt)
+        vocab = self.description.vocab_size
+        if vocab is not None and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: expected token ids in [0, vocab_size={vocab}), got "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         try:
-            if self.description.vocab_size is not None:
-                check_token_ids(request.prompt_token_ids, self.description.vocab_size)
+            if vocab is not None:
+                check_token_ids(request.prompt_token_ids, vocab)
             self.scheduler.check_request(request)
         except ValueError as err:
             message = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
@@ -186,10 +190,13 @@ class LLMEngine:
         for i, s in enumerate(output.scheduled):
             rows += [i] * len(s.sample_requests)
             to_sample += s.sample_requests
+        tokens = []
         if rows:
-            tokens = self.sampler(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
-        else:
-            tokens = []
+            sample = self.sampler.sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
+            tokens = sample.token_ids
+            for request, logprobs in zip(to_sample, sample.logprobs):
+                if logprobs is not None:
+                    request.output_logprobs.append(logprobs)
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += output.num_batched_tokens
         self.stats.num_prompt_tokens_computed += sum(
@@ -199,7 +206,9 @@ class LLMEngine:
         self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
         sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
         finished = self.scheduler.update_from_output(output, sampled)
-        outputs, stopped = self.output_processor.process([*to_sample, *(r for r in finished if r not in to_sample)])
+        sampled_ids = {r.request_id for r in to_sample}
+        outputs, stopped = self.output_processor.process(
+            [*to_sample, *(r for r in finished if r.request_id not in sampled_ids)])
         if stopped:  # by a stop string in the text
             self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
         for observe in self.step_observers:

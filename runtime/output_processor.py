@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pagedpack.runtime.detokenizer import IncrementalDetokenizer
-from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
+from pagedpack.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedpack.runtime.request import Request
 
 
@@ -115,7 +115,8 @@ class OutputProcessor:
             if request.is_finished:
                 completion.detokenizer.finish()
             completion.text = completion.detokenizer.text
-            hit = _find_stop(completion.text, completion.stop, searched)
+            early = request.num_output_tokens < request.sampling_params.min_tokens  # stop strings wait
+            hit = None if early else _find_stop(completion.text, completion.stop, searched)
             if hit is not None:
                 at, stop = hit
                 completion.text = completion.text[:at + len(stop) if completion.include_stop else at]
@@ -135,8 +136,24 @@ class OutputProcessor:
         end = max(completion.num_chars, len(completion.text) - held)
         text = completion.text[completion.num_chars:end]
         completion.num_chars = end
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [self._logprobs(token, entry) for token, entry in
+                        zip(token_ids, request.output_logprobs[len(request.output_logprobs) - len(token_ids):])]
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                entry[token].logprob for token, entry in zip(token_ids, logprobs))
         return CompletionOutput(completion.index, text, list(token_ids), completion.finish_reason,
-                                completion.stop_reason)
+                                completion.stop_reason, logprobs, completion.cumulative_logprob)
+
+    def _logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
+        """``{token id: Logprob}`` of one generated token: the top-k and the sampled one."""
+        logprob, rank, top = entry
+        ranked = {t: Logprob(lp, r) for r, (t, lp) in enumerate(top, start=1)}
+        ranked.setdefault(token, Logprob(logprob, rank))
+        if self.tokenizer is None:
+            return ranked
+        with self.tokenizer_lock:
+            return {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t])) for t, lp in ranked.items()}
 
     def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None) -> RequestOutput:
         finished = all(c.finished for c in state.completions.values())

@@ -9,17 +9,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model (``log_softmax`` of its logits), its ``rank``
+    (1: the most likely) and its text alone (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One completion (or its delta): generated ``token_ids`` and their decoded ``text``;
     ``finish_reason`` ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` or None while it runs;
-    ``stop_reason``: the stop string or stop token id that finished it (None for EOS or length)."""
+    ``stop_reason``: the stop string or stop token id that finished it (None for EOS or length).
+    With ``SamplingParams.logprobs``: ``logprobs``, one ``{token id: Logprob}`` per generated token
+    (the top ``logprobs`` tokens and the sampled one), and ``cumulative_logprob``, their sum over the
+    sampled tokens (of the whole completion so far, in a delta too)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -51,6 +66,9 @@ def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
             whole.outputs.append(completion)
         completion.text += part.text
         completion.token_ids += part.token_ids
+        if part.logprobs is not None:
+            completion.logprobs = [*(completion.logprobs or []), *part.logprobs]
+            completion.cumulative_logprob = part.cumulative_logprob
         completion.finish_reason, completion.stop_reason = part.finish_reason, part.stop_reason
     whole.outputs.sort(key=lambda c: c.index)
     whole.error = whole.error or delta.error

@@ -81,6 +81,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
+        # per output token, with SamplingParams.logprobs: (logprob, rank, [(token id, logprob), ...])
+        self.output_logprobs: list[tuple] = []
 
     def __repr__(self) -> str:
         return (

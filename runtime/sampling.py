@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedpack.runtime.logits_processors import process_logits
+
 if TYPE_CHECKING:
     from pagedpack.runtime.request import Request
 
 # Temperatures below this are treated as greedy (dividing by them would overflow fp32).
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 def _is_int(value: object) -> bool:
@@ -48,6 +51,21 @@ class SamplingParams:
         before it (after it with ``include_stop_str_in_output``) and ``stop_reason`` is the string.
         Found across token and delta boundaries; a streamed delta never shows part of one.
     skip_special_tokens: leave special tokens out of the text (vLLM's default, True).
+    min_tokens: until this many tokens are out, EOS and ``stop_token_ids`` cannot be sampled and
+        stop strings are not looked for (``0 <= min_tokens <= max_tokens``).
+    presence_penalty / frequency_penalty: in ``[-2, 2]``, subtracted from the logit of every token
+        the output holds, once / per occurrence (OpenAI's definition, over the output only).
+    repetition_penalty: ``> 0``; a token in the prompt or the output has a positive logit divided
+        by it and a negative one multiplied (the CTRL paper's, as vLLM and ``transformers``).
+    min_p: in ``[0, 1]``; drop tokens whose probability (at the temperature) is below ``min_p``
+        times the most likely token's.
+    logit_bias: ``{token id: bias}`` added to the logits, bias in ``[-100, 100]`` (OpenAI's range).
+    logprobs: None, or the number ``0 .. 20`` of most likely tokens whose log-probability is
+        returned with each generated token (plus the sampled token's own), from the model's
+        logits before any penalty, bias or temperature (vLLM's default ``raw_logprobs``).
+
+    Penalties, bias and ``min_tokens`` apply to greedy requests too; then temperature, ``min_p``,
+    top-k and top-p, in vLLM's order.
 
     Raises ``ValueError`` naming the field, the expectation and the value.
     """
@@ -63,6 +81,13 @@ class SamplingParams:
     stop: list[str] | str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -88,6 +113,24 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop: expected a non-empty str, a list of them or None, got {self.stop!r:.120}")
         self.stop = list(stop)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: expected an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: expected a number in [-2, 2], got {getattr(self, name)!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
+        bias = {} if self.logit_bias is None else self.logit_bias
+        if not isinstance(bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in bias.items()):
+            raise ValueError(f"logit_bias: expected a dict of token ids >= 0 to biases in [-100, 100], "
+                             f"got {self.logit_bias!r:.120}")
+        self.logit_bias = dict(bias)
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -95,6 +138,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything changes the logits before temperature (penalties, bias, ``min_tokens``)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def normalize_sampling_params(sampling_params, num_prompts: int) -> list[SamplingParams]:
@@ -106,6 +158,34 @@ def normalize_sampling_params(sampling_params, num_prompts: int) -> list[Samplin
             raise ValueError(f"sampling_params: expected one per prompt ({num_prompts}), got {len(sampling_params)}")
         return list(sampling_params)
     raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {sampling_params!r:.80}")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float], temperature: torch.Tensor) -> torch.Tensor:
+    """Mask (to ``-inf``) each row's tokens whose probability at ``temperature`` is below ``min_p``
+    times the row's largest: ``(logit - max) / temperature < log(min_p)``. ``logits`` ``[N, V]``."""
+    if not any(min_p):
+        return logits
+    log_min_p = torch.tensor(min_p, dtype=torch.float64, device=logits.device).log()
+    scaled = (logits.double() - logits.double().amax(dim=-1, keepdim=True)) / temperature.double()[:, None]
+    return logits.masked_fill(scaled < log_min_p[:, None], -math.inf)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> list:
+    """Per row with ``wanted[i]`` not None: ``(logprob of tokens[i], its rank (1 = most likely),
+    [(token id, logprob)] of the top ``wanted[i]``)``, from ``log_softmax`` of ``logits`` in float32."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    out = [None] * len(wanted)
+    if not rows:
+        return out
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[rows, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = logprobs.topk(max(wanted[i] for i in rows), dim=-1)
+    for j, i in enumerate(rows):
+        k = wanted[i]
+        top_k = list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist()))
+        out[i] = (float(chosen[j, 0]), int(ranks[j]), top_k)
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -134,20 +214,36 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(drop_in_vocab_order, -math.inf)
 
 
-class Sampler:
-    """``Sampler()(logits [N, V], requests) -> list[int]``: one next token per row.
+@dataclass
+class SamplerOutput:
+    """One step's sample: ``token_ids`` (one per row) and, per row, None or the sampled token's
+    ``(logprob, rank)`` with the top-``logprobs`` ``[(token id, logprob), ...]`` (``logprobs``)."""
 
-    Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Greedy rows take the
-    argmax; the others are sampled as described in the module docstring. Seeded
-    requests get ``request.generator`` (created on first use, on the logits' device).
+    token_ids: list[int]
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    """``Sampler()(logits [N, V], requests) -> list[int]``: one next token per row
+    (:meth:`sample` also returns log-probabilities).
+
+    Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Penalties, bias and
+    ``min_tokens`` (:mod:`pagedpack.runtime.logits_processors`) apply first; greedy rows then take
+    the argmax, the others are sampled as described in the module docstring. Seeded requests get
+    ``request.generator`` (created on first use, on the logits' device).
     """
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        return self.sample(logits, requests).token_ids
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits: expected shape [{len(requests)}, vocab] (one row per request), "
                 f"got {tuple(logits.shape)}"
             )
+        raw = logits
+        logits = process_logits(logits, requests)
         tokens = logits.argmax(dim=-1)
         params = [r.sampling_params for r in requests]
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -156,10 +252,10 @@ class Sampler:
             temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float64, device=device)
             top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
             top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-            probs = apply_top_k_top_p(logits[rows], top_k, top_p, temperature).softmax(dim=-1).float()
+            chosen = apply_min_p(logits[rows], [params[i].min_p for i in rows], temperature)
+            probs = apply_top_k_top_p(chosen, top_k, top_p, temperature).softmax(dim=-1).float()
             tokens[rows] = self._draw(probs, [requests[i] for i in rows])
-        return tokens.tolist()
-
+        return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in params]))
     @staticmethod
     def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row of ``probs`` (fp32 ``[n, V]``); seeded rows use their own generator."""
