@@ -1,14 +1,21 @@
-"""One thread that drives an :class:`~pagedpack.runtime.engine.LLMEngine` for every caller.
+"""Driving one :class:`~pagedpack.runtime.engine.LLMEngine` for every caller.
 
-Callers in any thread add requests and abort them; the loop thread takes them in between steps
-and runs steps while any request is live, handing each request's deltas to its ``sink`` (a
-callable, called in the loop thread). The thread exists only while there is work: it ends when
-the last request finishes and starts again with the next one, so an idle engine holds no thread.
-``LLM.generate`` (a blocking client) and ``AsyncLLM`` (an asyncio one) both run on it, so
-requests from several threads or coroutines share steps (continuous batching across callers).
+Callers in any thread add requests and abort them; between steps the driver takes them in, and
+it runs steps while any request is live, handing each request's deltas to its ``sink`` (a
+callable). Who drives: a blocking caller (:meth:`EngineLoop.stream`, ``LLM.generate``) steps the
+engine itself in its own thread, one step at a time under the driver lock, while it waits for
+its requests, so requests from several threads share steps (continuous batching across callers)
+and the steps run where the model was built. An asyncio caller (``AsyncLLM``) cannot block its
+event loop: its requests wake a background thread that steps while work remains and then ends.
+
+Why the caller's thread: PyTorch's CPU kernels run on OpenMP, and libgomp keeps one pool of worker
+threads per thread that starts parallel regions; once a second thread has a pool, the process has
+more OpenMP threads than cores and libgomp stops spinning between regions (its throttled wait),
+which made each small op ~20x and the W1 workload ~1.4x slower when every step ran in a thread of
+its own (measured, 2 cores).
 
 A step that raises fails every live request: each sink gets the exception instead of a delta,
-their blocks are freed, and the loop goes on with the requests added later.
+their blocks are freed, and stepping goes on with the requests added later.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from pagedpack.runtime.outputs import RequestOutput
 from pagedpack.runtime.sampling import SamplingParams
 
 Sink = Callable[[RequestOutput | BaseException], None]
+_TAKE_OVER_S = 0.02  # a waiting caller steps itself when no delta came for this long (its driver left)
 
 
 class EngineLoop:
@@ -30,7 +38,8 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the queues, the sinks and the thread
+        self._drive = threading.Lock()  # held for one step by whoever drives
         self._adds: deque = deque()
         self._aborts: deque[str] = deque()
         self._sinks: dict[str, Sink] = {}
@@ -42,45 +51,61 @@ class EngineLoop:
         return len(self._sinks)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None, sink: Sink, *,
-                    made=None) -> None:
+                    made=None, background: bool = True) -> None:
         """Tokenize and check ``prompt`` here (``ValueError`` for one that can never run, or an id that
         is live; ``made``: what ``engine.make_request`` already returned for it), then queue it for
-        the loop's next step."""
+        the next step; ``background``: a thread of the loop's steps it (the caller will not)."""
         made = made if made is not None else self.engine.make_request(request_id, prompt, params)
         with self._lock:
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already running; expected a new id")
             self._sinks[request_id] = sink
             self._adds.append((request_id, made))
-            self._wake()
+            if background:
+                self._wake()
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort ``request_id`` before the next step (its sink gets the final ``"abort"`` delta);
+        nothing for a request that is not live."""
+        with self._lock:
+            if request_id in self._sinks:
+                self._aborts.append(request_id)
+                self._wake()
 
     def stream(self, made: dict) -> Iterator[RequestOutput]:
         """Add the requests ``made`` (request id -> what ``engine.make_request`` returned) and yield
-        their deltas in arrival order until each has finished, in the calling thread; the step's
-        exception is raised here. Closing the iterator early (or an exception) aborts the rest."""
+        their deltas in arrival order until each has finished, stepping the engine in this thread
+        (unless another caller is); the step's exception is raised here. Closing the iterator early
+        (or an exception) aborts the rest."""
         arrived = queue.SimpleQueue()
         for request_id, request in made.items():
-            self.add_request(request_id, None, None, arrived.put, made=request)
+            self.add_request(request_id, None, None, arrived.put, made=request, background=False)
         live = set(made)
         try:
             while live:
-                delta = arrived.get()
+                try:
+                    delta = arrived.get(block=False)
+                except queue.Empty:
+                    if self._step(blocking=False):
+                        continue
+                    try:  # another caller drives: wait for a delta, or take over when it stops
+                        delta = arrived.get(timeout=_TAKE_OVER_S)
+                    except queue.Empty:
+                        continue
                 if isinstance(delta, BaseException):
                     raise delta
                 if delta.finished:
                     live.discard(delta.request_id)
                 yield delta
         finally:
-            for request_id in live:  # closed early, interrupted, or the step failed
-                self.abort_request(request_id)
-
-    def abort_request(self, request_id: str) -> None:
-        """Abort ``request_id`` before the loop's next step (its sink gets the final ``"abort"`` delta);
-        nothing for a request that is not live."""
-        with self._lock:
-            if request_id in self._sinks:
-                self._aborts.append(request_id)
-                self._wake()
+            if live:  # closed early, interrupted, or the step failed: abort now, freeing the blocks
+                with self._drive:
+                    with self._lock:
+                        self._adds = deque(a for a in self._adds if a[0] not in live)
+                        for request_id in live:
+                            self._sinks.pop(request_id, None)
+                    for request_id in live:
+                        self.engine.abort_request(request_id)
 
     def _wake(self) -> None:
         if self._thread is None:
@@ -88,15 +113,24 @@ class EngineLoop:
             self._thread.start()
 
     def _run(self) -> None:
-        engine = self.engine
         while True:
+            with self._lock:
+                if not (self._adds or self._aborts or self.engine.has_unfinished()):
+                    self._thread = None
+                    return
+            self._step(blocking=True)
+
+    def _step(self, *, blocking: bool) -> bool:
+        """Take the adds and aborts in and run one step, as the driver; False if another thread
+        drives now (``blocking=False``) or there was nothing to do."""
+        if not self._drive.acquire(blocking=blocking):
+            return False
+        try:
             with self._lock:
                 adds, aborts = list(self._adds), list(self._aborts)
                 self._adds.clear()
                 self._aborts.clear()
-                if not adds and not aborts and not engine.has_unfinished():
-                    self._thread = None
-                    return
+            engine = self.engine
             for request_id, made in adds:
                 try:
                     engine.add_request(request_id, None, made=made)
@@ -106,13 +140,18 @@ class EngineLoop:
                 out = engine.abort_request(request_id)
                 if out is not None:
                     self._deliver(request_id, out, final=True)
+            if not engine.has_unfinished():
+                return bool(adds or aborts)
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 -- the step's own error goes to every caller it stopped
                 self._fail_all(err)
-                continue
+                return True
             for out in outputs:
                 self._deliver(out.request_id, out, final=out.finished)
+            return True
+        finally:
+            self._drive.release()
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:

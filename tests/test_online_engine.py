@@ -255,3 +255,24 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm, solo, mon
     monkeypatch.setattr(runner, "execute", real)
     assert llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == solo[1]
     assert llm.get_stats().kv_blocks_used == 0
+
+
+def test_a_blocking_caller_steps_the_engine_in_its_own_thread(llm):
+    """LLM.generate runs the steps where it is called (OpenMP's pool of that thread: a second
+    thread's pool halves CPU speed, runtime/engine_loop.py); AsyncLLM's steps run in the loop's
+    background thread, which ends once idle."""
+    threads = []
+    llm.llm_engine.step_observers.append(lambda engine: threads.append(threading.current_thread()))
+    try:
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+        assert set(threads) == {threading.current_thread()}
+        threads.clear()
+
+        async def run():
+            async for _ in AsyncLLM.from_llm(llm).generate({"prompt_token_ids": PROMPTS[1]}, GREEDY):
+                pass
+
+        asyncio.run(run())
+        assert threads and threading.current_thread() not in threads
+    finally:
+        llm.llm_engine.step_observers.clear()
