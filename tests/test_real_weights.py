@@ -457,6 +457,39 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
     ratios = check_peak_matches_profiler(llm, token_counts=(64, 512))  # 2048 on the built-in model
     print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}; plan for 4 GiB:",
           dict(llm.plan_memory("4GiB").rows()))
+    if alias == "smollm2-135m":
+        _check_streaming_and_chat(llm)
+
+
+def _check_streaming_and_chat(llm):
+    """SmolLM2's BPE text streamed for 120 prompts: the deltas add up to ``decode`` of the output
+    ids; ``LLM.chat`` gives the tokens of ``apply_chat_template`` + ``generate``; a stop string
+    cuts the streamed text where it first appears. (On the greedy test's LLM: one build.)"""
+    from pagedpack import SamplingParams
+
+    tokenizer = llm.tokenizer
+    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate(PROMPTS * 15)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(len(prompts))]
+    streamed = {}
+    for delta in llm.generate(prompts, params, stream=True):
+        streamed.setdefault(delta.request_id, []).append(delta.outputs[0])
+    assert len(streamed) == len(prompts) >= 100
+    for parts in streamed.values():
+        ids = [t for p in parts for t in p.token_ids]
+        assert "".join(p.text for p in parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    chat = llm.chat(conversation, greedy, use_tqdm=False)[0]
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    plain = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ids and chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert "Paris" in chat.outputs[0].text, chat.outputs[0].text
+    text = chat.outputs[0].text
+    stop = text[text.index("Paris") + 1:text.index("Paris") + 4]  # inside one BPE token or across two
+    cut = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=16, stop=stop), use_tqdm=False)[0]
+    assert cut.outputs[0].text == text[:text.index(stop)] and cut.outputs[0].stop_reason == stop
 
 
 SENTENCES = ["Hello!", "The cat sat on the mat.", "Why?", "Paged attention packs every token."]
@@ -507,36 +540,3 @@ def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, call):
         print(f"{call}, sentence {b}: max |packed - model| {(packed - own[b]).abs().max():.2g}, "
               f"|packed - float64| {(packed - exact[b]).abs().max():.2g}, |model - float64| "
               f"{(own[b] - exact[b]).abs().max():.2g}")
-
-
-def test_smollm2_streams_its_text_and_chats_as_the_chat_template_says():
-    """SmolLM2's BPE text streamed for 120 prompts: the deltas add up to ``decode`` of the output
-    ids; ``LLM.chat`` gives the tokens of ``apply_chat_template`` + ``generate``; a stop string
-    cuts the streamed text where it first appears."""
-    from pagedpack import LLM, SamplingParams
-
-    _fetch_or_skip("smollm2-135m")
-    llm = LLM("smollm2-135m", max_num_seqs=128)
-    tokenizer = llm.tokenizer
-    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate(PROMPTS * 15)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(len(prompts))]
-    streamed = {}
-    for delta in llm.generate(prompts, params, stream=True):
-        streamed.setdefault(delta.request_id, []).append(delta.outputs[0])
-    assert len(streamed) == len(prompts) >= 100
-    for parts in streamed.values():
-        ids = [t for p in parts for t in p.token_ids]
-        assert "".join(p.text for p in parts) == tokenizer.decode(ids, skip_special_tokens=True)
-
-    conversation = [{"role": "user", "content": "What is the capital of France?"}]
-    greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    chat = llm.chat(conversation, greedy, use_tqdm=False)[0]
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)["input_ids"]
-    plain = llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0]
-    assert chat.prompt_token_ids == ids and chat.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert "Paris" in chat.outputs[0].text, chat.outputs[0].text
-    text = chat.outputs[0].text
-    stop = text[text.index("Paris") + 1:text.index("Paris") + 4]  # inside one BPE token or across two
-    cut = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=16, stop=stop), use_tqdm=False)[0]
-    assert cut.outputs[0].text == text[:text.index(stop)] and cut.outputs[0].stop_reason == stop
