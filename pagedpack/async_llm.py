@@ -60,8 +60,7 @@ class AsyncLLM:
             except RuntimeError:  # the event loop is closed: nobody waits for this request any more
                 pass
 
-        made = self.llm.llm_engine.make_request(request_id, prompt, sampling_params)
-        self.llm._loop.add_request(request_id, None, sampling_params, sink, made=made)
+        self.llm._loop.add_request(request_id, prompt, sampling_params, sink)  # checks it here, steps in background
         whole, finished = None, False
         try:
             while not finished:

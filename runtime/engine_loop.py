@@ -45,11 +45,6 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
 
-    @property
-    def num_live(self) -> int:
-        """Requests added and not yet finished (or aborted)."""
-        return len(self._sinks)
-
     def add_request(self, request_id: str, prompt, params: SamplingParams | None, sink: Sink, *,
                     made=None, background: bool = True) -> None:
         """Tokenize and check ``prompt`` here (``ValueError`` for one that can never run, or an id that
