@@ -9,6 +9,7 @@ program needs); the public names below are imported on first use, so that import
 (e.g. ``pagedpack.runtime``) does not import the others.
 """
 import importlib
+import importlib.metadata
 
 from pagedpack.kernels import ops as _ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels import varlen as _varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
@@ -24,6 +25,10 @@ _PUBLIC = {
     "UnsupportedModelError": "pagedpack.contract",
 }
 __all__ = list(_PUBLIC)
+try:
+    __version__ = importlib.metadata.version("pagedpack")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ to the prefix cache's LRU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 
@@ -41,14 +42,17 @@ class AsyncLLM:
     def tokenizer(self):
         return self.llm.tokenizer
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                       *, delta: bool = False) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request as it runs, the last with ``finished`` set: cumulative (all
-        tokens and text so far, vLLM's default) or, with ``delta``, only what each step added.
-        ``prompt`` as ``LLM.generate`` takes one; ``request_id`` must be unique among live requests
-        (default: a new one). ``ValueError`` (before anything runs) for a bad prompt or parameter,
-        :class:`~pagedpack.runtime.engine.RequestRejected` for one that can never run; the step's
-        exception if the engine's step failed."""
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add one request now and return the stream of its deltas (what each step added, the last
+        with ``finished`` set); call it in the event loop's thread. ``prompt`` as ``LLM.generate``
+        takes one; ``request_id`` unique among live requests (default: a new one). Raises here,
+        before anything runs: ``ValueError`` for a bad prompt or parameter,
+        :class:`~pagedpack.runtime.engine.RequestRejected` for one that can never run,
+        :class:`~pagedpack.runtime.engine_loop.EngineDeadError` once a server's engine loop died.
+        The stream raises the step's exception if the engine's step failed; leaving it early (or
+        cancelling the task that reads it) aborts the request. A stream never read must be
+        aborted by its id (:meth:`abort`)."""
         request_id = f"async-{next(self._ids)}" if request_id is None else request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: expected a non-empty str, got {request_id!r:.80}")
@@ -60,8 +64,11 @@ class AsyncLLM:
             except RuntimeError:  # the event loop is closed: nobody waits for this request any more
                 pass
 
-        self.llm._loop.add_request(request_id, prompt, sampling_params, sink)  # checks it here, steps in background
-        whole, finished = None, False
+        self.llm._loop.add_request(request_id, prompt, sampling_params, sink)  # checks it here, steps elsewhere
+        return self._deltas(request_id, arrived)
+
+    async def _deltas(self, request_id: str, arrived: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
         try:
             while not finished:
                 out = await arrived.get()
@@ -69,11 +76,21 @@ class AsyncLLM:
                     finished = True
                     raise out
                 finished = out.finished
-                whole = out if delta else merge(whole, out)
-                yield whole
+                yield out
         finally:
             if not finished:
                 self.llm._loop.abort_request(request_id)
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                       *, delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request as it runs (:meth:`add_request`, which raises what it says),
+        the last with ``finished`` set: cumulative (all tokens and text so far, vLLM's default) or,
+        with ``delta``, only what each step added."""
+        whole = None
+        async with contextlib.aclosing(self.add_request(prompt, sampling_params, request_id)) as deltas:
+            async for out in deltas:
+                whole = out if delta else merge(whole, out)
+                yield whole
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (its generator then ends with an ``"abort"`` output)."""

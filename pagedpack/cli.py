@@ -1,7 +1,8 @@
-"""``pagedpack`` command line: ``generate``, ``inspect``, ``export`` and ``plan``."""
+"""``pagedpack`` command line: ``generate``, ``serve``, ``inspect``, ``export`` and ``plan``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-plot-step", type=int, default=None,
                      help="the step whose block ownership --kv-plot shows; default: the step with most blocks in use")
 
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                       "/v1/chat/completions, /metrics)", formatter_class=_HelpFormatter)
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL_OR_FILE",
+                     help="the model to serve, as --model takes it (default: --model's)")
+    EngineArgs.add_cli_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    srv.add_argument("--api-key", default=os.environ.get("PAGEDPACK_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDPACK_API_KEY; unset: no key)")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the model "
+                                                               "argument as given)")
+    srv.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself "
+                                                           "(default: the tokenizer's)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="let a request bring its own chat_template (rendered in transformers' sandbox)")
+    srv.add_argument("--max-queue", type=int, default=1024,
+                     help="most requests waiting for their first step; more get HTTP 503 with Retry-After")
+    srv.add_argument("--metrics-namespace", default="pagedpack", choices=["pagedpack", "vllm"],
+                     help="prefix of the /metrics names (vllm: vLLM's names exactly, for its dashboards)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level")
+
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
     EngineArgs.add_cli_args(insp, engine=False)
@@ -97,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": _generate, "inspect": _inspect, "export": _export, "plan": _plan}[args.command](args)
+        commands = {"generate": _generate, "serve": _serve, "inspect": _inspect, "export": _export, "plan": _plan}
+        return commands[args.command](args)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
         return 0
@@ -172,6 +196,28 @@ def _stream(console: Console, deltas, prompts: dict[tuple, str], n: int) -> list
             console.print(f"\n[dim](finish reason: {completion.finish_reason})[/dim]")
             current = None
     return [whole[i] for i in sorted(whole, key=int)]
+
+
+def _serve(args) -> int:
+    from pagedpack.serve.openai_serving import ServingConfig
+    from pagedpack.serve.server import ServerOptions, serve
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    check_int = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None)]
+    for name, value, low, high in check_int:  # before the model is loaded
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{name}: expected an int in [{low}, {high if high is not None else 'inf'}], got {value}")
+    template = args.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text(encoding="utf-8")
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    name = args.served_model_name or str(args.model)
+    config = ServingConfig(model_name=name, chat_template=template,
+                           trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)
+    print(f"pagedpack: serving {name!r} ({llm.target} target) on http://{args.host}:{args.port}/v1", flush=True)
+    return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+                                            metrics_namespace=args.metrics_namespace, log_level=args.log_level))
 
 
 def _kv_timeline(args):

@@ -12,7 +12,8 @@ Why the caller's thread: PyTorch's CPU kernels run on OpenMP, and libgomp keeps 
 threads per thread that starts parallel regions; once a second thread has a pool, the process has
 more OpenMP threads than cores and libgomp stops spinning between regions (its throttled wait),
 which made each small op ~20x and the W1 workload ~1.4x slower when every step ran in a thread of
-its own (measured, 2 cores).
+its own (measured, 2 cores). A server (``pagedpack serve``) has its main thread, which built the
+model, drive for good (:meth:`EngineLoop.serve_forever`) while the HTTP front runs in another.
 
 A step that raises fails every live request: each sink gets the exception instead of a delta,
 their blocks are freed, and stepping goes on with the requests added later.
@@ -33,6 +34,10 @@ Sink = Callable[[RequestOutput | BaseException], None]
 _TAKE_OVER_S = 0.02  # a waiting caller steps itself when no delta came for this long (its driver left)
 
 
+class EngineDeadError(RuntimeError):
+    """The thread driving the engine for good (:meth:`EngineLoop.serve_forever`) has died: no request runs again."""
+
+
 class EngineLoop:
     """``add_request(request_id, prompt, params, sink)`` / ``abort_request(request_id)`` from any thread."""
 
@@ -44,6 +49,8 @@ class EngineLoop:
         self._aborts: deque[str] = deque()
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
+        self._wakeup: threading.Event | None = None  # set while serve_forever drives
+        self.error: BaseException | None = None  # why serve_forever's driving ended, if it failed
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None, sink: Sink, *,
                     made=None, background: bool = True) -> None:
@@ -52,6 +59,8 @@ class EngineLoop:
         the next step; ``background``: a thread of the loop's steps it (the caller will not)."""
         made = made if made is not None else self.engine.make_request(request_id, prompt, params)
         with self._lock:
+            if self.error is not None:
+                raise EngineDeadError(f"the engine loop has died ({type(self.error).__name__}: {self.error})")
             if request_id in self._sinks:
                 raise ValueError(f"request_id: {request_id!r} is already running; expected a new id")
             self._sinks[request_id] = sink
@@ -102,8 +111,36 @@ class EngineLoop:
                     for request_id in live:
                         self.engine.abort_request(request_id)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued for the next step, or waiting in the scheduler."""
+        return len(self._adds) + len(self.engine.scheduler.waiting)
+
+    def serve_forever(self, stop: threading.Event, *, poll_s: float = 0.5) -> None:
+        """Drive the engine in this thread until ``stop`` is set: steps while any request is live,
+        otherwise sleeps until one is added (or ``poll_s`` passes, to look at ``stop``). If driving
+        fails outside a step (a step's own error fails only its requests), every live request gets
+        the error, :attr:`error` is set, later adds raise :class:`EngineDeadError`, and it re-raises."""
+        self._wakeup = threading.Event()
+        try:
+            while not stop.is_set():
+                self._wakeup.clear()
+                if not self._step(blocking=True):
+                    self._wakeup.wait(poll_s)
+        except BaseException as err:
+            with self._lock:
+                self.error = err
+                sinks, self._sinks = self._sinks, {}
+            for sink in sinks.values():
+                sink(EngineDeadError(f"the engine loop has died ({type(err).__name__}: {err})"))
+            raise
+        finally:
+            self._wakeup = None
+
     def _wake(self) -> None:
-        if self._thread is None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pagedpack-engine", daemon=True)
             self._thread.start()
 

@@ -1,0 +1,1 @@
+"""``pagedpack serve``: the OpenAI-compatible HTTP server (:mod:`pagedpack.serve.server`)."""

@@ -1,0 +1,162 @@
+"""The FastAPI application of ``pagedpack serve``: OpenAI's routes, health, version and metrics.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`pagedpack.serve.openai_serving`),
+``GET /v1/models``, ``GET /health`` (200; 503 once the engine loop has died), ``GET /version``,
+``GET /metrics`` (Prometheus text, :mod:`pagedpack.serve.metrics`).
+
+Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON, a missing, unknown or mistyped field, or a value the engine refuses (the message and
+``param`` name the field); 404 for a model this server does not serve (as OpenAI and vLLM
+answer); 401 without the API key (``--api-key``: ``Authorization: Bearer KEY`` on ``/v1/*``);
+413 for a body over ``max_body_bytes``; 503 with ``Retry-After`` when ``--max-queue`` requests
+already wait; 500 if the engine fails. A client that goes away (a closed stream, a timed-out
+request) aborts its requests: their KV blocks are freed before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import inspect
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+import pagedpack
+from pagedpack.serve.openai_serving import OpenAIServing, ServingError
+from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The application over ``serving`` (its engine, configuration and metrics)."""
+    app = FastAPI(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None)
+    loop, config, created = serving.llm._loop, serving.config, int(time.time())
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(ServingError(401, "Unauthorized: expected the header 'Authorization: Bearer <api key>'"))
+        return await call_next(request)
+
+    @app.exception_handler(ServingError)
+    async def serving_error(_, err: ServingError):
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_, err: RequestValidationError):
+        return _error(_validation_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, err: HTTPException):  # unknown route, wrong method, a body over the limit
+        return _error(ServingError(err.status_code, str(err.detail)))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(request, serving.completions(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _answer(request, serving.chat(body))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
+                                            "owned_by": "pagedpack", "max_model_len": serving.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if loop.error is not None else 200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedpack.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return _LimitBody(app, max_body_bytes)
+
+
+async def _answer(request: Request, work):
+    """The endpoint's answer: server-sent events for a stream (Starlette cancels the stream when the
+    client goes; its ``finally`` aborts the requests), else the whole body, computed while the
+    client is still there (a client gone cancels it, which aborts the requests)."""
+    result = await work
+    if inspect.isasyncgen(result):
+        return StreamingResponse(result, media_type="text/event-stream")
+    task, gone = asyncio.ensure_future(result), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client went away (or the server is stopping): abort the work
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return JSONResponse(task.result())
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body was read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(err: ServingError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _validation_error(err: RequestValidationError) -> ServingError:
+    """400 naming the first bad field (``loc`` after ``"body"``) with pydantic's message."""
+    first = err.errors()[0]
+    loc = [str(part) for part in first.get("loc", ())[1:]]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ServingError(400, f"body: expected JSON ({first.get('ctx', {}).get('error', 'invalid')})")
+    if not loc:
+        return ServingError(400, f"body: expected a JSON object, got {first.get('input')!r:.80}")
+    field = loc[0]
+    if kind == "extra_forbidden":
+        return ServingError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=field)
+    shown = ".".join(loc)
+    return ServingError(400, f"{shown}: {first.get('msg', 'invalid')}, got {first.get('input')!r:.80}", param=field)
+
+
+class _LimitBody:
+    """ASGI middleware: a request body over ``limit`` bytes (declared or streamed) is refused with 413."""
+
+    def __init__(self, app: FastAPI, limit: int):
+        self.app, self.limit = app, limit
+
+    def __getattr__(self, name):  # app.state, app.routes ... for whoever holds the application
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", ())).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await _error(ServingError(413, f"body: at most {self.limit} bytes are accepted, "
+                                                  f"Content-Length says {int(declared)}"))(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI passes an HTTPException through as it is
+                raise HTTPException(413, f"body: at most {self.limit} bytes are accepted")
+            return message
+
+        return await self.app(scope, counted, send)

@@ -1,0 +1,133 @@
+"""``GET /metrics``: the server's Prometheus metrics, named as vLLM names them.
+
+Every name is vLLM's (``vllm:num_requests_running`` ...) under the namespace ``pagedpack`` by
+default (``pagedpack:num_requests_running``); ``--metrics-namespace vllm`` gives vLLM's names
+exactly, for dashboards written for vLLM. Each metric has the label ``model_name``.
+
+- gauges read at scrape time: ``num_requests_running``, ``num_requests_waiting`` (queued or in
+  the scheduler's waiting queue, preempted ones too), ``kv_cache_usage_perc`` (KV blocks held by
+  requests / all blocks, 0..1; cached blocks nobody holds count as free, as vLLM counts them);
+- counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
+  as their outputs arrive), ``request_success_total{finished_reason}`` (per completion), and read from the
+  engine's own counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
+  looked up / found at admission), ``num_preemptions_total``;
+- histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
+  ``inter_token_latency_seconds`` (between two outputs of a request: one per step),
+  ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagedpack.runtime.engine_loop import EngineLoop
+
+# vLLM's buckets
+_TTFT_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+           80.0, 160.0, 640.0, 2560.0)
+_ITL_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+          960.0, 1920.0, 7680.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineCollector:
+    """What the engine knows, read when Prometheus scrapes (never stale, nothing to keep in step)."""
+
+    def __init__(self, loop: EngineLoop, namespace: str, model_name: str):
+        self.loop, self.namespace, self.model_name = loop, namespace, model_name
+
+    def collect(self):
+        engine = self.loop.engine
+        stats = engine.get_stats()
+        name = f"{self.namespace}:"
+        gauges = (("num_requests_running", "Requests in the running batch.", len(engine.scheduler.running)),
+                  ("num_requests_waiting", "Requests waiting to be scheduled.", self.loop.num_waiting),
+                  ("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).",
+                   stats.kv_blocks_used / max(1, stats.kv_blocks_total)))
+        for metric, doc, value in gauges:
+            family = GaugeMetricFamily(name + metric, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     stats.prefix_cache_queries),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+                    ("num_preemptions", "Requests preempted (their KV freed, recomputed later).",
+                     stats.num_preemptions))
+        for metric, doc, value in counters:
+            family = CounterMetricFamily(name + metric, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class ServerMetrics:
+    """The registry of one server; :meth:`request` gives the per-request observer."""
+
+    def __init__(self, loop: EngineLoop, *, model_name: str, namespace: str = "pagedpack"):
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        registry.register(_EngineCollector(loop, namespace, model_name))
+        label, ns = ["model_name"], f"{namespace}:"
+        self.prompt_tokens = Counter(ns + "prompt_tokens", "Prompt tokens of requests served.", label,
+                                     registry=registry).labels(model_name)
+        self.generation_tokens = Counter(ns + "generation_tokens", "Tokens generated.", label,
+                                         registry=registry).labels(model_name)
+        self._success = Counter(ns + "request_success", "Completions finished (n per request), by finish reason.",
+                                [*label, "finished_reason"], registry=registry)
+        self.ttft = Histogram(ns + "time_to_first_token_seconds", "Time to first token.", label, buckets=_TTFT_S,
+                              registry=registry).labels(model_name)
+        self.itl = Histogram(ns + "inter_token_latency_seconds", "Time between two outputs of a request.", label,
+                             buckets=_ITL_S, registry=registry).labels(model_name)
+        self.e2e = Histogram(ns + "e2e_request_latency_seconds", "Arrival to last token.", label, buckets=_E2E_S,
+                             registry=registry).labels(model_name)
+        self.request_prompt_tokens = Histogram(ns + "request_prompt_tokens", "Prompt tokens per request.", label,
+                                               buckets=_TOKENS, registry=registry).labels(model_name)
+        self.request_generation_tokens = Histogram(ns + "request_generation_tokens", "Tokens generated per request.",
+                                                   label, buckets=_TOKENS, registry=registry).labels(model_name)
+        self.model_name = model_name
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def request(self, num_completions: int) -> "RequestTimer":
+        return RequestTimer(self, num_completions)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one engine request's outputs as the server receives them (arrival: when made)."""
+
+    def __init__(self, metrics: ServerMetrics, num_completions: int):
+        self.metrics, self.arrival, self.last = metrics, time.perf_counter(), None
+        self.num_generated, self.num_unfinished = 0, num_completions
+
+    def observe(self, delta) -> None:
+        """Take one :class:`~pagedpack.runtime.outputs.RequestOutput` delta."""
+        m, now = self.metrics, time.perf_counter()
+        new = sum(len(c.token_ids) for c in delta.outputs)
+        if new:
+            if self.last is None:
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(len(delta.prompt_token_ids))
+                m.request_prompt_tokens.observe(len(delta.prompt_token_ids))
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+            self.num_generated += new
+            m.generation_tokens.inc(new)
+        for completion in delta.outputs:  # each completion finishes in exactly one delta
+            if completion.finish_reason is not None:
+                m.success(completion.finish_reason)
+                self.num_unfinished -= 1
+        if delta.finished:
+            m.e2e.observe(now - self.arrival)
+            m.request_generation_tokens.observe(self.num_generated)
+
+    def close(self) -> None:
+        """The server stopped reading (the client left): what did not finish was aborted."""
+        for _ in range(self.num_unfinished):
+            self.metrics.success("abort")
+        self.num_unfinished = 0

@@ -1,0 +1,351 @@
+"""The OpenAI endpoints' work: a request body in, the engine's deltas out as OpenAI responses
+(``text_completion`` / ``chat.completion`` objects, or server-sent events of their chunks).
+
+Every prompt is tokenized and checked (and every request added to the engine) before the first
+byte goes out, so a bad request gets its 400 and never a half-sent stream. Each engine request's
+id is ``<response id>-<prompt index>``; whatever ends a response (finished, client gone, error)
+aborts the engine requests still live, freeing their KV blocks before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedpack.async_llm import AsyncLLM
+from pagedpack.chat import render
+from pagedpack.inputs import Prompt
+from pagedpack.runtime.engine import RequestRejected
+from pagedpack.runtime.engine_loop import EngineDeadError
+from pagedpack.runtime.outputs import CompletionOutput, RequestOutput, merge
+from pagedpack.serve.metrics import ServerMetrics
+from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class ServingError(Exception):
+    """An error to answer with: HTTP ``status``, OpenAI's error ``type``, the ``param`` it is about."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.headers = status, param, headers
+
+    @property
+    def type(self) -> str:
+        named = {401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+        return named.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
+
+    @classmethod
+    def bad_request(cls, err: ValueError) -> "ServingError":
+        """A 400 from a ``ValueError`` whose message starts with the field's name (``"top_p: ..."``)."""
+        message = str(err)
+        field = message.split(":", 1)[0] if ":" in message else None
+        return cls(400, message, param=field if field and field.isidentifier() else None)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """What the endpoints need besides the engine: the name clients use, the chat template
+    (None: the tokenizer's), whether a request may bring its own template, and how many requests
+    may wait for their first step before new ones are refused (503)."""
+
+    model_name: str
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    max_queue: int = 1024
+
+
+class OpenAIServing:
+    """``completions(body)`` / ``chat(body)`` -> a response body (dict) or an async iterator of
+    server-sent events (str), for one :class:`~pagedpack.async_llm.AsyncLLM`."""
+
+    def __init__(self, engine: AsyncLLM, config: ServingConfig, metrics: ServerMetrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.llm = engine.llm
+        self.max_model_len = self.llm.max_model_len
+
+    # -- the two endpoints ---------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        _checked(body.check_unsupported)
+        prompts = [self._prompt(p, body.cache_salt) for p in _checked(body.prompts)]
+        return self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
+
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        _checked(body.check_unsupported)
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise ServingError(400, "chat_template: a template in the request is refused (the server was not "
+                                    "started with --trust-request-chat-template)", param="chat_template")
+        kwargs = body.chat_template_kwargs or {}
+        taken = set(kwargs) & _APPLY_CHAT_TEMPLATE_ARGS
+        if taken:
+            raise ServingError(400, f"chat_template_kwargs: {sorted(taken)} are arguments of apply_chat_template, "
+                                    "not template variables", param="chat_template_kwargs")
+        _, prompt = _checked(lambda: render(
+            self.llm.tokenizer, [m.as_dict() for m in body.messages],
+            chat_template=body.chat_template or self.config.chat_template,
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template_kwargs=kwargs))
+        prompt.cache_salt = body.cache_salt
+        return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
+                             chat=True)
+
+    # -- shared ---------------------------------------------------------------------------------
+    def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool):
+        max_tokens = body.requested_max_tokens if chat else body.max_tokens
+        params = [self._params(body, prompt, max_tokens, logprobs) for prompt in prompts]
+        waiting = self.engine.llm._loop.num_waiting
+        if waiting + len(prompts) > self.config.max_queue:
+            raise ServingError(503, f"the server is busy: {waiting} requests wait to be scheduled (--max-queue "
+                                    f"{self.config.max_queue}); retry later", headers={"Retry-After": "1"})
+        ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        timers = [self.metrics.request(p.n) for p in params]  # arrival: now
+        streams = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                streams.append(self.engine.add_request(prompt, p, request_id))
+        except BaseException as err:
+            self._abort(ids)
+            if isinstance(err, RequestRejected):  # a prompt that can never run (too long, ids outside the vocabulary)
+                raise ServingError(400, str(err), param="messages" if chat else "prompt") from err
+            if isinstance(err, ValueError):
+                raise ServingError.bad_request(err) from err
+            if isinstance(err, EngineDeadError):
+                raise ServingError(503, str(err)) from err
+            raise
+        response = _Response(response_id, self.config.model_name, body.n, chat, logprobs,
+                             body.return_tokens_as_token_ids)
+        deltas = _observed(_merged(streams), timers)
+        if body.stream:
+            return self._events(response, deltas, ids, body)
+        return self._whole(response, deltas, ids, len(prompts))
+
+    def _params(self, body, prompt: Prompt, max_tokens: int | None, logprobs: int | None):
+        num_prompt = len(prompt.content)
+        if max_tokens is None:  # as vLLM: whatever the context leaves
+            max_tokens = max(1, self.max_model_len - num_prompt)
+        elif isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt <= self.max_model_len < \
+                num_prompt + max_tokens:  # (a prompt too long alone is refused naming the prompt)
+            name = "max_tokens" if not isinstance(body, ChatCompletionRequest) or body.max_tokens is not None \
+                else "max_completion_tokens"
+            raise ServingError(400, f"{name}: this model's maximum context length is {self.max_model_len} tokens; "
+                                    f"the prompt has {num_prompt} and {max_tokens} more were requested",
+                               param=name)
+        return _checked(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs))
+
+    def _prompt(self, prompt: str | list[int], cache_salt: str | None) -> Prompt:
+        """Token ids, so the prompt's length is known before it is added (text tokenized here)."""
+        engine, tokenizer = self.llm.llm_engine, self.llm.tokenizer
+        if isinstance(prompt, str) and tokenizer is not None:
+            with engine.tokenizer_lock:
+                prompt = tokenizer(prompt).input_ids
+        return Prompt(prompt, cache_salt)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ServingError(404, f"The model `{model}` does not exist (this server serves "
+                                    f"`{self.config.model_name}`).", param="model")
+
+    def _abort(self, ids: list[str]) -> None:
+        for request_id in ids:  # nothing for a finished one
+            self.engine.abort(request_id)
+
+    async def _whole(self, response: "_Response", deltas, ids: list[str], num_prompts: int) -> dict:
+        whole: list[RequestOutput | None] = [None] * num_prompts
+        try:
+            async for i, delta in deltas:
+                whole[i] = merge(whole[i], delta)
+        finally:
+            await deltas.aclose()
+            self._abort(ids)
+        if any(o.error for o in whole):
+            raise ServingError(500, "; ".join(o.error for o in whole if o.error))
+        return response.whole(whole)
+
+    async def _events(self, response: "_Response", deltas, ids: list[str], body) -> AsyncIterator[str]:
+        prompt_tokens = completion_tokens = 0
+        try:
+            async for i, delta in deltas:
+                if response.first(i):
+                    prompt_tokens += len(delta.prompt_token_ids)
+                if delta.error:
+                    raise ServingError(500, delta.error)
+                for completion in delta.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    if not (completion.text or completion.finished or (completion.token_ids and response.logprobs
+                                                                        is not None)):
+                        continue  # nothing to show yet (text held back, a partial character)
+                    chunk = response.chunk(i, completion)
+                    if body.continuous_usage:
+                        chunk["usage"] = _usage(prompt_tokens, completion_tokens)
+                    yield _event(chunk)
+            if body.include_usage:
+                yield _event({**response.header(chunk=True), "choices": [],
+                              "usage": _usage(prompt_tokens, completion_tokens)})
+        except Exception as err:  # noqa: BLE001 -- the engine failed mid-stream: say so, then end the stream
+            yield _event(ServingError(500, str(err)).body())
+        finally:
+            await deltas.aclose()
+            self._abort(ids)
+        yield "data: [DONE]\n\n"
+
+
+_APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+async def _observed(deltas, timers: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``deltas`` passed on, each seen by its prompt's metrics timer."""
+    try:
+        async with contextlib.aclosing(deltas):
+            async for i, delta in deltas:
+                timers[i].observe(delta)
+                yield i, delta
+    finally:
+        for timer in timers:
+            timer.close()
+
+
+def _checked(make):
+    """``make()``, a ``ValueError`` from it answered with 400 naming the field."""
+    try:
+        return make()
+    except ValueError as err:
+        raise ServingError.bad_request(err) from err
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(prompt index, delta)`` from every stream as they come; closing this cancels the readers
+    (each stream's own ``finally`` then aborts its request)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for delta in stream:
+                yield 0, delta
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def read(i, stream):
+        try:
+            async for delta in stream:
+                arrived.put_nowait((i, delta))
+            arrived.put_nowait((i, None))
+        except Exception as err:  # noqa: BLE001 -- handed to the reader
+            arrived.put_nowait((i, err))
+
+    readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await arrived.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield i, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+
+
+class _Response:
+    """Builds one response's objects: OpenAI's completion or chat shapes, choice ``i * n + index``."""
+
+    def __init__(self, response_id: str, model: str, n: int, chat: bool, logprobs: int | None, token_ids: bool):
+        self.id, self.model, self.n, self.chat, self.logprobs = response_id, model, n, chat, logprobs
+        self.token_ids = token_ids  # name tokens by id in logprobs
+        self.created = int(time.time())
+        self._started: set = set()  # prompts and choices that sent something
+        self._offsets: dict[int, int] = {}  # completions' text offsets (completion logprobs)
+
+    def header(self, *, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def first(self, key) -> bool:
+        """True the first time ``key`` is seen."""
+        if key in self._started:
+            return False
+        self._started.add(key)
+        return True
+
+    def chunk(self, prompt_index: int, part: CompletionOutput) -> dict:
+        index = prompt_index * self.n + part.index
+        choice: dict = {"index": index, "logprobs": self._logprobs(index, part), "finish_reason": part.finish_reason}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": part.text} if self.first(("choice", index)) \
+                else {"content": part.text}
+        else:
+            choice["text"] = part.text
+        choice["stop_reason"] = part.stop_reason
+        return {**self.header(chunk=True), "choices": [choice]}
+
+    def whole(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for i, out in enumerate(outputs):
+            for part in sorted(out.outputs, key=lambda c: c.index):
+                index = i * self.n + part.index
+                choice: dict = {"index": index}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": part.text}
+                else:
+                    choice["text"] = part.text
+                choice.update(logprobs=self._logprobs(index, part), finish_reason=part.finish_reason,
+                              stop_reason=part.stop_reason)
+                choices.append(choice)
+        num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {**self.header(chunk=False), "choices": choices, "usage": _usage(num_prompt, num_out)}
+
+    def _logprobs(self, index: int, part: CompletionOutput) -> dict | None:
+        """OpenAI's logprobs of ``part``'s tokens: chat ``{"content": [...]}``; completions
+        ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``. A token is its text
+        (``"token_id:<id>"`` with vLLM's ``return_tokens_as_token_ids``: texts of different tokens
+        can be equal, e.g. each half of a character is ``"\ufffd"``)."""
+        if self.logprobs is None or part.logprobs is None:
+            return None
+        tokens = [((token, entry[token]), sorted(((t, lp) for t, lp in entry.items() if lp.rank <= self.logprobs),
+                                                 key=lambda item: item[1].rank))
+                  for token, entry in zip(part.token_ids, part.logprobs)]
+        name = self._token_name
+        if self.chat:
+            return {"content": [{**_token(name(*sampled), sampled[1]), "top_logprobs": [_token(name(*t), t[1])
+                                                                                        for t in top]}
+                                for sampled, top in tokens]}
+        offsets, at = [], self._offsets.get(index, 0)
+        for (_, sampled), _ in tokens:
+            offsets.append(at)
+            at += len(sampled.decoded_token or "")
+        self._offsets[index] = at
+        top_logprobs = []
+        for _, top in tokens:
+            ranked: dict = {}
+            for t in top:  # a name two tokens share keeps the more likely one
+                ranked.setdefault(name(*t), t[1].logprob)
+            top_logprobs.append(ranked)
+        return {"tokens": [name(*s) for s, _ in tokens], "token_logprobs": [s[1].logprob for s, _ in tokens],
+                "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def _token_name(self, token_id: int, logprob) -> str:
+        return f"token_id:{token_id}" if self.token_ids else logprob.decoded_token or ""
+
+
+def _token(name: str, logprob) -> dict:
+    return {"token": name, "logprob": logprob.logprob, "bytes": list((logprob.decoded_token or "").encode())}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"

@@ -1,0 +1,178 @@
+"""The OpenAI request bodies ``pagedpack serve`` takes (pydantic models) and what they become.
+
+Field names, types and defaults are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
+vLLM's extra sampling parameters in the body (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``cache_salt``; chat: ``chat_template``, ``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message``). A field the API does not have is refused
+(OpenAI's "Unrecognized request argument"), so a misspelt parameter never passes silently; the
+values themselves are checked by :class:`~pagedpack.runtime.sampling.SamplingParams`, whose
+``ValueError`` names the field (vLLM's names are the API's).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from pagedpack.runtime.sampling import MAX_LOGPROBS, SamplingParams
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+Stop = StrictStr | list[StrictStr] | None
+
+
+class _Body(BaseModel):
+    # extra fields are refused; strict types: "1" is no int and 1 no bool, as OpenAI's API answers
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk
+
+
+class _SamplingBody(_Body):
+    """What both endpoints share: the sampling parameters (OpenAI's, then vLLM's extras)."""
+
+    model: StrictStr | None = None  # None: the served model
+    n: StrictInt = 1
+    temperature: float | None = None  # None: 1.0, OpenAI's default
+    top_p: float | None = None
+    stop: Stop = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[StrictStr, float] | None = None
+    seed: StrictInt | None = None
+    user: StrictStr | None = None  # accepted and ignored, as vLLM does
+    # vLLM's extra parameters
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: TokenIds | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    cache_salt: StrictStr | None = None
+    return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(token): value for token, value in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias: expected token ids (as strings of digits) for keys, got "
+                                 f"{list(self.logit_bias)[:5]}") from None
+        given = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "stop_token_ids": self.stop_token_ids, "logit_bias": bias,
+        }
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(_SamplingBody):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either
+    (several prompts: choice ``i * n + j`` is completion ``j`` of prompt ``i``)."""
+
+    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
+    max_tokens: StrictInt | None = 16  # OpenAI's default; None: up to max_model_len
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt: expected a string, token ids or a non-empty list of either, got []")
+        return list(prompt)
+
+    def check_unsupported(self) -> None:
+        if self.echo:
+            raise ValueError("echo: not supported (the prompt is not returned with the completion); send false")
+        if self.suffix is not None:
+            raise ValueError("suffix: not supported (no fill-in-the-middle); leave it out")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """A message; fields beyond ``role``/``content``/``name`` (e.g. ``tool_calls``) reach the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # OpenAI's content parts: the text parts joined
+            message["content"] = "".join(part.text for part in self.content)
+        return message
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]  # json_object / json_schema (guided decoding) are not supported
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat extras
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported; leave tools out")
+        if self.echo:
+            raise ValueError("echo: not supported; send false")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_completion_tokens: differs from max_tokens; give one of them")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,80 @@
+"""``pagedpack serve``: one process, one engine loop, an OpenAI-compatible HTTP server.
+
+The main thread builds the model and then drives the engine for good
+(:meth:`~pagedpack.runtime.engine_loop.EngineLoop.serve_forever`); uvicorn serves HTTP from a
+second thread with its own event loop. Stepping in the thread that built the model keeps one
+OpenMP worker pool in the process (a second thread's pool made every step much slower:
+:mod:`pagedpack.runtime.engine_loop`). SIGINT / SIGTERM stop uvicorn gracefully (in-flight
+requests get ``graceful_s`` to finish, the engine steps for them meanwhile), then the engine.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from pagedpack.async_llm import AsyncLLM
+from pagedpack.llm import LLM
+from pagedpack.serve.app import build_app
+from pagedpack.serve.metrics import ServerMetrics
+from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
+
+log = logging.getLogger("pagedpack.serve")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where to listen and who may call: ``host``, ``port``, ``api_key`` (None: anyone),
+    ``metrics_namespace`` (``pagedpack``; ``vllm`` for vLLM's exact metric names),
+    ``graceful_s`` (how long in-flight requests may finish once asked to stop)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    metrics_namespace: str = "pagedpack"
+    graceful_s: float = 5.0
+    log_level: str = "info"
+
+
+def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
+    """Serve ``llm`` until SIGINT / SIGTERM; call it in the main thread (the one that built
+    ``llm``). Returns the exit status: 0 after a clean stop, 1 if the server could not start
+    (e.g. the port is taken) or the engine loop died (the HTTP front then stays up, answering
+    503, until stopped)."""
+    metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=options.metrics_namespace)
+    app = build_app(OpenAIServing(AsyncLLM.from_llm(llm), config, metrics), api_key=options.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                                           timeout_graceful_shutdown=options.graceful_s, access_log=False))
+    stopped = threading.Event()
+
+    def run_http():
+        try:
+            server.run()
+        except SystemExit:  # uvicorn exits when it cannot bind; it logged why
+            pass
+        finally:
+            stopped.set()
+
+    def ask_to_stop(signum, _frame):
+        log.info("%s: stopping (in-flight requests get %.0f s)", signal.Signals(signum).name, options.graceful_s)
+        server.should_exit = True
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, ask_to_stop)
+    http = threading.Thread(target=run_http, name="pagedpack-http", daemon=True)
+    http.start()
+    try:
+        llm._loop.serve_forever(stopped)
+    except Exception:  # noqa: BLE001 -- the HTTP front stays up: /health says 503 (for a supervisor), requests 503
+        log.exception("the engine loop died; /health answers 503 until the server is stopped")
+        http.join()
+        return 1
+    http.join()
+    if not server.started:
+        print(f"pagedpack: error: could not serve on {options.host}:{options.port} (see above)", file=sys.stderr)
+        return 1
+    return 0

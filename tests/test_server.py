@@ -1,0 +1,315 @@
+"""``pagedpack serve`` as a client sees it: a live server in a child process (the built-in tiny
+model, exported to a ``.pt2`` and served from that file), talked to with the official ``openai``
+client and raw HTTP. References: the unmodified model's greedy ``generate`` on each prompt alone,
+decoded by the tokenizer; for seeded sampling, the same request served alone."""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedpack import LLM
+from pagedpack.models.tiny import default_model
+
+from conftest import RemoteServer, hf_greedy, random_prompts
+
+KEY = "test-key"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<assistant>{% endif %}"
+MAX_QUEUE = 300
+PROMPTS = random_prompts((3, 17, 40, 5, 29, 64, 11, 2), seed=5)
+TEXTS = ["Hello", "naïve café ✓", "日本語", "The capital of France is", "def f(x):", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return default_model()[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    """``reference(prompt ids, max_tokens)``: the text of the unmodified model's greedy tokens."""
+    model = default_model()[0]
+    cache = {}
+
+    def text(prompt: list[int], max_tokens: int) -> str:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = tokenizer.decode(hf_greedy(model, prompt, max_tokens), skip_special_tokens=True)
+        return cache[key]
+
+    return text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    exported = LLM("tiny", num_blocks=1, keep_source_model=True).export(folder / "tiny.pt2")
+    (folder / "chat.jinja").write_text(TEMPLATE)
+    with RemoteServer(exported, "--served-model-name", "tiny", "--api-key", KEY, "--chat-template",
+                      str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
+                      log_path=folder / "server.log") as remote:
+        yield remote
+    assert "Traceback" not in remote.log, remote.log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _chat_ids(tokenizer, content: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=TEMPLATE,
+                                         tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _metrics(server) -> dict[str, float]:
+    """Every sample of ``/metrics`` by ``name{labels}`` (labels but model_name, sorted)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def _idle(server, timeout_s: float = 20.0) -> dict[str, float]:
+    """The metrics once nothing runs, waits or holds KV blocks (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = _metrics(server)
+        busy = [m["pagedpack:num_requests_running{}"], m["pagedpack:num_requests_waiting{}"],
+                m["pagedpack:kv_cache_usage_perc{}"]]
+        if not any(busy):
+            return m
+        assert time.monotonic() < deadline, f"running, waiting, KV usage still {busy}"
+        time.sleep(0.1)
+
+
+def test_completions_equal_the_unmodified_model_s_greedy_tokens(client, reference, tokenizer):
+    for prompt in PROMPTS[:4]:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == reference(prompt, 12)
+        assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens <= 12
+    text = TEXTS[1]
+    out = client.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0)
+    assert out.choices[0].text == reference(tokenizer(text).input_ids, 8)
+
+
+def test_streamed_chunks_add_up_to_the_whole_completion_with_one_finish_reason(client):
+    for prompt, kwargs in [(TEXTS[0], {"temperature": 0}), (PROMPTS[5], {"n": 2, "temperature": 0.8, "seed": 3}),
+                           (TEXTS[2], {"stop": ["a"], "temperature": 0.9, "seed": 1})]:
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, **kwargs)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=16, stream=True,
+                                                stream_options={"include_usage": True}, **kwargs))
+        *parts, last = chunks
+        assert last.choices == [] and last.usage == whole.usage
+        for choice in whole.choices:
+            mine = [c.choices[0] for c in parts if c.choices[0].index == choice.index]
+            assert "".join(c.text for c in mine) == choice.text
+            assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+            assert mine[-1].finish_reason is not None
+        assert all(c.usage is None for c in parts)
+
+
+def test_chat_completions_with_the_chat_template_streamed_and_whole(client, reference, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    ids = _chat_ids(tokenizer, messages[0]["content"])
+    assert whole.choices[0].message.content == reference(ids, 10)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [
+        whole.choices[0].finish_reason]
+
+
+def test_logprobs_in_both_api_shapes(client, tokenizer):
+    out = client.completions.create(model="tiny", prompt=TEXTS[3], max_tokens=5, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert lp.text_offset[0] == 0  # a token's own text may be half a character: "\ufffd"
+    by_id = client.completions.create(model="tiny", prompt=TEXTS[3], max_tokens=5, temperature=0, logprobs=3,
+                                      extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert by_id.token_logprobs == lp.token_logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.tokens]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == out.choices[0].text
+    for token, logprob, top in zip(by_id.tokens, by_id.token_logprobs, by_id.top_logprobs):
+        assert len(top) == 3 and top[token] == logprob == max(top.values())  # greedy: the top token
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+
+
+def test_64_concurrent_streams_each_equal_the_request_served_alone(server, client, reference, tokenizer):
+    seeded = [dict(prompt=TEXTS[i % len(TEXTS)], max_tokens=10, temperature=0.9, seed=i) for i in range(8)]
+    alone = [client.completions.create(model="tiny", **kw).choices[0].text for kw in seeded]
+    greedy = [dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=4 + i % 9, temperature=0) for i in range(56)]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    async def streamed(kwargs):
+        text = ""
+        async for chunk in await aclient.completions.create(model="tiny", stream=True, **kwargs):
+            text += chunk.choices[0].text
+        return text
+
+    async def everyone():
+        async with aclient:
+            return await asyncio.wait_for(asyncio.gather(*(streamed(kw) for kw in greedy + seeded)), 240)
+
+    texts = asyncio.run(everyone())
+    assert texts[:56] == [reference(kw["prompt"], kw["max_tokens"]) for kw in greedy]
+    assert texts[56:] == alone
+
+
+def test_token_counters_are_exact_after_a_known_workload(server, client):
+    before = _idle(server)
+    prompts = PROMPTS[2:5]
+    for prompt in prompts:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    list(client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=5, stream=True, temperature=0,
+                                   extra_body={"ignore_eos": True}))
+    after = _idle(server)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["pagedpack:prompt_tokens_total{}"] == sum(map(len, prompts)) + len(PROMPTS[6])
+    assert delta["pagedpack:generation_tokens_total{}"] == 3 * 7 + 5
+    assert delta["pagedpack:request_success_total{finished_reason=length}"] == 4
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta[f"pagedpack:{name}_count{{}}"] == 4
+    assert delta["pagedpack:inter_token_latency_seconds_count{}"] == 3 * 6 + 4
+    assert delta["pagedpack:prefix_cache_queries_total{}"] >= sum(map(len, prompts))
+
+
+def test_clients_that_leave_mid_stream_free_their_requests(server):
+    # 8 x 8 completions of 1000 tokens: more than the pool holds at once, so none can finish first
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "n": 8, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=30) as http:
+        streams = [http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers) for _ in range(8)]
+        lines = []  # each response's line iterator, held: a dropped one closes its response
+        for stream in streams:
+            response = stream.__enter__()
+            assert response.status_code == 200
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("data: ")
+        busy = _metrics(server)
+        assert busy["pagedpack:num_requests_running{}"] + busy["pagedpack:num_requests_waiting{}"] > 0
+        for stream in streams:
+            stream.__exit__(None, None, None)
+    m = _idle(server)
+    assert m["pagedpack:request_success_total{finished_reason=abort}"] == 64
+
+
+def test_200_requests_timed_out_by_their_clients_do_not_block_a_later_one(server, client, reference):
+    body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 900, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def impatient():
+        async with httpx.AsyncClient(timeout=0.5) as http:
+            async def one():
+                try:
+                    await http.post(f"{server.url}/v1/completions", json=body, headers=headers)
+                except httpx.TimeoutException:
+                    return True
+                return False
+
+            return await asyncio.gather(*(one() for _ in range(200)))
+
+    assert all(asyncio.run(impatient()))
+    start = time.monotonic()
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, timeout=60)
+    assert out.choices[0].text == reference(PROMPTS[0], 6)
+    assert time.monotonic() - start < 30
+    _idle(server)
+
+
+BAD_COMPLETIONS = [  # (body, param the error names)
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "min_tokens": 40}, "min_tokens"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [99999]}, "prompt"),
+    ({"prompt": [1] * 2000}, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+]
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"),
+                         [("completions", *case) for case in BAD_COMPLETIONS]
+                         + [("chat/completions", *case) for case in BAD_CHATS])
+def test_a_bad_request_gets_400_naming_the_field(server, route, body, param):
+    status = 404 if param == "model" else 400
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}/v1/{route}", json={**body, "stream": stream},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["code"] == status and param in error["message"], error
+
+
+def test_malformed_bodies_keys_methods_and_a_full_queue(server, client):
+    url, auth = f"{server.url}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    for data in (b'{"prompt": ', b"[1, 2]", b"\xff\xfe", b""):
+        r = httpx.post(url, content=data, headers={**auth, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body"), (data, r.text)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(url, json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert httpx.get(url, headers=auth).status_code == 405
+    r = httpx.post(url, content=b"0" * (33 * 2**20), headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(url, json={"prompt": [[1, 2]] * (MAX_QUEUE + 1), "max_tokens": 1}, headers=auth)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "max-queue" in r.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_models_version_and_metrics_names(server, client):
+    (model,) = client.models.list().data
+    assert model.id == "tiny" and model.owned_by == "pagedpack"
+    assert json.loads(httpx.get(f"{server.url}/version").text)["version"]
+    names = {name.split("{")[0] for name in _metrics(server)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
+                 "e2e_request_latency_seconds_count", "request_success_total"):
+        assert f"pagedpack:{name}" in names
