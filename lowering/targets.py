@@ -87,6 +87,9 @@ class LoweredStep:
     # the LLM may let the rewritten model and the source model go (their shared tensors aside)
     standalone: bool = False
     description: ModelDescription | None = None
+    # None: ``logits_indices`` may hold any rows (prompt_logprobs asks for more than one per sequence);
+    # else why the program takes exactly one per sequence (the error refusing prompt_logprobs says it)
+    one_logits_row_per_seq: str | None = None
 
     def __call__(self, *inputs: torch.Tensor):
         return self.run(*inputs)

@@ -5,10 +5,14 @@ the runtime all meet here and nowhere else. A *step program* runs one packed, pa
 
     program(input_ids [T] int64, positions [T] int64, cu_seqlens_q [B+1] int32,
             seq_lens [B] int32, block_table [B, max_blocks_per_seq] int32,
-            slot_mapping [T] int64, logits_indices [B] int64,
+            slot_mapping [T] int64, logits_indices [R] int64,
             key_cache_0, value_cache_0, ..., key_cache_{L-1}, value_cache_{L-1})
-        -> logits [B, vocab]                          (in-place programs: caches written in place)
-        -> (logits [B, vocab], *updated caches)       (functional programs, e.g. ONNX)
+        -> logits [R, vocab]                          (in-place programs: caches written in place)
+        -> (logits [R, vocab], *updated caches)       (functional programs, e.g. ONNX)
+
+``R`` logits rows: each sequence's last (``B``), then the prompt rows of the requests asking for
+``prompt_logprobs`` (:mod:`pagedpack.runtime.prompt_logprobs`); a program that takes ``R == B`` only
+says why in ``one_logits_row_per_seq`` (:class:`pagedpack.lowering.targets.LoweredStep`).
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms").
 """

@@ -6,12 +6,14 @@ The archive holds one ``ExportedProgram`` of the step graph (the signature of
 :mod:`pagedpack.contract`)::
 
     forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
-            block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [B],
+            block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [R],
             key_cache_0, value_cache_0, ...)            # [num_blocks, block_size, H_kv, D]
-        -> logits [B, vocab]
+        -> logits [R, vocab]
 
-dynamic in ``T``, ``B`` (``cu_seqlens_q`` is ``B + 1``), ``max_blocks_per_seq``,
-``num_blocks`` and ``block_size``: the block size is a runtime choice, not baked in.
+dynamic in ``T``, ``B`` (``cu_seqlens_q`` is ``B + 1``), ``R`` (the logits rows: ``B``, plus the
+prompt rows of requests asking for ``prompt_logprobs``), ``max_blocks_per_seq``, ``num_blocks``
+and ``block_size``: the block size is a runtime choice, not baked in. An archive written before
+``R`` had a dimension of its own takes ``R == B`` only (:func:`load_pt2` marks its program so).
 
 KV caches: the program is kept in export's default IR, where ``pagedpack::reshape_and_cache``
 stays an in-place call on the cache inputs (no functionalisation, so no per-step copy of the
@@ -219,6 +221,10 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
     step = step_from_metadata(None, extra[META_FILE], path, target="reference")
     check_program_signature(step, _pt2_signature(program), path)
+    if _logits_rows_tied(program):
+        step.one_logits_row_per_seq = (f"the reference target's .pt2 program {path!r} returns one logits row per "
+                                       "sequence (exported before logits_indices had a size of its own); export "
+                                       "it again to ask for prompt logprobs")
     program._guards_code = []  # module() would exec these strings from the file (pagedpack.pt2_check)
     step.run = program.module()
     return step
@@ -235,6 +241,14 @@ def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tup
     output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
     val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
     return inputs, static_shape(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _logits_rows_tied(program: torch.export.ExportedProgram) -> bool:
+    """Whether the program's ``logits_indices`` has the size of ``seq_lens`` (one symbol: its
+    guard refuses any other length)."""
+    sizes = {n.name: n.meta["val"].shape[0] for n in program.graph.nodes
+             if n.op == "placeholder" and n.name in ("seq_lens", "logits_indices") and "val" in n.meta}
+    return len(sizes) == 2 and str(sizes["seq_lens"]) == str(sizes["logits_indices"])
 
 
 def static_shape(sizes) -> tuple:
@@ -341,11 +355,14 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     blocks per sequence, number of blocks, block size; ``cu_seqlens_q`` is sequences + 1).
 
     Example sizes are >= 2 (export specialises 0 and 1) and the token, block and block-size
-    counts distinct; the dims' minimum is 1, so a step of one token of one sequence runs too.
+    counts distinct; the dims' minimum is 1, so a step of one token of one sequence runs too. The
+    example's ``R = 5`` logits rows (each sequence's last, and two more of the second) keep the
+    logits rows a size of their own.
     """
     device = next(rewritten.graph_module.parameters()).device
     block_size, num_blocks = 6, 11  # T=11 tokens of B=3 sequences, KV lengths 2, 14, 7 (blocks 1, 3, 2)
     batch = example_metadata([2, 5, 4], [0, 9, 3], block_size=block_size, num_blocks=num_blocks, device=device)
+    batch = batch._replace(logits_indices=torch.tensor([1, 6, 10, 2, 3], device=device))
     inputs = batch.as_inputs()
     args = [inputs[name] for name in METADATA_INPUTS]
     for spec in rewritten.kv_cache_specs:
@@ -353,9 +370,9 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
                  for shape in spec.cache_shapes(num_blocks, block_size)]
 
     dim = torch.export.Dim
-    t, b = dim("num_tokens", min=1), dim("num_seqs", min=1)
+    t, b, r = dim("num_tokens", min=1), dim("num_seqs", min=1), dim("num_logits_rows", min=1)
     m, n, bs = dim("max_blocks_per_seq", min=1), dim("num_blocks", min=1), dim("block_size", min=1)
-    dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: b}]
+    dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: r}]
     dynamic_shapes += [{0: n, 1: bs}] * (2 * len(rewritten.kv_cache_specs))
     return tuple(args), tuple(dynamic_shapes)
 

@@ -26,7 +26,9 @@ class StepMetadata(NamedTuple):
     block_table: int32 ``[B, max_blocks_per_seq]``, physical blocks of each sequence; the width
         is the most blocks any sequence of this step needs, shorter rows are padded.
     slot_mapping: int64 ``[T]``, cache slot each new token's K/V is written to.
-    logits_indices: int64 ``[B]``, the last row of each sequence (``cu_seqlens_q[1:] - 1``).
+    logits_indices: int64 ``[R]``, the rows whose logits the step returns: the last row of each
+        sequence (``cu_seqlens_q[1:] - 1``, what :func:`paged_metadata` gives: ``R = B``), then
+        any prompt rows asked for (``runtime.batch``, for prompt logprobs).
     """
 
     input_ids: torch.Tensor

@@ -1,8 +1,9 @@
 """Apply the LM head to the ``logits_indices`` rows only.
 
 The captured graph computes logits for all ``T`` tokens; a step needs one row per sequence
-(its last token). The gather goes in front of the LM head's ``linear`` when the path from it
-to the output is row-wise (casts, scaling, soft-capping), else at the output itself.
+(its last token), and the prompt rows of requests asking for prompt logprobs: ``R`` rows in all.
+The gather goes in front of the LM head's ``linear`` when the path from it to the output is
+row-wise (casts, scaling, soft-capping), else at the output itself.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ _ROW_WISE = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clon
 
 
 class GatherLogits(Pass):
-    """``gather_logits``: return the logits of the ``logits_indices`` rows only, ``[B, vocab]``.
+    """``gather_logits``: return the logits of the ``logits_indices`` rows only, ``[R, vocab]``.
 
     Counts: matched = rewritten = 1 (the graph output).
     """

@@ -17,7 +17,7 @@ from conftest import MIXED_PROMPT_LENS, run_cli
 
 DYNAMIC_AXES = {"input_ids": ["num_tokens"], "positions": ["num_tokens"], "cu_seqlens_q": ["num_seqs + 1"],
                 "seq_lens": ["num_seqs"], "block_table": ["num_seqs", "max_blocks_per_seq"],
-                "slot_mapping": ["num_tokens"], "logits_indices": ["num_seqs"]}
+                "slot_mapping": ["num_tokens"], "logits_indices": ["num_logits_rows"]}
 
 
 def dims(value_info) -> list:
@@ -59,7 +59,7 @@ def test_dynamic_axes_and_functional_caches(exported, llama):
     inputs, outputs = {i.name: i for i in model.graph.input}, {o.name: o for o in model.graph.output}
     for name, want in DYNAMIC_AXES.items():
         assert dims(inputs[name]) == want, name
-    assert dims(outputs["logits"]) == ["num_seqs", llama.vocab_size]
+    assert dims(outputs["logits"]) == ["num_logits_rows", llama.vocab_size]
     cache_dims = ["num_blocks", "block_size", spec.num_kv_heads, spec.key_head_size]
     writers = {out: n for n in model.graph.node for out in n.output}
     for i in range(len(llama.rewritten.kv_cache_specs)):

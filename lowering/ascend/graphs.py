@@ -7,12 +7,13 @@ cann-recipes-infer compiles decode with ``dynamic=False`` and runs prefill eager
 docs say that any dynamic dimension makes FIA compute its tiling on the host every step, which
 static graphs avoid. Here:
 
-- a step of decodes only (every sequence computes one token: ``T == B``) with ``B`` at most the
-  largest bucket runs the static graph of the smallest bucket ``>= B`` (compiled on first use,
-  then reused). The metadata is padded to the bucket by :func:`pad_decode`; the padding rows of
-  the logits are dropped;
-- every other step (prefill, chunked prefill, mixed, or a decode batch above the largest bucket)
-  runs the eager program: torch_npu's FIA with host length lists, as vllm-ascend's eager path.
+- a step of decodes only (every sequence computes one token: ``T == B``, one logits row each) with
+  ``B`` at most the largest bucket runs the static graph of the smallest bucket ``>= B``
+  (compiled on first use, then reused). The metadata is padded to the bucket by
+  :func:`pad_decode`; the padding rows of the logits are dropped;
+- every other step (prefill, chunked prefill, mixed, a decode batch above the largest bucket, or
+  one returning the prompt rows of ``prompt_logprobs``) runs the eager program: torch_npu's FIA
+  with host length lists, as vllm-ascend's eager path.
 
 ``"dynamic"`` compiles one graph whose metadata dimensions are dynamic and runs every step in it
 (:func:`pagedpack.lowering.ascend.torchair.compile_step`); no production stack ships this.
@@ -131,7 +132,8 @@ class DecodeBuckets:
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         metadata, caches = StepMetadata(*inputs[:len(METADATA_INPUTS)]), inputs[len(METADATA_INPUTS):]
-        bucket = self.bucket(metadata.num_tokens, metadata.num_seqs, metadata.block_table.shape[1])
+        bucket = self.bucket(metadata.num_tokens, metadata.num_seqs, metadata.block_table.shape[1]) \
+            if metadata.logits_indices.shape[0] == metadata.num_seqs else None
         if bucket is None:
             self.stats.eager_steps += 1
             return self.eager(*inputs)

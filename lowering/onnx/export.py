@@ -5,11 +5,12 @@ The model has the step signature of :mod:`pagedpack.export`, made functional::
 
     (input_ids [num_tokens] int64, positions [num_tokens] int64, cu_seqlens_q [num_seqs + 1] int32,
      seq_lens [num_seqs] int32, block_table [num_seqs, max_blocks_per_seq] int32,
-     slot_mapping [num_tokens] int64, logits_indices [num_seqs] int64,
+     slot_mapping [num_tokens] int64, logits_indices [num_logits_rows] int64,
      key_cache_0, value_cache_0, ...)                    # [num_blocks, block_size, H_kv, D]
-      -> (logits [num_seqs, vocab], key_cache_out_0, value_cache_out_0, ...)
+      -> (logits [num_logits_rows, vocab], key_cache_out_0, value_cache_out_0, ...)
 
-with those named dynamic axes. The attention lowering (:mod:`pagedpack.lowering.onnx.functions`) is either
+with those named dynamic axes (``num_logits_rows``: ``num_seqs``, plus any prompt rows for
+``prompt_logprobs``; onnxruntime takes any length for it, in a file named ``num_seqs`` there too). The attention lowering (:mod:`pagedpack.lowering.onnx.functions`) is either
 the ``pagedpack`` domain's functions, which onnxruntime runs on any provider, or
 ``com.microsoft.PagedAttention`` (onnxruntime's CUDA provider only). ``metadata_props["pagedpack.json"]``
 carries the same metadata as a ``.pt2`` archive, plus the attention lowering used.
