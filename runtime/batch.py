@@ -18,11 +18,15 @@ def build_batch(
     block_size: int,
     num_blocks: int,
     device: torch.device | str = "cpu",
+    extra_logits_rows: list[int] | None = None,
 ) -> StepMetadata:
     """Metadata for ``scheduled`` (in order): request ``r`` contributes the tokens
     ``all_token_ids[c : c + n]`` at positions ``c ..``, where ``c = num_computed_tokens`` and
     ``n = num_new_tokens``; its K/V go to slot ``block_ids[pos // block_size] * block_size +
     pos % block_size``.
+
+    ``logits_indices``: each sequence's last row, then ``extra_logits_rows`` (packed rows in
+    ``[0, T)``: the prompt rows of :func:`pagedpack.runtime.prompt_logprobs.prompt_rows`).
 
     Built on the CPU, checked with ``check_paged_metadata`` (``ValueError`` naming the bad
     field, e.g. ``block_table`` when a request's ``block_ids`` do not cover its tokens), then
@@ -47,4 +51,7 @@ def build_batch(
         block_size=block_size,
     )
     metadata.block_table.clamp_(min=0)
+    if extra_logits_rows:
+        extra = torch.tensor(extra_logits_rows, dtype=torch.int64)
+        metadata = metadata._replace(logits_indices=torch.cat([metadata.logits_indices, extra]))
     return metadata.to(device)

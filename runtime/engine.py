@@ -20,6 +20,7 @@ from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.output_processor import OutputProcessor
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
+from pagedpack.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplingParams
 from pagedpack.runtime.scheduler import Scheduler
@@ -134,6 +135,12 @@ class LLMEngine:
         if vocab is not None and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: expected token ids in [0, vocab_size={vocab}), got "
                              f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if vocab is not None and (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name}: expected at most vocab_size={vocab} tokens, got {getattr(params, name)}")
+        why = getattr(self.runner.program, "one_logits_row_per_seq", None)
+        if params.prompt_logprobs is not None and why:
+            raise ValueError(f"prompt_logprobs: {why}")
         try:
             if vocab is not None:
                 check_token_ids(request.prompt_token_ids, vocab)
@@ -183,9 +190,13 @@ class LLMEngine:
             return []
         if output.blocks_to_copy:
             self.runner.copy_blocks(output.blocks_to_copy)
-        batch = build_batch(output.scheduled, block_size=self.runner.block_size,
-                            num_blocks=self.runner.num_blocks, device=self.runner.device)
+        spans, prompt_logits_rows = prompt_rows(output.scheduled)
+        batch = build_batch(output.scheduled, block_size=self.runner.block_size, num_blocks=self.runner.num_blocks,
+                            device=self.runner.device, extra_logits_rows=prompt_logits_rows)
         logits = self.runner.execute(batch)
+        if spans:  # the prompt rows follow the B last rows
+            take_prompt_logprobs(logits[len(output.scheduled):], spans)
+            logits = logits[:len(output.scheduled)]
         rows, to_sample = [], []
         for i, s in enumerate(output.scheduled):
             rows += [i] * len(s.sample_requests)

@@ -46,7 +46,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepMetadata) -> torch.Tensor:
-        """Run one step; returns ``logits [B, vocab]`` (one row per sequence: its last token)."""
+        """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
+        sequence, its last token, then any prompt rows)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
         with checked_step():
             out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)

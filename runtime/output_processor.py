@@ -12,6 +12,10 @@ start after the last search, so one that straddles two tokens or two deltas is f
 cut before the string (after it with ``include_stop_str_in_output``) and ``stop_reason`` is the
 string. While a request runs, the last ``len(longest stop string) - 1`` characters are held
 back, so a streamed delta never shows part of a stop string that the next token completes.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``) go out once per request, in its first delta
+after the last prompt row was computed (the step sampling its first tokens); an abort before that
+hands out none.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     completions: dict[str, _Completion] = field(default_factory=dict)  # by the scheduler's request id
+    prompt_source: Request | None = None  # the request taking prompt logprobs, until they are handed out
 
 
 class OutputProcessor:
@@ -60,7 +65,8 @@ class OutputProcessor:
         params = request.sampling_params
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: stop strings need a tokenizer and the model has none, got {params.stop!r}")
-        state = _RequestState(request_id, prompt, request.prompt_token_ids)
+        state = _RequestState(request_id, prompt, request.prompt_token_ids,
+                              prompt_source=request if params.prompt_logprobs is not None else None)
         for index, child in enumerate([request, *request.forks]):
             detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, lock=self.tokenizer_lock)
@@ -146,7 +152,7 @@ class OutputProcessor:
                                 completion.stop_reason, logprobs, completion.cumulative_logprob)
 
     def _logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:
-        """``{token id: Logprob}`` of one generated token: the top-k and the sampled one."""
+        """``{token id: Logprob}`` of one generated (or prompt) token: the top-k and that token."""
         logprob, rank, top = entry
         ranked = {t: Logprob(lp, r) for r, (t, lp) in enumerate(top, start=1)}
         ranked.setdefault(token, Logprob(logprob, rank))
@@ -155,6 +161,15 @@ class OutputProcessor:
         with self.tokenizer_lock:
             return {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t])) for t, lp in ranked.items()}
 
+    def _prompt_logprobs(self, state: _RequestState) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs once all are computed and not yet handed out, else None."""
+        source = state.prompt_source
+        if source is None or len(source.prompt_logprobs) < source.num_prompt_tokens - 1:
+            return None
+        state.prompt_source = None
+        return [None, *(self._logprobs(token, entry)
+                        for token, entry in zip(source.prompt_token_ids[1:], source.prompt_logprobs))]
+
     def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None) -> RequestOutput:
         finished = all(c.finished for c in state.completions.values())
         if finished:
@@ -162,7 +177,7 @@ class OutputProcessor:
             for child in state.completions:
                 self._by_child.pop(child, None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, deltas, error=error,
-                             finished=finished)
+                             finished=finished, prompt_logprobs=self._prompt_logprobs(state))
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

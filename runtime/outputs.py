@@ -44,7 +44,10 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The output of one prompt (or its delta). ``error`` is set (and ``outputs[0]`` empty) if it
-    failed; ``finished``: every completion has finished."""
+    failed; ``finished``: every completion has finished. With ``SamplingParams.prompt_logprobs``:
+    ``prompt_logprobs``, None for the first prompt token, then one ``{token id: Logprob}`` per prompt
+    token (the token itself and the top ``prompt_logprobs``); in the first delta that has them all
+    (the one with the first output tokens), None in the others."""
 
     request_id: str
     prompt: str | None
@@ -52,6 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None
     finished: bool = True
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -72,5 +76,7 @@ def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         completion.finish_reason, completion.stop_reason = part.finish_reason, part.stop_reason
     whole.outputs.sort(key=lambda c: c.index)
     whole.error = whole.error or delta.error
+    if delta.prompt_logprobs is not None:
+        whole.prompt_logprobs = delta.prompt_logprobs
     whole.finished = delta.finished
     return whole

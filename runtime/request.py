@@ -83,6 +83,8 @@ class Request:
         self.forks: list[Request] = []
         # per output token, with SamplingParams.logprobs: (logprob, rank, [(token id, logprob), ...])
         self.output_logprobs: list[tuple] = []
+        # with SamplingParams.prompt_logprobs, the same for prompt tokens 1, 2, ... as their rows are computed
+        self.prompt_logprobs: list[tuple] = []
 
     def __repr__(self) -> str:
         return (
@@ -146,7 +148,7 @@ def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
     """The request of one prompt: it stops on the first of ``eos_token_ids`` (the others join its
     ``stop_token_ids`` unless ``ignore_eos``); with ``params.n > 1`` it is the first of the ``n``
     completions (id ``"0_<request_id>"``, as vLLM's child requests) and carries the others as its
-    ``forks``, seeded ``seed + i``."""
+    ``forks``, seeded ``seed + i``; only the first computes ``prompt_logprobs`` (once per request)."""
     eos = eos_token_ids[0] if eos_token_ids else None
     if len(eos_token_ids) > 1 and not params.ignore_eos:
         params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_token_ids[1:]])
@@ -154,7 +156,8 @@ def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
         return Request(request_id, prompt_token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
     first, *forks = [
         Request(f"{i}_{request_id}", prompt_token_ids, dataclasses.replace(
-            params, n=1, seed=None if params.seed is None else params.seed + i),
+            params, n=1, seed=None if params.seed is None else params.seed + i,
+            prompt_logprobs=params.prompt_logprobs if i == 0 else None),
             eos_token_id=eos, cache_salt=cache_salt)
         for i in range(params.n)]
     first.forks = forks

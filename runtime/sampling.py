@@ -63,6 +63,9 @@ class SamplingParams:
     logprobs: None, or the number ``0 .. 20`` of most likely tokens whose log-probability is
         returned with each generated token (plus the sampled token's own), from the model's
         logits before any penalty, bias or temperature (vLLM's default ``raw_logprobs``).
+    prompt_logprobs: None, or the number ``0 .. 20`` of most likely tokens returned with each
+        prompt token's own log-probability given the tokens before it (the first token has None),
+        once per request in ``RequestOutput.prompt_logprobs`` (:mod:`pagedpack.runtime.prompt_logprobs`).
 
     Penalties, bias and ``min_tokens`` apply to greedy requests too; then temperature, ``min_p``,
     top-k and top-p, in vLLM's order.
@@ -88,6 +91,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -129,8 +133,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias: expected a dict of token ids >= 0 to biases in [-100, 100], "
                              f"got {self.logit_bias!r:.120}")
         self.logit_bias = dict(bias)
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: expected None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name}: expected None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
