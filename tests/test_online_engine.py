@@ -58,17 +58,22 @@ def _drive(engine, arrivals: dict[int, list[int]], aborts: dict[int, list[int]],
     return whole
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(arrival=st.lists(st.integers(0, 12), min_size=len(PROMPTS), max_size=len(PROMPTS)),
-       aborted=st.dictionaries(st.integers(0, len(PROMPTS) - 1), st.integers(0, 14), max_size=3))
-def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
+# Random arrival steps for every prompt, and up to three of them aborted at a random step.
+_SCHEDULES = dict(arrival=st.lists(st.integers(0, 12), min_size=len(PROMPTS), max_size=len(PROMPTS)),
+                  aborted=st.dictionaries(st.integers(0, len(PROMPTS) - 1), st.integers(0, 14), max_size=3))
+
+
+def _assert_each_as_alone(llm, arrival: list[int], aborted: dict[int, int], params, alone: list[list[int]]) -> None:
+    """Drive ``llm``'s engine with prompt ``i`` arriving before step ``arrival[i]`` (``params(i)``)
+    and aborted before step ``aborted[i]``: each finished request's tokens are ``alone[i]``, an
+    aborted one's a prefix of them, and no KV block is held once all are done."""
     arrivals, aborts = {}, {}
     for i, step in enumerate(arrival):
         arrivals.setdefault(step, []).append(i)
     for i, step in aborted.items():
         aborts.setdefault(step, []).append(i)
-    whole = _drive(llm.llm_engine, arrivals, aborts, lambda i: GREEDY)
-    for i, expected in enumerate(solo):
+    whole = _drive(llm.llm_engine, arrivals, aborts, params)
+    for i, expected in enumerate(alone):
         completion = whole[i].outputs[0]
         assert whole[i].finished
         if completion.finish_reason == "abort":
@@ -77,6 +82,33 @@ def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, abor
             assert completion.token_ids == expected, f"prompt {i}"
     stats = llm.get_stats()
     assert stats.kv_blocks_used == 0 and not llm.llm_engine.has_unfinished()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_SCHEDULES)
+def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
+    _assert_each_as_alone(llm, arrival, aborted, lambda i: GREEDY, solo)
+
+
+def _seeded(i: int) -> SamplingParams:
+    return SamplingParams(temperature=(0.6, 0.9, 1.3)[i % 3], top_p=(1.0, 0.9)[i % 2], seed=1000 + i,
+                          max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(model):
+    """Each prompt's seeded sample, run alone on an engine of its own (same limits as ``llm``)."""
+    fresh = LLM(model, num_blocks=24, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    return [fresh.generate({"prompt_token_ids": p}, _seeded(i), use_tqdm=False)[0].outputs[0].token_ids
+            for i, p in enumerate(PROMPTS)]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**_SCHEDULES)
+def test_seeded_requests_arriving_and_aborted_while_others_run(llm, seeded_alone, arrival, aborted):
+    """Seeded sampling draws from each request's own generator: interleaved with random arrivals,
+    aborts, chunked prefill and preemption, every request samples what it sampled alone."""
+    _assert_each_as_alone(llm, arrival, aborted, _seeded, seeded_alone)
 
 
 def test_seeded_sampling_is_the_same_when_requests_arrive_late(llm):
