@@ -10,7 +10,8 @@ The model has the step signature of :mod:`pagedpack.export`, made functional::
       -> (logits [num_logits_rows, vocab], key_cache_out_0, value_cache_out_0, ...)
 
 with those named dynamic axes (``num_logits_rows``: ``num_seqs``, plus any prompt rows for
-``prompt_logprobs``; onnxruntime takes any length for it, in a file named ``num_seqs`` there too). The attention lowering (:mod:`pagedpack.lowering.onnx.functions`) is either
+``prompt_logprobs``; onnxruntime takes any length for it, in a file naming it ``num_seqs`` too).
+The attention lowering (:mod:`pagedpack.lowering.onnx.functions`) is either
 the ``pagedpack`` domain's functions, which onnxruntime runs on any provider, or
 ``com.microsoft.PagedAttention`` (onnxruntime's CUDA provider only). ``metadata_props["pagedpack.json"]``
 carries the same metadata as a ``.pt2`` archive, plus the attention lowering used.
