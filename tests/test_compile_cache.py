@@ -31,28 +31,33 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
-    return tmp_path / "cache" / "compiled"
-
-
 @pytest.fixture(scope="module")
 def built(checkpoint, tmp_path_factory):
-    """A compiled folder holding ``checkpoint``'s entry, built once for the module."""
+    """A ``$PAGEDPACK_CACHE`` folder built once for the module: ``compiled/`` holds ``checkpoint``'s
+    entry, ``native/`` the native CPU kernels its child process built."""
     folder = tmp_path_factory.mktemp("built")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PAGEDPACK_CACHE", str(folder))
         env.setenv("PAGEDPACK_COMPILE_CACHE", "1")
         LLM(str(checkpoint), num_blocks=8)
-    return folder / "compiled"
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, built):
+    """An empty compile cache (its path), in a ``$PAGEDPACK_CACHE`` that has the module's native
+    kernels: each process a test starts loads them, where it would compile them (about 30 s)."""
+    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
+    if (built / "native").is_dir():  # none where they are not built (no compiler, PAGEDPACK_NATIVE=0)
+        shutil.copytree(built / "native", tmp_path / "cache" / "native")
+    return tmp_path / "cache" / "compiled"
 
 
 @pytest.fixture
 def warm(cache, built):
     """``cache`` holding a copy of the module's entry."""
-    shutil.copytree(built, cache)
+    shutil.copytree(built / "compiled", cache)
     return cache
 
 
