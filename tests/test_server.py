@@ -150,6 +150,24 @@ def test_logprobs_in_both_api_shapes(client, tokenizer):
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_prompt_logprobs_equal_the_unmodified_model_s_log_softmax(client):
+    import torch
+
+    model, prompt = default_model()[0], PROMPTS[2]
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, stream=stream,
+                                        extra_body={"prompt_logprobs": 2})
+        choice = next(iter(out)).choices[0] if stream else out.choices[0]
+        entries = choice.model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(prompt)
+        for p, entry in enumerate(entries[1:], start=1):
+            got = entry[str(prompt[p])]["logprob"]
+            assert got == pytest.approx(reference[p - 1, prompt[p]].item(), abs=1e-5)
+            assert len(entry) <= 3
+
+
 def test_64_concurrent_streams_each_equal_the_request_served_alone(server, client, reference, tokenizer):
     seeded = [dict(prompt=TEXTS[i % len(TEXTS)], max_tokens=10, temperature=0.9, seed=i) for i in range(8)]
     alone = [client.completions.create(model="tiny", **kw).choices[0].text for kw in seeded]
@@ -358,3 +376,12 @@ def test_health_answers_503_once_the_engine_loop_has_died(tiny_llm):
     healthy, dead, refused = asyncio.run(ask())
     assert (healthy, dead, refused.status_code) == (200, 503, 503)
     assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_metrics_namespace_vllm_gives_vllm_s_exact_names(tiny_llm):
+    from pagedpack.serve.metrics import ServerMetrics
+
+    text = ServerMetrics(tiny_llm._loop, model_name="m", namespace="vllm").exposition().decode()
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total"):
+        assert f'{name}{{model_name="m"' in text

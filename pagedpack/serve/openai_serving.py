@@ -177,12 +177,14 @@ class OpenAIServing:
                     prompt_tokens += len(delta.prompt_token_ids)
                 if delta.error:
                     raise ServingError(500, delta.error)
+                prompt_logprobs = delta.prompt_logprobs  # in one delta of the request: sent with its first chunk
                 for completion in delta.outputs:
                     completion_tokens += len(completion.token_ids)
-                    if not (completion.text or completion.finished or (completion.token_ids and response.logprobs
-                                                                        is not None)):
+                    if not (completion.text or completion.finished or prompt_logprobs is not None
+                            or (completion.token_ids and response.logprobs is not None)):
                         continue  # nothing to show yet (text held back, a partial character)
-                    chunk = response.chunk(i, completion)
+                    chunk = response.chunk(i, completion, prompt_logprobs)
+                    prompt_logprobs = None
                     if body.continuous_usage:
                         chunk["usage"] = _usage(prompt_tokens, completion_tokens)
                     yield _event(chunk)
@@ -277,9 +279,12 @@ class _Response:
         self._started.add(key)
         return True
 
-    def chunk(self, prompt_index: int, part: CompletionOutput) -> dict:
+    def chunk(self, prompt_index: int, part: CompletionOutput, prompt_logprobs=None) -> dict:
+        """A chunk of one choice (``prompt_logprobs``: the request's, sent with its first chunk)."""
         index = prompt_index * self.n + part.index
         choice: dict = {"index": index, "logprobs": self._logprobs(index, part), "finish_reason": part.finish_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(prompt_logprobs)
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": part.text} if self.first(("choice", index)) \
                 else {"content": part.text}
@@ -300,6 +305,8 @@ class _Response:
                     choice["text"] = part.text
                 choice.update(logprobs=self._logprobs(index, part), finish_reason=part.finish_reason,
                               stop_reason=part.stop_reason)
+                if out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
         num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
         num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -336,6 +343,14 @@ class _Response:
 
     def _token_name(self, token_id: int, logprob) -> str:
         return f"token_id:{token_id}" if self.token_ids else logprob.decoded_token or ""
+
+
+def _prompt_logprobs(entries: list) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first token, then ``{token id: {"logprob", "rank",
+    "decoded_token"}}`` per prompt token."""
+    return [None if entry is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in entry.items()}
+            for entry in entries]
 
 
 def _token(name: str, logprob) -> dict:

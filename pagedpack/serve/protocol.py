@@ -1,13 +1,14 @@
 """The OpenAI request bodies ``pagedpack serve`` takes (pydantic models) and what they become.
 
 Field names, types and defaults are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
-vLLM's extra sampling parameters in the body (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``cache_salt``; chat: ``chat_template``, ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message``). A field the API does not have is refused
-(OpenAI's "Unrecognized request argument"), so a misspelt parameter never passes silently; the
-values themselves are checked by :class:`~pagedpack.runtime.sampling.SamplingParams`, whose
-``ValueError`` names the field (vLLM's names are the API's).
+vLLM's extra parameters in the body (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``; chat: ``chat_template``,
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``). A field the API
+does not have is refused (OpenAI's "Unrecognized request argument"), so a misspelt parameter never
+passes silently; the values themselves are checked by
+:class:`~pagedpack.runtime.sampling.SamplingParams`, whose ``ValueError`` names the field (vLLM's
+names are the API's).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class _SamplingBody(_Body):
     include_stop_str_in_output: StrictBool = False
     cache_salt: StrictStr | None = None
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt tokens' logprobs, in each choice
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
@@ -76,7 +78,8 @@ class _SamplingBody(_Body):
         return SamplingParams(
             **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
