@@ -384,4 +384,5 @@ def test_metrics_namespace_vllm_gives_vllm_s_exact_names(tiny_llm):
     text = ServerMetrics(tiny_llm._loop, model_name="m", namespace="vllm").exposition().decode()
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total"):
-        assert f'{name}{{model_name="m"' in text
+        assert f"\n{name}{{" in text
+    assert "_created" not in text  # as vLLM: no creation-time series

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagedpack.runtime.engine_loop import EngineLoop
@@ -66,6 +66,7 @@ class ServerMetrics:
     """The registry of one server; :meth:`request` gives the per-request observer."""
 
     def __init__(self, loop: EngineLoop, *, model_name: str, namespace: str = "pagedpack"):
+        disable_created_metrics()  # no *_created series (process-wide), as vLLM serves its metrics
         self.registry = registry = CollectorRegistry(auto_describe=True)
         registry.register(_EngineCollector(loop, namespace, model_name))
         label, ns = ["model_name"], f"{namespace}:"
