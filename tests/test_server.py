@@ -325,6 +325,7 @@ def test_models_version_and_metrics_names(server, client):
     (model,) = client.models.list().data
     assert model.id == "tiny" and model.owned_by == "pagedpack"
     assert json.loads(httpx.get(f"{server.url}/version").text)["version"]
+    client.completions.create(model="tiny", prompt="x", max_tokens=2)  # a finished request: a labelled sample
     names = {name.split("{")[0] for name in _metrics(server)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
