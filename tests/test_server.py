@@ -387,3 +387,11 @@ def test_metrics_namespace_vllm_gives_vllm_s_exact_names(tiny_llm):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total"):
         assert f"\n{name}{{" in text
     assert "_created" not in text  # as vLLM: no creation-time series
+
+
+def test_serve_refuses_bad_options_before_loading_the_model(capsys):
+    from conftest import run_cli
+
+    for args, named in ((["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue")):
+        code, _, err = run_cli(capsys, "serve", "no-such-model-dir", *args)
+        assert code == 2 and named in err, err
