@@ -111,6 +111,13 @@ class EngineLoop:
                     for request_id in live:
                         self.engine.abort_request(request_id)
 
+    def abort_all(self) -> None:
+        """Abort every live request before the next step (a server stopping)."""
+        with self._lock:
+            live = list(self._sinks)
+        for request_id in live:
+            self.abort_request(request_id)
+
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the next step, or waiting in the scheduler."""

@@ -53,7 +53,16 @@ def server(tmp_path_factory):
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
                       log_path=folder / "server.log") as remote:
         yield remote
-    assert remote.process.returncode == 0 and "Traceback" not in remote.log, remote.log[-3000:]  # SIGTERM: clean
+        # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0
+        body = {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{remote.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            remote.process.terminate()
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2], rest[-3:]
+    assert remote.process.returncode == 0 and "Traceback" not in remote.log, remote.log[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -273,12 +282,23 @@ BAD_COMPLETIONS = [  # (body, param the error names)
     ({"prompt": [[1, 2], []]}, "prompt"),
     ({"prompt": [99999]}, "prompt"),
     ({"prompt": [1] * 2000}, "prompt"),
+    ({"prompt": "x" * 100_000}, "prompt"),  # refused before it is tokenized
+    ({"prompt": "\ud800"}, "prompt"),  # a lone surrogate: JSON can say it, no tokenizer encodes it
+    ({"prompt": ["ok", "\ud800"]}, "prompt"),
+    ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "n": MAX_QUEUE + 1}, "n"),  # more than may ever wait: 400, not a retry
+    ({"prompt": [[1, 2]] * (MAX_QUEUE + 1), "max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
     ({"prompt": "x", "model": "gpt-4"}, "model"),
 ]
 BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
      "chat_template_kwargs"),
@@ -295,8 +315,8 @@ BAD_CHATS = [
 def test_a_bad_request_gets_400_naming_the_field(server, route, body, param):
     status = 404 if param == "model" else 400
     for stream in (False, True):
-        r = httpx.post(f"{server.url}/v1/{route}", json={**body, "stream": stream},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        r = httpx.post(f"{server.url}/v1/{route}", content=json.dumps({**body, "stream": stream}),  # surrogates too
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert error["param"] == param and error["code"] == status and param in error["message"], error
@@ -314,7 +334,15 @@ def test_malformed_bodies_keys_methods_and_a_full_queue(server, client):
     assert httpx.get(url, headers=auth).status_code == 405
     r = httpx.post(url, content=b"0" * (33 * 2**20), headers={**auth, "Content-Type": "application/json"})
     assert r.status_code == 413
-    r = httpx.post(url, json={"prompt": [[1, 2]] * (MAX_QUEUE + 1), "max_tokens": 1}, headers=auth)
+    chunked = (b"0" * 2**20 for _ in range(33))  # no Content-Length: counted as it streams in
+    r = httpx.post(url, content=chunked, headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    # a full queue: 256 of 280 completions run (max_num_seqs), 24 wait; 280 more cannot join them
+    body = {"prompt": "Hello", "n": 280, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=body, headers=auth, timeout=60) as response:
+        lines = response.iter_lines()  # held: a dropped one closes the response
+        assert next(lines).startswith("data: ")
+        r = httpx.post(url, json={"prompt": [[1, 2]] * 280, "max_tokens": 1}, headers=auth)
     assert r.status_code == 503 and r.headers["Retry-After"] == "1" and "max-queue" in r.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
     with pytest.raises(openai.NotFoundError):

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedpack
 from pagedpack.serve.openai_serving import OpenAIServing, ServingError
@@ -35,7 +35,9 @@ MAX_BODY_BYTES = 32 * 2**20
 
 def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The application over ``serving`` (its engine, configuration and metrics)."""
-    app = FastAPI(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None)
+    # max_body_size: Starlette's limit, on declared and streamed (chunked) bodies alike -> 413
+    app = FastAPI(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None,
+                  max_body_size=max_body_bytes)
     loop, config, created = serving.llm._loop, serving.config, int(time.time())
 
     @app.middleware("http")
@@ -54,9 +56,13 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     async def invalid_body(_, err: RequestValidationError):
         return _error(_validation_error(err))
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_, err: HTTPException):  # unknown route, wrong method, a body over the limit
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, err: StarletteHTTPException):  # unknown route, wrong method, a body over the limit
         return _error(ServingError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, err: Exception):  # a bug: still OpenAI's error body
+        return _error(ServingError(500, f"internal error ({type(err).__name__}: {err})"))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -83,7 +89,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     async def metrics():
         return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    return _LimitBody(app, max_body_bytes)
+    return app
 
 
 async def _answer(request: Request, work):
@@ -131,32 +137,3 @@ def _validation_error(err: RequestValidationError) -> ServingError:
         return ServingError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=field)
     shown = ".".join(loc)
     return ServingError(400, f"{shown}: {first.get('msg', 'invalid')}, got {first.get('input')!r:.80}", param=field)
-
-
-class _LimitBody:
-    """ASGI middleware: a request body over ``limit`` bytes (declared or streamed) is refused with 413."""
-
-    def __init__(self, app: FastAPI, limit: int):
-        self.app, self.limit = app, limit
-
-    def __getattr__(self, name):  # app.state, app.routes ... for whoever holds the application
-        return getattr(self.app, name)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _error(ServingError(413, f"body: at most {self.limit} bytes are accepted, "
-                                                  f"Content-Length says {int(declared)}"))(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI passes an HTTPException through as it is
-                raise HTTPException(413, f"body: at most {self.limit} bytes are accepted")
-            return message
-
-        return await self.app(scope, counted, send)

@@ -69,12 +69,20 @@ class OpenAIServing:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.llm = engine.llm
         self.max_model_len = self.llm.max_model_len
+        tokenizer = self.llm.tokenizer
+        # text longer than this can never fit the context (a token is at most the longest vocabulary
+        # entry long): refused before it is tokenized, which could take the CPU for seconds
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_text_chars = self.max_model_len * max(1, longest)
 
     # -- the two endpoints ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         _checked(body.check_unsupported)
-        prompts = [self._prompt(p, body.cache_salt) for p in _checked(body.prompts)]
+        texts = _checked(body.prompts)
+        self._check_length("prompt", sum(len(p) for p in texts if isinstance(p, str)))
+        # tokenizing runs in a worker thread: the event loop keeps answering everyone else
+        prompts = await asyncio.to_thread(lambda: [self._prompt(p, body.cache_salt) for p in texts])
         return self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
 
     async def chat(self, body: ChatCompletionRequest):
@@ -88,11 +96,12 @@ class OpenAIServing:
         if taken:
             raise ServingError(400, f"chat_template_kwargs: {sorted(taken)} are arguments of apply_chat_template, "
                                     "not template variables", param="chat_template_kwargs")
-        _, prompt = _checked(lambda: render(
-            self.llm.tokenizer, [m.as_dict() for m in body.messages],
-            chat_template=body.chat_template or self.config.chat_template,
+        messages = [m.as_dict() for m in body.messages]
+        self._check_length("messages", sum(len(m.get("content") or "") for m in messages))
+        _, prompt = await asyncio.to_thread(lambda: _tokenized("messages", lambda: render(
+            self.llm.tokenizer, messages, chat_template=body.chat_template or self.config.chat_template,
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            chat_template_kwargs=kwargs))
+            chat_template_kwargs=kwargs)))
         prompt.cache_salt = body.cache_salt
         return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
                              chat=True)
@@ -101,8 +110,13 @@ class OpenAIServing:
     def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool):
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
         params = [self._params(body, prompt, max_tokens, logprobs) for prompt in prompts]
+        demand, max_queue = len(prompts) * body.n, self.config.max_queue
+        if demand > max_queue:  # could never be taken: not a retry
+            name = "n" if body.n > 1 else ("messages" if chat else "prompt")
+            raise ServingError(400, f"{name}: this request asks for {demand} completions, more than the "
+                                    f"{max_queue} that may wait at once (--max-queue)", param=name)
         waiting = self.engine.llm._loop.num_waiting
-        if waiting + len(prompts) > self.config.max_queue:
+        if waiting + demand > max_queue:
             raise ServingError(503, f"the server is busy: {waiting} requests wait to be scheduled (--max-queue "
                                     f"{self.config.max_queue}); retry later", headers={"Retry-After": "1"})
         ids = [f"{response_id}-{i}" for i in range(len(prompts))]
@@ -145,8 +159,13 @@ class OpenAIServing:
         engine, tokenizer = self.llm.llm_engine, self.llm.tokenizer
         if isinstance(prompt, str) and tokenizer is not None:
             with engine.tokenizer_lock:
-                prompt = tokenizer(prompt).input_ids
+                prompt = _tokenized("prompt", lambda: tokenizer(prompt).input_ids)
         return Prompt(prompt, cache_salt)
+
+    def _check_length(self, name: str, num_chars: int) -> None:
+        if num_chars > self.max_text_chars:
+            raise ServingError(400, f"{name}: {num_chars} characters are more than this model's maximum context "
+                                    f"length ({self.max_model_len} tokens) can hold", param=name)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
@@ -167,6 +186,8 @@ class OpenAIServing:
             self._abort(ids)
         if any(o.error for o in whole):
             raise ServingError(500, "; ".join(o.error for o in whole if o.error))
+        if any(c.finish_reason == "abort" for o in whole for c in o.outputs):  # not by this client: it is here
+            raise ServingError(503, "the request was aborted: the server is stopping")
         return response.whole(whole)
 
     async def _events(self, response: "_Response", deltas, ids: list[str], body) -> AsyncIterator[str]:
@@ -199,9 +220,10 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-_APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+_APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "messages", "self", "tools", "documents", "chat_template",
+                             "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+                             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs"}
 
 
 async def _observed(deltas, timers: list) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -214,6 +236,16 @@ async def _observed(deltas, timers: list) -> AsyncIterator[tuple[int, RequestOut
     finally:
         for timer in timers:
             timer.close()
+
+
+def _tokenized(name: str, make):
+    """``make()`` (tokenizing or rendering ``name``), its errors answered with 400 naming ``name``:
+    the tokenizer raises ``TypeError`` for text it cannot encode."""
+    try:
+        return _checked(make)
+    except (TypeError, UnicodeError) as err:
+        raise ServingError(400, f"{name}: the tokenizer cannot encode it ({type(err).__name__}: {err})",
+                           param=name) from err
 
 
 def _checked(make):

@@ -14,12 +14,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from pagedpack.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("expected text encodable as UTF-8 (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_utf8)]  # every string of a body: JSON's "\ud800" is no text
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
-Stop = StrictStr | list[StrictStr] | None
+Stop = Text | list[Text] | None
 
 
 class _Body(BaseModel):
@@ -35,7 +45,7 @@ class StreamOptions(_Body):
 class _SamplingBody(_Body):
     """What both endpoints share: the sampling parameters (OpenAI's, then vLLM's extras)."""
 
-    model: StrictStr | None = None  # None: the served model
+    model: Text | None = None  # None: the served model
     n: StrictInt = 1
     temperature: float | None = None  # None: 1.0, OpenAI's default
     top_p: float | None = None
@@ -44,9 +54,9 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[StrictStr, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     seed: StrictInt | None = None
-    user: StrictStr | None = None  # accepted and ignored, as vLLM does
+    user: Text | None = None  # accepted and ignored, as vLLM does
     # vLLM's extra parameters
     top_k: StrictInt | None = None
     min_p: float | None = None
@@ -56,7 +66,7 @@ class _SamplingBody(_Body):
     stop_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    cache_salt: StrictStr | None = None
+    cache_salt: Text | None = None
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt tokens' logprobs, in each choice
 
@@ -64,11 +74,10 @@ class _SamplingBody(_Body):
         """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(token): value for token, value in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError(f"logit_bias: expected token ids (as strings of digits) for keys, got "
-                                 f"{list(self.logit_bias)[:5]}") from None
+            bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit())]
+            if bad:
+                raise ValueError(f"logit_bias: expected token ids (as strings of digits) for keys, got {bad[:5]}")
+            bias = {int(token): value for token, value in self.logit_bias.items()}
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
@@ -94,12 +103,12 @@ class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either
     (several prompts: choice ``i * n + j`` is completion ``j`` of prompt ``i``)."""
 
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
     max_tokens: StrictInt | None = 16  # OpenAI's default; None: up to max_model_len
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
@@ -120,16 +129,16 @@ class CompletionRequest(_SamplingBody):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(BaseModel):
     """A message; fields beyond ``role``/``content``/``name`` (e.g. ``tool_calls``) reach the chat template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -158,8 +167,8 @@ class ChatCompletionRequest(_SamplingBody):
     echo: StrictBool = False
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    chat_template: StrictStr | None = None
-    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
 
     def check_unsupported(self) -> None:
         if self.tools:

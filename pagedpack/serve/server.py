@@ -5,7 +5,9 @@ The main thread builds the model and then drives the engine for good
 second thread with its own event loop. Stepping in the thread that built the model keeps one
 OpenMP worker pool in the process (a second thread's pool made every step much slower:
 :mod:`pagedpack.runtime.engine_loop`). SIGINT / SIGTERM stop uvicorn gracefully (in-flight
-requests get ``graceful_s`` to finish, the engine steps for them meanwhile), then the engine.
+requests get ``graceful_s`` to finish, the engine steps for them meanwhile; those still running a
+second before it ends are aborted: a stream then ends with finish reason ``"abort"``, a whole
+answer is a 503), then the engine.
 """
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     def ask_to_stop(signum, _frame):
         log.info("%s: stopping (in-flight requests get %.0f s)", signal.Signals(signum).name, options.graceful_s)
         server.should_exit = True
+        # what has not finished by then is aborted a moment before uvicorn cancels it, so each
+        # stream ends with finish_reason "abort" and [DONE], each whole answer with a 503
+        threading.Timer(max(0.0, options.graceful_s - 1.0), llm._loop.abort_all).start()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, ask_to_stop)
