@@ -423,3 +423,27 @@ def test_serve_refuses_bad_options_before_loading_the_model(capsys):
     for args, named in ((["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue")):
         code, _, err = run_cli(capsys, "serve", "no-such-model-dir", *args)
         assert code == 2 and named in err, err
+
+
+def test_a_pool_smaller_than_the_context_bounds_what_requests_get():
+    from pagedpack.async_llm import AsyncLLM
+    from pagedpack.serve.app import build_app
+    from pagedpack.serve.metrics import ServerMetrics
+    from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
+
+    llm = LLM("tiny", num_blocks=8, block_size=16)  # 128 tokens of KV; the model's context is 1024
+    app = build_app(OpenAIServing(AsyncLLM.from_llm(llm), ServingConfig("tiny"), ServerMetrics(llm._loop,
+                                                                                                model_name="tiny")))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as http:
+            models = (await http.get("/v1/models")).json()
+            whole = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": None,
+                                                             "ignore_eos": True, "temperature": 0})
+            too_many = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 126})
+            return models, whole.json(), too_many
+
+    models, whole, too_many = asyncio.run(ask())
+    assert models["data"][0]["max_model_len"] == 128
+    assert whole["usage"]["completion_tokens"] == 125 and whole["choices"][0]["finish_reason"] == "length"
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"

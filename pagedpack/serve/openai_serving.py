@@ -68,7 +68,9 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, config: ServingConfig, metrics: ServerMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
         self.llm = engine.llm
-        self.max_model_len = self.llm.max_model_len
+        # the context a request may use: the model's, unless the KV pool holds fewer tokens (a request
+        # larger than the pool could never run; vLLM refuses to start then, this server serves less)
+        self.max_model_len = min(self.llm.max_model_len, self.llm.num_blocks * self.llm.block_size)
         tokenizer = self.llm.tokenizer
         # text longer than this can never fit the context (a token is at most the longest vocabulary
         # entry long): refused before it is tokenized, which could take the CPU for seconds

@@ -48,7 +48,12 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     (e.g. the port is taken) or the engine loop died (the HTTP front then stays up, answering
     503, until stopped)."""
     metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=options.metrics_namespace)
-    app = build_app(OpenAIServing(AsyncLLM.from_llm(llm), config, metrics), api_key=options.api_key)
+    serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
+    if serving.max_model_len < llm.max_model_len:
+        print(f"pagedpack: the KV pool holds {serving.max_model_len} tokens, fewer than the model's context "
+              f"({llm.max_model_len}): requests get up to {serving.max_model_len} (a larger pool: --kv-cache-memory, "
+              "--memory-budget or --num-blocks)", file=sys.stderr, flush=True)
+    app = build_app(serving, api_key=options.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                            timeout_graceful_shutdown=options.graceful_s, access_log=False))
     stopped = threading.Event()
