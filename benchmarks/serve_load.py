@@ -46,31 +46,36 @@ def schedule(tokenizer, num: int, rate: float, *, min_tokens: int, max_tokens: i
 
 
 async def stream_one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, **extra) -> dict:
-    """One streamed greedy completion: ``{"ok", "ttft_s", "itl_s", "chunks", "tokens", "finish_reason", "text"}``
-    (``ok`` False with ``error`` for an HTTP error or an error event)."""
+    """One streamed completion (greedy unless ``extra`` says otherwise): ``{"ok", "id", "ttft_s", "itl_s",
+    "tokens", "finish_reasons" (each choice's, in order), "done" ([DONE] came), "text"}`` (``ok`` False with
+    ``error`` for an HTTP error or an error event)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}, **extra}
     start, stamps, text, usage, finish = time.perf_counter(), [], {}, None, {}
+    response_id, done = None, False
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return {"ok": False, "status": response.status_code, "error": (await response.aread()).decode()[:300]}
         async for line in response.aiter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 return {"ok": False, "status": 200, "error": chunk["error"]}
-            usage = chunk.get("usage") or usage
+            response_id, usage = chunk.get("id", response_id), chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     stamps.append(time.perf_counter())
                     text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
                 if choice.get("finish_reason"):
-                    finish[choice["index"]] = choice["finish_reason"]
+                    finish.setdefault(choice["index"], []).append(choice["finish_reason"])
     if not stamps:
         return {"ok": False, "status": 200, "error": "no text came"}
-    return {"ok": True, "ttft_s": stamps[0] - start, "itl_s": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": usage["completion_tokens"] if usage else len(stamps), "finish_reason": finish, "text": text}
+    return {"ok": True, "id": response_id, "ttft_s": stamps[0] - start,
+            "itl_s": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tokens": usage["completion_tokens"] if usage else len(stamps), "finish_reasons": finish, "done": done,
+            "text": text}
 
 
 async def run(url: str, model: str, requests: list[Scheduled], *, timeout_s: float = 1800.0,

@@ -31,7 +31,7 @@ import httpx
 from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
 
 from common import load_1min
-from serve_load import run, schedule
+from serve_load import run, schedule, stream_one
 
 N_CHOICES = (1, 1, 2, 3)  # n of a request, drawn uniformly
 MEAN_N = sum(N_CHOICES) / len(N_CHOICES)
@@ -99,22 +99,12 @@ async def _answer(http: httpx.AsyncClient, body: dict, stream: bool):
         choices = response["choices"]
         return response["id"], lambda n, m: (len(choices) == n and all(c["finish_reason"] == "length" for c in choices)
                                              and response["usage"]["completion_tokens"] == n * m)
-    finishes, done, usage, response_id = {}, False, None, None
-    async with http.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                response_id = chunk["id"]
-                usage = chunk.get("usage") or usage
-                for c in chunk["choices"]:
-                    if c["finish_reason"]:
-                        finishes.setdefault(c["index"], []).append(c["finish_reason"])
-    return response_id, lambda n, m: (done and usage is not None and usage["completion_tokens"] == n * m
-                                      and sorted(finishes) == list(range(n))
-                                      and all(f == ["length"] for f in finishes.values()))
+    extra = {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens")}
+    r = await stream_one(http, body["model"], body["prompt"], body["max_tokens"], **extra)
+    if not r["ok"]:
+        raise ValueError(f"stream failed: {r['error']}")
+    return r["id"], lambda n, m: (r["done"] and r["tokens"] == n * m and sorted(r["finish_reasons"]) == list(range(n))
+                                  and all(f == ["length"] for f in r["finish_reasons"].values()))
 
 
 async def soak(url: str, prompts: list[str], rate: float, num: int, seconds: float, seed: int) -> dict:

@@ -204,8 +204,8 @@ def _serve(args) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    check_int = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None)]
-    for name, value, low, high in check_int:  # before the model is loaded
+    bounds = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None)]
+    for name, value, low, high in bounds:  # before the model is loaded
         if value < low or (high is not None and value > high):
             raise ValueError(f"{name}: expected an int in [{low}, {high if high is not None else 'inf'}], got {value}")
     template = args.chat_template
