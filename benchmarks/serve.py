@@ -2,7 +2,7 @@
 with the same request schedule (:mod:`serve_load`), one server at a time on this machine.
 
 For each engine: start its server (prefix caching off on both: the schedule repeats its prompt
-texts), send one warm-up request, then for each ``--rates`` value ``--num`` requests (Poisson
+texts; a 2 GiB KV pool each: ``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``), send one warm-up request, then for each ``--rates`` value ``--num`` requests (Poisson
 arrivals, ``inf``: all at once) with W1's prompt lengths cut from English text and 32-128 greedy
 output tokens each (eos ignored), a fixed seed. Prints one JSON object: per engine and rate the
 request throughput, output tokens/s, TTFT and inter-token latency p50/p99 (ms), and per rate
@@ -30,6 +30,8 @@ from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
 from common import load_1min
 from serve_load import run, schedule
 
+KV_CACHE_GIB = 2  # the KV pool of each server: equal, so that both hold as many requests at once
+
 
 def _model_dir(model: str) -> str:
     if Path(model).is_dir():
@@ -42,7 +44,8 @@ def _model_dir(model: str) -> str:
 def _pagedpack(model_dir: str, args):
     def command(port):
         return pagedpack_serve_command(model_dir, "--dtype", args.dtype, "--served-model-name", "bench",
-                                       "--no-enable-prefix-caching", "--max-model-len", "2048", port=port)
+                                       "--no-enable-prefix-caching", "--max-model-len", "2048",
+                                       "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", port=port)
 
     return command, {}
 
@@ -55,7 +58,7 @@ def _vllm(model_dir: str, args):
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                 "--no-enable-prefix-caching", "--served-model-name", "bench"]
 
-    env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": "2",
+    env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     return command, env
 

@@ -19,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import status
-from pagedpack.runtime.request import Request
 
 from common import load_1min
 
@@ -40,7 +39,7 @@ def main() -> None:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 4, ignore_eos=True)
     for i in range(args.num_seqs):
-        engine.add_request(Request(f"r{i}", [1 + i % 50] * args.prompt_len, params))
+        engine.add_request(f"r{i}", [1 + i % 50] * args.prompt_len, params)
     scheduler = engine.scheduler
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in [*scheduler.running, *scheduler.waiting]):
         engine.step()

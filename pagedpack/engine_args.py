@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 from dataclasses import dataclass, fields
 
@@ -86,7 +85,7 @@ class EngineArgs:
     target: str | None = None
     block_size: int | None = None
     num_blocks: int | None = None
-    kv_cache_memory: int | float | None = None
+    kv_cache_memory: int | float | str | None = None
     memory_budget: int | float | str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -113,12 +112,9 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "keep_source_model", "trust_file"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        memory = self.kv_cache_memory
-        if memory is not None and not (isinstance(memory, (int, float)) and not isinstance(memory, bool)
-                                       and math.isfinite(memory) and memory > 0):
-            raise ValueError(f"kv_cache_memory: expected a finite positive number of bytes, got {memory!r}")
-        if self.memory_budget is not None:
-            self.memory_budget = parse_bytes("memory_budget", self.memory_budget)
+        for name in ("kv_cache_memory", "memory_budget"):
+            if getattr(self, name) is not None:
+                setattr(self, name, parse_bytes(name, getattr(self, name)))
         given = [n for n in ("num_blocks", "kv_cache_memory", "memory_budget") if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(f"num_blocks, kv_cache_memory, memory_budget: expected at most one of them, "
@@ -216,7 +212,8 @@ class EngineArgs:
             f"{n}: {get_target(n).default_block_size}" for n in target_names()) + ")")
         parser.add_argument("--num-blocks", type=int, default=None,
                             help="KV blocks in the pool; default: sized to a memory budget")
-        parser.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in bytes")
+        parser.add_argument("--kv-cache-memory", default=None,
+                            help="KV pool size in bytes (e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
         parser.add_argument("--memory-budget", default=None,
                             help="bytes (e.g. 4GiB) for weights + a step's activations + the KV pool, "
                                  "which gets the rest (see pagedpack plan)")
