@@ -2,12 +2,13 @@
 with the same request schedule (:mod:`serve_load`), one server at a time on this machine.
 
 For each engine: start its server (prefix caching off on both: the schedule repeats its prompt
-texts; a 2 GiB KV pool each: ``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``), send one warm-up request, then for each ``--rates`` value ``--num`` requests (Poisson
-arrivals, ``inf``: all at once) with W1's prompt lengths cut from English text and 32-128 greedy
-output tokens each (eos ignored), a fixed seed. Prints one JSON object: per engine and rate the
-request throughput, output tokens/s, TTFT and inter-token latency p50/p99 (ms), and per rate
-pagedpack's ratios to vLLM (throughput: higher is better for pagedpack; latency: lower is).
-Start at a 1-minute load below 0.8 (reported as ``load_1min``); the client shares the cores.
+texts; a 2 GiB KV pool each: ``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``), send one warm-up
+request, then for each ``--rates`` value ``--num`` requests (Poisson arrivals, ``inf``: all at once)
+with W1's prompt lengths cut from English text and 32-128 greedy output tokens each (eos ignored), a
+fixed seed. Prints one JSON object: per engine and rate the request throughput, output tokens/s,
+TTFT and inter-token latency p50/p99 (ms), and per rate pagedpack's ratios to vLLM (throughput:
+higher is better for pagedpack; latency: lower is). Start at a 1-minute load below 0.8 (reported as
+``load_1min``); the client shares the cores.
 
 vLLM's server is started as a module (``../shared/bench/SETUP.md`` §6: the wheel's ``vllm`` script
 fails) with Intel OpenMP preloaded and no reserved core, its best configuration on 2 cores.

@@ -1,10 +1,11 @@
-"""The native CPU kernels (``kernels/csrc/paged_attention_cpu.cpp``): built on first use, cached.
+"""The native CPU kernels (``kernels/csrc/*.cpp``): built on first use, cached.
 
-The source is compiled with the system C++ compiler against the installed torch's headers and
+The sources are compiled with the system C++ compiler against the installed torch's headers and
 libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library registering
-``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}``, and loaded with
+``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``) and
+``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``, which the CPU lowering calls), and loaded with
 ``torch.ops.load_library``. The library is cached under ``$PAGEDPACK_CACHE`` (default
-``~/.cache/pagedpack``) ``/native/<key>/``, the key hashing the source, the torch version, the
+``~/.cache/pagedpack``) ``/native/<key>/``, the key hashing the sources, the torch version, the
 compiler flags and the CPU capability, so a change of any of them rebuilds (about 30 s on two
 cores) and a second process reuses the build. The build records the library's size and sha256
 beside it (``libpagedpack_cpu.json``); a library that does not match is built again, never
@@ -32,7 +33,7 @@ import torch
 from pagedpack.child_process import die_with_parent
 from pagedpack.files import atomic_write, sha256_file
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp")]
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
@@ -82,7 +83,8 @@ def _load():
         _reason = f"no C++ compiler {compiler!r} on PATH"
         return None
     flags = _flags()
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), *map(str.encode, flags)]))
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in _SOURCES), torch.__version__.encode(),
+                                    *map(str.encode, flags)]))
     cache = Path(os.environ.get("PAGEDPACK_CACHE", Path.home() / ".cache" / "pagedpack"))
     library = cache / "native" / key.hexdigest()[:16] / "libpagedpack_cpu.so"
     try:
@@ -133,7 +135,7 @@ def _build(compiler: str, flags: list[str], library: Path) -> None:
           file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(library) as tmp:
-        command = [sys.executable, "-c", _WATCHDOG, compiler, str(_SOURCE), "-o", tmp, *flags]
+        command = [sys.executable, "-c", _WATCHDOG, compiler, *map(str, _SOURCES), "-o", tmp, *flags]
         watchdog = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     preexec_fn=die_with_parent(signal.SIGTERM))
         try:

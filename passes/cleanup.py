@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
+from torch.fx.operator_schemas import normalize_function
 
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 
@@ -32,7 +34,37 @@ def strip_export_checks(module: torch.fx.GraphModule) -> int:
             removed += 1
     if hasattr(module, "_guards_fn"):
         delattr(module, "_guards_fn")
+    if removed:
+        module.recompile()
     return removed
+
+
+def drop_noop_conversions(module: torch.fx.GraphModule) -> int:
+    """Remove each ``aten.to`` whose input already has the dtype and device it asks for (and no
+    ``copy=True`` / ``memory_format``): ATen returns the input itself there, so the node is an
+    alias that only costs a dispatch (``transformers``' norms cast to fp32 and back, which in an
+    fp32 model is 4 such calls a layer). Returns how many were removed."""
+    removed = 0
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target not in _CONVERSIONS or not node.args:
+            continue
+        source, value = node.args[0], node.meta.get("val")
+        before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if not (isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor)):
+            continue
+        given = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        if given is None or given.kwargs.get("copy") or given.kwargs.get("memory_format") is not None:
+            continue
+        if (value.dtype, value.device, value.layout) == (before.dtype, before.device, before.layout):
+            node.replace_all_uses_with(source)
+            module.graph.erase_node(node)
+            removed += 1
+    if removed:
+        module.recompile()
+    return removed
+
+
+_CONVERSIONS = (aten.to.dtype, aten.to.device, aten.to.dtype_layout)
 
 
 class EliminateDeadCode(Pass):

@@ -22,7 +22,7 @@ class ModelRunner:
     for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``, plus the
     ``padding_blocks`` a program may ask for (blocks past the pool's, which no request owns, for
     the writes of padding sequences); on the CPU their pages become resident as blocks are first
-    written (:func:`_zeros`). An in-place
+    written (:func:`_zeros`; a server commits them all at start, :meth:`commit_kv_memory`). An in-place
     program writes them during the step; a functional one (ONNX) returns
     ``(logits, *updated caches)``, which replace them.
 
@@ -57,6 +57,14 @@ class ModelRunner:
             trim_heap()
         return out
 
+
+    @torch.inference_mode()
+    def commit_kv_memory(self) -> None:
+        """Make every page of the caches resident now (a server claims its whole pool at start, as
+        vLLM's up-front allocation does: a pool the machine cannot hold fails here, not under load,
+        and the RSS no longer grows as blocks are first written)."""
+        for cache in self.kv_caches:
+            cache.zero_()
 
     @torch.inference_mode()
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:

@@ -211,3 +211,19 @@ def test_the_runner_trims_the_heap_after_long_steps_only(monkeypatch):
     assert len(trims) == 1
     llm.generate([[7] * 10], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(trims) == 1
+
+
+def test_a_server_commits_its_kv_pool_at_start():
+    """``pagedpack serve`` makes the pool resident before the first request (RSS no longer grows as
+    blocks are first written; a pool the machine cannot hold fails at start)."""
+    llm = LLM("tiny", kv_cache_memory="64MiB")
+    runner = llm.llm_engine.runner
+    before = _rss_bytes()
+    runner.commit_kv_memory()
+    assert _rss_bytes() - before >= 0.9 * runner.kv_cache_bytes
+    assert all(not cache.any() for cache in runner.kv_caches)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

@@ -8,6 +8,10 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
   activation memory (:func:`pagedpack.lowering.reference.cpu_mlp.chunk_mlps`);
 * applies rotate-half rotary embeddings in three kernels, without temporaries
   (:func:`pagedpack.lowering.reference.cpu_rotary.fuse_rotary`);
+* computes each fp32 RMSNorm, and the residual add before it, in one native kernel
+  (:func:`pagedpack.lowering.reference.cpu_norm.fuse_rms_norms`);
+* drops export's guards and asserts and the dtype conversions that convert nothing (an fp32
+  model's norms cast to fp32 and back): each was a dispatch a call;
 * calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
   (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
   them, which saves each call the custom op's Python layer (argument checks, mutation
@@ -35,8 +39,10 @@ from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_linear import available as onednn_available
 from pagedpack.lowering.reference.cpu_linear import prepack_linears
 from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
+from pagedpack.lowering.reference.cpu_norm import fuse_rms_norms
 from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
 from pagedpack.metadata import example_metadata
+from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
@@ -81,16 +87,21 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         graph = copy.deepcopy(gm.graph)
     lowered = torch.fx.GraphModule(gm, graph)
+    strip_export_checks(lowered)  # a loaded .pt2's guards and asserts: the runner builds the inputs
+    conversions = drop_noop_conversions(lowered)
     linears = prepack_linears(lowered) if onednn_available(device) else 0
     mlps = chunk_mlps(lowered, CHUNK_ROWS)
     rotary = fuse_rotary(lowered)
+    norms, fused_adds = fuse_rms_norms(lowered)
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
-    if not any((linears, mlps, rotary, kernels)):
+    if not any((linears, mlps, rotary, norms, kernels)):
         return gm, None
     done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
             f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings in 3 kernels, "
-            f"{kernels} attention/cache ops as native kernel calls")
+            f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
+            f"{kernels} attention/cache ops as native kernel calls, {conversions} conversions that convert nothing "
+            "dropped")
     reason = _check(gm, lowered, kv_cache_specs, max_model_len)
     if reason:
         return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"

@@ -7,7 +7,8 @@ OpenMP worker pool in the process (a second thread's pool made every step much s
 :mod:`pagedpack.runtime.engine_loop`). SIGINT / SIGTERM stop uvicorn gracefully (in-flight
 requests get ``graceful_s`` to finish, the engine steps for them meanwhile; those still running a
 second before it ends are aborted: a stream then ends with finish reason ``"abort"``, a whole
-answer is a 503), then the engine.
+answer is a 503), then the engine. The KV pool is made resident before the first request
+(``ModelRunner.commit_kv_memory``): a server holds its memory from the start, as vLLM's does.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from pagedpack.serve.metrics import ServerMetrics
 from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
 
 log = logging.getLogger("pagedpack.serve")
+# The engine thread releases the GIL inside each op and wants it back right after; when the HTTP
+# thread (SSE chunks, JSON, tokenizing) holds it then, Python makes the engine wait up to the
+# switch interval, 5 ms by default, for each of the step's ~1,000 ops. 0.5 ms: SmolLM2 at 1 req/s,
+# TTFT p50 218 -> 185 ms (benchmarks/serve.py, README).
+GIL_SWITCH_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,8 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     ``llm``). Returns the exit status: 0 after a clean stop, 1 if the server could not start
     (e.g. the port is taken) or the engine loop died (the HTTP front then stays up, answering
     503, until stopped)."""
+    sys.setswitchinterval(GIL_SWITCH_S)
+    llm.llm_engine.runner.commit_kv_memory()
     metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=options.metrics_namespace)
     serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
     if serving.max_model_len < llm.max_model_len:
