@@ -134,10 +134,33 @@ def test_a_prepacked_graph_that_differs_falls_back_to_the_rewritten_one(monkeypa
 
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="oneDNN is not available")
-def test_prepack_linears_packs_each_fp32_weight_once():
-    for dtype, packed in ((torch.float32, 4 * LAYERS + 1), (torch.bfloat16, 0)):  # fp32 weights only
+def test_prepack_linears_packs_each_weight_once():
+    bf16 = torch.bfloat16 in cpu_linear.packable_dtypes()  # where oneDNN has bf16 kernels for this CPU
+    for dtype, packed in ((torch.float32, 4 * LAYERS + 1), (torch.bfloat16, (4 * LAYERS + 1) * bf16),
+                          (torch.float16, 0)):
         gm = rewrite(capture(tiny_model("llama", dtype=dtype))).graph_module
         lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         assert cpu_linear.prepack_linears(lowered) == packed
         assert len([name for name, _ in lowered.named_buffers() if name.endswith("_packed")]) == packed
         assert _count(gm, LINEAR) == 4 * LAYERS + 1  # the source graph is untouched
+
+
+@pytest.mark.skipif(torch.bfloat16 not in cpu_linear.packable_dtypes(), reason="no oneDNN bf16 kernels here")
+@pytest.mark.parametrize("rows", [1, 2, 37, 300])
+def test_a_prepacked_bf16_linear_is_f_linear_s_result_bit_for_bit(rows):
+    """Both are oneDNN's bf16 inner product with fp32 accumulation; packing moves the weight reorder
+    from every call to lowering time and changes no bit."""
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(576, 960, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    gm = torch.export.export(Linear(), (x,)).module()
+    expected = gm(x)
+    assert cpu_linear.prepack_linears(gm) == 1
+    assert torch.equal(gm(x), expected)

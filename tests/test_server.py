@@ -447,3 +447,30 @@ def test_a_pool_smaller_than_the_context_bounds_what_requests_get():
     assert models["data"][0]["max_model_len"] == 128
     assert whole["usage"]["completion_tokens"] == 125 and whole["choices"][0]["finish_reason"] == "length"
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
+
+
+def test_an_exported_onnx_file_is_served_the_same_way(tmp_path, reference, tokenizer):
+    """The ONNX export served (onnxruntime): whole and streamed answers are the unmodified model's
+    greedy text, as the live server's ``.pt2`` ones are."""
+    from pagedpack.async_llm import AsyncLLM
+    from pagedpack.serve.app import build_app
+    from pagedpack.serve.metrics import ServerMetrics
+    from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
+
+    path = LLM("tiny", num_blocks=1, keep_source_model=True).export(tmp_path / "tiny.onnx", format="onnx")
+    llm = LLM.from_exported(path, num_blocks=64)
+    app = build_app(OpenAIServing(AsyncLLM.from_llm(llm), ServingConfig("tiny"),
+                                  ServerMetrics(llm._loop, model_name="tiny")))
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server") as http:
+            whole = (await http.post("/v1/completions", json=body)).json()
+            streamed = await http.post("/v1/completions", json={**body, "stream": True})
+            return whole, streamed.text
+
+    whole, events = asyncio.run(ask())
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    assert whole["choices"][0]["text"] == reference(PROMPTS[1], 12)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == reference(PROMPTS[1], 12)
+    assert events.rstrip().endswith("data: [DONE]")

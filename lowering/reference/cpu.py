@@ -2,7 +2,7 @@
 
 On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the copy
 
-* runs fp32 linears as oneDNN GEMMs on weights prepacked once
+* runs fp32 and bf16 linears as oneDNN GEMMs on weights prepacked once
   (:func:`pagedpack.lowering.reference.cpu_linear.prepack_linears`);
 * runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
   activation memory (:func:`pagedpack.lowering.reference.cpu_mlp.chunk_mlps`);
@@ -97,7 +97,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     kernels = use_native_kernels(lowered)
     if not any((linears, mlps, rotary, norms, kernels)):
         return gm, None
-    done = (f"{linears} fp32 linears as oneDNN GEMMs on weights prepacked once, "
+    done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, "
             f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings in 3 kernels, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
             f"{kernels} attention/cache ops as native kernel calls, {conversions} conversions that convert nothing "
