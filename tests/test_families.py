@@ -179,6 +179,8 @@ def test_bfloat16_greedy_tokens_equal_transformers(family):
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}
     llm = LLM(model, num_blocks=64, block_size=16, max_num_batched_tokens=64)
     assert llm.report.ok
+    lowering = llm.report.notes[-1]  # the CPU lowering serves bf16 too, checked to bf16's rounding
+    assert lowering.startswith("cpu lowering: ") and "kept the graph as it was" not in lowering, lowering
     prompts = random_prompts((1, 17, 40, 90, 130), seed=7, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(outputs) == len(prompts)
