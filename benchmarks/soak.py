@@ -6,8 +6,9 @@ Checks, each reported: every request got a complete answer (each of its ``n`` co
 finish reason, ``max_tokens`` tokens: eos is ignored; a stream ends with ``[DONE]``), a clean 400
 (the bad ones), or was cancelled by its client; none lost (an error, a timeout, a missing
 ``[DONE]``) and none answered twice (response ids unique); the server's RSS after warm-up, at its
-peak and at the end (growth = end / after warm-up); running / waiting requests and KV usage back to
-0 at the end (``/metrics``).
+peak, at each minute of the soak and at the end (growth = end / after warm-up; and end / after the
+soak's own first minute, whose mix of n, cancellations and step sizes the warm-up lacks); running /
+waiting requests and KV usage back to 0 at the end (``/metrics``).
 
 Saturation: ``--saturation-num`` requests all at once (the ``serve_load`` schedule); the soak rate
 is ``--load`` times that request throughput, divided by the soak requests' mean ``n``, unless
@@ -44,19 +45,26 @@ def rss_bytes(pid: int) -> int:
 
 
 class RssWatch:
-    """Samples the server's RSS every ``period_s`` in a thread: ``peak`` since :meth:`reset`."""
+    """Samples the server's RSS every ``period_s`` in a thread: ``peak`` since :meth:`reset`, and
+    ``minutes``: the RSS at each whole minute since then (is growth a plateau or a leak?)."""
 
     def __init__(self, pid: int, period_s: float = 0.5):
         self.pid, self.period_s, self.peak, self._stop = pid, period_s, 0, threading.Event()
+        self.minutes: list[int] = []
+        self._start = time.monotonic()
         threading.Thread(target=self._run, daemon=True).start()
 
     def reset(self) -> int:
         self.peak = now = rss_bytes(self.pid)
+        self.minutes, self._start = [], time.monotonic()
         return now
 
     def _run(self):
         while not self._stop.wait(self.period_s):
-            self.peak = max(self.peak, rss_bytes(self.pid))
+            now = rss_bytes(self.pid)
+            self.peak = max(self.peak, now)
+            if time.monotonic() - self._start >= 60 * (len(self.minutes) + 1):
+                self.minutes.append(now)
 
     def stop(self):
         self._stop.set()
@@ -154,7 +162,7 @@ def main() -> None:
         prompts = [s.prompt for s in schedule(tokenizer, 64, float("inf"), min_tokens=1, max_tokens=1)]
         tally = asyncio.run(soak(server.url, prompts, rate, args.num, args.minutes * 60, args.seed))
         time.sleep(1.0)
-        end, peak = rss_bytes(server.process.pid), watch.peak
+        end, peak, minutes = rss_bytes(server.process.pid), watch.peak, [m >> 20 for m in watch.minutes]
         watch.stop()
         metrics = httpx.get(f"{server.url}/metrics").text
         idle = {name: _sample(metrics, f"pagedpack:{name}") for name in
@@ -162,7 +170,9 @@ def main() -> None:
         crashed = "Traceback" in server.log
     print(json.dumps({"model": args.model, "saturation": saturation, "rate": round(rate, 3), **tally,
                       "rss_mib": {"after_warmup": after_warmup >> 20, "peak": peak >> 20, "end": end >> 20,
-                                  "growth": round(end / after_warmup - 1, 4)},
+                                  "growth": round(end / after_warmup - 1, 4), "each_minute": minutes,
+                                  "growth_after_first_minute": round(end / (minutes[0] << 20) - 1, 4)
+                                  if minutes else None},
                       "at_end": idle, "server_traceback": crashed, "load_1min": load}, indent=2))
 
 
