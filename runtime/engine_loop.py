@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Callable
 
 from pagedpack.runtime.engine import LLMEngine
+from pagedpack.runtime.memory import trim_heap
 from pagedpack.runtime.outputs import RequestOutput
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -125,15 +126,24 @@ class EngineLoop:
 
     def serve_forever(self, stop: threading.Event, *, poll_s: float = 0.5) -> None:
         """Drive the engine in this thread until ``stop`` is set: steps while any request is live,
-        otherwise sleeps until one is added (or ``poll_s`` passes, to look at ``stop``). If driving
+        otherwise sleeps until one is added (or ``poll_s`` passes, to look at ``stop``); going idle,
+        it gives the heap's free pages back to the OS (:func:`~pagedpack.runtime.memory.trim_heap`:
+        glibc keeps what a busy spell's steps freed, so an idle server's RSS drifted with the load
+        it last had). If driving
         fails outside a step (a step's own error fails only its requests), every live request gets
         the error, :attr:`error` is set, later adds raise :class:`EngineDeadError`, and it re-raises."""
         self._wakeup = threading.Event()
+        busy = False
         try:
             while not stop.is_set():
                 self._wakeup.clear()
-                if not self._step(blocking=True):
-                    self._wakeup.wait(poll_s)
+                if self._step(blocking=True):
+                    busy = True
+                    continue
+                if busy:  # going idle: hand the heap pages the busy spell freed back to the OS
+                    trim_heap()
+                    busy = False
+                self._wakeup.wait(poll_s)
         except BaseException as err:
             with self._lock:
                 self.error = err
