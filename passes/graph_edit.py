@@ -1,6 +1,7 @@
 """Small edits of a ``torch.fx`` graph that the rewrites and lowerings share."""
 from __future__ import annotations
 
+import torch
 import torch.fx
 
 
@@ -29,3 +30,9 @@ def finish_rewrite(graph_module: torch.fx.GraphModule, count: int) -> int:
         graph_module.graph.lint()
         graph_module.recompile()
     return count
+
+
+def is_fp32(node: torch.fx.Node) -> bool:
+    """``node``'s traced value (``meta["val"]``) is an fp32 tensor."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype == torch.float32

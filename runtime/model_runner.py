@@ -57,7 +57,6 @@ class ModelRunner:
             trim_heap()
         return out
 
-
     @torch.inference_mode()
     def commit_kv_memory(self) -> None:
         """Make every page of the caches resident now (a server claims its whole pool at start, as

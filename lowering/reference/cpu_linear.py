@@ -51,6 +51,7 @@ rewritten graph and checks the result.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -74,6 +75,7 @@ def available(device: torch.device | str = "cpu") -> bool:
 
 
 
+@functools.cache
 def packable_dtypes() -> tuple[torch.dtype, ...]:
     """fp32, and bf16 where oneDNN has bf16 kernels for this CPU (AVX512-BF16 / AMX; without them it
     would emulate bf16 and lose to the plain path)."""

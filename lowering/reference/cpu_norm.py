@@ -23,7 +23,7 @@ import torch.fx
 
 from pagedpack.kernels.native import native_ops
 from pagedpack.passes.graph_attrs import attr_tensor
-from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
+from pagedpack.passes.graph_edit import finish_rewrite, is_fp32, replace_with_call
 
 aten = torch.ops.aten
 
@@ -66,7 +66,7 @@ def fuse_rms_norms(graph_module: torch.fx.GraphModule) -> tuple[int, int]:
 def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:
     """``(h, weight, eps)`` if ``node`` is ``weight * (h * rsqrt(mean(h ** 2, -1, True) + eps))`` on
     fp32 tensors, ``weight`` of shape ``[D]`` for ``h`` of ``[..., D]``; else None."""
-    if not _call(node, aten.mul.Tensor) or not _fp32(node):
+    if not _call(node, aten.mul.Tensor) or not is_fp32(node):
         return None
     for weight, scaled in (node.args, node.args[::-1]):
         if not (_call(scaled, aten.mul.Tensor) and len(scaled.users) == 1 and isinstance(weight, torch.fx.Node)):
@@ -122,8 +122,3 @@ def _is_last_dim(dims, h: torch.fx.Node) -> bool:
 
 def _call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _fp32(node: torch.fx.Node) -> bool:
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.float32

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
+from pagedpack.passes.graph_edit import call_arg, finish_rewrite, is_fp32, replace_with_call
 
 aten = torch.ops.aten
 
@@ -49,7 +49,7 @@ def _match(add: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
     """``(x, cos, sin)`` if ``add`` is ``x * cos + cat(-x2, x1) * sin`` on fp32 tensors, else None."""
     if add.op != "call_function" or add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
         return None
-    if not _fp32(add):
+    if not is_fp32(add):
         return None
     for first, second in (add.args, add.args[::-1]):
         rotated = _operands(second, aten.mul.Tensor)
@@ -113,8 +113,3 @@ def _slice(node: torch.fx.Node, dims, start: int, end: int, size: int) -> bool:
     hi, step = size if hi is None else hi, call_arg(node, 4, "step", 1)
     to_the_end = end == size and isinstance(hi, int) and hi >= size
     return dim in dims and lo == start and step == 1 and (hi == end or to_the_end)
-
-
-def _fp32(node: torch.fx.Node) -> bool:
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.float32
