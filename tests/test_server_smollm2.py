@@ -3,6 +3,7 @@ the unmodified ``transformers`` model: chat and raw completions, streamed by con
 with the official ``openai`` client, equal ``apply_chat_template`` + greedy ``generate`` run on
 each prompt alone."""
 import asyncio
+import time
 
 import openai
 import pytest
@@ -27,6 +28,10 @@ def server(checkpoint, tmp_path_factory):
     with RemoteServer("smollm2-135m", "--max-num-batched-tokens", "256", "--served-model-name", "smol",
                       log_path=tmp_path_factory.mktemp("smol") / "server.log") as remote:
         yield remote
+        # idle: SIGTERM stops it at once, not when the grace period's abort timer would have fired (5 s - 1 s)
+        start = time.monotonic()
+        assert remote.stop() == 0
+        assert time.monotonic() - start < 3.0, remote.log[-2000:]
 
 
 def test_concurrent_chat_and_completions_equal_transformers_greedy_alone(server, checkpoint):

@@ -65,6 +65,7 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                            timeout_graceful_shutdown=options.graceful_s, access_log=False))
     stopped = threading.Event()
+    abort_timers: list[threading.Timer] = []
 
     def run_http():
         try:
@@ -79,7 +80,10 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
         server.should_exit = True
         # what has not finished by then is aborted a moment before uvicorn cancels it, so each
         # stream ends with finish_reason "abort" and [DONE], each whole answer with a 503
-        threading.Timer(max(0.0, options.graceful_s - 1.0), llm._loop.abort_all).start()
+        timer = threading.Timer(max(0.0, options.graceful_s - 1.0), llm._loop.abort_all)
+        timer.daemon = True
+        abort_timers.append(timer)
+        timer.start()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, ask_to_stop)
@@ -91,6 +95,9 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
         log.exception("the engine loop died; /health answers 503 until the server is stopped")
         http.join()
         return 1
+    finally:
+        for timer in abort_timers:  # stopped before its deadline: nothing is left to abort
+            timer.cancel()
     http.join()
     if not server.started:
         print(f"pagedpack: error: could not serve on {options.host}:{options.port} (see above)", file=sys.stderr)
