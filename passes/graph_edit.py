@@ -31,8 +31,3 @@ def finish_rewrite(graph_module: torch.fx.GraphModule, count: int) -> int:
         graph_module.recompile()
     return count
 
-
-def is_fp32(node: torch.fx.Node) -> bool:
-    """``node``'s traced value (``meta["val"]``) is an fp32 tensor."""
-    value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.float32

@@ -37,6 +37,24 @@ def test_native_rms_norm_is_the_fp64_norm_rounded(shape):
     torch.testing.assert_close(normed.double(), _rms_norm64(x + residual, weight, eps), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_low_precision_rms_norm_is_transformers_norm_to_its_rounding(dtype):
+    """LlamaRMSNorm computes the norm in fp32, rounds it to the dtype and multiplies by the weight
+    in the dtype; the kernel rounds at those points, so only the sum of squares' rounding (which
+    may move an fp32 1 / rms by an ulp, and a value across a rounding boundary) can differ."""
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(300, 576, generator=g) * 3).to(dtype), torch.randn(300, 576, generator=g).to(dtype)
+    norm = LlamaRMSNorm(576, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=g))
+        ops = native_ops()
+        normed, total = ops.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+        assert torch.equal(total, x + residual)
+        for got, want in ((ops.rms_norm(x, norm.weight, 1e-6), norm(x)), (normed, norm(x + residual))):
+            assert got.dtype == dtype and (got == want).float().mean() > 0.999
+            torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
 def test_native_rms_norm_reads_a_strided_input():
     x, weight = torch.randn(64, 10).t(), torch.randn(64)
     torch.testing.assert_close(native_ops().rms_norm(x, weight, 1e-5).double(), _rms_norm64(x, weight, 1e-5),
@@ -45,7 +63,8 @@ def test_native_rms_norm_reads_a_strided_input():
 
 @pytest.mark.parametrize("args, message", [
     ((torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8)),
-     "rms_norm: input, weight: expected float32, got BFloat16"),
+     "rms_norm: input, weight: expected one dtype of float32, bfloat16, float16, got BFloat16, Float"),
+    ((torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)), "got Double, Double"),
     ((torch.randn(2, 8), torch.randn(7)), r"rms_norm: input \[2, 8\], weight \[7\]: expected weight \[D\] for input"),
     ((torch.randn(2, 8), torch.randn(2, 8)), r"expected weight \[D\] for input \[\.\.\., D\]"),
 ])
@@ -83,17 +102,22 @@ def _graph(norm=LlamaRMSNorm, dtype=torch.float32):
     return gm, inputs
 
 
-def test_fused_norms_compute_what_the_graph_did():
-    gm, inputs = _graph()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_norms_compute_what_the_graph_did(dtype):
+    gm, inputs = _graph(dtype=dtype)
     expected = gm(*inputs)
-    assert drop_noop_conversions(gm) == 4  # each norm casts to fp32 and back
+    # an fp32 model's norms cast to fp32 and back (converting nothing); a bf16 / fp16 one's convert
+    assert drop_noop_conversions(gm) == (4 if dtype == torch.float32 else 0)
     assert fuse_rms_norms(gm) == (2, 1)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.rsqrt.default not in targets and torch.ops.aten.pow.Tensor_Scalar not in targets
+    assert torch.ops.aten.to.dtype not in targets
     ops = native_ops()
     assert targets.count(ops.rms_norm.default) == 1 and targets.count(ops.fused_add_rms_norm.default) == 1
     for got, want in zip(gm(*inputs), expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert got.dtype == want.dtype
+        tolerance = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # at most a rounding step
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=1e-6)
 
 
 class _SumNorm(LlamaRMSNorm):
@@ -112,10 +136,10 @@ def test_gemmas_one_plus_weight_is_the_weight_of_a_fused_norm():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("norm, dtype", [(_SumNorm, torch.float32), (LlamaRMSNorm, torch.bfloat16)])
-def test_other_norms_and_dtypes_are_left_alone(norm, dtype):
-    """A norm of another formula; a bf16 model's norm, computed in fp32 between two casts."""
-    gm, _ = _graph(norm, dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_norms_are_left_alone(dtype):
+    """A norm of another formula."""
+    gm, _ = _graph(_SumNorm, dtype)
     drop_noop_conversions(gm)
     before = [n.format_node() for n in gm.graph.nodes]
     assert fuse_rms_norms(gm) == (0, 0)

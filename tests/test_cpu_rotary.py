@@ -1,12 +1,15 @@
-"""The rotary embedding in three kernels (``lowering/reference/cpu_rotary.py``): the values of
-``transformers``' ``apply_rotary_pos_emb`` to rounding, which forms are fused and which are left
-alone, and greedy tokens equal to the unmodified model's across the families' rotary forms."""
+"""The rotary embedding in one kernel (``lowering/reference/cpu_rotary.py``,
+``kernels/csrc/rotary_cpu.cpp``): the native kernel against an fp64 reference written here and
+against ``transformers``' ``apply_rotary_pos_emb`` (bit for bit in bf16 / fp16), the fp32
+three-kernel fallback, which forms are fused and which are left alone, and greedy tokens equal to
+the unmodified model's across the families' rotary forms."""
 import pytest
 import torch
 import transformers as T
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference import cpu_rotary
 
 from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
@@ -28,18 +31,76 @@ class _Rotary(torch.nn.Module):
 def _graph(form: str, dtype=torch.float32, sin=None):
     q, k = torch.randn(1, 4, 10, 16, dtype=dtype), torch.randn(1, 2, 10, 16, dtype=dtype)
     cos = torch.randn(1, 10, 16, dtype=dtype)
-    sin = torch.randn(1, 10, 16, dtype=dtype) if sin is None else sin
+    sin = torch.randn(1, 10, 16, dtype=dtype) if sin is None else sin.to(dtype)
     return torch.export.export(_Rotary(form), (q, k, cos, sin)).module(), (q, k, cos, sin)
 
 
-def test_the_fused_rotary_computes_what_the_graph_did():
-    gm, inputs = _graph("rotate half")
+needs_native = pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
+
+
+def _rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return x.double() * cos.double() + torch.cat([-x2, x1], -1) * sin.double()
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_native_rope_is_the_fp64_rope_rounded_and_the_graphs_bit_for_bit(tokens):
+    """x as the graph hands it over: q of a packed q/k/v projection, viewed [1, H, T, D]; the output
+    laid out so that its [T, H, D] view is contiguous."""
+    g = torch.Generator().manual_seed(tokens)
+    projection = torch.randn(1, tokens, 9 * 64 + 2 * 3 * 64, generator=g) * 4
+    angles = torch.randn(1, tokens, 64, generator=g) * 10
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = projection.to(dtype)[..., :576].view(1, tokens, 9, 64).transpose(1, 2)
+        cos, sin = angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        got = native_ops().rotate_half_rope(x, cos, sin)
+        assert got.dtype == dtype and got[0].transpose(0, 1).is_contiguous()
+        torch.testing.assert_close(got.double(), _rope64(x, cos, sin), rtol=2e-6 if dtype == torch.float32 else
+                                   2.0 ** -7, atol=1e-5 if dtype == torch.float32 else 2.0 ** -7 * 4)
+        if dtype != torch.float32:  # each product and the sum rounded where the graph rounds them
+            assert torch.equal(got, apply_rotary_pos_emb(x, x, cos[:, 0], sin[:, 0])[0])  # it unsqueezes dim 1
+
+
+@needs_native
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8)), "got Float, BFloat16, Float"),
+    ((torch.randn(2, 8, dtype=torch.float64),) * 3, "expected one dtype of float32, bfloat16, float16, got Double"),
+    ((torch.randn(2, 7),) * 3, r"x \[2, 7\]: expected a last dimension of even size"),
+    ((torch.randn(2, 8), torch.randn(3, 8), torch.randn(2, 8)), r"cos \[3, 8\], sin \[2, 8\]: expected shapes"),
+])
+def test_native_rope_refuses_what_it_does_not_compute(args, message):
+    with pytest.raises(ValueError, match=message):
+        native_ops().rotate_half_rope(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_rotary_computes_what_the_graph_did(dtype):
+    if native_ops() is None and dtype != torch.float32:
+        pytest.skip("no native CPU kernels (no C++ compiler)")
+    gm, inputs = _graph("rotate half", dtype)
     expected = gm(*inputs)
     assert cpu_rotary.fuse_rotary(gm) == 2
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(cpu_rotary.rotate_half_rope) == 2 and torch.ops.aten.cat.default not in targets
+    fused = native_ops().rotate_half_rope.default if native_ops() is not None else cpu_rotary.rotate_half_rope
+    assert targets.count(fused) == 2 and torch.ops.aten.cat.default not in targets
+    for got, want in zip(gm(*inputs), expected):
+        if dtype == torch.float32:  # a multiply and an add may be fused: an ulp or so
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
+
+
+def test_without_native_kernels_fp32_rotary_runs_in_three_kernels_and_other_dtypes_are_left_alone(monkeypatch):
+    monkeypatch.setattr(cpu_rotary, "native_ops", lambda: None)
+    gm, inputs = _graph("rotate half")
+    expected = gm(*inputs)
+    assert cpu_rotary.fuse_rotary(gm) == 2
+    assert [n.target for n in gm.graph.nodes].count(cpu_rotary.rotate_half_rope) == 2
     for got, want in zip(gm(*inputs), expected):  # addcmul may fuse multiply and add: an ulp or so
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    gm, _ = _graph("rotate half", torch.bfloat16)
+    assert cpu_rotary.fuse_rotary(gm) == 0
 
 
 @pytest.mark.parametrize("sin_shape", [(1, 10, 1), (3, 10, 16)])
@@ -50,9 +111,9 @@ def test_a_sin_that_does_not_fit_the_in_place_adds_is_left_alone(sin_shape):
     assert cpu_rotary.fuse_rotary(gm) == 0
 
 
-@pytest.mark.parametrize("form, dtype", [("interleaved", torch.float32), ("rotate half", torch.bfloat16)])
-def test_other_forms_and_dtypes_are_left_alone(form, dtype):
-    gm, _ = _graph(form, dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_forms_are_left_alone(dtype):
+    gm, _ = _graph("interleaved", dtype)
     before = [n.format_node() for n in gm.graph.nodes]
     assert cpu_rotary.fuse_rotary(gm) == 0
     assert [n.format_node() for n in gm.graph.nodes] == before
@@ -70,7 +131,7 @@ def test_fused_rotary_steps_generate_the_unmodified_models_tokens(family):
     model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
     reference = snapshot(model)
     llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
-    assert f"{FUSED[family]} rotary embeddings in 3 kernels" in llm.report.notes[-1]
+    assert f"{FUSED[family]} rotary embeddings fused" in llm.report.notes[-1]
     prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=6)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):

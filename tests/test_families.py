@@ -13,6 +13,7 @@ import transformers as T
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.contract import UnsupportedModelError
+from pagedpack.kernels.native import native_ops
 from pagedpack.passes.numerics import grouped_mm
 
 from conftest import MIXED_PROMPT_LENS, assert_greedy_tokens_or_tie, hf_greedy, random_prompts, snapshot
@@ -181,6 +182,8 @@ def test_bfloat16_greedy_tokens_equal_transformers(family):
     assert llm.report.ok
     lowering = llm.report.notes[-1]  # the CPU lowering serves bf16 too, checked to bf16's rounding
     assert lowering.startswith("cpu lowering: ") and "kept the graph as it was" not in lowering, lowering
+    if native_ops() is not None:  # bf16 norms and rotary embeddings run as native kernels (2 layers)
+        assert "4 rotary embeddings fused" in lowering and "5 RMSNorms as native kernels (4 with" in lowering, lowering
     prompts = random_prompts((1, 17, 40, 90, 130), seed=7, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(outputs) == len(prompts)

@@ -6,9 +6,9 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
   (:func:`pagedpack.lowering.reference.cpu_linear.prepack_linears`);
 * runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
   activation memory (:func:`pagedpack.lowering.reference.cpu_mlp.chunk_mlps`);
-* applies rotate-half rotary embeddings in three kernels, without temporaries
+* applies each rotate-half rotary embedding in one native kernel, without temporaries
   (:func:`pagedpack.lowering.reference.cpu_rotary.fuse_rotary`);
-* computes each fp32 RMSNorm, and the residual add before it, in one native kernel
+* computes each RMSNorm, and the residual add before it, in one native kernel
   (:func:`pagedpack.lowering.reference.cpu_norm.fuse_rms_norms`);
 * drops export's guards and asserts and the dtype conversions that convert nothing (an fp32
   model's norms cast to fp32 and back): each was a dispatch a call;
@@ -104,7 +104,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     if not any((linears, mlps, rotary, norms, kernels)):
         return gm, None
     done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, "
-            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings in 3 kernels, "
+            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings fused, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
             f"{kernels} attention/cache ops as native kernel calls, {conversions} conversions that convert nothing "
             "dropped")

@@ -4,15 +4,18 @@
 as ``weight * (h * rsqrt(mean(h ** 2, -1, keepdim=True) + eps))``: six kernels, each a dispatch from
 the step's Python code and, but for the mean, a temporary the size of ``h``; twice a layer. In a
 decode step those dispatches, not the arithmetic, are the cost (SmolLM2, 30 layers: 360 calls a
-step). :func:`fuse_rms_norms` replaces each such fp32 subgraph by
+step). :func:`fuse_rms_norms` replaces each such subgraph by
 ``torch.ops.pagedpack_cpu.rms_norm(h, weight, eps)`` (``kernels/csrc/rms_norm_cpu.cpp``) and, where
 ``h`` is itself ``x + residual``, by ``fused_add_rms_norm(x, residual, weight, eps)``, which returns
 the norm and the sum (the next residual) from one pass over the rows, as vLLM's kernel of that name
-does in place. The results differ from the graph's by rounding alone (the sum of squares is
-accumulated in vector lanes); the CPU lowering's check holds the step's logits to the graph's.
-The weight may be computed (Gemma's ``1 + weight``); it is fused with the residual add only when
-it is computed before that add. Other dtypes (where the graph casts to fp32 and back) and other
-formulas (LayerNorm, a sum of squares) are left alone.
+does in place. In an fp32 graph the norm is those six ops; in a bf16 / fp16 one ``LlamaRMSNorm``
+casts ``h`` to fp32, computes the norm there, casts it back and multiplies by the weight in ``h``'s
+dtype (eight ops), and the kernel rounds where those casts do. The results differ from the graph's
+by the sum of squares' rounding alone (accumulated in vector lanes); the CPU lowering's check
+holds the step's logits to the graph's. The weight may be computed (Gemma's ``1 + weight``); it is
+fused with the residual add only when it is computed before that add. Other forms (Gemma's, which
+multiplies by the weight in fp32 before casting back, matches as an fp32 norm of the cast input;
+LayerNorm; a sum of squares) are left alone.
 """
 from __future__ import annotations
 
@@ -23,13 +26,15 @@ import torch.fx
 
 from pagedpack.kernels.native import native_ops
 from pagedpack.passes.graph_attrs import attr_tensor
-from pagedpack.passes.graph_edit import finish_rewrite, is_fp32, replace_with_call
+from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CASTS = (aten.to.dtype, aten._to_copy.default)
 
 
 def fuse_rms_norms(graph_module: torch.fx.GraphModule) -> tuple[int, int]:
-    """Replace each fp32 RMSNorm subgraph of ``graph_module`` (module docstring) by a native call;
+    """Replace each RMSNorm subgraph of ``graph_module`` (module docstring) by a native call;
     returns ``(norms replaced, of them fused with their residual add)``; ``(0, 0)`` without the
     native kernels."""
     native = native_ops()
@@ -65,16 +70,35 @@ def fuse_rms_norms(graph_module: torch.fx.GraphModule) -> tuple[int, int]:
 
 def _match(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, float] | None:
     """``(h, weight, eps)`` if ``node`` is ``weight * (h * rsqrt(mean(h ** 2, -1, True) + eps))`` on
-    fp32 tensors, ``weight`` of shape ``[D]`` for ``h`` of ``[..., D]``; else None."""
-    if not _call(node, aten.mul.Tensor) or not is_fp32(node):
+    fp32 tensors, or ``weight * to(to(h, fp32) * rsqrt(...), dtype)`` on bf16 / fp16 ones, ``weight``
+    of shape ``[D]`` and ``h``'s dtype for ``h`` of ``[..., D]``; else None."""
+    value = node.meta.get("val")
+    if not (_call(node, aten.mul.Tensor) and isinstance(value, torch.Tensor) and value.dtype in _DTYPES):
         return None
+    low_precision = value.dtype != torch.float32
     for weight, scaled in (node.args, node.args[::-1]):
-        if not (_call(scaled, aten.mul.Tensor) and len(scaled.users) == 1 and isinstance(weight, torch.fx.Node)):
+        if not isinstance(weight, torch.fx.Node) or len(getattr(scaled, "users", ())) != 1:
             continue
-        for h, rsqrt in (scaled.args, scaled.args[::-1]):
-            eps = _inverse_rms_of(rsqrt, h)
-            if eps is not None and _weight_fits(gm, weight, h):
+        if low_precision:  # the norm in fp32 cast back to the weight's dtype
+            scaled = _cast_source(scaled, value.dtype)
+        if not (_call(scaled, aten.mul.Tensor) and len(scaled.users) == 1):
+            continue
+        for x, rsqrt in (scaled.args, scaled.args[::-1]):
+            h = _cast_source(x, torch.float32) if low_precision else x
+            eps = _inverse_rms_of(rsqrt, x)
+            if h is not None and eps is not None and _weight_fits(gm, weight, h, value.dtype):
                 return h, weight, eps
+    return None
+
+
+def _cast_source(node, dtype: torch.dtype) -> torch.fx.Node | None:
+    """``x`` if ``node`` is a conversion ``to(x, dtype)`` of a tensor of another dtype, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _CASTS and node.args):
+        return None
+    source, value = node.args[0], node.meta.get("val")
+    before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and value.dtype == dtype != before.dtype:
+        return source
     return None
 
 
@@ -97,20 +121,20 @@ def _inverse_rms_of(rsqrt, h) -> float | None:
 
 
 def _residual_add(h: torch.fx.Node, weight: torch.fx.Node, order) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """``(x, residual)`` if ``h`` is ``x + residual`` of two fp32 tensors of ``h``'s shape and
+    """``(x, residual)`` if ``h`` is ``x + residual`` of two tensors of ``h``'s shape and dtype and
     ``weight`` is defined before it (the fused call takes ``h``'s place), else None."""
     if not (_call(h, aten.add.Tensor) and len(h.args) == 2 and not h.kwargs and order[weight] < order[h]):
         return None
     values = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in h.args]
     total = h.meta.get("val")
-    if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.shape == total.shape for v in values):
+    if not all(isinstance(v, torch.Tensor) and v.dtype == total.dtype and v.shape == total.shape for v in values):
         return None
     return h.args
 
 
-def _weight_fits(gm: torch.fx.GraphModule, weight: torch.fx.Node, h: torch.fx.Node) -> bool:
+def _weight_fits(gm: torch.fx.GraphModule, weight: torch.fx.Node, h: torch.fx.Node, dtype: torch.dtype) -> bool:
     w, x = weight.meta.get("val", attr_tensor(gm, weight)), h.meta.get("val")
-    return (isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor) and w.dtype == x.dtype == torch.float32
+    return (isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor) and w.dtype == x.dtype == dtype
             and w.dim() == 1 and x.dim() >= 1 and w.shape[0] == x.shape[-1])
 
 

@@ -1,24 +1,27 @@
-"""The rotary embedding in three kernels instead of six.
+"""The rotary embedding in one kernel instead of seven.
 
 ``transformers`` applies a rotary embedding (RoPE, the "neox" / rotate-half form: Llama, Mistral,
 Qwen, Gemma, Phi-3, GPT-NeoX, ...) as ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) =
-cat(-x[..., D/2:], x[..., :D/2])`` (``modeling_llama.apply_rotary_pos_emb``): six kernels and four
-temporaries the size of ``x`` for each of q and k, each layer. :func:`fuse_rotary` replaces each
-such subgraph of an fp32 step graph by :func:`rotate_half_rope`: ``x * cos``, then the two halves'
-``sin`` terms added in place with ``addcmul_`` (one output, no temporaries). It differs from the
-graph's ops by rounding alone: ``addcmul`` may fuse the multiply and the add (on fp32 values of
-order 1, at most a few 1e-7 apart; the CPU lowering's check and the family tests hold the tokens
-to the unmodified model's). Other dtypes, where ``addcmul`` computes in fp32 and rounds once where
-the graph rounds each op to bf16 / fp16, are left alone, as is every other form (GPT-J's
-interleaved pairs, Cohere's, ...). On W1 (fp32, 8 layers, 2048-token
-prefill steps) a whole generation took 0.94x the time (1.49-1.54 s against 1.60-1.63 s).
+cat(-x[..., D/2:], x[..., :D/2])`` (``modeling_llama.apply_rotary_pos_emb``): seven ops (two slices,
+neg, cat, two muls, add) and four temporaries the size of ``x`` for each of q and k, each layer.
+:func:`fuse_rotary` replaces each such subgraph by the native kernel
+``torch.ops.pagedpack_cpu.rotate_half_rope`` (``kernels/csrc/rotary_cpu.cpp``: fp32, bf16, fp16,
+each product and the sum rounded to the dtype where the graph rounds them, so a bf16 step's values
+are the graph's bit for bit), or, without the native kernels, an fp32 subgraph by
+:func:`rotate_half_rope`: ``x * cos``, then the two halves' ``sin`` terms added in place with
+``addcmul_`` (three kernels, no temporaries). In fp32 either may fuse a multiply and an add (on
+values of order 1, at most a few 1e-7 apart; the CPU lowering's check and the family tests hold the
+tokens to the unmodified model's). Every other form (GPT-J's interleaved pairs, Cohere's, ...) is
+left alone. On W1 (fp32, 8 layers, 2048-token prefill steps) the three-kernel form took a whole
+generation 0.94x the time (1.49-1.54 s against 1.60-1.63 s).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx
 
-from pagedpack.passes.graph_edit import call_arg, finish_rewrite, is_fp32, replace_with_call
+from pagedpack.kernels.native import native_ops
+from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
 
 aten = torch.ops.aten
 
@@ -34,22 +37,25 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def fuse_rotary(graph_module: torch.fx.GraphModule) -> int:
-    """Replace each fp32 rotate-half rotary subgraph of ``graph_module`` (module docstring) by a
-    call of :func:`rotate_half_rope`; returns how many were replaced."""
+    """Replace each rotate-half rotary subgraph of ``graph_module`` by a call of the native kernel
+    or, without it, each fp32 one by :func:`rotate_half_rope` (module docstring); returns how many
+    were replaced."""
+    native = native_ops()
+    target = native.rotate_half_rope.default if native is not None else rotate_half_rope
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if native is not None else (torch.float32,)
     replaced = 0
     for node in list(graph_module.graph.nodes):
-        found = _match(node)
+        found = _match(node, dtypes)
         if found is not None:
-            replace_with_call(node, rotate_half_rope, found)
+            replace_with_call(node, target, found)
             replaced += 1
     return finish_rewrite(graph_module, replaced)
 
 
-def _match(add: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
-    """``(x, cos, sin)`` if ``add`` is ``x * cos + cat(-x2, x1) * sin`` on fp32 tensors, else None."""
+def _match(add: torch.fx.Node, dtypes) -> tuple[torch.fx.Node, ...] | None:
+    """``(x, cos, sin)`` if ``add`` is ``x * cos + cat(-x2, x1) * sin`` on tensors of one of
+    ``dtypes``, else None."""
     if add.op != "call_function" or add.target is not aten.add.Tensor or len(add.args) != 2 or add.kwargs:
-        return None
-    if not is_fp32(add):
         return None
     for first, second in (add.args, add.args[::-1]):
         rotated = _operands(second, aten.mul.Tensor)
@@ -60,20 +66,23 @@ def _match(add: torch.fx.Node) -> tuple[torch.fx.Node, ...] | None:
             x = _rotate_half_of(cat)
             if x is not None and x in plain:
                 cos = plain[1] if plain[0] is x else plain[0]
-                return (x, cos, sin) if _sin_fits(x, cos, sin) else None
+                return (x, cos, sin) if _fits(add, x, cos, sin, dtypes) else None
     return None
 
 
-def _sin_fits(x: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node) -> bool:
-    """``sin`` has ``x``'s last dimension (its halves are sliced) and broadcasts into ``x * cos``
-    (it is added to that in place)."""
-    shapes = [node.meta.get("val") for node in (x, cos, sin)]
-    if not all(isinstance(v, torch.Tensor) for v in shapes) or shapes[2].dim() < 1:
+def _fits(add: torch.fx.Node, x: torch.fx.Node, cos: torch.fx.Node, sin: torch.fx.Node, dtypes) -> bool:
+    """``x``, ``cos``, ``sin`` and the sum share a dtype of ``dtypes``; ``cos`` and ``sin`` (the
+    latter of ``x``'s last dimension: its halves are sliced) broadcast to ``x``'s shape, the
+    shape of the sum."""
+    values = [node.meta.get("val") for node in (add, x, cos, sin)]
+    if not all(isinstance(v, torch.Tensor) for v in values) or values[3].dim() < 1:
         return False
-    x_val, cos_val, sin_val = shapes
+    total, x_val, cos_val, sin_val = values
+    if total.dtype not in dtypes or any(v.dtype != total.dtype for v in values):
+        return False
     try:
-        product = torch.broadcast_shapes(x_val.shape, cos_val.shape)
-        return sin_val.shape[-1] == x_val.shape[-1] and torch.broadcast_shapes(product, sin_val.shape) == product
+        return (sin_val.shape[-1] == x_val.shape[-1] and total.shape == x_val.shape
+                and all(torch.broadcast_shapes(x_val.shape, v.shape) == x_val.shape for v in (cos_val, sin_val)))
     except RuntimeError:  # shapes that do not broadcast (or symbolic sizes it cannot decide)
         return False
 

@@ -1,0 +1,154 @@
+// CPU kernel of pagedpack_cpu::rotate_half_rope (fp32, bf16, fp16).
+//
+// Semantics: transformers' rotate-half rotary embedding (modeling_llama.apply_rotary_pos_emb), as
+// its graph computes it: `x * cos + cat(-x2, x1) * sin` with x1, x2 the halves of x's last
+// dimension D, each of the two products and their sum rounded to x's dtype (the graph's mul, mul,
+// add in bf16 / fp16 each round; in fp32 the products may be fused into the add, a rounding
+// difference). One pass instead of the graph's seven ops (two slices, neg, cat, two muls, add) and
+// their four temporaries. `cos` and `sin` broadcast to x's shape. The output has x's layout order
+// (a [1, H, T, D] view of a [T, H * D] projection gives a tensor whose [T, H, D] view is
+// contiguous, as the attention ops want it). Chosen by lowering/reference/cpu_rotary.py, which
+// checks the lowered step against the graph.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <numeric>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kGrainRows = 64;
+
+// A dense tensor of x's sizes whose dims are laid out in the order of x's strides (largest first).
+at::Tensor empty_in_layout_of(const at::Tensor& x) {
+  std::vector<int64_t> order(x.dim());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return x.stride(a) > x.stride(b); });
+  std::vector<int64_t> strides(x.dim());
+  int64_t step = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    strides[*it] = step;
+    step *= std::max<int64_t>(x.size(*it), 1);
+  }
+  return at::empty_strided(x.sizes(), strides, x.options());
+}
+
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Vec::size() values of T as floats, rounded to T and back, stored as T.
+template <typename T>
+inline Vec load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
+  }
+}
+
+template <typename T>
+inline Vec rounded(Vec v) {
+  if constexpr (std::is_same_v<T, float>) return v;
+  else return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+}
+
+template <typename T>
+inline void store_floats(Vec v, T* p) {
+  if constexpr (std::is_same_v<T, float>) v.store(p);
+  else at::vec::convert_from_float<T>(v, v).store(p, Vec::size());
+}
+
+// One row of D = 2 * half values: contiguous (vector lanes, scalar tail) or at the given strides.
+template <typename T>
+inline void rotate_row(const T* x, const T* c, const T* s, T* o, int64_t half, int64_t xs, int64_t cs, int64_t ss,
+                       int64_t os) {
+  int64_t i = 0;
+  if (xs == 1 && cs == 1 && ss == 1 && os == 1) {
+    for (; i + Vec::size() <= half; i += Vec::size()) {
+      const Vec x1 = load_floats(x + i), x2 = load_floats(x + i + half);
+      store_floats(rounded<T>(x1 * load_floats(c + i)) - rounded<T>(x2 * load_floats(s + i)), o + i);
+      store_floats(rounded<T>(x2 * load_floats(c + i + half)) + rounded<T>(x1 * load_floats(s + i + half)), o + i + half);
+    }
+  }
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i * xs]), x2 = static_cast<float>(x[(i + half) * xs]);
+    o[i * os] = static_cast<T>(rounded<T>(x1 * static_cast<float>(c[i * cs])) -
+                               rounded<T>(x2 * static_cast<float>(s[i * ss])));
+    o[(i + half) * os] = static_cast<T>(rounded<T>(x2 * static_cast<float>(c[(i + half) * cs])) +
+                                        rounded<T>(x1 * static_cast<float>(s[(i + half) * ss])));
+  }
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t rank = x.dim(), dim = x.size(-1), half = dim / 2, rows = dim ? x.numel() / dim : 0;
+  const T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(-1), cs = cos.stride(-1), ss = sin.stride(-1), os = out.stride(-1);
+  // the leading dims, innermost first: size and each tensor's stride
+  std::vector<std::array<int64_t, 5>> lead;
+  for (int64_t d = rank - 2; d >= 0; --d)
+    if (x.size(d) > 1) lead.push_back({x.size(d), x.stride(d), cos.stride(d), sin.stride(d), out.stride(d)});
+  at::parallel_for(0, rows, kGrainRows, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      int64_t xo = 0, co = 0, so = 0, oo = 0, rest = r;
+      for (const auto& [size, x_stride, c_stride, s_stride, o_stride] : lead) {  // row r's index
+        const int64_t i = rest % size;
+        rest /= size;
+        xo += i * x_stride;
+        co += i * c_stride;
+        so += i * s_stride;
+        oo += i * o_stride;
+      }
+      const T* xr = xp + xo;
+      const T* c = cp + co;
+      const T* s = sp + so;
+      T* o = op + oo;
+      rotate_row<T>(xr, c, s, o, half, xs, cs, ss, os);
+    }
+  });
+}
+
+at::Tensor rotate_half_rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                        cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+                    "rotate_half_rope: x, cos, sin: expected one dtype of float32, bfloat16, float16, got ", dtype,
+                    ", ", cos.scalar_type(), ", ", sin.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, "rotate_half_rope: x ", x.sizes(),
+                    ": expected a last dimension of even size");
+  TORCH_CHECK_VALUE(cos.dim() <= x.dim() && sin.dim() <= x.dim() && at::is_expandable_to(cos.sizes(), x.sizes()) &&
+                        at::is_expandable_to(sin.sizes(), x.sizes()),
+                    "rotate_half_rope: cos ", cos.sizes(), ", sin ", sin.sizes(), ": expected shapes that broadcast to x's ",
+                    x.sizes());
+  const auto c = cos.expand(x.sizes()), s = sin.expand(x.sizes());
+  auto out = empty_in_layout_of(x);
+  if (dtype == at::kFloat) rope_rows<float>(x, c, s, out);
+  else if (dtype == at::kBFloat16) rope_rows<at::BFloat16>(x, c, s, out);
+  else rope_rows<at::Half>(x, c, s, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedpack_cpu, m) {
+  m.def("rotate_half_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
+  m.impl("rotate_half_rope", &rotate_half_rope_cpu);
+}
