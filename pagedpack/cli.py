@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="most requests waiting for their first step; more get HTTP 503 with Retry-After")
     srv.add_argument("--metrics-namespace", default="pagedpack", choices=["pagedpack", "vllm"],
                      help="prefix of the /metrics names (vllm: vLLM's names exactly, for its dashboards)")
+    srv.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="SECONDS",
+                     help="once SIGINT/SIGTERM comes, how long in-flight requests may finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
 
@@ -208,6 +210,8 @@ def _serve(args) -> int:
     for name, value, low, high in bounds:  # before the model is loaded
         if value < low or (high is not None and value > high):
             raise ValueError(f"{name}: expected an int in [{low}, {high if high is not None else 'inf'}], got {value}")
+    if not args.timeout_graceful_shutdown >= 0:  # NaN too
+        raise ValueError(f"--timeout-graceful-shutdown: expected seconds >= 0, got {args.timeout_graceful_shutdown}")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
@@ -217,7 +221,8 @@ def _serve(args) -> int:
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)
     print(f"pagedpack: serving {name!r} ({llm.target} target) on http://{args.host}:{args.port}/v1", flush=True)
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
-                                            metrics_namespace=args.metrics_namespace, log_level=args.log_level))
+                                            metrics_namespace=args.metrics_namespace, log_level=args.log_level,
+                                            graceful_s=args.timeout_graceful_shutdown))
 
 
 def _kv_timeline(args):

@@ -420,7 +420,9 @@ def test_metrics_namespace_vllm_gives_vllm_s_exact_names(tiny_llm):
 def test_serve_refuses_bad_options_before_loading_the_model(capsys):
     from conftest import run_cli
 
-    for args, named in ((["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue")):
+    for args, named in ((["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue"),
+                        (["--timeout-graceful-shutdown", "-1"], "--timeout-graceful-shutdown"),
+                        (["--timeout-graceful-shutdown", "nan"], "--timeout-graceful-shutdown")):
         code, _, err = run_cli(capsys, "serve", "no-such-model-dir", *args)
         assert code == 2 and named in err, err
 
