@@ -25,8 +25,8 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    with RemoteServer("smollm2-135m", "--max-num-batched-tokens", "256", "--served-model-name", "smol",
-                      "--timeout-graceful-shutdown", "120", log_path=tmp_path_factory.mktemp("smol") / "server.log") as remote:
+    args = ("--max-num-batched-tokens", "256", "--served-model-name", "smol", "--timeout-graceful-shutdown", "120")
+    with RemoteServer("smollm2-135m", *args, log_path=tmp_path_factory.mktemp("smol") / "server.log") as remote:
         yield remote
         # idle: SIGTERM stops it at once, not when the grace period's abort timer fires (120 s - 1 s;
         # RemoteServer kills it after 30 s, and the exit status says so)
