@@ -79,7 +79,8 @@ def describe_model(model: torch.nn.Module, tokenizer=None) -> tuple[ModelDescrip
     vocabulary, name, ``tokenizer``), and the note of :func:`max_model_len` if any."""
     limit, note = max_model_len(model.config)
     name = getattr(model.config, "_name_or_path", None) or None
-    return ModelDescription(eos_token_ids(model, tokenizer), limit, model.config.vocab_size, name, tokenizer), note
+    vocab_size = text_config(model.config).vocab_size  # a multimodal config nests it (Qwen2-VL)
+    return ModelDescription(eos_token_ids(model, tokenizer), limit, vocab_size, name, tokenizer), note
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer=None) -> list[int]:

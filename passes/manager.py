@@ -7,9 +7,10 @@ reads what no earlier pass provides, runs the passes in order, times each and ap
 :class:`~pagedpack.passes.report.PassRecord` per pass to the report. ``Pass.uuid()`` (name,
 version, options) identifies a pass in cache keys (``PassManager.uuid()`` the pipeline's). The
 first pass that refuses anything stops the pipeline, and the graph module is put back as it was
-before the first pass that mutates it. With ``PAGEDPACK_DUMP_GRAPHS=DIR`` set, the graph
-is written before and after each pass as readable code: ``DIR/NN-<pass>-before.txt`` and
-``DIR/NN-<pass>-after.txt`` (a later pipeline run overwrites them).
+before the first pass that mutates it. A pass that raises refuses: the report names the pass, the
+exception and, when a graph's generated code raised it, the node (never a raw exception to the user).
+With ``PAGEDPACK_DUMP_GRAPHS=DIR`` set, the graph is written before and after each pass as readable
+code: ``DIR/NN-<pass>-before.txt`` and ``DIR/NN-<pass>-after.txt`` (a later run overwrites them).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch.fx import Node
 from pagedpack.contract import KVCacheSpec
 from pagedpack.files import atomic_write
 from pagedpack.passes.attention_sites import AttentionSite
-from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts
+from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts, op_name
 
 DUMP_GRAPHS_ENV = "PAGEDPACK_DUMP_GRAPHS"
 
@@ -150,7 +151,11 @@ class PassManager:
             if dump_dir:
                 _dump(gm, dump_dir / f"{index:02d}-{p.name}-before.txt")
             start = time.perf_counter()
-            result = p(ctx)
+            try:
+                result = p(ctx)
+            except Exception as err:  # a check that cannot run on this graph (e.g. its own packed sample)
+                report.notes.append(_raised_note(p.name, err))
+                result = PassResult(refused=1)
             ms = (time.perf_counter() - start) * 1e3
             report.passes.append(PassRecord(p.name, result.matched, result.rewritten, result.refused, ms))
             if dump_dir:
@@ -166,6 +171,32 @@ class PassManager:
                 gm.recompile()
         report.ops_after = op_counts(gm.graph)
         return report.stopped_at is None
+
+
+def _raised_note(pass_name: str, err: Exception) -> str:
+    """``"<pass> raised <Error>: <first line> (at node <name> = <op>)"``: the node is the innermost
+    graph-module node whose generated ``forward`` line the traceback passes through."""
+    message = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    node = raising_node(err)
+    where = f" (at node {node.name} = {op_name(node.target)})" if node is not None else ""
+    return f"{pass_name} raised {type(err).__name__}: {message}{where}"
+
+
+def raising_node(err: BaseException) -> Node | None:
+    """The fx node whose line of a ``GraphModule``'s generated ``forward`` (innermost in ``err``'s
+    traceback) raised ``err``, or None: read off the generated code's line map, as torch.fx's own
+    error message (``_WrappedCall``) reads it."""
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        module = frame.f_locals.get("self")
+        if (isinstance(module, torch.fx.GraphModule) and frame.f_code is getattr(type(module).forward, "__code__", None)
+                and module._lineno_map is not None):
+            index = module._lineno_map.get(tb.tb_lineno - module._prologue_start)
+            if index is not None:
+                found = list(module.graph.nodes)[index]
+        tb = tb.tb_next
+    return found
 
 
 def check_order(passes: Sequence[Pass]) -> None:

@@ -59,8 +59,9 @@ def float64_inputs(inputs) -> tuple:
 
 def equal_to_floor(result: torch.Tensor, own: torch.Tensor) -> bool:
     """``result`` equals ``own`` (the original graph's, same dtype) to :data:`FLOOR` of its
-    magnitude: no float64 run is needed. Integer and bool tensors: exactly equal."""
-    if not result.is_floating_point():
+    magnitude: no float64 run is needed. Integer and bool tensors: exactly equal; empty tensors
+    of the same shape (a cache's zero-length past) are equal."""
+    if not result.is_floating_point() or not result.numel():
         return torch.equal(result, own)
     return (result.double() - own.double()).abs().max().item() <= FLOOR * (1 + own.abs().max().item())
 
@@ -69,7 +70,10 @@ def excess_error(result: torch.Tensor, own: torch.Tensor, exact: torch.Tensor) -
     """None if ``result`` is within the rule of the module docstring, else what it is off by.
 
     ``own``: the original graph's value in the model's dtype, ``exact``: the float64 run's, both
-    of ``result``'s shape. Integer and bool tensors must equal ``own``."""
+    of ``result``'s shape. Integer and bool tensors must equal ``own``; empty tensors of the same
+    shape (a cache's zero-length past) compare as equal."""
+    if not result.numel() and result.shape == own.shape:
+        return None
     if not result.is_floating_point():
         return None if torch.equal(result, own) else "integer values differ"
     exact = exact.double()

@@ -31,6 +31,7 @@ from pagedpack.passes.logits import GatherLogits
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
 from pagedpack.passes.paged_attention import PagedAttention
 from pagedpack.passes.postcondition import NoAttentionLeft
+from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.verify import VerifyAttention
 
@@ -108,8 +109,8 @@ class AddStepInputs(Pass):
 
 
 STEP_PIPELINE: tuple[Pass, ...] = (
-    FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(), PagedAttention(),
-    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), MergeLinears(), SequenceIndependence(),
+    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(),
+    PagedAttention(), GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), MergeLinears(), SequenceIndependence(),
 )
 
 

@@ -28,6 +28,7 @@ from pagedpack.passes.find import FindAttention
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult, SiteRewritePass
 from pagedpack.passes.paged_attention import params_kwargs
 from pagedpack.passes.postcondition import NoAttentionLeft
+from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.verify import CAUSAL, VerifyAttention
 
@@ -154,7 +155,7 @@ def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int
 
 
 VARLEN_PIPELINE: tuple[Pass, ...] = (
-    FindAttention(), VerifyAttention(causal_only=False, also=_maybe_positions), StripExportChecks(),
+    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=False, also=_maybe_positions), StripExportChecks(),
     AddVarlenInputs(), PositionsInput(), VarlenAttention(), FirstTokenGather(), EliminateDeadCode(),
     NoAttentionLeft(),
 )

@@ -52,7 +52,15 @@ SERVED = {
     "bloom": (T.BloomConfig, dict(vocab_size=V, hidden_size=64, n_layer=2, n_head=4), EAGER, ["alibi"] * 2),
     "mpt": (T.MptConfig, dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), EAGER,
             ["alibi"] * 2),
+    # a multimodal class on token ids: its text config nests the sizes, mrope's three position streams
+    # are the text positions
+    "qwen2_vl": (T.Qwen2VLConfig,
+                 dict(text_config=dict(_BASE, rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+                      vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2)), BOTH, []),
 }
+# families whose class is not the AutoModelForCausalLM of their config
+MODEL_CLASS = {"qwen2_vl": T.Qwen2VLForConditionalGeneration}
+_RECURRENT = "state-space / linear-attention layers .* pagedpack pages attention KV only"
 # family: (config class, config, implementations, what the refusal names)
 REFUSED = {
     # build_alibi_tensor rounds slope * key_pos to bfloat16 (modeling_falcon), so in a float32 model the
@@ -60,6 +68,11 @@ REFUSED = {
     "falcon-alibi": (T.FalconConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           new_decoder_architecture=False, multi_query=True, alibi=True), BOTH,
                      "score bias is not ALiBi .* at T=261"),
+    # hybrids of attention and layers with a recurrent state (their packed sample run used to raise)
+    "bamba": (T.BambaConfig, dict(_BASE, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                                  mamba_chunk_size=16), ("sdpa",), _RECURRENT),
+    "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=2, num_experts_per_tok=1, block_size=16,
+                                      layer_types=["linear_attention", "full_attention"]), ("sdpa",), _RECURRENT),
 }
 
 
@@ -67,7 +80,8 @@ def family_model(table, family, attn):
     config_class, config = table[family][:2]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return T.AutoModelForCausalLM.from_config(config_class(**config), attn_implementation=attn).eval()
+        build = MODEL_CLASS[family]._from_config if family in MODEL_CLASS else T.AutoModelForCausalLM.from_config
+        return build(config_class(**config), attn_implementation=attn).eval()
 
 
 @pytest.mark.parametrize("family, attn", [(f, a) for f, entry in SERVED.items() for a in entry[2]])

@@ -333,7 +333,7 @@ class SiluAsSigmoid(Pass):
 
 
 def test_a_pipeline_with_a_reader_before_its_writer_is_refused_naming_both():
-    find, verify = STEP_PIPELINE[0], STEP_PIPELINE[1]
+    find, verify = (next(p for p in STEP_PIPELINE if p.name == name) for name in ("find_attention", "verify_attention"))
     with pytest.raises(ValueError, match="'verify_attention' requires 'sites' before any pass provides it "
                                          r"\('find_attention' provides it later\)"):
         PassManager([verify, find])
@@ -361,6 +361,34 @@ def test_a_user_pass_runs_is_reported_and_changes_the_cache_key():
     assert SiluAsSigmoid().uuid() == SiluAsSigmoid().uuid() and SiluAsSigmoid().uuid().startswith("silu_as_sigmoid:1:")
     with pytest.raises(ValueError, match="extra_passes: expected pagedpack.passes.manager.Pass instances"):
         LLM(model, num_blocks=4, extra_passes=[lambda ctx: None])
+
+
+class _Broken(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.aten.reshape.default(x + 1, [3, 5])  # an aten op, as in captured graphs
+
+
+class RunsABrokenGraph(Pass):
+    """A check whose own run of a graph raises inside the graph's generated code (as the packed
+    sample run of ``sequence_independence`` did on hybrid state-space models)."""
+
+    name = "runs_a_broken_graph"
+    mutates = False
+
+    def __call__(self, ctx):
+        torch.fx.symbolic_trace(_Broken())(torch.zeros(4))
+        return PassResult()
+
+
+def test_a_pass_that_raises_refuses_the_model_naming_the_pass_and_the_node():
+    model = tiny_model("llama")
+    with pytest.raises(UnsupportedModelError) as refusal:
+        LLM(model, num_blocks=8, extra_passes=[RunsABrokenGraph()])
+    assert refusal.value.report.stopped_at == "runs_a_broken_graph"
+    assert ("runs_a_broken_graph raised RuntimeError: shape '[3, 5]' is invalid for input of size 4 "
+            "(at node reshape_default = aten.reshape.default)") in str(refusal.value)
+    result = rewrite(capture(model), extra_passes=[RunsABrokenGraph()])  # the graph is put back as captured
+    assert not result.ok and not any(n.target == "positions" for n in result.graph_module.graph.nodes)
 
 
 def test_pagedpack_inspect_runs_and_lists_a_user_pass(capsys):
