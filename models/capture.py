@@ -67,7 +67,8 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
     :class:`~pagedpack.contract.UnsupportedModelError` for a model feature whose computation
     depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
-    front; otherwise export's data-dependent guard error, kept as the cause).
+    front; otherwise export's data-dependent guard error, kept as the cause) and for any other
+    error of the export (its message kept).
     """
     config = getattr(model, "config", None)
     limit = position_limit(config) if config is not None else None
@@ -88,6 +89,10 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
         raise UnsupportedModelError(
             f"torch.export cannot capture {type(model).__name__} for a dynamic number of tokens: its forward "
             f"makes a data-dependent choice ({type(err).__name__}; the first lines: {str(err)[:300]!r})") from err
+    except Exception as err:  # export's own failures are many types: the model cannot be captured, say why
+        raise UnsupportedModelError(
+            f"torch.export cannot capture {type(model).__name__} on one sequence of {num_tokens} tokens "
+            f"({type(err).__name__}: {str(err).strip()[:300]})") from err
     graph_module = exported.module()
     # Plain positional calling convention instead of export's pytree one (and its input-spec
     # check), so that passes can add inputs.

@@ -30,6 +30,7 @@ from pagedpack.passes.linear_merge import MergeLinears
 from pagedpack.passes.logits import GatherLogits
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
 from pagedpack.passes.paged_attention import PagedAttention
+from pagedpack.passes.positions import PositionsInput, maybe_positions
 from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.report import PassReport
@@ -109,8 +110,9 @@ class AddStepInputs(Pass):
 
 
 STEP_PIPELINE: tuple[Pass, ...] = (
-    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=True), StripExportChecks(), AddStepInputs(),
-    PagedAttention(), GatherLogits(), EliminateDeadCode(), NoAttentionLeft(), MergeLinears(), SequenceIndependence(),
+    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions), StripExportChecks(),
+    AddStepInputs(), PositionsInput(), PagedAttention(), GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
+    MergeLinears(), SequenceIndependence(),
 )
 
 

@@ -27,6 +27,7 @@ from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult, SiteRewritePass
 from pagedpack.passes.paged_attention import params_kwargs
+from pagedpack.passes.positions import PositionsInput, maybe_positions
 from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.report import PassReport
@@ -67,30 +68,6 @@ class AddVarlenInputs(Pass):
         return PassResult(matched=2, rewritten=2)
 
 
-class PositionsInput(Pass):
-    """``positions_input``: the nodes whose sampled value is ``arange(T)`` (position ids computed in
-    the graph), except the sites' own tensors -> views of the ``positions`` input. Counts: matched =
-    rewritten = nodes replaced."""
-
-    name = "positions_input"
-    requires = ("sites", "values", "inputs")
-
-    def __call__(self, ctx: PassContext) -> PassResult:
-        graph, positions = ctx.graph, ctx.inputs["positions"]
-        arange = torch.arange(ctx.num_tokens)
-        site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
-        sources = [n for n, v in ctx.values.items() if n not in site_nodes and _maybe_positions(n, ctx.num_tokens)
-                   and torch.equal(v.reshape(-1).cpu(), arange)]
-        for node in sources:
-            with graph.inserting_after(ctx.inputs["cu_seqlens"]):
-                view = graph.call_function(aten.view.default,
-                                           (positions, [1, -1] if ctx.values[node].dim() == 2 else [-1]))
-            node.replace_all_uses_with(view)
-        ctx.report.notes.append(f"position ids: {len(sources)} node(s) replaced by the positions input"
-                                if sources else "no position-id computation found")
-        return PassResult(matched=len(sources), rewritten=len(sources))
-
-
 class VarlenAttention(SiteRewritePass):
     """``varlen_attention``: every site -> ``pagedpack.varlen_attention(q, k, v, cu_seqlens, scale=,
     causal=, sliding_window=, logits_soft_cap=, alibi_slopes=, ...)``, causal or bidirectional as
@@ -125,14 +102,6 @@ class FirstTokenGather(Pass):
         return PassResult(matched=count, rewritten=count)
 
 
-def _maybe_positions(node: Node, n: int) -> bool:
-    """``node`` may hold position ids: int64 ``[T]`` or ``[1, T]`` with ``T`` symbolic (a model size
-    that happens to equal the sample's ``n``, e.g. ``arange(num_heads)``, is not a candidate)."""
-    val = node.meta.get("val")
-    return (isinstance(val, torch.Tensor) and val.dtype == torch.int64 and val.dim() in (1, 2)
-            and isinstance(val.shape[-1], torch.SymInt) and val.numel() == n)
-
-
 def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int:
     count, starts = 0, None
     for node in list(graph.nodes):
@@ -155,7 +124,7 @@ def _rewrite_first_token_selects(graph: torch.fx.Graph, cu_seqlens: Node) -> int
 
 
 VARLEN_PIPELINE: tuple[Pass, ...] = (
-    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=False, also=_maybe_positions), StripExportChecks(),
+    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=False, also=maybe_positions), StripExportChecks(),
     AddVarlenInputs(), PositionsInput(), VarlenAttention(), FirstTokenGather(), EliminateDeadCode(),
     NoAttentionLeft(),
 )

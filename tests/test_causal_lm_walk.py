@@ -1,0 +1,35 @@
+"""Every ``...ForCausalLM`` class transformers registers is served exactly or refused with a reason,
+never a raw exception or a different token (``tests/causal_lm_walk.py``).
+
+The suite walks a fixed sample, one class per outcome and form that matters (a minute or two); with
+``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 20 minutes on 2 cores), as the
+README's support table was made (``python tests/causal_lm_walk.py``)."""
+import os
+
+import pytest
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from causal_lm_walk import walk_one
+
+# class -> its outcome (the sample's classes construct from the walk's tiny config)
+SAMPLE = {
+    "llama": "exact",
+    "bart": "exact",  # learned positions computed with arange: read off the positions input
+    "codegen": "exact",
+    "gemma3": "exact",  # a ...ForConditionalGeneration on token ids
+    "glm4_moe": "exact",
+    "falcon_h1": "refused",  # state-space hybrid
+    "bert": "refused",  # bidirectional
+    "gpt_oss": "refused",  # attention sinks: no attention site the patterns know
+}
+WALKED = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if os.environ.get("PAGEDPACK_WALK_ALL") == "1" else list(SAMPLE)
+
+
+@pytest.mark.parametrize("model_type", WALKED)
+def test_a_registered_class_is_exact_or_refused_with_a_reason(model_type):
+    outcome = walk_one(model_type)
+    assert outcome.status in ("exact", "refused", "not constructed"), outcome
+    if outcome.status == "refused":
+        assert len(outcome.detail) > 20, outcome  # a reason a user can read
+    if model_type in SAMPLE:
+        assert outcome.status == SAMPLE[model_type], outcome
