@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from pagedpack.contract import UnsupportedModelError
 from pagedpack.models.config import position_limit, rope_type, sliding_window
+from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
 # that would couple the sequences. (transformers' dynamic NTK rescales inv_freq from max(position_ids);
@@ -67,8 +68,9 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
     :class:`~pagedpack.contract.UnsupportedModelError` for a model feature whose computation
     depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
-    front; otherwise export's data-dependent guard error, kept as the cause) and for any other
-    error of the export (its message kept).
+    front, as are layers with a recurrent state, :mod:`pagedpack.models.recurrent`; otherwise
+    export's data-dependent guard error, kept as the cause) and for any other error of the export
+    (its message kept).
     """
     config = getattr(model, "config", None)
     limit = position_limit(config) if config is not None else None
@@ -77,6 +79,9 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
         raise ValueError(f"model: expected a position limit >= 2 to capture it, got {limit}")
     if config is not None and rope_type(config) in _CALL_DEPENDENT_ROPE:
         raise UnsupportedModelError(f"rope_type={rope_type(config)!r}: {_CALL_DEPENDENT_ROPE[rope_type(config)]}")
+    recurrent = first_recurrent((path, type(module)) for path, module in model.named_modules())
+    if recurrent is not None:
+        raise UnsupportedModelError(recurrent_refusal(*recurrent))
     device = next(model.parameters()).device
     input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
     position_ids = torch.arange(num_tokens, device=device)[None]

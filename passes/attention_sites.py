@@ -281,6 +281,19 @@ def _masked_fill_alibi_scores(x: Node) -> _Scores | None:
     return None if scaled is None else _matmul_scores(*scaled, mask=a["mask"], mask_marks_blocked=True, bias=bias)
 
 
+def _where_scores(x: Node) -> _Scores | None:
+    """GPT-Neo (``modeling_gpt_neo.GPTNeoSelfAttention._attn``): ``where(bias[..., :T, :T], matmul(q,
+    k^T), finfo.min) + mask``, unscaled. The boolean buffer (True at the keys each query sees: causal,
+    within ``window_size`` on the local layers) is the site's mask; the additive mask after it (the
+    model's causal mask) must add nothing to it, which the check of the site's output on the sample
+    proves, as it proves the fill blocks."""
+    plus = _plus(x)
+    where = plus[0] if plus is not None else x
+    if not is_call(where, aten.where.self) or not isinstance(where.args[0], Node):
+        return None
+    return _matmul_scores(where.args[1], 1.0, mask=where.args[0])
+
+
 def _falcon_alibi_scores(x: Node) -> _Scores | None:
     """Falcon with ``alibi=True`` (``modeling_falcon.FalconAttention.forward``, eager):
     ``(view(matmul(q, k^T)) + alibi [1, H, 1, T]) *= inv_norm_factor``, ``+ mask``; the bias joins
@@ -477,6 +490,10 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "eager_unscaled", families="T5-style attention, the scale folded into the query projection "
         "(matmul(q, k^T))", implementation="eager", anchors=SOFTMAX,
         match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_unscaled))),
+    AttentionPattern(
+        "eager_where_mask", families="GPT-Neo (GPTNeoSelfAttention: where(causal or local-window buffer, "
+        "matmul(q, k^T), min) + mask, unscaled)", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=_where_scores)),
     AttentionPattern(
         "eager_alibi_baddbmm", families="BLOOM (BloomAttention: baddbmm(alibi, q, k^T, beta, alpha=inv_norm_factor) "
         "on [H, T, D] tensors, + mask; bmm(probs, v))", implementation="eager", anchors=SOFTMAX,

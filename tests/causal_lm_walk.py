@@ -42,6 +42,8 @@ _SIZES = {
     V: ("vocab_size",),
 }
 _TINY = {name: size for size, names in _SIZES.items() for name in names}
+# fields the generic shrinking cannot derive, by class
+EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]])}
 
 
 @dataclass
@@ -86,9 +88,14 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     defaults the walk cannot shrink would take the machine's memory) or does not run a forward
     on three tokens."""
     config_class = T.CONFIG_MAPPING[model_type]
-    config = config_class(**tiny_overrides(config_class()))
+    default = config_class()
+    config = config_class(**{**tiny_overrides(default), **EXTRA.get(model_type, {})})
     with torch.device("meta"):
-        size = sum(p.numel() for p in T.AutoModelForCausalLM.from_config(config).parameters())
+        tiny, full = (T.AutoModelForCausalLM.from_config(c) for c in (config, default))
+    lost = {type(m).__name__ for m in full.modules()} - {type(m).__name__ for m in tiny.modules()}
+    if lost:  # e.g. a hybrid whose config derives its layer kinds from fields the walk shrank
+        raise ValueError(f"the tiny config loses the layer classes {sorted(lost)}")
+    size = sum(p.numel() for p in tiny.parameters())
     if size > MAX_PARAMETERS:
         raise ValueError(f"{size / 1e6:.1f}M parameters with the tiny sizes")
     with torch.random.fork_rng(devices=[]):
@@ -153,12 +160,32 @@ def _line(err: BaseException) -> str:
     return (said or lines or [""])[0][:300]
 
 
+def table(rows: list[dict]) -> str:
+    """The README's support table (markdown) of walked outcomes: the exact classes in one row, then
+    a row per refusal reason (the classes that share it), then those the walk did not construct."""
+    exact = sorted(r["class_name"] for r in rows if r["status"] == "exact")
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] != "exact" and r["status"] != "not constructed":
+            why = r["detail"].split(": ", 1)[1] if r["detail"].startswith("the rewrite stopped at") else r["detail"]
+            reasons.setdefault(f"{r['status']}: {why}", []).append(r["class_name"])
+    lines = ["| classes | outcome |", "|---|---|", f"| {', '.join(exact)} | exact ({len(exact)}) |"]
+    lines += [f"| {', '.join(sorted(names))} | {why} |" for why, names in sorted(reasons.items())]
+    skipped = sorted(r["class_name"] for r in rows if r["status"] == "not constructed")
+    lines.append(f"| {', '.join(skipped)} | not constructed by the walk's tiny config ({len(skipped)}): no claim |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     """``python tests/causal_lm_walk.py [MODEL_TYPE ...]``: one JSON line per class (all by
     default), each walked in a subprocess of its own (at most 8 GB, 10 minutes: a class that
-    takes more is "crashed")."""
+    takes more is "crashed"). ``--table FILE``: :func:`table` of such lines."""
     if len(argv) == 2 and argv[0] == "--one":
         print(json.dumps(walk_one(argv[1]).__dict__), flush=True)
+        return
+    if len(argv) == 2 and argv[0] == "--table":
+        with open(argv[1]) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
         return
     for model_type in argv or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # noqa: E731

@@ -52,6 +52,9 @@ SERVED = {
     "bloom": (T.BloomConfig, dict(vocab_size=V, hidden_size=64, n_layer=2, n_head=4), EAGER, ["alibi"] * 2),
     "mpt": (T.MptConfig, dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), EAGER,
             ["alibi"] * 2),
+    "gpt_neo": (T.GPTNeoConfig, dict(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4, window_size=WINDOW,
+                                     attention_types=[[["global", "local"], 1]], max_position_embeddings=512),
+                EAGER, ["", f"window={WINDOW}"]),
     # a multimodal class on token ids: its text config nests the sizes, mrope's three position streams
     # are the text positions
     "qwen2_vl": (T.Qwen2VLConfig,

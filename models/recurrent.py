@@ -1,0 +1,35 @@
+"""Layers that keep a recurrent state from step to step, which pagedpack does not serve.
+
+State-space layers (Mamba / Mamba2 mixers and the hybrids built on them: Jamba, Bamba, Zamba2,
+Nemotron-H, Falcon-H1, Granite-MoE-hybrid), linear / lightning attention and gated delta nets
+(MiniMax, Qwen3-Next, Kimi-Linear), short convolutions (LFM2), RG-LRU blocks (RecurrentGemma) and
+RWKV keep a per-sequence state that each step carries to the next. pagedpack pages the KV of
+attention only: such a state would have to be paged too. They are known by their class names in
+transformers' modeling code.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|LinearAttention|LightningAttention|DeltaNet|ShortConv|RecurrentBlock"
+                             r"|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
+
+
+def first_recurrent(modules: Iterable[tuple[str, object]]) -> tuple[str, str] | None:
+    """``(path, class name)`` of the first of ``modules`` (``(path, class or qualified class
+    name)`` pairs, outer modules first) whose class is one of :data:`RECURRENT_CLASS` and holds no
+    other such module (the layer, not ``MambaModel`` around it), or None."""
+    found = {}
+    for path, kind in modules:
+        cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+        if RECURRENT_CLASS.search(cls):
+            found.setdefault(path, cls)
+    inner = [p for p in found if not any(q.startswith(f"{p}.") or (not p and q) for q in found)]
+    return (inner[0], found[inner[0]]) if inner else None
+
+
+def recurrent_refusal(path: str, cls: str) -> str:
+    """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
+    return (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from step "
+            "to step: pagedpack pages attention KV only; hybrid and state-space models are not supported yet")
