@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def tiny_overrides(config: T.PretrainedConfig) -> dict:
             out[key] = {k: v for k, v in value.items() if int(k) < 2}
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention: head_dim is the rotary part
         out["head_dim"] = out["qk_rope_head_dim"]
+    if "kv_lora_rank" in out and "num_key_value_heads" in out:  # and its keys have every query head
+        out["num_key_value_heads"] = out.get("num_attention_heads", _TINY["num_attention_heads"])
     return out
 
 
@@ -161,17 +164,19 @@ def _line(err: BaseException) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's support table (markdown) of walked outcomes: the exact classes in one row, then
-    a row per refusal reason (the classes that share it), then those the walk did not construct."""
-    exact = sorted(r["class_name"] for r in rows if r["status"] == "exact")
+    """The README's support table (markdown) of walked outcomes, by ``model_type``: the exact ones
+    in one row, then a row per refusal reason (the classes that share it), then those the walk did
+    not construct."""
+    exact = sorted(r["model_type"] for r in rows if r["status"] == "exact")
     reasons: dict[str, list[str]] = {}
     for r in rows:
-        if r["status"] != "exact" and r["status"] != "not constructed":
-            why = r["detail"].split(": ", 1)[1] if r["detail"].startswith("the rewrite stopped at") else r["detail"]
-            reasons.setdefault(f"{r['status']}: {why}", []).append(r["class_name"])
-    lines = ["| classes | outcome |", "|---|---|", f"| {', '.join(exact)} | exact ({len(exact)}) |"]
+        if r["status"] not in ("exact", "not constructed"):
+            why = re.sub(r"^the rewrite stopped at [a-z_]+: (\w+ refused: )?", "", r["detail"])
+            why = re.sub(r" \([^()]*(\([^()]*\)[^()]*)*\)", "", why)  # the layer, node, sample: per class
+            reasons.setdefault(f"{r['status']}: {why[:200]}", []).append(r["model_type"])
+    lines = ["| model types | outcome |", "|---|---|", f"| {', '.join(exact)} | exact ({len(exact)}) |"]
     lines += [f"| {', '.join(sorted(names))} | {why} |" for why, names in sorted(reasons.items())]
-    skipped = sorted(r["class_name"] for r in rows if r["status"] == "not constructed")
+    skipped = sorted(r["model_type"] for r in rows if r["status"] == "not constructed")
     lines.append(f"| {', '.join(skipped)} | not constructed by the walk's tiny config ({len(skipped)}): no claim |")
     return "\n".join(lines)
 
