@@ -509,21 +509,18 @@ def smollm2_backend():
 
 
 @pytest.mark.parametrize("padding_side, call", [("left", "readme"), ("right", "readme"),
-                                                ("left", "inputs_embeds, use_cache=False"),
-                                                ("right", "input_ids, use_cache=False")])
+                                                ("right", "inputs_embeds, use_cache=False")])
 def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, padding_side, call):
     """The README's call on four sentences, one of a single token (use_cache on by default), with
-    both paddings, and without the cache: every site of the 30 layers rewritten, no graph left as
+    both paddings, and with inputs_embeds and without the cache: every site of the 30 layers rewritten, no graph left as
     captured, and each sentence's logits within the float64 rule of the passes
     (pagedpack.passes.numerics) against the unmodified model run on it alone."""
     tokenizer, model, compiled, own, exact, first_report = smollm2_backend
     tokenizer.padding_side = padding_side
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-    kwargs = {"readme": batch,
-              "inputs_embeds, use_cache=False": dict(
-                  inputs_embeds=model.get_input_embeddings()(batch.input_ids).detach(),
-                  attention_mask=batch.attention_mask, use_cache=False),
-              "input_ids, use_cache=False": dict(batch, use_cache=False)}[call]
+    embeds = dict(inputs_embeds=model.get_input_embeddings()(batch.input_ids).detach(),
+                  attention_mask=batch.attention_mask, use_cache=False)
+    kwargs = embeds if call != "readme" else batch
     with torch.no_grad():
         logits = compiled(**kwargs).logits
     reports = backend.LAST_REPORTS[first_report:]  # one per graph compiled since the fixture, this call's too
