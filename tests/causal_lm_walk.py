@@ -21,6 +21,8 @@ import torch
 import transformers as T
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from conftest import hf_last_logits
+
 V = 258
 MAX_PARAMETERS = 8_000_000
 PROMPT_LENS = (1, 5, 19)  # a decode-sized prompt, and one crossing a block of 16 in two chunks
@@ -145,14 +147,13 @@ def greedy(model, prompt: list[int]) -> list[int]:
     """The unmodified model's greedy tokens on ``prompt`` alone: the whole sequence run again for
     each token, without a cache, stopping at the checkpoint's eos ids as pagedpack does (``generate``
     would apply the checkpoint's logits processors too: BART's forces an eos at the last position)."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
-            if tokens[-1] in eos:
-                break
+    from pagedpack.models.loading import eos_token_ids
+
+    eos, tokens = set(eos_token_ids(model)), list(prompt)
+    for _ in range(MAX_TOKENS):
+        tokens.append(int(hf_last_logits(model, tokens).argmax()))
+        if tokens[-1] in eos:
+            break
     return tokens[len(prompt):]
 
 
