@@ -2,7 +2,8 @@
 
 The sources are compiled with the system C++ compiler against the installed torch's headers and
 libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library registering
-``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``) and
+``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``, its bf16
+prefill path in ``flash_prefill_cpu.cpp``) and
 ``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``) and ``rotate_half_rope`` (``rotary_cpu.cpp``), which
 the CPU lowering calls, and loaded with
 ``torch.ops.load_library``. The library is cached under ``$PAGEDPACK_CACHE`` (default
@@ -34,8 +35,10 @@ import torch
 from pagedpack.child_process import die_with_parent
 from pagedpack.files import atomic_write, sha256_file
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "rms_norm_cpu.cpp",
-                                                                    "rotary_cpu.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "rms_norm_cpu.cpp",
+                                      "rotary_cpu.cpp")]
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
@@ -85,7 +88,7 @@ def _load():
         _reason = f"no C++ compiler {compiler!r} on PATH"
         return None
     flags = _flags()
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in _SOURCES), torch.__version__.encode(),
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in _SOURCES + _HEADERS), torch.__version__.encode(),
                                     *map(str.encode, flags)]))
     cache = Path(os.environ.get("PAGEDPACK_CACHE", Path.home() / ".cache" / "pagedpack"))
     library = cache / "native" / key.hexdigest()[:16] / "libpagedpack_cpu.so"

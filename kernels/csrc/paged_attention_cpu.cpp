@@ -6,8 +6,9 @@
 //     in place through block_table: one work item per (sequence, KV head, query tile, KV split),
 //     the query heads of a GQA group sharing each K/V row, online softmax in fp32 per KV chunk,
 //     split-KV partials merged at the end. at::parallel_for spreads the items over threads.
-//   * Long query runs without parameters (prefill) copy the sequence's K/V once into a contiguous
-//     buffer and run ATen's flash SDPA (GEMM tiles); the copy is ~1/q_len of the work.
+//   * Long query runs without parameters (prefill): in bf16, flash attention over the paged K/V
+//     with BRGEMM tiles (flash_prefill_cpu.cpp); otherwise the sequence's K/V copied once into a
+//     contiguous buffer and ATen's flash SDPA (GEMM tiles), the copy ~1/q_len of the work.
 // Metadata values are bounds-checked here on every call (cheap on the CPU, no sync), so bad
 // metadata raises instead of reading outside the cache.
 #include <ATen/ATen.h>
@@ -22,7 +23,12 @@
 #include <limits>
 #include <vector>
 
+#include "flash_prefill.h"
+
 namespace {
+
+using pagedpack_cpu::block_of;
+using pagedpack_cpu::Meta;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kSdpaMinRows = 32;   // query rows from which a parameter-free sequence uses SDPA
@@ -116,18 +122,6 @@ inline void to_float(const T* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
-
-// Metadata read once on the host side of the call (CPU tensors: no copy).
-struct Meta {
-  int64_t num_seqs, max_blocks, block_size, num_blocks;
-  const int32_t* cu;
-  const int32_t* kv_lens;
-  const int32_t* table;
-  int64_t table_stride;
-};
-
-// Physical row of token j of sequence b (block id range-checked by the caller's validation).
-inline int64_t block_of(const Meta& m, int64_t b, int64_t j) { return m.table[b * m.table_stride + j / m.block_size]; }
 
 void check_metadata(const Meta& m, int64_t num_tokens) {
   TORCH_CHECK_VALUE(m.cu[0] == 0, "paged_attention: cu_seqlens_q: expected cu_seqlens_q[0] == 0, got ", m.cu[0]);
@@ -401,7 +395,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       i = j;
     }
   }
-  for (int64_t b : sdpa_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
+  if (!sdpa_seqs.empty() && query_in.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+      scale > 0 && pagedpack_cpu::flash_prefill_supported(query.size(2), dv)) {
+    pagedpack_cpu::flash_prefill_bf16(meta, sdpa_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
+  } else {
+    for (int64_t b : sdpa_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
+  }
   return out.to(query_in.scalar_type());
 }
 
@@ -455,6 +454,8 @@ TORCH_LIBRARY(pagedpack_cpu, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
+  // Whether bf16 prefill runs of these head dims take the BRGEMM flash kernel on this CPU.
+  m.def("bf16_prefill_uses_brgemm(int head_dim, int head_dim_v) -> bool", &pagedpack_cpu::flash_prefill_supported);
 }
 
 TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
