@@ -1,7 +1,8 @@
 """Paged attention alone: ``pagedpack::paged_attention`` vs SDPA on the same K/V stored contiguously.
 
 Decode (one query row per sequence) of 32 sequences at each KV length, one prefill of a
-512-token prompt, and bf16 prefills of 512 and 2048 tokens (the BRGEMM flash path), for the W1 head shape (8 query / 2 KV heads, head_dim 64) and SmolLM2-135M's
+512-token prompt, and bf16 prefills of 512 and 2048 tokens (the BRGEMM flash path), for the W1
+head shape (8 query / 2 KV heads, head_dim 64) and SmolLM2-135M's
 (9 / 3, 64). ``native`` is the C++ kernel (``kernels/csrc``) called as the CPU-lowered step
 calls it; ``native_via_op`` the same through the ``pagedpack::paged_attention`` custom op (its
 Python layer and checks); ``reference`` the PyTorch reference kernel (``PAGEDPACK_NATIVE=0``);

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.fx import Node
 
 from pagedpack.kernels.attention_params import AttentionParams, op_arguments
+from pagedpack.passes.report import op_name
 
 aten = torch.ops.aten
 SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_softmax.default})
@@ -224,11 +225,29 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
         logits_soft_cap=scores.logits_soft_cap, layout=layout, mask_marks_blocked=scores.mask_marks_blocked,
         bias=scores.bias, bias_factor=scores.bias_factor,
     )
-    if probs is not softmax and _has_active_dropout(softmax, probs):
+    reader = _other_reader(softmax)
+    if reader is not None:
+        site.refusal = (f"the attention scores are also read outside the softmax (by {reader.name} = "
+                        f"{op_name(reader.target)}), a form paged attention does not compute (e.g. a sink applied as "
+                        "sigmoid(logsumexp(scores) - sink))")
+    elif probs is not softmax and _has_active_dropout(softmax, probs):
         site.refusal = "attention dropout is active (put the model in eval mode)"
     elif k_rep != v_rep:
         site.refusal = f"K and V are repeated differently ({k_rep} vs {v_rep})"
     return site
+
+
+def _other_reader(softmax: Node) -> Node | None:
+    """A node other than ``softmax`` that reads its input scores (or a cast of them on the way; the
+    export's dtype assertions aside): once the site is rewritten, such a reader would see the
+    packed step's scores across sequences."""
+    chain, node = [softmax.args[0]], softmax.args[0]
+    while is_call(node, *PASS_THROUGH):
+        node = node.args[0]
+        chain.append(node)
+    inside = {softmax, *chain}
+    return next((user for n in chain for user in n.users
+                 if user not in inside and not is_call(user, aten._assert_tensor_metadata.default)), None)
 
 
 def _scaled_scores(x: Node, scaling: Callable[[Node], tuple[Node, float] | None],

@@ -9,6 +9,7 @@ large (more than :data:`MAX_PARAMETERS`), is "not constructed": nothing is claim
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import re
@@ -186,14 +187,23 @@ def main(argv: list[str]) -> None:
     """``python tests/causal_lm_walk.py [MODEL_TYPE ...]``: one JSON line per class (all by
     default), each walked in a subprocess of its own (at most 8 GB, 10 minutes: a class that
     takes more is "crashed"). ``--table FILE``: :func:`table` of such lines."""
-    if len(argv) == 2 and argv[0] == "--one":
-        print(json.dumps(walk_one(argv[1]).__dict__), flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
+                        help="model types of MODEL_FOR_CAUSAL_LM_MAPPING (default: all)")
+    parser.add_argument("--table", metavar="FILE", help="print the README's table of a walk's JSON lines")
+    parser.add_argument("--one", metavar="MODEL_TYPE", help=argparse.SUPPRESS)  # the subprocess of one class
+    args = parser.parse_args(argv)
+    unknown = [t for t in args.model_types + [args.one] if t is not None and t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if unknown:
+        parser.error(f"MODEL_TYPE: expected model types of MODEL_FOR_CAUSAL_LM_MAPPING, got {', '.join(unknown)}")
+    if args.one:
+        print(json.dumps(walk_one(args.one).__dict__), flush=True)
         return
-    if len(argv) == 2 and argv[0] == "--table":
-        with open(argv[1]) as f:
+    if args.table:
+        with open(args.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))
         return
-    for model_type in argv or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for model_type in args.model_types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # noqa: E731
         try:
             done = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,

@@ -76,6 +76,10 @@ REFUSED = {
                                   mamba_chunk_size=16), ("sdpa",), _RECURRENT),
     "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=2, num_experts_per_tok=1, block_size=16,
                                       layer_types=["linear_attention", "full_attention"]), ("sdpa",), _RECURRENT),
+    # a per-head sink as sigmoid(logsumexp(scores) - sink) times the output: the scores have a second
+    # reader, which the rewrite used to leave reading the packed step (an IndexError in its check)
+    "granite_swa": (T.GraniteSWAConfig, dict(_BASE, layer_types=["full_attention", "sliding_attention"],
+                                             sliding_window=8), ("eager",), "also read outside the softmax"),
 }
 
 
