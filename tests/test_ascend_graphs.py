@@ -20,7 +20,7 @@ from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
-from conftest import assert_within_own_error, random_prompts, snapshot
+from conftest import assert_greedy_tokens_or_tie, assert_within_own_error, hf_greedy, random_prompts, snapshot
 
 BLOCK = 128
 TND_MODEL = dict(dtype=torch.bfloat16, head_dim=128)  # inside TND's limits
@@ -102,6 +102,10 @@ def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_mode
 
 
 def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd_model):
+    """The reference target, the padded decode graphs and the dynamic graph mode each give the
+    unmodified model's greedy tokens, a bf16 tie aside (the targets' attention sums in different
+    orders: a 1-ulp bf16 difference picks the other side of a tie)."""
+    reference = snapshot(tnd_model)
     prompts = random_prompts((3, 40, 130, 9, 200), seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     tokens = {}
@@ -115,7 +119,10 @@ def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd
             assert llm.program.graphs.graph_steps > 0 and set(llm.program.graphs.buckets_compiled) <= {4, 8}
         if name == "dynamic":
             assert llm.program.graphs.eager_steps == 0 and llm.program.graphs.graph_steps > 0
-    assert tokens["decode_buckets"] == tokens["reference"] and tokens["dynamic"] == tokens["reference"]
+    for prompt, *outputs in zip(prompts, tokens["reference"], tokens["decode_buckets"], tokens["dynamic"]):
+        expected = hf_greedy(reference, prompt, 12)
+        for got in outputs:
+            assert_greedy_tokens_or_tie(reference, prompt, got, expected)
 
 
 def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model):
