@@ -238,16 +238,20 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
 
 
 def _other_reader(softmax: Node) -> Node | None:
-    """A node other than ``softmax`` that reads its input scores (or a cast of them on the way; the
-    export's dtype assertions aside): once the site is rewritten, such a reader would see the
-    packed step's scores across sequences."""
+    """A node other than ``softmax`` that reads its input scores (or a cast of them on the way):
+    once the site is rewritten, such a reader would see the packed step's scores across sequences."""
     chain, node = [softmax.args[0]], softmax.args[0]
     while is_call(node, *PASS_THROUGH):
         node = node.args[0]
         chain.append(node)
     inside = {softmax, *chain}
-    return next((user for n in chain for user in n.users
-                 if user not in inside and not is_call(user, aten._assert_tensor_metadata.default)), None)
+    return next((user for n in chain for user in _readers(n) if user not in inside), None)
+
+
+def _readers(node: Node) -> list[Node]:
+    """``node``'s users but the export's dtype assertions (``_assert_tensor_metadata``), which
+    compute nothing from it."""
+    return [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
 
 
 def _scaled_scores(x: Node, scaling: Callable[[Node], tuple[Node, float] | None],
@@ -411,7 +415,7 @@ def _single_user_chain(node: Node) -> Node | None:
     """Follow casts, inactive dropout and views that keep the rows (:func:`_regroups_heads`) from the
     softmax to the node feeding ``@ v``."""
     while True:
-        users = [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
+        users = _readers(node)
         if len(users) != 1:
             return node
         user = users[0]

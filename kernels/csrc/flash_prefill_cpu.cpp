@@ -23,7 +23,6 @@
 #include <limits>
 #include <map>
 #include <mutex>
-#include <numeric>
 #include <utility>
 
 namespace pagedpack_cpu {

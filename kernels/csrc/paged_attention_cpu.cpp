@@ -31,7 +31,7 @@ using pagedpack_cpu::block_of;
 using pagedpack_cpu::Meta;
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kSdpaMinRows = 32;   // query rows from which a parameter-free sequence uses SDPA
+constexpr int64_t kPrefillMinRows = 32;  // query rows from which a parameter-free sequence takes the prefill path
 constexpr int64_t kQueryTile = 16;     // query rows per work item
 constexpr int64_t kKvChunk = 32;       // KV tokens per online-softmax update
 constexpr int64_t kMinSplitTokens = 256;
@@ -310,12 +310,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   const bool plain = !p.window && !p.soft_cap && !p.alibi && !p.sinks;
 
   auto out = at::zeros({num_tokens, num_heads, dv}, query.options());
-  std::vector<int64_t> sdpa_seqs;
+  std::vector<int64_t> prefill_seqs;
   std::vector<Item> items;
   for (int64_t b = 0; b < meta.num_seqs; ++b) {
     const int64_t q_len = meta.cu[b + 1] - meta.cu[b];
-    if (plain && q_len >= kSdpaMinRows && meta.kv_lens[b] >= q_len) {
-      sdpa_seqs.push_back(b);
+    if (plain && q_len >= kPrefillMinRows && meta.kv_lens[b] >= q_len) {
+      prefill_seqs.push_back(b);
       continue;
     }
     for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) {
@@ -395,11 +395,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       i = j;
     }
   }
-  if (!sdpa_seqs.empty() && query_in.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+  if (!prefill_seqs.empty() && query_in.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
       scale > 0 && pagedpack_cpu::flash_prefill_supported(query.size(2), dv)) {
-    pagedpack_cpu::flash_prefill_bf16(meta, sdpa_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
+    pagedpack_cpu::flash_prefill_bf16(meta, prefill_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
   } else {
-    for (int64_t b : sdpa_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
+    for (int64_t b : prefill_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
   }
   return out.to(query_in.scalar_type());
 }
