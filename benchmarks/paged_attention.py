@@ -1,7 +1,7 @@
 """Paged attention alone: ``pagedpack::paged_attention`` vs SDPA on the same K/V stored contiguously.
 
-Decode (one query row per sequence) of 32 sequences at each KV length, one prefill of a
-512-token prompt, and bf16 prefills of 512 and 2048 tokens (the BRGEMM flash path), for the W1
+Decode (one query row per sequence) of 32 sequences at each KV length (fp32, and bf16 at 512 and
+2048), one prefill of a 512-token prompt, and bf16 prefills of 512 and 2048 tokens (the BRGEMM flash path), for the W1
 head shape (8 query / 2 KV heads, head_dim 64) and SmolLM2-135M's
 (9 / 3, 64). ``native`` is the C++ kernel (``kernels/csrc``) called as the CPU-lowered step
 calls it; ``native_via_op`` the same through the ``pagedpack::paged_attention`` custom op (its
@@ -103,6 +103,7 @@ def main() -> None:
               "block_size": args.block_size, "cases": {}}
     for name, (h, hkv, d) in SHAPES.items():
         rows = [_case(h, hkv, d, 1, kv, 32, args.block_size, args.repeat) for kv in (16, 128, 512, 2048)]
+        rows += [_case(h, hkv, d, 1, kv, 32, args.block_size, args.repeat, torch.bfloat16) for kv in (512, 2048)]
         rows.append(_case(h, hkv, d, 512, 512, 1, args.block_size, args.repeat))
         rows += [_case(h, hkv, d, n, n, 1, args.block_size, args.repeat, torch.bfloat16) for n in (512, 2048)]
         result["cases"][f"{name} (H={h}, Hkv={hkv}, D={d})"] = rows

@@ -45,6 +45,7 @@ _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATe
 }
 _MIN_FREE = 256 << 20  # bytes: below this, a failed build's message names the free space
 _reason: str | None = None
+_library: Path | None = None
 
 
 def enabled() -> bool:
@@ -64,13 +65,21 @@ def status() -> str:
     return "native CPU kernels" if _load() is not None else f"reference kernels ({_reason})"
 
 
+def library_path() -> Path | None:
+    """The loaded native library (``$PAGEDPACK_CACHE/native/<key>/libpagedpack_cpu.so``); ``None``
+    when the reference kernels run. A process with another ``$PAGEDPACK_CACHE`` finds this build
+    if that folder is copied to the same place under its cache."""
+    return _library if native_ops() is not None else None
+
+
 def _flags() -> list[str]:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        # -w: torch's headers warn under C++17, and a failed build's message keeps the compiler's last lines
+        "-O3", "-w", "-std=c++17", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-DCPU_CAPABILITY={capability if capability in _ISA_FLAGS else 'DEFAULT'}",
         *_ISA_FLAGS.get(capability, []),
         *(f"-I{p}" for p in cpp_extension.include_paths()),
@@ -96,6 +105,8 @@ def _load():
         if not _valid(library):
             _build(compiler, flags, library)
         torch.ops.load_library(str(library))
+        global _library
+        _library = library
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         _reason = f"native build failed: {str(e).strip()[-800:]}"
         warnings.warn(f"pagedpack: {_reason}; using the reference kernels", RuntimeWarning, stacklevel=3)

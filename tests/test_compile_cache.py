@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedpack import LLM, SamplingParams, compile_cache
 from pagedpack.contract import UnsupportedModelError
+from pagedpack.kernels import native
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 
@@ -34,8 +35,11 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def built(checkpoint, tmp_path_factory):
     """A ``$PAGEDPACK_CACHE`` folder built once for the module: ``compiled/`` holds ``checkpoint``'s
-    entry, ``native/`` the native CPU kernels its child process built."""
+    entry, ``native/`` the native CPU kernels (this process's build)."""
     folder = tmp_path_factory.mktemp("built")
+    library = native.library_path()  # this process's build, so that the child does not compile it (~60 s)
+    if library is not None:
+        shutil.copytree(library.parent, folder / "native" / library.parent.name)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PAGEDPACK_CACHE", str(folder))
         env.setenv("PAGEDPACK_COMPILE_CACHE", "1")

@@ -91,6 +91,23 @@ def test_low_precision_caches_are_the_fp32_result_rounded(dtype, monkeypatch):
     assert_rounded_close(reference, exact)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 20)), min_size=1, max_size=6),
+       head_dim=st.sampled_from([64, 80, 128, 256]), ratio=st.sampled_from([1, 3, 4]),
+       block_size=st.sampled_from([1, 16]), seed=st.integers(0, 2**31))
+def test_bf16_decode_and_short_chunks(seqs, head_dim, ratio, block_size, seed):
+    """bf16 caches on the in-place path (decode rows and chunks under 32 rows: vectorised bf16 loads,
+    scores a vector of keys at a time, ragged tails), for each head-dim specialisation and the generic
+    one (80): the fp32 explicit-mask result rounded once; told one key fewer, the first sequence fails."""
+    kw = dict(dtype=torch.bfloat16, num_kv_heads=2, ratio=ratio, head_dim=head_dim, block_size=block_size)
+    out, exact = run_step(seqs, g=torch.Generator().manual_seed(seed), **kw)
+    assert_rounded_close(out, exact)
+    q_len = seqs[0][1]
+    dropped, _ = run_step(seqs, g=torch.Generator().manual_seed(seed), drop_last_key=0, **kw)
+    with pytest.raises(AssertionError):
+        assert_rounded_close(dropped[:q_len], exact[:q_len])
+
+
 @settings(max_examples=25, deadline=None,  # `threads` holds for every example: not reset between them is right
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seqs=st.lists(st.tuples(st.integers(0, 300), st.integers(32, 300)), min_size=1, max_size=3),

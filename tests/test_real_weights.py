@@ -453,18 +453,18 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
 
 
 def _check_streaming_and_chat(llm):
-    """SmolLM2's BPE text streamed for 120 prompts: the deltas add up to ``decode`` of the output
+    """SmolLM2's BPE text streamed for 40 prompts: the deltas add up to ``decode`` of the output
     ids; ``LLM.chat`` gives the tokens of ``apply_chat_template`` + ``generate``; a stop string
     cuts the streamed text where it first appears. (On the greedy test's LLM: one build.)"""
     from pagedpack import SamplingParams
 
     tokenizer = llm.tokenizer
-    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate(PROMPTS * 15)]
+    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate(PROMPTS * 5)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(len(prompts))]
     streamed = {}
     for delta in llm.generate(prompts, params, stream=True):
         streamed.setdefault(delta.request_id, []).append(delta.outputs[0])
-    assert len(streamed) == len(prompts) >= 100
+    assert len(streamed) == len(prompts) == 40
     for parts in streamed.values():
         ids = [t for p in parts for t in p.token_ids]
         assert "".join(p.text for p in parts) == tokenizer.decode(ids, skip_special_tokens=True)
