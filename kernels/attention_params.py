@@ -15,7 +15,9 @@ absolute position is ``query_pos = kv_len - q_len + i`` and key ``j`` sits at po
    ``alibi_slopes``);
 4. the mask: causal bottom-right ``j <= query_pos``, and with ``sliding_window = w`` also
    ``j >= query_pos - w + 1``, i.e. row ``i`` sees keys ``max(0, query_pos - w + 1) .. query_pos``
-   (``w`` keys including its own, as ``transformers`` masks Mistral/Gemma sliding windows);
+   (``w`` keys including its own, as ``transformers`` masks Mistral/Gemma sliding windows); with
+   ``attention_chunk_size = c`` also ``j >= (query_pos // c) * c``: the row sees only the keys of its
+   own chunk of ``c`` positions (Llama-4's chunked local attention, vLLM's ``attention_chunk_size``);
 5. ``sinks``: a per-head logit that joins the softmax denominator (gpt-oss): softmax over
    ``[scores, sink]``, the sink column dropped, so a row's weights sum to less than one;
 6. a row that sees no key gives zeros.
@@ -30,7 +32,7 @@ import torch
 import torch.fx
 from torch import Tensor
 
-PARAM_NAMES = ("sliding_window", "logits_soft_cap", "alibi_slopes", "sinks")
+PARAM_NAMES = ("sliding_window", "logits_soft_cap", "alibi_slopes", "sinks", "attention_chunk_size")
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +49,8 @@ class AttentionParams:
             ``0 .. kv_len - 1`` and query_pos ``kv_len - q_len + i``.
         sinks: float ``[num_heads]``: a learned logit per head in the softmax denominator
             (softmax over ``[scores, sink]``, the sink column dropped).
+        attention_chunk_size: chunk length in positions (``>= 1``): query position ``p`` sees only
+            keys ``(p // c) * c .. p`` (Llama-4); None: no chunks.
 
     Tensors may be fx ``Node``\\ s in a record read off a graph (:meth:`from_node`). Equality is
     identity (tensor fields have no boolean ``==``).
@@ -61,11 +65,14 @@ class AttentionParams:
     logits_soft_cap: float | None = None
     alibi_slopes: Tensor | None = None
     sinks: Tensor | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        window, cap = self.sliding_window, self.logits_soft_cap
-        if not _is_node(window) and not (window is None or (_is_int(window) and window >= 1)):
-            raise ValueError(f"sliding_window: expected None or an int >= 1, got {window!r}")
+        cap = self.logits_soft_cap
+        for name in ("sliding_window", "attention_chunk_size"):
+            size = getattr(self, name)
+            if not _is_node(size) and not (size is None or (_is_int(size) and size >= 1)):
+                raise ValueError(f"{name}: expected None or an int >= 1, got {size!r}")
         if not _is_node(cap) and not (cap is None or (_is_real(cap) and math.isfinite(cap) and cap > 0)):
             raise ValueError(f"logits_soft_cap: expected None or a finite float > 0, got {cap!r}")
         for name in ("alibi_slopes", "sinks"):
@@ -95,6 +102,8 @@ class AttentionParams:
             parts.append("alibi")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.attention_chunk_size is not None:
+            parts.append(f"chunk={self.attention_chunk_size}")
         return ", ".join(parts)
 
     @classmethod

@@ -15,8 +15,8 @@ ids and slots always (no sync on the CPU).
 
 The attention ops take the per-call parameters of
 :class:`pagedpack.kernels.attention_params.AttentionParams` as keyword arguments with defaults
-(``sliding_window``, ``logits_soft_cap``, ``alibi_slopes``, ``sinks``), after the arguments they
-had before, so positional calls and exported graphs of the older signature keep working. With no
+(``sliding_window``, ``logits_soft_cap``, ``alibi_slopes``, ``sinks``, ``attention_chunk_size``), after the
+arguments they had before, so positional calls and exported graphs of the older signature keep working. With no
 parameter set the kernels take their fused fast paths (SDPA, batched decode); with any, one
 explicit-score fp32 path (:func:`explicit_attention`) shared by every op.
 """
@@ -141,11 +141,13 @@ def _check_paged_attention_args(
     )
 
 
-def check_attention_params(op: str, query: Tensor, sliding_window, logits_soft_cap, alibi_slopes, sinks) -> None:
+def check_attention_params(op: str, query: Tensor, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+                           attention_chunk_size=None) -> None:
     """The per-call parameters' checks (:class:`~pagedpack.kernels.attention_params.AttentionParams`)
     against ``query [T, num_heads, head_dim]``: ``ValueError("<op>: <arg>: expected ..., got ...")``."""
-    if sliding_window is not None:
-        _require(sliding_window >= 1, op, "sliding_window", "None or an int >= 1", sliding_window)
+    for arg, size in (("sliding_window", sliding_window), ("attention_chunk_size", attention_chunk_size)):
+        if size is not None:
+            _require(size >= 1, op, arg, "None or an int >= 1", size)
     if logits_soft_cap is not None:
         _require(math.isfinite(logits_soft_cap) and logits_soft_cap > 0, op, "logits_soft_cap",
                  "None or a finite float > 0", logits_soft_cap)
@@ -214,6 +216,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Tensor:
     """Causal attention of a packed batch over a paged KV cache.
 
@@ -235,8 +238,9 @@ def paged_attention(
         seq_lens: int32 ``[B]``, KV length of each sequence in tokens, including this step's
             tokens (already written by ``reshape_and_cache``).
         scale: multiplier of ``q @ k^T`` (usually ``head_dim ** -0.5``).
-        sliding_window, logits_soft_cap, alibi_slopes, sinks: the per-call parameters, semantics
-            in :class:`~pagedpack.kernels.attention_params.AttentionParams` (None: not applied).
+        sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size: the per-call
+            parameters, semantics in :class:`~pagedpack.kernels.attention_params.AttentionParams`
+            (None: not applied).
             ``alibi_slopes`` / ``sinks`` are floating ``[num_heads]`` on the query's device.
 
     Returns:
@@ -249,7 +253,8 @@ def paged_attention(
     """
     if not arguments_checked():
         _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
-        check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+        check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+                               attention_chunk_size)
     if validation_enabled():
         check_paged_metadata(
             num_tokens=query.shape[0], cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
@@ -258,8 +263,8 @@ def paged_attention(
     native = native_ops() if is_cpu(query) else None
     if native is not None:
         return native.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                                      sliding_window, logits_soft_cap, alibi_slopes, sinks)
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+                                      sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     return reference_paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, params)
 
 
@@ -333,7 +338,8 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, kv_le
     ``[N, H, Q, D_v]`` fp32. ``query_pos [N, Q]``: each query row's absolute position; key ``j``
     sits at position ``j``, and only keys ``j < kv_lens[n]`` exist. Steps as in
     :mod:`pagedpack.kernels.attention_params`: scale, soft cap, ALiBi ``slope * (j - query_pos)``,
-    mask (``j <= query_pos`` if ``causal``; ``j > query_pos - sliding_window``), softmax with the
+    mask (``j <= query_pos`` if ``causal``; ``j > query_pos - sliding_window``; ``j // c == query_pos // c``
+    with ``attention_chunk_size = c``), softmax with the
     sink in the denominator; a row that sees no key gives zeros. Grouped-query: the ``H / Hkv``
     query heads of a group are matched against their KV head without copying K/V.
     """
@@ -353,6 +359,9 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, kv_le
         visible = visible & (offset <= 0)
     if params.sliding_window is not None:
         visible = visible & (offset > -params.sliding_window)
+    if params.attention_chunk_size is not None:
+        chunk = params.attention_chunk_size
+        visible = visible & (key_pos // chunk == (query_pos // chunk)[..., None])
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     if params.sinks is not None:
         sink = params.sinks.float()[:, None, None].expand(n, num_heads, q_rows, 1)
@@ -392,9 +401,10 @@ def _decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, blo
 
 @paged_attention.register_fake
 def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_window=None,
-      logits_soft_cap=None, alibi_slopes=None, sinks=None):
+      logits_soft_cap=None, alibi_slopes=None, sinks=None, attention_chunk_size=None):
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
-    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+                           attention_chunk_size)
     return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
 
 
@@ -414,6 +424,7 @@ def paged_attention_functional(
     logits_soft_cap: float | None = None,
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``reshape_and_cache`` then ``paged_attention``, without mutation: the caches are returned.
 
@@ -428,15 +439,16 @@ def paged_attention_functional(
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     out = paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                          alibi_slopes=alibi_slopes, sinks=sinks)
+                          alibi_slopes=alibi_slopes, sinks=sinks, attention_chunk_size=attention_chunk_size)
     return out, key_cache, value_cache
 
 
 @paged_attention_functional.register_fake
 def _(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, scale,
-      sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None):
+      sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None, attention_chunk_size=None):
     _check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
-    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks,
+                           attention_chunk_size)
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
     return out, torch.empty_like(key_cache), torch.empty_like(value_cache)

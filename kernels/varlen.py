@@ -50,7 +50,8 @@ def _check_args(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -
 @torch.library.custom_op("pagedpack::varlen_attention", mutates_args=())
 def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
                      causal: bool, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                     alibi_slopes: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
+                     alibi_slopes: Tensor | None = None, sinks: Tensor | None = None,
+                     attention_chunk_size: int | None = None) -> Tensor:
     """Attention of each packed sequence over its own keys.
 
     Args:
@@ -61,7 +62,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
             (empty sequences allowed).
         scale: multiplier of ``q @ k^T``.
         causal: row ``i`` of a sequence sees its keys ``0..i``; else all its keys.
-        sliding_window, logits_soft_cap, alibi_slopes, sinks: as in ``paged_attention`` (query
+        sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size: as in ``paged_attention`` (query
             position ``i`` = key position ``i`` here); without ``causal`` a window bounds the left
             only (row ``i`` sees keys ``j >= i - sliding_window + 1``).
 
@@ -71,8 +72,8 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         on bad ``cu_seqlens`` values only with ``PAGEDPACK_VALIDATE=1``.
     """
     _check_args(query, key, value, cu_seqlens)
-    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     num_tokens, num_heads = query.shape[:2]
     head_dim_v = value.shape[2]
     if validation_enabled():
@@ -83,7 +84,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         width = max(int(lens.max()), 1) if lens.numel() else 1
         block_table = (cu_seqlens[:-1, None] + torch.arange(width, dtype=torch.int32)).clamp(max=max(num_tokens - 1, 0))
         return native.paged_attention(query, key[:, None], value[:, None], block_table, cu_seqlens, lens, scale,
-                                      sliding_window, logits_soft_cap, alibi_slopes, sinks)
+                                      sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     out = query.new_empty(num_tokens, num_heads, head_dim_v)
     cu = cu_seqlens.tolist()
     for start, end in zip(cu[:-1], cu[1:]):
@@ -95,7 +96,7 @@ def varlen_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
 
 @varlen_attention.register_fake
 def _(query, key, value, cu_seqlens, scale, causal, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-      sinks=None):
+      sinks=None, attention_chunk_size=None):
     _check_args(query, key, value, cu_seqlens)
-    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    check_attention_params(_OP, query, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     return query.new_empty(query.shape[0], query.shape[1], value.shape[2])

@@ -14,7 +14,7 @@ from torch._dynamo.exc import UserError
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from pagedpack.contract import UnsupportedModelError
-from pagedpack.models.config import position_limit, rope_type, sliding_window
+from pagedpack.models.config import mask_reach, position_limit, rope_type
 from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
@@ -50,7 +50,7 @@ class CapturedModel:
 
     graph_module: torch.fx.GraphModule
     example_num_tokens: int
-    window_hint: int | None = None  # the sliding window the config declares: masks are checked past it
+    window_hint: int | None = None  # the config's sliding window or attention chunk: masks are checked past it
 
     def sample(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, position_ids)`` of one sequence of ``num_tokens`` (zeros, 0 .. n-1)."""
@@ -104,4 +104,4 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     graph_module.graph._codegen = torch.fx.graph.CodeGen()
     graph_module._forward_pre_hooks.clear()
     graph_module.recompile()
-    return CapturedModel(graph_module, num_tokens, sliding_window(config) if config is not None else None)
+    return CapturedModel(graph_module, num_tokens, mask_reach(config) if config is not None else None)

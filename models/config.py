@@ -30,11 +30,15 @@ def position_limit(config: PretrainedConfig) -> int | None:
     return None
 
 
-def sliding_window(config: PretrainedConfig) -> int | None:
-    """The sliding window the config declares (``sliding_window``, Mistral/Qwen2/Gemma), whether or
-    not every layer uses it; None if it declares none."""
-    window = getattr(text_config(config), "sliding_window", None)
-    return int(window) if isinstance(window, int) and not isinstance(window, bool) else None
+def mask_reach(config: PretrainedConfig) -> int | None:
+    """The longest distance, in tokens, at which the config's attention masks change form: its sliding
+    window (``sliding_window``, Mistral/Qwen2/Gemma) or attention chunk (``attention_chunk_size``,
+    Llama-4), whether or not every layer uses it; None if it declares neither. The passes check
+    each site's mask on a sample longer than this."""
+    config = text_config(config)
+    sizes = [getattr(config, key, None) for key in ("sliding_window", "attention_chunk_size")]
+    sizes = [int(v) for v in sizes if isinstance(v, int) and not isinstance(v, bool)]
+    return max(sizes) if sizes else None
 
 
 def rope_type(config: PretrainedConfig) -> str | None:

@@ -44,7 +44,9 @@ log = logging.getLogger(__name__)
 LAST_REPORTS: list[PassReport] = []  # one per Dynamo graph compiled, newest last
 _POSITIONAL = (None, "input_ids", "attention_mask")  # HF forward order after ``self``
 # Dynamo's graphs carry no config: masks are checked past this many tokens, so that a sliding window
-# up to it is seen (Mistral's 4096, Gemma's 512/1024/4096); a longer one would go unseen.
+# or attention chunk up to it is seen (Mistral's 4096, Gemma's 512/1024/4096); a longer one would go
+# unseen (Llama-4's 8192-position chunks: calls longer than that attend across a chunk boundary; LLM
+# reads the chunk off the config and is exact).
 PROBE_WINDOW = 4096
 
 

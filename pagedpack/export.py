@@ -345,8 +345,14 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
 def _export_program(rewritten) -> torch.export.ExportedProgram:
     """``torch.export`` the step graph on :func:`example_step` with every size dynamic."""
     args, dynamic_shapes = example_step(rewritten)
-    with torch.no_grad():
-        return torch.export.export(rewritten.graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    try:
+        with torch.no_grad():
+            return torch.export.export(rewritten.graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except torch._dynamo.exc.UserError as err:  # e.g. a guard on the token count it cannot prove for every size
+        first = str(err).strip().splitlines()
+        raise ValueError(f"rewritten: torch.export cannot export its step graph for every step size "
+                         f"({type(err).__name__}: {' '.join(first[:2])[:400]}); serve the model in process "
+                         f"instead") from err
 
 
 def example_step(rewritten) -> tuple[tuple, tuple]:

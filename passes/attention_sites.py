@@ -66,6 +66,7 @@ class AttentionSite:
     anchor: Node | None = None  # the node it matched at (the SDPA call or the softmax)
     logits_soft_cap: float | None = None  # cap * tanh(scores / cap), read off the graph
     sliding_window: int | None = None  # read off the verified mask
+    attention_chunk_size: int | None = None  # read off the verified mask (Llama-4's chunked layers)
     layout: str = HEADS_FIRST  # HEADS_FIRST or MERGED_HEADS
     mask_marks_blocked: bool = False  # a boolean mask that is True at the blocked keys (masked_fill's)
     bias: Node | None = None  # a score bias (ALiBi) broadcasting to the scores [..., H, T, T]
@@ -107,7 +108,8 @@ class AttentionSite:
     def params(self) -> AttentionParams:
         """What the site computes besides causal ``softmax(q k^T * scale) v``, for the ops."""
         return AttentionParams(scale=default_scale(self), sliding_window=self.sliding_window,
-                               logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes)
+                               logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes,
+                               attention_chunk_size=self.attention_chunk_size)
 
 
 def _apply(op, args: tuple):

@@ -56,7 +56,7 @@ class PassContext:
     kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per layer
     reference: torch.fx.GraphModule | None = None  # the captured graph, kept apart (parameters shared)
     make_sample: Callable[[int], tuple] | None = None  # inputs of one sequence of n tokens (mask probes)
-    window_hint: int | None = None  # the largest sliding window the model's config declares
+    window_hint: int | None = None  # the model config's sliding window or attention chunk (models.config.mask_reach)
 
     @property
     def graph(self) -> torch.fx.Graph:

@@ -3,7 +3,8 @@
 A pattern match says *where* attention is; these checks confirm *what* it computes before the
 site is rewritten: the mask is exactly the causal mask, the causal mask within a sliding window
 (whose size is read off the mask, also at a sample longer than any window the model declares),
-or lets every key through; a score bias (the site's ``bias`` node, and the finite part of an
+the causal mask within chunks of positions (Llama-4's chunked local attention, its chunk read off
+the same way), or lets every key through; a score bias (the site's ``bias`` node, and the finite part of an
 additive mask, where Falcon's sdpa attention carries it) is ALiBi, ``slope_h * key_pos`` plus a
 constant per row on the keys the row sees, and its slopes are read off it (also at a sample past
 :data:`ALIBI_PROBE_TOKENS`, where a bias rounded to bfloat16 stops being linear); ``repeat_kv``
@@ -160,7 +161,7 @@ def classify_site(site: AttentionSite, values: dict, num_tokens: int,
     slopes, reason = read_alibi_slopes(samples, site.query.meta["val"].dtype)
     if reason:
         return None, reason
-    site.sliding_window, site.alibi_slopes = longest.window, slopes
+    site.sliding_window, site.attention_chunk_size, site.alibi_slopes = longest.window, longest.chunk, slopes
     reason = (_shape_problem(site, values, num_tokens) or _repeat_problem(site, values)
               or _check_output(site, values, longest.kind))
     return (None, reason) if reason else (longest.kind, None)
@@ -168,18 +169,20 @@ def classify_site(site: AttentionSite, values: dict, num_tokens: int,
 
 @dataclass
 class ScoreTerms:
-    """What a site's mask and bias say on one sequence of ``n`` tokens: the mask ``kind`` and
-    ``window`` (:func:`mask_kind`), the score bias ``[H, n, n]`` float64 in softmax-input units and
-    ``visible [n, n]``, the keys each row sees (both None: no bias)."""
+    """What a site's mask and bias say on one sequence of ``n`` tokens: the mask ``kind``,
+    ``window`` and ``chunk`` (:func:`mask_kind`), the score bias ``[H, n, n]`` float64 in
+    softmax-input units and ``visible [n, n]``, the keys each row sees (both None: no bias)."""
 
     n: int
     kind: str
     window: int | None
+    chunk: int | None = None
     bias: Tensor | None = None
     visible: Tensor | None = None
 
     def describe(self) -> str:
-        return f"{self.kind} (window {self.window}{', a bias' if self.bias is not None else ''})"
+        chunk = f", chunk {self.chunk}" if self.chunk is not None else ""
+        return f"{self.kind} (window {self.window}{chunk}{', a bias' if self.bias is not None else ''})"
 
 
 def score_terms(site: AttentionSite, values: dict, n: int) -> ScoreTerms | str:
@@ -187,31 +190,31 @@ def score_terms(site: AttentionSite, values: dict, n: int) -> ScoreTerms | str:
     of ``n`` tokens, or the refusal: the mask is not causal, windowed or full, or a bias does not
     broadcast to the scores ``[H, n, n]``. The bias is the ``bias`` node times ``bias_factor``
     plus the bias the mask carries (Falcon's eager attention has both)."""
-    kind, window, terms = CAUSAL if site.is_causal else BIDIRECTIONAL, None, []
+    kind, window, chunk, terms = CAUSAL if site.is_causal else BIDIRECTIONAL, None, None, []
     if site.mask is not None:
         allowed, mask_bias = mask_parts(values[site.mask], site.mask_marks_blocked)
-        kind, window, reason = mask_kind(allowed, n)
+        kind, window, chunk, reason = mask_kind(allowed, n)
         if reason:
             return reason
         terms += [] if mask_bias is None else [mask_bias]
     if site.bias is not None:
         terms.append(values[site.bias].double() * site.bias_factor)
     if not terms:
-        return ScoreTerms(n, kind, window)
+        return ScoreTerms(n, kind, window, chunk)
     try:
         bias = sum(t.double().reshape(-1, *t.shape[-2:]).expand(site.num_heads, n, n) for t in terms)
     except RuntimeError:
         return (f"score bias of shape(s) {[tuple(t.shape) for t in terms]} does not broadcast to the scores "
                 f"[H={site.num_heads}, T={n}, T={n}]")
-    return ScoreTerms(n, kind, window, bias, visible_keys(n, kind, window, bias.device))
+    return ScoreTerms(n, kind, window, chunk, bias, visible_keys(n, kind, window, bias.device, chunk))
 
 
 def _changes_form(short: ScoreTerms, long: ScoreTerms | None = None) -> str | None:
-    """A refusal if the longer sample's mask kind, window (one the short sample cannot show aside)
-    or presence of a bias differ from the short one's."""
+    """A refusal if the longer sample's mask kind, window or chunk (one the short sample cannot
+    show aside) or presence of a bias differ from the short one's."""
     if long is None:
         return None
-    if (long.kind != short.kind or short.window not in (None, long.window)
+    if (long.kind != short.kind or short.window not in (None, long.window) or short.chunk not in (None, long.chunk)
             or (long.bias is None) != (short.bias is None)):
         return (f"attention mask or bias changes form with the length: {short.describe()} at T={short.n}, "
                 f"{long.describe()} at T={long.n}")
@@ -230,28 +233,40 @@ def mask_parts(mask: Tensor, marks_blocked: bool = False) -> tuple[Tensor, Tenso
     return allowed, (bias if bool(bias.any()) else None)
 
 
-def mask_kind(allowed: Tensor, n: int) -> tuple[str | None, int | None, str | None]:
-    """``(kind, sliding_window, refusal)`` of a boolean ``[..., n, n]`` mask of the allowed keys:
-    full (:data:`BIDIRECTIONAL`), causal, or causal within a window of ``w < n`` keys (each row
-    sees itself and the ``w - 1`` keys before it, as transformers' sliding-window masks)."""
+def mask_kind(allowed: Tensor, n: int) -> tuple[str | None, int | None, int | None, str | None]:
+    """``(kind, sliding_window, attention_chunk_size, refusal)`` of a boolean ``[..., n, n]`` mask of
+    the allowed keys: full (:data:`BIDIRECTIONAL`), causal, causal within a window of ``w < n`` keys
+    (each row sees itself and the ``w - 1`` keys before it, as transformers' sliding-window masks),
+    or causal within chunks of ``c < n`` positions (row ``i`` sees keys ``(i // c) * c .. i``, as
+    transformers' chunked masks of Llama-4)."""
     if allowed.shape[-2:] != (n, n):
-        return None, None, f"attention mask has shape {tuple(allowed.shape)}, expected [..., {n}, {n}] at T={n}"
+        return None, None, None, f"attention mask has shape {tuple(allowed.shape)}, expected [..., {n}, {n}] at T={n}"
     if bool(allowed.all()):
-        return BIDIRECTIONAL, None, None
-    window = int(allowed.reshape(-1, n, n)[0, -1].sum())
+        return BIDIRECTIONAL, None, None, None
+    first = allowed.reshape(-1, n, n)[0]
+    window = int(first[-1].sum())  # the keys the last row sees
     window = window if window < n else None
     if bool((allowed == visible_keys(n, CAUSAL, window, allowed.device)).all()):
-        return CAUSAL, window, None
-    return None, None, f"attention mask is neither causal, causal within a window, nor full (checked at T={n})"
+        return CAUSAL, window, None, None
+    chunk = int(first[:, 0].sum())  # the rows that see key 0: the first chunk
+    if 0 < chunk < n and bool((allowed == visible_keys(n, CAUSAL, None, allowed.device, chunk)).all()):
+        return CAUSAL, None, chunk, None
+    return None, None, None, (f"attention mask is neither causal, causal within a window or within chunks, nor "
+                              f"full (checked at T={n})")
 
 
-def visible_keys(n: int, kind: str, window: int | None, device: torch.device) -> Tensor:
+def visible_keys(n: int, kind: str, window: int | None, device: torch.device, chunk: int | None = None) -> Tensor:
     """``[n, n]`` bool: the keys ``j`` row ``i`` sees under a ``kind`` mask: all, or ``j <= i`` and,
-    with a ``window``, ``j > i - window``."""
+    with a ``window``, ``j > i - window`` and, with a ``chunk``, ``j // chunk == i // chunk``."""
     rows, cols = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)
     if kind == BIDIRECTIONAL:
         return torch.ones(n, n, dtype=torch.bool, device=device)
-    return (cols <= rows) & (cols > rows - window) if window is not None else cols <= rows
+    visible = cols <= rows
+    if window is not None:
+        visible &= cols > rows - window
+    if chunk is not None:
+        visible &= cols // chunk == rows // chunk
+    return visible
 
 
 def fit_alibi_slopes(terms: ScoreTerms) -> Tensor:

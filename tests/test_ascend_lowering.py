@@ -184,11 +184,12 @@ def test_windows_below_at_and_above_the_kv_length(window):
     _check_windowed_step(gm, [(200, 56), (129, 1), (0, 129)], window, seed=window)
 
 
-REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=True), "sinks": dict(sinks=True)}
+REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=True), "sinks": dict(sinks=True),
+           "attention_chunk_size": dict(chunk=32)}
 
 
 @pytest.mark.parametrize("param", REFUSED)
-def test_soft_cap_alibi_and_sinks_are_refused_naming_the_parameter(param):
+def test_soft_cap_alibi_sinks_and_chunks_are_refused_naming_the_parameter(param):
     params = make_params(4, window=64, **REFUSED[param])
 
     def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):

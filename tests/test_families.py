@@ -55,6 +55,13 @@ SERVED = {
     "gpt_neo": (T.GPTNeoConfig, dict(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4, window_size=WINDOW,
                                      attention_types=[[["global", "local"], 1]], max_position_embeddings=512),
                 EAGER, ["", f"window={WINDOW}"]),
+    # Llama-4 text: chunked local attention (chunks of 8 positions: every prompt but the shortest crosses
+    # one) on the RoPE layer, a NoPE layer with the attention temperature of its position (floor_scale
+    # small enough that it changes within the prompts), mixture of experts
+    "llama4_text": (T.Llama4TextConfig, dict(_BASE, head_dim=16, intermediate_size_mlp=128, attention_chunk_size=8,
+                                             no_rope_layers=[1, 0], interleave_moe_layer_step=2, num_local_experts=2,
+                                             attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1),
+                    BOTH, ["chunk=8", ""]),
     # a multimodal class on token ids: its text config nests the sizes, mrope's three position streams
     # are the text positions
     "qwen2_vl": (T.Qwen2VLConfig,
@@ -105,6 +112,20 @@ def test_family_is_served_token_for_token(family, attn):
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt length {len(prompt)}"
 
 
+def test_a_chunk_longer_than_the_default_probe_is_read_off_the_mask():
+    # Regression (model breadth, 4): masks were checked up to 69 tokens, so a chunk longer than that (Llama-4's
+    # 8192) looked causal and a longer prompt attended across its chunk boundary: wrong tokens, no refusal.
+    table = {"llama4_text": (T.Llama4TextConfig, dict(SERVED["llama4_text"][1], attention_chunk_size=100))}
+    model = family_model(table, "llama4_text", "sdpa")
+    reference = snapshot(model)
+    llm = LLM(model, block_size=16, num_blocks=128, max_num_batched_tokens=96)
+    assert [s.params for s in llm.report.sites] == ["chunk=100", ""], llm.report.format()
+    prompts = random_prompts((150, 230), seed=2, vocab=V)
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6),
+                                                 use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt length {len(prompt)}"
+
+
 @pytest.mark.parametrize("family, attn", [(f, a) for f, entry in REFUSED.items() for a in entry[2]])
 def test_family_is_refused_with_a_reason(family, attn):
     with pytest.raises(UnsupportedModelError, match=REFUSED[family][3]):
@@ -122,6 +143,17 @@ def test_window_and_soft_cap_survive_the_onnx_target_and_the_pt2_export(family, 
     path = LLM(model, num_blocks=4, keep_source_model=True).export(tmp_path / "m.pt2")
     served = LLM.from_exported(path, num_blocks=64, max_num_batched_tokens=64)
     assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == want
+
+
+def test_llama4_s_onnx_target_and_pt2_export_are_refused_naming_why(tmp_path):
+    """Llama-4's RoPE multiplies complex tensors, and torch.export cannot prove a guard of its experts for
+    every step size: each a ValueError naming it, not the exporter's own error from deep inside (the ONNX
+    functions' chunks: tests/test_onnx_functions.py)."""
+    model = family_model(SERVED, "llama4_text", "sdpa")
+    with pytest.raises(ValueError, match="computes with complex tensors .* ONNX has no complex type"):
+        LLM(model, target="onnx", num_blocks=64)
+    with pytest.raises(ValueError, match="torch.export cannot export its step graph for every step size"):
+        LLM(model, num_blocks=4, keep_source_model=True).export(tmp_path / "m.pt2")
 
 
 _SERVE_SCRIPT = """

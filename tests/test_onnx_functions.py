@@ -95,7 +95,8 @@ def run_function(function, inputs: dict, symbolic: bool = True, **attributes) ->
 def onnx_attention(batch: dict, symbolic: bool = True, **params) -> torch.Tensor:
     """The ``paged_attention`` function on ``batch``; ``params`` (``paged_attention``'s keyword
     arguments) as the node's attributes and optional inputs."""
-    attributes = {name: params[name] for name in ("sliding_window", "logits_soft_cap") if name in params}
+    attributes = {name: params[name] for name in ("sliding_window", "logits_soft_cap", "attention_chunk_size")
+                  if name in params}
     inputs = dict(batch, **{name: params[name] for name in ("alibi_slopes", "sinks") if name in params})
     (out,) = run_function(paged_attention, inputs, symbolic, scale=batch["scale"], **attributes)
     return out
@@ -327,14 +328,19 @@ def test_com_microsoft_maps_window_soft_cap_and_sinks():
     assert not {"local_window_size", "softcap"} & {a.name for a in node.attribute} and len(node.input) <= 11
 
 
-def test_com_microsoft_refuses_alibi_naming_it():
-    params = make_params(4, window=3, alibi=True)
+@pytest.mark.parametrize("param, choice, message", [
+    ("alibi_slopes", dict(alibi=True), "alibi_slopes: com.microsoft.PagedAttention's schema has no position-bias"),
+    ("attention_chunk_size", dict(chunk=4), "attention_chunk_size: com.microsoft.PagedAttention's schema has no "
+                                            "chunked local attention"),
+])
+def test_com_microsoft_refuses_what_its_schema_lacks_naming_it(param, choice, message):
+    params = make_params(4, window=3, **choice)
     batch, write, _ = make_step([(0, 5)], block_size=4, dtype=torch.float16)
     args = (batch["query"], write["key"], write["value"], batch["key_cache"], batch["value_cache"],
             batch["block_table"], batch["cu_seqlens_q"], batch["seq_lens"], write["slot_mapping"])
     gm = make_fx(_params_step(params))(*args)
     (reason,) = unsupported_params(gm, "com.microsoft")
-    assert "alibi_slopes" in reason and "attention='pagedpack'" in reason
+    assert param in reason and "attention='pagedpack'" in reason
     assert unsupported_params(gm, "pagedpack") == []
-    with pytest.raises(Exception, match="alibi_slopes: com.microsoft.PagedAttention's schema has no position-bias"):
+    with pytest.raises(Exception, match=message):
         _export_step(params, "com.microsoft", dtype=torch.float16)

@@ -39,19 +39,22 @@ def gather_kv(cache, block_row, kv_len):
 
 
 def reference_attention(q, k, v, scale, dtype=torch.float32, *, sliding_window=None, logits_soft_cap=None,
-                        alibi_slopes=None, sinks=None, causal=True):
+                        alibi_slopes=None, sinks=None, attention_chunk_size=None, causal=True):
     """One sequence: ``q [q_len, H, D]``, ``k``/``v [kv_len, H_kv, D]``, computed in ``dtype``.
 
     Row ``i`` sits at position ``p = kv_len - q_len + i``; it sees key ``j`` if ``j <= p`` (causal)
-    and ``j > p - sliding_window``. Scores ``q.k * scale``, then ``cap * tanh(s / cap)``, then
-    ``+ slope[h] * (j - p)``, then the mask; a sink logit per head joins the softmax and its
-    column is dropped. A row that sees no key is NaN here (without sinks)."""
+    and ``j > p - sliding_window`` and ``j // c == p // c`` (``attention_chunk_size = c``). Scores
+    ``q.k * scale``, then ``cap * tanh(s / cap)``, then ``+ slope[h] * (j - p)``, then the mask; a
+    sink logit per head joins the softmax and its column is dropped. A row that sees no key is NaN
+    here (without sinks)."""
     q_len, kv_len = q.shape[0], k.shape[0]
     i, j = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
     position = kv_len - q_len + i
     mask = j <= position if causal else torch.ones(q_len, kv_len, dtype=torch.bool)
     if sliding_window is not None:
         mask = mask & (j >= position - sliding_window + 1)
+    if attention_chunk_size is not None:
+        mask = mask & (j // attention_chunk_size == position // attention_chunk_size)
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1).to(dtype), v.repeat_interleave(n_rep, dim=1).to(dtype)
     bias = torch.where(mask, 0.0, float("-inf")).to(dtype)
@@ -141,12 +144,14 @@ def alibi_slopes(num_heads):
     return torch.tensor([2 ** (-8 * (h + 1) / num_heads) for h in range(num_heads)], dtype=torch.float32)
 
 
-def make_params(num_heads, *, window=None, soft_cap=None, alibi=False, sinks=False, seed=0):
+def make_params(num_heads, *, window=None, soft_cap=None, alibi=False, sinks=False, chunk=None, seed=0):
     """Keyword arguments of the attention parameters: the scalars as given, ALiBi slopes and
     random sink logits for ``num_heads`` heads if asked."""
     params = {}
     if window is not None:
         params["sliding_window"] = window
+    if chunk is not None:
+        params["attention_chunk_size"] = chunk
     if soft_cap is not None:
         params["logits_soft_cap"] = soft_cap
     if alibi:
@@ -184,6 +189,7 @@ def windows(kv_len, block_size):
 
 # Each GRID case with every parameter alone and all together; windows per ``windows``.
 PARAM_SETS = {"softcap": dict(soft_cap=5.0), "alibi": dict(alibi=True), "sinks": dict(sinks=True),
+              "chunk": dict(chunk=7),  # not a multiple of any block size: chunks start mid-block
               "all": dict(window="mid", soft_cap=20.0, alibi=True, sinks=True),
               **{f"window-{name}": dict(window=name) for name in ("w1", "mid", "eq", "over")}}
 PARAM_GRID = [(case, name) for case in GRID for name in PARAM_SETS]
@@ -212,7 +218,7 @@ def test_each_parameter_changes_the_result():
     """Guard against a parameter being dropped silently: each one alone moves the output."""
     batch = make_batch([5, 1], [40, 33], block_size=4)
     plain = ops.paged_attention(**batch)
-    for params in (dict(window=9), dict(soft_cap=0.5), dict(alibi=True), dict(sinks=True)):
+    for params in (dict(window=9), dict(soft_cap=0.5), dict(alibi=True), dict(sinks=True), dict(chunk=8)):
         assert (ops.paged_attention(**batch, **make_params(4, **params)) - plain).abs().max() > 1e-3, params
 
 
@@ -247,7 +253,8 @@ PACKED_STEPS = dict(
 
 # Random attention parameters for ``make_params`` (``@given(params=PARAMS)``; also used by the ONNX tests).
 PARAMS = st.fixed_dictionaries({}, optional=dict(
-    window=st.integers(1, 45), soft_cap=st.floats(0.5, 30.0), alibi=st.just(True), sinks=st.just(True)))
+    window=st.integers(1, 45), soft_cap=st.floats(0.5, 30.0), alibi=st.just(True), sinks=st.just(True),
+    chunk=st.integers(1, 45)))
 
 
 @settings(max_examples=25, deadline=None)
@@ -439,18 +446,19 @@ def test_params_read_back_by_name_however_the_call_spells_them():
     b = make_batch([3, 1], [7, 2], block_size=4)
     tensors = [b[k] for k in ("query", "key_cache", "value_cache", "block_table", "cu_seqlens_q", "seq_lens")]
     params = AttentionParams(0.5, sliding_window=7, logits_soft_cap=30.0, alibi_slopes=alibi_slopes(4),
-                             sinks=torch.zeros(4))
+                             sinks=torch.zeros(4), attention_chunk_size=16)
     by_keyword = AttentionParams.from_node(_call_node(ops.paged_attention.default, tensors, params.op_kwargs()))
     positional = AttentionParams.from_node(_call_node(
         ops.paged_attention.default, [*tensors, *params.op_kwargs().values()], {}))
     old_style = AttentionParams.from_node(_call_node(ops.paged_attention.default, [*tensors, 0.25], {}))
     for read in (by_keyword, positional):
-        assert (read.scale, read.sliding_window, read.logits_soft_cap) == (0.5, 7, 30.0)
+        assert (read.scale, read.sliding_window, read.logits_soft_cap, read.attention_chunk_size) == (0.5, 7, 30.0, 16)
         assert read.alibi_slopes.op == read.sinks.op == "placeholder"
     assert old_style.scale == 0.25 and old_style.is_default and old_style.describe() == ""
-    assert params.describe() == "window=7, soft_cap=30.0, alibi, sinks"
+    assert params.describe() == "window=7, soft_cap=30.0, alibi, sinks, chunk=16"
     assert AttentionParams(1.0, sliding_window=512, logits_soft_cap=50.0).describe() == "window=512, soft_cap=50.0"
-    assert list(params.op_kwargs()) == ["scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks"]
+    assert list(params.op_kwargs()) == ["scale", "sliding_window", "logits_soft_cap", "alibi_slopes", "sinks",
+                                        "attention_chunk_size"]
     varlen = _call_node(ops.varlen_attention.default, [*tensors[:3], tensors[4], 0.5, True], dict(sliding_window=3))
     assert AttentionParams.from_node(varlen).sliding_window == 3
 

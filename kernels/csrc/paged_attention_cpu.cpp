@@ -40,6 +40,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct Params {
   double scale;
   int64_t window;      // 0: none
+  int64_t chunk;       // attention_chunk_size, 0: none
   double soft_cap;     // 0: none
   const float* alibi;  // [H] or nullptr
   const float* sinks;  // [H] or nullptr
@@ -50,6 +51,15 @@ struct Params {
 struct Item {
   int64_t b, g, r0, r1, lo, hi;
 };
+
+// The first key position a query at position pos sees: pos - window + 1 with a sliding window, the
+// start of pos's chunk with attention_chunk_size (the later of the two), else 0.
+inline int64_t first_key(const Params& p, int64_t pos) {
+  int64_t first = 0;
+  if (p.window) first = pos - p.window + 1;
+  if (p.chunk) first = std::max(first, pos >= 0 ? pos / p.chunk * p.chunk : 0);
+  return first;
+}
 
 inline float reduce_add(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
@@ -198,9 +208,9 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
     }
     for (int64_t v = 0; v < nvec; ++v) {
       const int64_t h = it.g * group + v % group;
-      // Keys this row sees: j <= pos (causal), j > pos - window, j < kv_len (item range).
+      // Keys this row sees: j <= pos (causal), j > pos - window, j in pos's chunk, j < kv_len (item range).
       const int64_t hi = std::min(c0 + n, pos[v] + 1);
-      const int64_t lo = p.window ? std::max(c0, pos[v] - p.window + 1) : c0;
+      const int64_t lo = std::max(c0, first_key(p, pos[v]));
       if (hi <= lo) continue;
       const int64_t n_row = hi - lo;
       float* sc = s.data() + (lo - c0);
@@ -230,8 +240,7 @@ std::pair<int64_t, int64_t> key_range(const Meta& m, const Params& p, int64_t b,
   const int64_t q_len = m.cu[b + 1] - m.cu[b], kv_len = std::max<int64_t>(m.kv_lens[b], 0);
   const int64_t first = kv_len - q_len + r0, last = kv_len - q_len + r1 - 1;
   const int64_t hi = std::clamp<int64_t>(last + 1, 0, kv_len);
-  const int64_t lo = p.window ? std::clamp<int64_t>(first - p.window + 1, 0, hi) : 0;
-  return {lo, hi};
+  return {std::clamp<int64_t>(first_key(p, first), 0, hi), hi};
 }
 
 // SDPA over the sequence's K/V copied out of the cache (parameter-free long query runs).
@@ -257,7 +266,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                                const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                                const at::Tensor& seq_lens, double scale, std::optional<int64_t> sliding_window,
                                std::optional<double> logits_soft_cap, const std::optional<at::Tensor>& alibi_slopes,
-                               const std::optional<at::Tensor>& sinks) {
+                               const std::optional<at::Tensor>& sinks, std::optional<int64_t> attention_chunk_size) {
   // The shape checks the runner's step skips in Python (kernels/ops.py), kept here because a
   // wrong shape would read outside the tensors.
   TORCH_CHECK_VALUE(query_in.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 && block_table.dim() == 2 &&
@@ -294,6 +303,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 
   TORCH_CHECK_VALUE(!sliding_window || *sliding_window >= 1,
                     "paged_attention: sliding_window: expected None or an int >= 1, got ", sliding_window.value_or(0));
+  TORCH_CHECK_VALUE(!attention_chunk_size || *attention_chunk_size >= 1,
+                    "paged_attention: attention_chunk_size: expected None or an int >= 1, got ",
+                    attention_chunk_size.value_or(0));
   TORCH_CHECK_VALUE(!logits_soft_cap || (std::isfinite(*logits_soft_cap) && *logits_soft_cap > 0),
                     "paged_attention: logits_soft_cap: expected None or a finite float > 0, got ",
                     logits_soft_cap.value_or(0.0));
@@ -305,9 +317,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   at::Tensor alibi, sink;
   if (alibi_slopes) alibi = alibi_slopes->to(at::kFloat).contiguous();
   if (sinks) sink = sinks->to(at::kFloat).contiguous();
-  const Params p{scale, sliding_window.value_or(0), logits_soft_cap.value_or(0.0),
+  const Params p{scale, sliding_window.value_or(0), attention_chunk_size.value_or(0), logits_soft_cap.value_or(0.0),
                  alibi.defined() ? alibi.data_ptr<float>() : nullptr, sink.defined() ? sink.data_ptr<float>() : nullptr};
-  const bool plain = !p.window && !p.soft_cap && !p.alibi && !p.sinks;
+  const bool plain = !p.window && !p.chunk && !p.soft_cap && !p.alibi && !p.sinks;
 
   auto out = at::zeros({num_tokens, num_heads, dv}, query.options());
   std::vector<int64_t> prefill_seqs;
@@ -450,7 +462,7 @@ TORCH_LIBRARY(pagedpack_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
       "Tensor seq_lens, float scale, int? sliding_window=None, float? logits_soft_cap=None, "
-      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> Tensor");
+      "Tensor? alibi_slopes=None, Tensor? sinks=None, int? attention_chunk_size=None) -> Tensor");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

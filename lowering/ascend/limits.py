@@ -58,6 +58,7 @@ class AttentionShape:
     logits_soft_cap: float | None = None
     alibi: bool = False
     sinks: bool = False
+    attention_chunk_size: int | None = None
 
 
 def violations(s: AttentionShape, b: StepBounds) -> list[str]:
@@ -125,6 +126,10 @@ def parameter_violations(s: AttentionShape) -> list[str]:
         out.append(f"sinks: FIA has no sink logit in the softmax denominator; learnable_sink is a parameter of "
                    f"npu_fused_infer_attention_score_v2 only, which this lowering does not emit "
                    f"[{FIA}, 接口原型 (signature); {FIA_V2}, parameter learnable_sink]")
+    if s.attention_chunk_size is not None:
+        out.append(f"attention_chunk_size={s.attention_chunk_size}: FIA's masks are causal or a band of "
+                   f"pre_tokens/next_tokens around each row (sparse_mode 0-4), and a chunk's first key moves with "
+                   f"the row's chunk, which no mode expresses [{FIA}, parameter sparse_mode]")
     return out
 
 

@@ -31,7 +31,7 @@ step on the band's branch; its two output rows are dropped::
               actual_seq_lengths_kv=[seq_lens, 0], block_table=pad(block_table, 1 row),
               sparse_mode=4, pre_tokens=w - 1, next_tokens=0)[0][:-2]
 
-Logit soft-capping, ALiBi and sinks have no FIA equivalent: such a site is refused with an
+Logit soft-capping, ALiBi, sinks and attention chunks have no FIA equivalent: such a site is refused with an
 :class:`~pagedpack.lowering.ascend.limits.AscendLoweringError` naming the parameter and the reason
 (:func:`pagedpack.lowering.ascend.limits.parameter_violations`).
 
@@ -249,7 +249,8 @@ def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
     return AttentionShape(num_heads=int(query.shape[1]), num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
                           value_head_dim=int(value_cache.shape[3]), dtype=query.dtype, block_size=int(block_size),
                           sliding_window=params.sliding_window, logits_soft_cap=params.logits_soft_cap,
-                          alibi=params.alibi_slopes is not None, sinks=params.sinks is not None)
+                          alibi=params.alibi_slopes is not None, sinks=params.sinks is not None,
+                          attention_chunk_size=params.attention_chunk_size)
 
 
 def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:

@@ -102,6 +102,7 @@ def check_attention(attention, rewritten) -> None:
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
     check_portable(rewritten)
+    check_real_valued(rewritten)
     dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in rewritten.kv_cache_specs})
     if attention == "pagedpack" and "bfloat16" in dtypes:
         raise ValueError(f"attention: 'pagedpack' functions take float32 or float16 (opset 20's Compress has no "
@@ -119,6 +120,18 @@ def check_attention(attention, rewritten) -> None:
         if unsupported:
             raise ValueError("attention: 'com.microsoft' (PagedAttention) cannot express:\n  "
                              + "\n  ".join(unsupported) + "\nuse attention='pagedpack'")
+
+
+def check_real_valued(rewritten) -> None:
+    """``ValueError`` if ``rewritten``'s step graph computes with complex tensors, which ONNX has no type
+    for (the exporter fails deep inside on the first such node)."""
+    node = next((n for n in rewritten.graph_module.graph.nodes
+                 if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_complex()), None)
+    if node is not None:
+        raise ValueError(f"rewritten: its step graph computes with complex tensors ({node.name}: "
+                         f"{str(node.meta['val'].dtype).removeprefix('torch.')}, e.g. Llama-4's rotary embedding "
+                         f"through view_as_complex), and ONNX has no complex type; serve the model on the cpu "
+                         f"target or export it as .pt2")
 
 
 def onnx_program(rewritten, attention: str = "pagedpack") -> torch.onnx.ONNXProgram:

@@ -11,7 +11,7 @@ that op with one of two tables (:data:`ATTENTION_TARGETS`):
     (opset :data:`OPSET`) and travel inside the model::
 
         key_cache_out, value_cache_out = pagedpack.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        out = pagedpack.paged_attention<scale, sliding_window?, logits_soft_cap?>(
+        out = pagedpack.paged_attention<scale, sliding_window?, logits_soft_cap?, attention_chunk_size?>(
             query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens, alibi_slopes?, sinks?)
 
     ``reshape_and_cache`` scatters rows to ``slot_mapping`` (``-1`` skipped); ``paged_attention``
@@ -26,8 +26,8 @@ that op with one of two tables (:data:`ATTENTION_TARGETS`):
     one ``com.microsoft.PagedAttention`` node per site (onnxruntime's contrib op, CUDA provider
     only), which writes the caches itself. Its schema takes float16/bfloat16 only, int32
     metadata and ``past_seqlens = seq_lens - q_lens``; a sliding window, a soft cap and sinks map
-    to its ``local_window_size``, ``softcap`` and ``head_sink``, ALiBi is refused (the schema has no
-    position bias); see :func:`_ort_translation`.
+    to its ``local_window_size``, ``softcap`` and ``head_sink``, ALiBi and attention chunks are refused
+    (the schema has neither); see :func:`_ort_translation`.
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def reshape_and_cache(key: TFloat, value: TFloat, key_cache: TCache, value_cache
 @onnxscript.script(PAGEDPACK_DOMAIN, default_opset=op)
 def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block_table: TIndex,
                     cu_seqlens_q: TIndex, seq_lens: TIndex, scale: float, alibi_slopes: Optional[FLOAT] = None,
-                    sinks: Optional[FLOAT] = None, sliding_window: int = 0, logits_soft_cap: float = 0.0) -> TFloat:
+                    sinks: Optional[FLOAT] = None, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                    attention_chunk_size: int = 0) -> TFloat:
     """Causal attention of packed ``query [T, H, D]`` over the paged caches; ``[T, H, D_v]``.
 
     Queries are scattered to ``[B, max_q_len, H, D]``; keys and values of each sequence are
@@ -125,7 +126,8 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     attention by broadcasting the ``H / Hkv`` query heads of a group against their KV head.
 
     Attention parameters (absent = not applied): attribute ``sliding_window`` (``w >= 1``; 0, the
-    default, is none) also masks keys ``j <= p - w``; attribute ``logits_soft_cap`` (``> 0``; 0.0,
+    default, is none) also masks keys ``j <= p - w``; attribute ``attention_chunk_size`` (``c >= 1``;
+    0 is none) keeps keys with ``j // c == p // c`` only; attribute ``logits_soft_cap`` (``> 0``; 0.0,
     the default, is none) gives ``cap * tanh(scores / cap)``; optional input ``alibi_slopes``
     (float ``[H]``) adds ``slope * (j - p)``; optional input ``sinks`` (float ``[H]``) joins the
     softmax denominator, applied as ``softmax(s) * sigmoid(logsumexp(s) - sink)`` (equal to
@@ -186,7 +188,12 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
                     op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))  # [B, max_q_len, L]
     window = op.Constant(value_int=sliding_window)
     in_window = op.Or(op.LessOrEqual(window, op.Constant(value_int=0)), op.Greater(offset, op.Neg(window)))
-    visible = op.And(op.LessOrEqual(offset, op.Constant(value_int=0)), in_window)
+    chunk = op.Constant(value_int=attention_chunk_size)
+    chunk_or_one = op.Max(chunk, op.Constant(value_int=1))
+    same_chunk = op.Equal(op.Div(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])), chunk_or_one),
+                          op.Div(op.Unsqueeze(last_visible, op.Constant(value_ints=[2])), chunk_or_one))
+    in_chunk = op.Or(op.LessOrEqual(chunk, op.Constant(value_int=0)), same_chunk)
+    visible = op.And(op.And(op.LessOrEqual(offset, op.Constant(value_int=0)), in_window), in_chunk)
     visible = op.Unsqueeze(visible, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, max_q_len, L]
     # Per-head values [1, Hkv, G, 1, 1] of the optional inputs (zeros where absent).
     head_shape = op.Concat(one, num_kv_heads, group, one, one, axis=0)
@@ -258,16 +265,18 @@ _CALL_RESHAPE_AND_CACHE, _CALL_PAGED_ATTENTION = (_call_function_op(f) for f in 
 
 def _pagedpack_translation(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                            slot_mapping, scale: float, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                           sinks=None):
+                           sinks=None, attention_chunk_size=None):
     """The two ``pagedpack`` function calls; the attention parameters by name (the exporter calls
     this with the node's arguments as the op's schema names them), each absent when None."""
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     key_cache_out, value_cache_out = _CALL_RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping)
     attributes = {}
     if params.sliding_window is not None:
         attributes["sliding_window"] = int(params.sliding_window)
     if params.logits_soft_cap is not None:
         attributes["logits_soft_cap"] = float(params.logits_soft_cap)
+    if params.attention_chunk_size is not None:
+        attributes["attention_chunk_size"] = int(params.attention_chunk_size)
     per_head = [None if t is None else op.Cast(t, to=FLOAT.dtype) for t in (params.alibi_slopes, params.sinks)]
     out = _CALL_PAGED_ATTENTION(query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens,
                                 *per_head, scale=params.scale, **attributes)
@@ -307,9 +316,11 @@ _ORT_PAGED_ATTENTION = _node_op(
 
 def ort_unsupported(params: AttentionParams) -> list[str]:
     """The attention parameters ``com.microsoft.PagedAttention`` cannot express, each with why."""
-    return ["alibi_slopes: com.microsoft.PagedAttention's schema has no position-bias input (its only score "
-            "modifications are local_window_size, softcap and head_sink); use attention='pagedpack'"
-            ] if params.alibi_slopes is not None else []
+    schema = ("com.microsoft.PagedAttention's schema has no {} (its only score modifications are "
+              "local_window_size, softcap and head_sink); use attention='pagedpack'")
+    return ([f"alibi_slopes: {schema.format('position-bias input')}"] if params.alibi_slopes is not None else []) + \
+        ([f"attention_chunk_size: {schema.format('chunked local attention')}"]
+         if params.attention_chunk_size is not None else [])
 
 
 def ort_attributes(params: AttentionParams) -> dict[str, float | int]:
@@ -332,13 +343,13 @@ def ort_attributes(params: AttentionParams) -> dict[str, float | int]:
 
 def _ort_translation(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                      slot_mapping, scale: float, sliding_window=None, logits_soft_cap=None, alibi_slopes=None,
-                     sinks=None):
+                     sinks=None, attention_chunk_size=None):
     """One ``com.microsoft.PagedAttention`` node, which writes this step's keys and values
     (to ``slot_mapping``) and attends: activations as ``[T, heads * head_dim]``, metadata int32,
     ``past_seqlens = seq_lens - q_lens``, ``is_causal=1`` (bottom-right, as pagedpack's op).
     Parameters by name (:func:`ort_attributes`); ``sinks`` become ``head_sink`` in the query's dtype
     (the schema's type T)."""
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     attributes = ort_attributes(params)
     num_heads, head_dim, head_dim_v = query.shape[1], query.shape[2], value_cache.shape[3]
     num_kv_heads = key_cache.shape[2]

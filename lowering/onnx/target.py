@@ -23,7 +23,10 @@ class OnnxTarget(Target):
     description: str = "the step program exported to ONNX and run by onnxruntime (CPU)"
 
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
+        from pagedpack.lowering.onnx.export import check_real_valued
+
         check_cache_dtypes(rewritten.kv_cache_specs)
+        check_real_valued(rewritten)
 
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
