@@ -83,7 +83,7 @@ class _Bidirectional(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dilated, reason", [(False, "bidirectional"),
-                                             (True, "neither causal, causal within a window, nor full")])
+                                             (True, "neither causal, causal within a window or within chunks")])
 def test_unsafe_sites_are_refused_and_left_unchanged(dilated, reason):
     captured = capture(_Bidirectional(dilated))
     before = captured.graph_module.code

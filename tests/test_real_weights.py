@@ -444,11 +444,10 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
     assert compared >= 0.9 * total  # ties are rare: almost every token was compared
     print(f"{alias}: pagedpack {paged_s:.1f} s (load, capture, generate), transformers one by one {hf_s:.1f} s, "
           f"{compared} of {total} tokens compared")
-    # the memory planner on a real model: the symbolic activation peak against the profiler
-    ratios = check_peak_matches_profiler(llm, token_counts=(64, 512))  # 2048 on the built-in model
-    print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}; plan for 4 GiB:",
-          dict(llm.plan_memory("4GiB").rows()))
     if alias == "smollm2-135m":
+        # the memory planner on a real model: the symbolic activation peak against the profiler
+        ratios = check_peak_matches_profiler(llm, token_counts=(64, 512))  # 2048 on the built-in model
+        print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}")
         _check_streaming_and_chat(llm)
 
 
