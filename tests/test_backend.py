@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 import pagedpack.backend as backend
 from pagedpack.backend import sample_lengths
-from pagedpack.models.tiny import FAMILIES, tiny_model
+from pagedpack.models.tiny import tiny_model
 
 
 def padded_batch(rng: random.Random, batch: int, seq: int, left: bool):
@@ -56,10 +56,11 @@ def count_graphs(model, batches, call=None, **compile_kwargs) -> int:
 FIRST_SHAPES = [(3, 10), (2, 7), (1, 5), (4, 1), (1, 1)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_padded_calls_match_eager_and_compile_no_more_than_dynamo(family):
-    """Every tiny family, the KV cache returned (use_cache) but for Mistral: its window (12) engages in
-    these rows, and a sliding-window cache is left as captured (the next test)."""
+    """Llama and Mistral (Qwen2 differs from Llama by projection biases only, which the backend
+    never sees), the KV cache returned (use_cache) but for Mistral: its window (12) engages in these
+    rows, and a sliding-window cache is left as captured (the next test)."""
     model = tiny_model(family)
     call = dict(use_cache=False) if family == "mistral" else {}
     first, more = calls(1, 16, FIRST_SHAPES), calls(2, 12)  # random batch sizes, lengths and paddings
