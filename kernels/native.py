@@ -91,7 +91,7 @@ def _flags() -> list[str]:
 
 @functools.cache
 def _load():
-    global _reason
+    global _reason, _library
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         _reason = f"no C++ compiler {compiler!r} on PATH"
@@ -105,7 +105,6 @@ def _load():
         if not _valid(library):
             _build(compiler, flags, library)
         torch.ops.load_library(str(library))
-        global _library
         _library = library
     except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
         _reason = f"native build failed: {str(e).strip()[-800:]}"

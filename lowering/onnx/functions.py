@@ -184,14 +184,14 @@ def paged_attention(query: TFloat, key_cache: TCache, value_cache: TCache, block
     rows = op.Range(op.Constant(value_int=0), op.Squeeze(max_q_len, zero), op.Constant(value_int=1))
     cols = op.Range(op.Constant(value_int=0), op.Squeeze(kv_len, zero), op.Constant(value_int=1))
     last_visible = op.Add(op.Unsqueeze(op.Sub(kv_lens, q_lens), one), op.Unsqueeze(rows, zero))  # [B, max_q_len]
-    offset = op.Sub(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])),
-                    op.Unsqueeze(last_visible, op.Constant(value_ints=[2])))  # [B, max_q_len, L]
+    key_pos = op.Unsqueeze(cols, op.Constant(value_ints=[0, 1]))  # [1, 1, L]
+    query_pos = op.Unsqueeze(last_visible, op.Constant(value_ints=[2]))  # [B, max_q_len, 1]
+    offset = op.Sub(key_pos, query_pos)  # [B, max_q_len, L]
     window = op.Constant(value_int=sliding_window)
     in_window = op.Or(op.LessOrEqual(window, op.Constant(value_int=0)), op.Greater(offset, op.Neg(window)))
     chunk = op.Constant(value_int=attention_chunk_size)
     chunk_or_one = op.Max(chunk, op.Constant(value_int=1))
-    same_chunk = op.Equal(op.Div(op.Unsqueeze(cols, op.Constant(value_ints=[0, 1])), chunk_or_one),
-                          op.Div(op.Unsqueeze(last_visible, op.Constant(value_ints=[2])), chunk_or_one))
+    same_chunk = op.Equal(op.Div(key_pos, chunk_or_one), op.Div(query_pos, chunk_or_one))
     in_chunk = op.Or(op.LessOrEqual(chunk, op.Constant(value_int=0)), same_chunk)
     visible = op.And(op.And(op.LessOrEqual(offset, op.Constant(value_int=0)), in_window), in_chunk)
     visible = op.Unsqueeze(visible, op.Constant(value_ints=[1, 2]))  # [B, 1, 1, max_q_len, L]
@@ -316,11 +316,10 @@ _ORT_PAGED_ATTENTION = _node_op(
 
 def ort_unsupported(params: AttentionParams) -> list[str]:
     """The attention parameters ``com.microsoft.PagedAttention`` cannot express, each with why."""
-    schema = ("com.microsoft.PagedAttention's schema has no {} (its only score modifications are "
-              "local_window_size, softcap and head_sink); use attention='pagedpack'")
-    return ([f"alibi_slopes: {schema.format('position-bias input')}"] if params.alibi_slopes is not None else []) + \
-        ([f"attention_chunk_size: {schema.format('chunked local attention')}"]
-         if params.attention_chunk_size is not None else [])
+    lacking = {"alibi_slopes": "position-bias input", "attention_chunk_size": "chunked local attention"}
+    return [f"{name}: com.microsoft.PagedAttention's schema has no {what} (its only score modifications are "
+            f"local_window_size, softcap and head_sink); use attention='pagedpack'"
+            for name, what in lacking.items() if getattr(params, name) is not None]
 
 
 def ort_attributes(params: AttentionParams) -> dict[str, float | int]:
