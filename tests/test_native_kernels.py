@@ -74,6 +74,22 @@ def test_mixed_steps_both_paths(seqs, head_dim, ratio, block_size, seed):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_kv_heads, head_dim", [(3, 64), (4, 256), (5, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_items_span_kv_heads(num_kv_heads, head_dim, dtype, threads):
+    """Enough decode rows to keep every thread busy: a work item covers several KV heads (all 3;
+    2 of 4 at head_dim 256, where the chunk caps them; all 5 of the generic head dim), with a chunk
+    and a long context in the same step; against the explicit-mask reference (fp32 to 2e-5, bf16
+    rounded once)."""
+    seqs = [(n, 1) for n in (1, 17, 63, 200, 401, 950)] + [(30, 5), (0, 9)]
+    out, expected = run_step(seqs, dtype=dtype, num_kv_heads=num_kv_heads, ratio=3, head_dim=head_dim,
+                             block_size=16, g=torch.Generator().manual_seed(num_kv_heads))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    else:
+        assert_rounded_close(out, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_caches_are_the_fp32_result_rounded(dtype, monkeypatch):
     """bf16/fp16 query and caches: the fp32-accumulating native kernel and the reference kernel are

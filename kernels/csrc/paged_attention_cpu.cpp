@@ -3,7 +3,7 @@
 // Semantics: kernels/ops.py (the Python reference, the ground truth in tests). Decision and
 // measurements: docs/cpu-kernels.md. In short:
 //   * Short query runs (decode, short chunks) and every call with attention parameters read K/V
-//     in place through block_table: one work item per (sequence, KV head, query tile, KV split),
+//     in place through block_table: one work item per (sequence, KV heads, query tile, KV split),
 //     the query heads of a GQA group sharing each K/V row, online softmax in fp32 per KV chunk,
 //     split-KV partials merged at the end. at::parallel_for spreads the items over threads.
 //   * Long query runs without parameters (prefill): in bf16, flash attention over the paged K/V
@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -35,6 +36,7 @@ constexpr int64_t kPrefillMinRows = 32;  // query rows from which a parameter-fr
 constexpr int64_t kQueryTile = 16;     // query rows per work item
 constexpr int64_t kKvChunk = 32;       // KV tokens per online-softmax update
 constexpr int64_t kMinSplitTokens = 256;
+constexpr int64_t kItemChunkBytes = 128 << 10;  // fp32 K + V of one KV chunk of an item, at most
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Params {
@@ -46,10 +48,10 @@ struct Params {
   const float* sinks;  // [H] or nullptr
 };
 
-// One work item: query rows [r0, r1) of sequence b (rows relative to its first row), KV head g,
-// keys [lo, hi) of the sequence.
+// One work item: query rows [r0, r1) of sequence b (rows relative to its first row), KV heads
+// [g0, g1), keys [lo, hi) of the sequence.
 struct Item {
-  int64_t b, g, r0, r1, lo, hi;
+  int64_t b, g0, g1, r0, r1, lo, hi;
 };
 
 // The first key position a query at position pos sees: pos - window + 1 with a sliding window, the
@@ -154,26 +156,29 @@ void check_metadata(const Meta& m, int64_t num_tokens) {
                     "num_tokens=", num_tokens, ", got ", m.cu[m.num_seqs]);
 }
 
-// Online-softmax state of one work item: per query vector (row x group head) its running max,
-// denominator and unnormalised output. Stored as [R, 2 + Dv] floats: m, l, acc[Dv].
+// Online-softmax state of one work item: per query vector (row x query head of KV heads
+// [g0, g1)) its running max, denominator and unnormalised output. Stored as [rows, heads, 2 + Dv]
+// floats: m, l, acc[Dv]. A token's rows of KV heads g0..g1 are adjacent in a block, so an item
+// with several KV heads reads them as one contiguous run.
 template <typename T, int64_t D>
 void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Tensor& query, const T* k_base,
                  const T* v_base, at::IntArrayRef k_strides, at::IntArrayRef v_strides, int64_t group, int64_t dv,
                  float* state) {
   const int64_t d = query.size(2);
-  const int64_t rows = it.r1 - it.r0, nvec = rows * group;
+  const int64_t heads = (it.g1 - it.g0) * group, rows = it.r1 - it.r0, nvec = rows * heads;
+  const int64_t nkv = it.g1 - it.g0;
   const int64_t q_len = meta.cu[it.b + 1] - meta.cu[it.b];
   const int64_t kv_len = std::max<int64_t>(meta.kv_lens[it.b], 0);
   const int64_t first_pos = kv_len - q_len;  // absolute position of the sequence's query row 0
   const int64_t width = 2 + dv;
 
-  std::vector<float> q(nvec * d), kbuf(kKvChunk * d), vbuf(kKvChunk * dv), s(kKvChunk);
+  std::vector<float> q(nvec * d), kbuf(nkv * kKvChunk * d), vbuf(nkv * kKvChunk * dv), s(kKvChunk);
   std::vector<int64_t> pos(nvec);
-  std::vector<const float*> kp(kKvChunk), vp(kKvChunk);
+  std::vector<const float*> kp(nkv * kKvChunk), vp(nkv * kKvChunk);  // [KV head of the item][chunk token]
   const float* qf = query.data_ptr<float>();  // query is fp32 contiguous [T, H, D] (converted by the caller)
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < group; ++i) {
-      const int64_t h = it.g * group + i, v = r * group + i;
+    for (int64_t i = 0; i < heads; ++i) {
+      const int64_t h = it.g0 * group + i, v = r * heads + i;
       const float* src = qf + ((meta.cu[it.b] + it.r0 + r) * query.size(1) + h) * d;
       for (int64_t e = 0; e < d; ++e) q[v * d + e] = src[e] * static_cast<float>(p.scale);
       pos[v] = first_pos + it.r0 + r;
@@ -187,34 +192,41 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
     const int64_t n = std::min(kKvChunk, it.hi - c0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t tok = c0 + j, blk = block_of(meta, it.b, tok), off = tok % meta.block_size;
-      const T* k = k_base + blk * k_strides[0] + off * k_strides[1] + it.g * k_strides[2];
-      const T* v = v_base + blk * v_strides[0] + off * v_strides[1] + it.g * v_strides[2];
-      if constexpr (std::is_same_v<T, float>) {
-        kp[j] = k;
-        vp[j] = v;
-      } else {
-        to_float(k, kbuf.data() + j * d, d);
-        to_float(v, vbuf.data() + j * dv, dv);
-        kp[j] = kbuf.data() + j * d;
-        vp[j] = vbuf.data() + j * dv;
+      for (int64_t gl = 0; gl < nkv; ++gl) {
+        const T* k = k_base + blk * k_strides[0] + off * k_strides[1] + (it.g0 + gl) * k_strides[2];
+        const T* v = v_base + blk * v_strides[0] + off * v_strides[1] + (it.g0 + gl) * v_strides[2];
+        const int64_t slot = gl * kKvChunk + j;
+        if constexpr (std::is_same_v<T, float>) {
+          kp[slot] = k;
+          vp[slot] = v;
+        } else {
+          to_float(k, kbuf.data() + slot * d, d);
+          to_float(v, vbuf.data() + slot * dv, dv);
+          kp[slot] = kbuf.data() + slot * d;
+          vp[slot] = vbuf.data() + slot * dv;
+        }
       }
     }
     // The next chunk's rows sit in other blocks the hardware prefetcher cannot guess: ask for them
     // now, so that they arrive while this chunk computes.
     for (int64_t tok = c0 + n; tok < std::min(it.hi, c0 + n + kKvChunk); ++tok) {
       const int64_t blk = block_of(meta, it.b, tok), off = tok % meta.block_size;
-      prefetch_row(k_base + blk * k_strides[0] + off * k_strides[1] + it.g * k_strides[2], d);
-      prefetch_row(v_base + blk * v_strides[0] + off * v_strides[1] + it.g * v_strides[2], dv);
+      for (int64_t gl = 0; gl < nkv; ++gl) {
+        prefetch_row(k_base + blk * k_strides[0] + off * k_strides[1] + (it.g0 + gl) * k_strides[2], d);
+        prefetch_row(v_base + blk * v_strides[0] + off * v_strides[1] + (it.g0 + gl) * v_strides[2], dv);
+      }
     }
     for (int64_t v = 0; v < nvec; ++v) {
-      const int64_t h = it.g * group + v % group;
+      const int64_t hl = v % heads, h = it.g0 * group + hl;
+      const float* const* kv_k = kp.data() + hl / group * kKvChunk;
+      const float* const* kv_v = vp.data() + hl / group * kKvChunk;
       // Keys this row sees: j <= pos (causal), j > pos - window, j in pos's chunk, j < kv_len (item range).
       const int64_t hi = std::min(c0 + n, pos[v] + 1);
       const int64_t lo = std::max(c0, first_key(p, pos[v]));
       if (hi <= lo) continue;
       const int64_t n_row = hi - lo;
       float* sc = s.data() + (lo - c0);
-      Row<D>::scores(q.data() + v * d, kp.data() + (lo - c0), n_row, d, sc);
+      Row<D>::scores(q.data() + v * d, kv_k + (lo - c0), n_row, d, sc);
       for (int64_t t = 0; t < n_row; ++t) {
         if (p.soft_cap > 0) sc[t] = static_cast<float>(p.soft_cap * std::tanh(sc[t] / p.soft_cap));
         if (p.alibi) sc[t] += p.alibi[h] * static_cast<float>(lo + t - pos[v]);
@@ -230,7 +242,7 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
       st[0] = m_new;
       at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, sc, sc, n_row);
       st[1] += at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sc, n_row);
-      Row<D>::accumulate(sc, vp.data() + (lo - c0), n_row, dv, st + 2);
+      Row<D>::accumulate(sc, kv_v + (lo - c0), n_row, dv, st + 2);
     }
   }
 }
@@ -323,21 +335,36 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 
   auto out = at::zeros({num_tokens, num_heads, dv}, query.options());
   std::vector<int64_t> prefill_seqs;
-  std::vector<Item> items;
+  std::vector<std::array<int64_t, 3>> tiles;  // (b, r0, r1)
   for (int64_t b = 0; b < meta.num_seqs; ++b) {
     const int64_t q_len = meta.cu[b + 1] - meta.cu[b];
     if (plain && q_len >= kPrefillMinRows && meta.kv_lens[b] >= q_len) {
       prefill_seqs.push_back(b);
       continue;
     }
-    for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) {
-      const int64_t r1 = std::min(q_len, r0 + kQueryTile);
-      const auto [lo, hi] = key_range(meta, p, b, r0, r1);
-      for (int64_t g = 0; g < num_kv_heads; ++g) items.push_back({b, g, r0, r1, lo, hi});
+    for (int64_t r0 = 0; r0 < q_len; r0 += kQueryTile) tiles.push_back({b, r0, std::min(q_len, r0 + kQueryTile)});
+  }
+  // KV heads per item: one when the tiles are too few to keep every thread busy, else as many as
+  // divide num_kv_heads with their fp32 chunk within kItemChunkBytes, so that a thread streams the
+  // blocks' rows whole (a KV head's slice of a row is every num_kv_heads-th run of memory, and
+  // the decode step reads its K/V from DRAM: 2-3x the time of the per-head items, cold).
+  const int64_t threads = at::get_num_threads();
+  int64_t kv_per_item = 1;
+  if (static_cast<int64_t>(tiles.size()) >= 2 * threads) {
+    for (int64_t n = num_kv_heads; n > 1; --n) {
+      if (num_kv_heads % n == 0 && n * kKvChunk * (query.size(2) + dv) * static_cast<int64_t>(sizeof(float)) <= kItemChunkBytes) {
+        kv_per_item = n;
+        break;
+      }
     }
   }
+  std::vector<Item> items;
+  for (const auto& [b, r0, r1] : tiles) {
+    const auto [lo, hi] = key_range(meta, p, b, r0, r1);
+    for (int64_t g = 0; g < num_kv_heads; g += kv_per_item) items.push_back({b, g, g + kv_per_item, r0, r1, lo, hi});
+  }
   // Split long KV ranges when there are too few items to keep every thread busy.
-  const int64_t want = 4 * at::get_num_threads();
+  const int64_t want = 4 * threads;
   if (!items.empty() && static_cast<int64_t>(items.size()) < want) {
     const int64_t splits = (want + items.size() - 1) / items.size();
     std::vector<Item> split;
@@ -348,7 +375,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
         split.push_back(it);
         continue;
       }
-      for (int64_t lo = it.lo; lo < it.hi; lo += step) split.push_back({it.b, it.g, it.r0, it.r1, lo, std::min(it.hi, lo + step)});
+      for (int64_t lo = it.lo; lo < it.hi; lo += step) split.push_back({it.b, it.g0, it.g1, it.r0, it.r1, lo, std::min(it.hi, lo + step)});
     }
     items.swap(split);
   }
@@ -356,7 +383,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   if (!items.empty()) {
     // Partial states, [item][query vector][2 + dv]; merged per (b, g, r0) after the parallel pass.
     std::vector<int64_t> offset(items.size() + 1, 0);
-    for (size_t i = 0; i < items.size(); ++i) offset[i + 1] = offset[i] + (items[i].r1 - items[i].r0) * group * (2 + dv);
+    for (size_t i = 0; i < items.size(); ++i)
+      offset[i + 1] = offset[i] + (items[i].r1 - items[i].r0) * (items[i].g1 - items[i].g0) * group * (2 + dv);
     std::vector<float> state(offset.back());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention_cpu", [&] {
       const scalar_t* kb = key_cache.data_ptr<scalar_t>();
@@ -381,16 +409,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       else if (d == 256) run(std::integral_constant<int64_t, 256>{});
       else run(std::integral_constant<int64_t, 0>{});
     });
-    // Merge the splits of each (b, g, r0) run (consecutive items) and normalise.
+    // Merge the splits of each (b, g0, r0) run (consecutive items) and normalise.
     float* o = out.data_ptr<float>();
     const int64_t width = 2 + dv;
     for (size_t i = 0; i < items.size();) {
       size_t j = i + 1;
-      while (j < items.size() && items[j].b == items[i].b && items[j].g == items[i].g && items[j].r0 == items[i].r0) ++j;
+      while (j < items.size() && items[j].b == items[i].b && items[j].g0 == items[i].g0 && items[j].r0 == items[i].r0) ++j;
       const Item& it = items[i];
-      const int64_t nvec = (it.r1 - it.r0) * group;
+      const int64_t heads = (it.g1 - it.g0) * group, nvec = (it.r1 - it.r0) * heads;
       for (int64_t v = 0; v < nvec; ++v) {
-        const int64_t h = it.g * group + v % group, row = meta.cu[it.b] + it.r0 + v / group;
+        const int64_t h = it.g0 * group + v % heads, row = meta.cu[it.b] + it.r0 + v / heads;
         float m = p.sinks ? p.sinks[h] : kNegInf;
         for (size_t k = i; k < j; ++k) m = std::max(m, state[offset[k] + v * width]);
         float l = p.sinks ? std::exp(p.sinks[h] - m) : 0.f;
