@@ -73,6 +73,11 @@ class EngineArgs:
         extra_passes: user passes (:class:`pagedpack.passes.manager.Pass` instances) run in the
             step pipeline after ``merge_linears`` and before ``sequence_independence`` (which checks
             them too); the model is then captured in this process (no compile cache). docs/design.md.
+        num_threads: intra-op threads of the CPU step; None (default) follows the machine's load
+            between 1 and torch's thread count (``OMP_NUM_THREADS`` when set fixes it), less
+            ``reserved_cpus`` (:mod:`pagedpack.runtime.cpu_threads`).
+        reserved_cpus: CPUs left to the rest of the process (a server's HTTP threads), as vLLM's
+            ``VLLM_CPU_NUM_OF_RESERVED_CPU``; default 0.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -97,6 +102,8 @@ class EngineArgs:
     keep_source_model: bool = False
     trust_file: bool = False
     extra_passes: tuple = ()
+    num_threads: int | None = None
+    reserved_cpus: int = 0
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -125,6 +132,9 @@ class EngineArgs:
             raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
                              f"hub id, got {type(tokenizer).__name__}")
         self._check_extra_passes()
+        from pagedpack.runtime.cpu_threads import CpuThreads  # the compile side imports no runtime
+
+        CpuThreads.check(self.num_threads, self.reserved_cpus)
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
@@ -222,6 +232,13 @@ class EngineArgs:
                             help="tokens per step (longer prompts are prefilled in chunks)")
         parser.add_argument("--max-model-len", type=int, default=None,
                             help="most tokens per request; default: the model's limit")
+        parser.add_argument("--num-threads", type=int, default=None,
+                            help="intra-op threads of the CPU step; default: follow the machine's load (fewer "
+                                 "while other processes keep CPUs busy), at most torch's count (OMP_NUM_THREADS "
+                                 "fixes it)")
+        parser.add_argument("--reserved-cpus", type=int, default=0,
+                            help="CPUs the step's threads leave to the rest of the process, e.g. 1 for a "
+                                 "server's HTTP threads (as vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],

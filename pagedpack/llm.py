@@ -8,10 +8,12 @@ from tqdm.auto import tqdm
 
 from pagedpack.chat import conversations, render
 from pagedpack.contract import bytes_per_token
+from pagedpack.devices import is_cpu
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import normalize_prompts, parse_bytes
 from pagedpack.planner import MemoryPlan, plan_memory, pool_num_blocks
 from pagedpack.program import ProgramBuilder, max_model_len
+from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
 from pagedpack.runtime.memory import release_memory
@@ -58,7 +60,8 @@ class LLM:
         self.llm_engine = LLMEngine.build(
             self.program, description, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device,
             enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len)
+            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+            cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

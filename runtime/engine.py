@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pagedpack.contract import ModelDescription
 from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
+from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.output_processor import OutputProcessor
@@ -101,10 +102,12 @@ class LLMEngine:
     @classmethod
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
-              max_model_len: int) -> "LLMEngine":
+              max_model_len: int, cpu_threads: CpuThreads | None = None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.contract.StepProgram`) over a pool of
-        ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits."""
-        runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device)
+        ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
+        and, on the CPU, that thread policy."""
+        runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
+                             cpu_threads=cpu_threads)
         kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)

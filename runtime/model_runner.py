@@ -10,6 +10,7 @@ from pagedpack.contract import METADATA_INPUTS, StepProgram
 from pagedpack.devices import is_cpu
 from pagedpack.kernels.validation import checked_step
 from pagedpack.metadata import StepMetadata
+from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.memory import trim_heap
 
 TRIM_AFTER_TOKENS = 256  # a prefill chunk's worth: its activations are MiBs, a decode step's KiBs
@@ -21,10 +22,11 @@ class ModelRunner:
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer
     for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``, plus the
     ``padding_blocks`` a program may ask for (blocks past the pool's, which no request owns, for
-    the writes of padding sequences); on the CPU their pages become resident as blocks are first
-    written (:func:`_zeros`; a server commits them all at start, :meth:`commit_kv_memory`). An in-place
-    program writes them during the step; a functional one (ONNX) returns
-    ``(logits, *updated caches)``, which replace them.
+    the writes of padding sequences); ``cpu_threads`` sets the stepping thread's intra-op thread
+    count before each step (:mod:`pagedpack.runtime.cpu_threads`). On the CPU their pages become
+    resident as blocks are first written (:func:`_zeros`; a server commits them all at start,
+    :meth:`commit_kv_memory`). An in-place program writes them during the step; a functional one
+    (ONNX) returns ``(logits, *updated caches)``, which replace them.
 
     On the CPU, a step of at least :data:`TRIM_AFTER_TOKENS` tokens hands the heap pages its
     activations freed back to the OS (``malloc_trim``): glibc keeps them, and the small allocations
@@ -34,8 +36,8 @@ class ModelRunner:
     """
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu"):
-        self.program = program
+                 device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None):
+        self.program, self.cpu_threads = program, cpu_threads
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.kv_caches: list[torch.Tensor] = []
         allocated = num_blocks + getattr(program, "padding_blocks", 0)
@@ -49,6 +51,8 @@ class ModelRunner:
         """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
         sequence, its last token, then any prompt rows)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply()
         with checked_step():
             out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
         if self.program.functional:
