@@ -250,7 +250,9 @@ class Sampler:
             )
         raw = logits
         logits = process_logits(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        # fp32 (an exact conversion, the same first-max index): ATen's CPU argmax over bf16 rows took 3x the
+        # conversion plus fp32's (1.12 vs 0.35 ms for 12 x 49,152)
+        tokens = logits.float().argmax(dim=-1)
         params = [r.sampling_params for r in requests]
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if rows:
@@ -262,6 +264,7 @@ class Sampler:
             probs = apply_top_k_top_p(chosen, top_k, top_p, temperature).softmax(dim=-1).float()
             tokens[rows] = self._draw(probs, [requests[i] for i in rows])
         return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in params]))
+
     @staticmethod
     def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row of ``probs`` (fp32 ``[n, V]``); seeded rows use their own generator."""

@@ -133,6 +133,17 @@ def test_greedy_is_argmax(dtype):
     assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_takes_the_first_of_tied_maxima(dtype):
+    """Low-precision logits tie often (bf16 keeps 8 bits): greedy is the lowest index among them."""
+    logits = torch.zeros(3, 40, dtype=dtype)
+    logits[0, [7, 3, 30]] = 2.5
+    logits[1, [39, 0]] = 1.0
+    logits[2, :] = -1.0
+    requests = [make_request(str(i), temperature=0.0) for i in range(3)]
+    assert Sampler()(logits, requests) == [3, 0, 0]
+
+
 def test_top_k_1_is_greedy_at_any_temperature():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     requests = [make_request(str(i), temperature=2.0, top_k=1) for i in range(4)]
