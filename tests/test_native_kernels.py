@@ -1,5 +1,5 @@
 """The native CPU kernels (``kernels/csrc``): the cases their own code paths add to ``test_ops``
-(split-KV merges over long contexts, the SDPA path of long query runs, low-precision caches,
+(split-KV merges over long contexts, the flash and SDPA paths of long query runs, low-precision caches,
 checks that must hold when the per-call Python checks are skipped), and the build's fallback.
 
 References are the explicit-mask attention of ``test_ops`` (independent) and, where the
@@ -66,8 +66,8 @@ def test_long_context_split_kv(q_len, with_params, threads):
        head_dim=st.sampled_from([64, 80, 128, 256]), ratio=st.sampled_from([1, 3, 4]),
        block_size=st.sampled_from([1, 16, 32]), seed=st.integers(0, 2**31))
 def test_mixed_steps_both_paths(seqs, head_dim, ratio, block_size, seed):
-    """Decode, short chunks (in-place path) and runs of >= 32 rows (SDPA path) in one step, for
-    every head-dim specialisation (64, 128, 256) and the generic one (80)."""
+    """Decode, short chunks (in-place path) and runs of >= 32 rows (the flash path: BRGEMM tiles)
+    in one step, for every head-dim specialisation (64, 128, 256) and the generic one (80)."""
     seqs = [(c, q) if c + q else (c, 1) for c, q in seqs]
     out, expected = run_step(seqs, num_kv_heads=2, ratio=ratio, head_dim=head_dim, block_size=block_size,
                              g=torch.Generator().manual_seed(seed))
@@ -88,6 +88,17 @@ def test_decode_items_span_kv_heads(num_kv_heads, head_dim, dtype, threads):
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     else:
         assert_rounded_close(out, expected)
+
+
+@pytest.mark.parametrize("head_dim, ratio", [(64, 3), (128, 1), (80, 4)])
+def test_fp32_prefill(head_dim, ratio, threads):
+    """fp32 runs of >= 32 rows on the flash path (BRGEMM tiles over 128-key blocks, 64-row items
+    shared by the threads), fresh, chunked after a past of 1..300 keys, and across block edges:
+    the explicit-mask reference to 2e-5."""
+    seqs = [(0, 32), (0, 200), (100, 64), (1, 129), (300, 40), (7, 1)]
+    out, expected = run_step(seqs, num_kv_heads=2, ratio=ratio, head_dim=head_dim, block_size=16,
+                             g=torch.Generator().manual_seed(head_dim))
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -144,14 +155,17 @@ def test_bf16_prefill(seqs, head_dim, ratio, block_size, seed, threads):
             assert_rounded_close(dropped[:q_len], exact[:q_len])
 
 
-def test_bf16_prefill_takes_brgemm_where_the_cpu_has_bf16_dot_products():
-    """``test_bf16_prefill`` tests the BRGEMM kernel, not the SDPA fallback, on a CPU with
-    AVX512-BF16 or AMX; head dims oneDNN's micro-kernel cannot pair (odd) take the fallback."""
-    flags = open("/proc/cpuinfo").read().split()
-    if not {"avx512_bf16", "amx_bf16"} & set(flags):
-        pytest.skip("no bf16 dot-product instructions: the SDPA fallback runs")
-    assert all(torch.ops.pagedpack_cpu.bf16_prefill_uses_brgemm(d, d) for d in (64, 80, 128, 256))
-    assert not torch.ops.pagedpack_cpu.bf16_prefill_uses_brgemm(65, 65)
+def test_prefill_takes_brgemm_where_the_cpu_has_it():
+    """``test_bf16_prefill`` and ``test_mixed_steps_both_paths`` test the BRGEMM kernel, not the
+    SDPA fallback: fp32 on a CPU with AVX-512, bf16 with AVX512-BF16 or AMX; head dims oneDNN's
+    micro-kernel cannot pair (odd) and fp16 take the fallback."""
+    uses = torch.ops.pagedpack_cpu.prefill_uses_brgemm
+    flags = set(open("/proc/cpuinfo").read().split())
+    assert not uses(torch.float16, 64, 64)
+    for dtype, needs in ((torch.float32, {"avx512f"}), (torch.bfloat16, {"avx512_bf16", "amx_bf16"})):
+        if needs & flags:
+            assert all(uses(dtype, d, d) for d in (64, 80, 128, 256)), dtype
+            assert not uses(dtype, 65, 65)
 
 
 def test_bad_metadata_raises_inside_a_checked_step():

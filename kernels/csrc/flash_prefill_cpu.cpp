@@ -1,9 +1,10 @@
-// bf16 causal prefill attention over paged K/V: flash attention (online softmax over KV blocks)
-// whose two GEMM tiles, S = Q K^T and O += P V, run in oneDNN's BRGEMM micro-kernels
-// (at::native::cpublas::brgemm, the kernels ATen's own CPU flash attention calls; AVX512-BF16 or
-// AMX dot products accumulating in fp32). Decision and measurements: docs/cpu-kernels.md.
+// bf16 and fp32 causal prefill attention over paged K/V: flash attention (online softmax over KV
+// blocks) whose two GEMM tiles, S = Q K^T and O += P V, run in oneDNN's BRGEMM micro-kernels
+// (at::native::cpublas::brgemm, the kernels ATen's own CPU flash attention calls; in bf16
+// AVX512-BF16 or AMX dot products accumulating in fp32). Decision and measurements:
+// docs/cpu-kernels.md.
 //
-// Numerics: Q and K are bf16, their products exact in fp32 and summed in fp32; the softmax is
+// Numerics in fp32: every operand and sum fp32, P too. In bf16: Q and K are bf16, their products exact in fp32 and summed in fp32; the softmax is
 // fp32; P is split into two bf16 terms (hi + lo, 16 significant bits) so that P V is the fp32
 // product up to ~2^-17 relative: the output is the fp32 computation on the bf16 inputs rounded
 // once, as on every other path (decode, short chunks, the reference and Ascend targets), so a
@@ -23,6 +24,8 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace pagedpack_cpu {
@@ -34,51 +37,70 @@ constexpr int64_t kBlockQ = 64;    // query rows per work item
 constexpr int64_t kBlockKv = 128;  // keys per online-softmax update (even: the VNNI pairs)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// brgemm's bf16 B operand is in the VNNI layout: a [K, N] matrix stored as [K / 2][N][2].
-// Keys, for S = Q K^T (B = K^T, [d, kBlockKv]): word (e / 2, j) = key_j[e, e + 1].
-void pack_keys(const bf16* const* rows, int64_t n, int64_t d, bf16* dst) {
-  auto* out = reinterpret_cast<uint32_t*>(dst);
-  std::fill(out, out + (d / 2) * kBlockKv, 0u);
+template <typename T>
+constexpr bool kVnni = std::is_same_v<T, bf16>;  // brgemm's bf16 B operand is VNNI-packed, fp32's plain
+
+// Keys, for S = Q K^T (B = K^T, [d, kBlockKv]); columns >= n zero. fp32: (e, j) = key_j[e]. bf16,
+// the VNNI layout (a [K, N] matrix stored as [K / 2][N][2]): word (e / 2, j) = key_j[e, e + 1].
+template <typename T>
+void pack_keys(const T* const* rows, int64_t n, int64_t d, T* dst) {
+  if constexpr (kVnni<T>) {
+    auto* out = reinterpret_cast<uint32_t*>(dst);
+    std::fill(out, out + (d / 2) * kBlockKv, 0u);
+    for (int64_t j = 0; j < n; ++j) {
+      uint32_t word;
+      for (int64_t e = 0; e < d / 2; ++e) {
+        std::memcpy(&word, rows[j] + 2 * e, sizeof(word));
+        out[e * kBlockKv + j] = word;
+      }
+    }
+  } else {
+    std::fill(dst, dst + d * kBlockKv, T(0));
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t e = 0; e < d; ++e) dst[e * kBlockKv + j] = rows[j][e];
+  }
+}
+
+// Values, for O += P V (B = V, [kBlockKv, dv]); rows >= n zero. fp32: (j, e) = value_j[e]. bf16:
+// (j / 2, e, j % 2) = value_j[e].
+template <typename T>
+void pack_values(const T* const* rows, int64_t n, int64_t dv, T* dst) {
+  std::fill(dst, dst + kBlockKv * dv, T(0.f));
   for (int64_t j = 0; j < n; ++j) {
-    uint32_t word;
-    for (int64_t e = 0; e < d / 2; ++e) {
-      std::memcpy(&word, rows[j] + 2 * e, sizeof(word));
-      out[e * kBlockKv + j] = word;
+    if constexpr (kVnni<T>) {
+      for (int64_t e = 0; e < dv; ++e) dst[((j / 2) * dv + e) * 2 + j % 2] = rows[j][e];
+    } else {
+      std::copy(rows[j], rows[j] + dv, dst + j * dv);
     }
   }
 }
 
-// Values, for O += P V (B = V, [kBlockKv, dv]): (j / 2, e, j % 2) = value_j[e]; rows >= n zero.
-void pack_values(const bf16* const* rows, int64_t n, int64_t dv, bf16* dst) {
-  std::fill(dst, dst + kBlockKv * dv, bf16(0.f));
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t e = 0; e < dv; ++e) dst[((j / 2) * dv + e) * 2 + j % 2] = rows[j][e];
-}
-
-// C = A B for A [m, k] row-major, B VNNI-packed [k, n] (k even), C fp32 [m, n].
-void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, bool accumulate, const bf16* a, const bf16* b, float* c) {
-  at::native::cpublas::brgemm(m, n, k, lda, n, n, accumulate, a, b, c, /*is_vnni=*/true);
+// C = A B for A [m, k] row-major, B packed [k, n] (k even), C fp32 [m, n].
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, bool accumulate, const T* a, const T* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, lda, n, n, accumulate, a, b, c, /*is_vnni=*/kVnni<T>);
 }
 
 // Run brgemm on small integer matrices (exact in bf16 and fp32) of the kernel's two shapes and
 // compare with a plain loop: false where the micro-kernel is absent, raises, or computes
 // something else (a CPU without the instructions).
+template <typename T>
 bool brgemm_matches(int64_t d, int64_t dv) {
   try {
     const int64_t m = 3;
-    std::vector<bf16> a(m * std::max(d, kBlockKv)), keys(kBlockKv * d), vals(kBlockKv * dv);
-    std::vector<bf16> kp(d * kBlockKv), vp(kBlockKv * dv);
-    for (size_t i = 0; i < a.size(); ++i) a[i] = bf16(static_cast<float>(static_cast<int64_t>(i % 7) - 3));
-    for (size_t i = 0; i < keys.size(); ++i) keys[i] = bf16(static_cast<float>(static_cast<int64_t>(i % 5) - 2));
-    for (size_t i = 0; i < vals.size(); ++i) vals[i] = bf16(static_cast<float>(static_cast<int64_t>(i % 3) - 1));
-    std::vector<const bf16*> krows(kBlockKv), vrows(kBlockKv);
+    std::vector<T> a(m * std::max(d, kBlockKv)), keys(kBlockKv * d), vals(kBlockKv * dv);
+    std::vector<T> kp(d * kBlockKv), vp(kBlockKv * dv);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = T(static_cast<float>(static_cast<int64_t>(i % 7) - 3));
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = T(static_cast<float>(static_cast<int64_t>(i % 5) - 2));
+    for (size_t i = 0; i < vals.size(); ++i) vals[i] = T(static_cast<float>(static_cast<int64_t>(i % 3) - 1));
+    std::vector<const T*> krows(kBlockKv), vrows(kBlockKv);
     for (int64_t j = 0; j < kBlockKv; ++j) krows[j] = keys.data() + j * d, vrows[j] = vals.data() + j * dv;
     pack_keys(krows.data(), kBlockKv, d, kp.data());
     pack_values(vrows.data(), kBlockKv, dv, vp.data());
     std::vector<float> s(m * kBlockKv), o(m * dv);
     gemm(m, kBlockKv, d, d, false, a.data(), kp.data(), s.data());
     gemm(m, dv, kBlockKv, kBlockKv, false, a.data(), vp.data(), o.data());
-    at::native::cpublas::brgemm_release();
+    at::native::cpublas::brgemm_release(kVnni<T>);
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < kBlockKv; ++j) {
         float x = 0.f;
@@ -99,14 +121,15 @@ bool brgemm_matches(int64_t d, int64_t dv) {
 
 // One query row's raw scores s[0, kBlockKv) against a KV block, the first `seen` of them visible:
 // the online-softmax update of the row's running max and sum (scaled units), P = exp(scale * s -
-// max) as two bf16 terms, hi + lo (zero past `seen`). Returns the factor the row's accumulated
-// output takes.
-float softmax_row(const float* s, int64_t seen, float scale, float& row_max, float& row_sum, bf16* hi, bf16* lo) {
+// max) (zero past `seen`): in fp32 into hi, in bf16 as two terms, hi + lo. Returns the factor the
+// row's accumulated output takes.
+template <typename T>
+float softmax_row(const float* s, int64_t seen, float scale, float& row_max, float& row_sum, T* hi, T* lo) {
   constexpr int64_t w = Vec::size();
   static_assert(kBlockKv % (2 * w) == 0);
   if (seen == 0) {
-    std::fill(hi, hi + kBlockKv, bf16(0.f));
-    std::fill(lo, lo + kBlockKv, bf16(0.f));
+    std::fill(hi, hi + kBlockKv, T(0.f));
+    if constexpr (kVnni<T>) std::fill(lo, lo + kBlockKv, T(0.f));
     return 1.f;
   }
   const float raw_max = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, seen);
@@ -121,10 +144,15 @@ float softmax_row(const float* s, int64_t seen, float scale, float& row_max, flo
       b = Vec::set(zero, b, std::clamp<int64_t>(seen - j - w, 0, w));
     }
     sum = sum + a + b;
-    const auto h = at::vec::convert_from_float<bf16>(a, b);
-    const auto [ha, hb] = at::vec::convert_to_float<bf16>(h);
-    h.store(hi + j);
-    at::vec::convert_from_float<bf16>(a - ha, b - hb).store(lo + j);
+    if constexpr (kVnni<T>) {
+      const auto h = at::vec::convert_from_float<bf16>(a, b);
+      const auto [ha, hb] = at::vec::convert_to_float<bf16>(h);
+      h.store(hi + j);
+      at::vec::convert_from_float<bf16>(a - ha, b - hb).store(lo + j);
+    } else {
+      a.store(hi + j);
+      b.store(hi + j + w);
+    }
   }
   row_sum = row_sum * corr + at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
   row_max = m_new;
@@ -137,23 +165,31 @@ struct Work {  // query rows [r0, r0 + kBlockQ) of head h of sequence seqs[s]
 
 }  // namespace
 
-bool flash_prefill_supported(int64_t head_dim, int64_t head_dim_v) {
+bool flash_prefill_supported(at::ScalarType dtype, int64_t head_dim, int64_t head_dim_v) {
   if (head_dim % 2 || head_dim <= 0 || head_dim_v <= 0) return false;
+  if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
   static std::mutex mutex;
-  static std::map<std::pair<int64_t, int64_t>, bool> known;
+  static std::map<std::tuple<at::ScalarType, int64_t, int64_t>, bool> known;
   std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(head_dim, head_dim_v);
+  const auto key = std::make_tuple(dtype, head_dim, head_dim_v);
   auto it = known.find(key);
-  if (it == known.end()) it = known.emplace(key, brgemm_matches(head_dim, head_dim_v)).first;
+  if (it == known.end()) {
+    const bool ok = dtype == at::kFloat ? brgemm_matches<float>(head_dim, head_dim_v)
+                                        : brgemm_matches<bf16>(head_dim, head_dim_v);
+    it = known.emplace(key, ok).first;
+  }
   return it->second;
 }
 
-void flash_prefill_bf16(const Meta& m, const std::vector<int64_t>& seqs, const at::Tensor& query,
-                        const at::Tensor& key_cache, const at::Tensor& value_cache, double scale, at::Tensor& out) {
+namespace {
+
+template <typename T>
+void flash_prefill(const Meta& m, const std::vector<int64_t>& seqs, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache, double scale, at::Tensor& out) {
   const int64_t num_heads = query.size(1), d = query.size(2), dv = value_cache.size(3);
   const int64_t num_kv_heads = key_cache.size(2), group = num_heads / num_kv_heads;
-  const bf16* kc = key_cache.data_ptr<bf16>();
-  const bf16* vc = value_cache.data_ptr<bf16>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
   const auto ks = key_cache.strides(), vs = value_cache.strides();
 
   // 1. Each sequence's K/V, per KV head and block of kBlockKv keys, packed once (shared by the
@@ -161,9 +197,9 @@ void flash_prefill_bf16(const Meta& m, const std::vector<int64_t>& seqs, const a
   std::vector<int64_t> first(seqs.size() + 1, 0);
   auto blocks = [&](size_t s) { return (m.kv_lens[seqs[s]] + kBlockKv - 1) / kBlockKv; };
   for (size_t s = 0; s < seqs.size(); ++s) first[s + 1] = first[s] + num_kv_heads * blocks(s);
-  std::vector<bf16> kpack(first.back() * d * kBlockKv), vpack(first.back() * kBlockKv * dv);
+  std::vector<T> kpack(first.back() * d * kBlockKv), vpack(first.back() * kBlockKv * dv);
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<const bf16*> krows(kBlockKv), vrows(kBlockKv);
+    std::vector<const T*> krows(kBlockKv), vrows(kBlockKv);
     for (int64_t i = begin; i < end; ++i) {
       const size_t s = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
       const int64_t b = seqs[s], g = (i - first[s]) / blocks(s), blk = (i - first[s]) % blocks(s);
@@ -188,19 +224,19 @@ void flash_prefill_bf16(const Meta& m, const std::vector<int64_t>& seqs, const a
   }
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
   std::atomic<size_t> next{0};
-  const bf16* q = query.data_ptr<bf16>();
+  const T* q = query.data_ptr<T>();
   float* o = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(kBlockQ * kBlockKv), acc(kBlockQ * dv), row_max(kBlockQ), row_sum(kBlockQ);
-    std::vector<bf16> p_hi(kBlockQ * kBlockKv), p_lo(kBlockQ * kBlockKv);
+    std::vector<T> p_hi(kBlockQ * kBlockKv), p_lo(kVnni<T> ? kBlockQ * kBlockKv : 0);
     for (size_t w = next++; w < work.size(); w = next++) {
       const Work& it = work[w];
       const int64_t b = seqs[it.s], kv_len = m.kv_lens[b], q_len = m.cu[b + 1] - m.cu[b];
       const int64_t rows = std::min(kBlockQ, q_len - it.r0), pos0 = kv_len - q_len + it.r0;
       const int64_t g = it.h / group, nblk = blocks(it.s);
-      const bf16* qa = q + ((m.cu[b] + it.r0) * num_heads + it.h) * d;
+      const T* qa = q + ((m.cu[b] + it.r0) * num_heads + it.h) * d;
       std::fill(acc.begin(), acc.begin() + rows * dv, 0.f);
       std::fill(row_max.begin(), row_max.end(), kNegInf);
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
@@ -211,12 +247,12 @@ void flash_prefill_bf16(const Meta& m, const std::vector<int64_t>& seqs, const a
           // Keys this row sees in the block: j < kv_len and j <= its position.
           const int64_t seen = std::clamp<int64_t>(std::min(kv_len, pos0 + i + 1) - c0, 0, kBlockKv);
           const float corr = softmax_row(scores.data() + i * kBlockKv, seen, sc, row_max[i], row_sum[i],
-                                         p_hi.data() + i * kBlockKv, p_lo.data() + i * kBlockKv);
+                                         p_hi.data() + i * kBlockKv, kVnni<T> ? p_lo.data() + i * kBlockKv : nullptr);
           if (corr != 1.f) at::vec::map([corr](Vec x) { return x * Vec(corr); }, acc.data() + i * dv, acc.data() + i * dv, dv);
         }
-        const bf16* vb = vpack.data() + pk * kBlockKv * dv;
+        const T* vb = vpack.data() + pk * kBlockKv * dv;
         gemm(rows, dv, kBlockKv, kBlockKv, true, p_hi.data(), vb, acc.data());
-        gemm(rows, dv, kBlockKv, kBlockKv, true, p_lo.data(), vb, acc.data());
+        if constexpr (kVnni<T>) gemm(rows, dv, kBlockKv, kBlockKv, true, p_lo.data(), vb, acc.data());
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.f / row_sum[i];  // > 0: every row sees key 0
@@ -224,8 +260,19 @@ void flash_prefill_bf16(const Meta& m, const std::vector<int64_t>& seqs, const a
         at::vec::map([inv](Vec x) { return x * Vec(inv); }, dst, acc.data() + i * dv, dv);
       }
     }
-    at::native::cpublas::brgemm_release();
+    at::native::cpublas::brgemm_release(kVnni<T>);
   });
+}
+
+}  // namespace
+
+void flash_prefill(const Meta& m, const std::vector<int64_t>& seqs, const at::Tensor& query,
+                   const at::Tensor& key_cache, const at::Tensor& value_cache, double scale, at::Tensor& out) {
+  if (query.scalar_type() == at::kFloat) {
+    flash_prefill<float>(m, seqs, query, key_cache, value_cache, scale, out);
+  } else {
+    flash_prefill<bf16>(m, seqs, query, key_cache, value_cache, scale, out);
+  }
 }
 
 }  // namespace pagedpack_cpu

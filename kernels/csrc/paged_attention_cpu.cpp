@@ -6,8 +6,8 @@
 //     in place through block_table: one work item per (sequence, KV heads, query tile, KV split),
 //     the query heads of a GQA group sharing each K/V row, online softmax in fp32 per KV chunk,
 //     split-KV partials merged at the end. at::parallel_for spreads the items over threads.
-//   * Long query runs without parameters (prefill): in bf16, flash attention over the paged K/V
-//     with BRGEMM tiles (flash_prefill_cpu.cpp); otherwise the sequence's K/V copied once into a
+//   * Long query runs without parameters (prefill): in bf16 and fp32, flash attention over the
+//     paged K/V with BRGEMM tiles (flash_prefill_cpu.cpp); otherwise the sequence's K/V copied once into a
 //     contiguous buffer and ATen's flash SDPA (GEMM tiles), the copy ~1/q_len of the work.
 // Metadata values are bounds-checked here on every call (cheap on the CPU, no sync), so bad
 // metadata raises instead of reading outside the cache.
@@ -435,9 +435,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       i = j;
     }
   }
-  if (!prefill_seqs.empty() && query_in.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
-      scale > 0 && pagedpack_cpu::flash_prefill_supported(query.size(2), dv)) {
-    pagedpack_cpu::flash_prefill_bf16(meta, prefill_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
+  const auto dtype = query_in.scalar_type();
+  if (!prefill_seqs.empty() && key_cache.scalar_type() == dtype && scale > 0 &&
+      pagedpack_cpu::flash_prefill_supported(dtype, query.size(2), dv)) {
+    pagedpack_cpu::flash_prefill(meta, prefill_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
   } else {
     for (int64_t b : prefill_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
   }
@@ -494,8 +495,8 @@ TORCH_LIBRARY(pagedpack_cpu, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
-  // Whether bf16 prefill runs of these head dims take the BRGEMM flash kernel on this CPU.
-  m.def("bf16_prefill_uses_brgemm(int head_dim, int head_dim_v) -> bool", &pagedpack_cpu::flash_prefill_supported);
+  // Whether prefill runs of this dtype and these head dims take the BRGEMM flash kernel on this CPU.
+  m.def("prefill_uses_brgemm(ScalarType dtype, int head_dim, int head_dim_v) -> bool", &pagedpack_cpu::flash_prefill_supported);
 }
 
 TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
