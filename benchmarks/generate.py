@@ -24,9 +24,10 @@ no reserved core, prefix caching off), recipe in ``../shared/bench/SETUP.md``. `
 serves the ``.pt2`` export of the same step program from a fresh process, as a deployment that
 captures once and serves elsewhere does (``pagedpack_pt2_process``: its time, and that process's
 peak RSS during the runs: it imports neither ``transformers``' modeling code nor the capture and
-rewrite passes). Start only when the 1-minute load is below 0.8 (reported as ``load_1min``).
-Prints one JSON object. Run:
-``python benchmarks/generate.py [--workload w1] [--model M] [--vllm-python PATH] [--onnx] [--pt2]``.
+rewrite passes). ``--dtype bfloat16`` runs every engine in bf16 (vLLM CPU's own default on a CPU with
+AVX512-BF16; the references are the unmodified model in bf16). Start only when the 1-minute load is
+below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
+``python benchmarks/generate.py [--workload w1] [--model M] [--dtype D] [--vllm-python PATH] [--onnx] [--pt2]``.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per engine (best is reported)")
     parser.add_argument("--repeat", type=int, default=4, help="--workload random: times the length list repeats")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="every engine's dtype (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-transformers", action="store_true", help="skip the padded transformers baseline")
     parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
@@ -81,7 +84,7 @@ def main() -> None:
 
     model_dir, prompts = _workload(args)
     # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
-    llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False)
+    llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False, dtype=args.dtype)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     child_peak_mb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) or None
@@ -108,7 +111,7 @@ def main() -> None:
         engines["vllm_cpu"] = _vllm(args, model_dir, prompts, reference)
 
     result = {
-        "workload": args.workload, "model": str(args.model or model_dir), "requests": len(prompts),
+        "workload": args.workload, "model": str(args.model or model_dir), "dtype": args.dtype, "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)), "new_tokens_per_request": args.max_tokens,
         "engines": engines,
         "ratios_to_pagedpack_time": {name: round(row["seconds"] / paged_s, 2)
@@ -227,7 +230,8 @@ def _vllm(args, model_dir: str, prompts, reference) -> dict:
         prompts_json.write_text(json.dumps({"prompts": prompts, "max_new_tokens": args.max_tokens}))
         ref_json.write_text(json.dumps({"first4": reference}))
         done = subprocess.run([args.vllm_python, str(args.bench_dir / "vllm_cpu.py"), model_dir, str(prompts_json),
-                               "--ref", str(ref_json), "--reserved-cpus", "0", "--runs", str(args.runs)],
+                               "--ref", str(ref_json), "--reserved-cpus", "0", "--runs", str(args.runs),
+                               "--dtype", args.dtype],
                               env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
     if done.returncode or not lines:
