@@ -78,6 +78,12 @@ class CpuThreads:
         self._last: tuple[float, tuple[int, int, int]] | None = None
         self._pending: int | None = None  # a change seen once; made when the next reading agrees
 
+    def describe(self) -> str:
+        """What the count is, for a start-up line: ``"1-2 threads, following the load"`` or ``"2 threads"``."""
+        if self.adaptive and self.ceiling > 1:
+            return f"1-{self.ceiling} threads, following the load (--num-threads fixes it)"
+        return f"{self.ceiling} thread{'s' if self.ceiling > 1 else ''}"
+
     @staticmethod
     def check(num_threads, reserved_cpus) -> None:
         """``ValueError`` naming the argument unless ``num_threads`` is a positive int or None and

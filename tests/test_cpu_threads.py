@@ -75,6 +75,8 @@ def test_own_time_is_not_counted_as_others(four_cpus):
 def test_reserved_cpus_lower_the_ceiling(four_cpus):
     policy = CpuThreads(reserved_cpus=1, read=Readings())
     assert (policy.ceiling, policy.apply(), torch.get_num_threads()) == (3, 3, 3)
+    assert policy.describe() == "1-3 threads, following the load (--num-threads fixes it)"
+    assert CpuThreads(1, read=Readings()).describe() == "1 thread"
 
 
 @pytest.mark.parametrize("given", ["num_threads", "OMP_NUM_THREADS"])

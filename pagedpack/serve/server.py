@@ -67,6 +67,9 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
         print(f"pagedpack: the KV pool holds {serving.max_model_len} tokens, fewer than the model's context "
               f"({llm.max_model_len}): requests get up to {serving.max_model_len} (a larger pool: --kv-cache-memory, "
               "--memory-budget or --num-blocks)", file=sys.stderr, flush=True)
+    threads = llm.llm_engine.runner.cpu_threads
+    if threads is not None:
+        print(f"pagedpack: the CPU step runs with {threads.describe()}", file=sys.stderr, flush=True)
     app = build_app(serving, api_key=options.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                            timeout_graceful_shutdown=options.graceful_s, access_log=False))
