@@ -69,11 +69,8 @@ class CpuThreads:
                  read: Callable[[set[int]], tuple[int, int, int] | None] = read_cpu_times):
         self.check(num_threads, reserved_cpus)
         self.cpus, self._read = allowed_cpus(), read
-        cpus = self.cpus
-        fixed_by_user = "OMP_NUM_THREADS" in os.environ
-        self.adaptive = num_threads is None and not fixed_by_user
-        base = num_threads or torch.get_num_threads()
-        self.ceiling = max(1, min(base, len(cpus) - reserved_cpus) if num_threads is None else base)
+        self.adaptive = num_threads is None and "OMP_NUM_THREADS" not in os.environ  # the user's count wins
+        self.ceiling = num_threads or max(1, min(torch.get_num_threads(), len(self.cpus) - reserved_cpus))
         self.current = self.ceiling
         self._last: tuple[float, tuple[int, int, int]] | None = None
         self._pending: int | None = None  # a change seen once; made when the next reading agrees
