@@ -78,42 +78,67 @@ inline void scale_row(float alpha, float* y, int64_t n) {
   at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, y, y, n);
 }
 
-// Scores and weighted values of one query vector against n key rows, head dims known at
-// compile time (D == Dv, a multiple of the vector width): the query and the accumulator stay in
-// registers. D == 0: any head dims, through memory.
+// Vec::size() elements of the cache's dtype as a vector of floats, converted in
+// registers (bf16 / fp16 caches are read as they are stored, never copied).
+template <typename T>
+inline Vec load_float(const T* x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(x);
+  } else if constexpr (c10::is_reduced_floating_point_v<T>) {
+    Vec out;
+    at::vec::load_to_float<T>(x, out);
+    return out;
+  } else {  // float64
+    __at_align__ float tmp[Vec::size()];
+    for (int64_t i = 0; i < Vec::size(); ++i) tmp[i] = static_cast<float>(x[i]);
+    return Vec::loadu(tmp);
+  }
+}
+
+// Scores and weighted values of one query vector against n key rows of dtype T, in fp32, head
+// dims known at compile time (D == Dv, a multiple of the vector width): the query and the
+// accumulator stay in registers. D == 0: any head dims, through memory.
 template <int64_t D>
 struct Row {
   static_assert(D % Vec::size() == 0, "head dims of the register kernels are multiples of the vector width");
   static constexpr int64_t kVecs = D / Vec::size();
-  static void scores(const float* q, const float* const* k, int64_t n, int64_t d, float* s) {
+  template <typename T>
+  static void scores(const float* q, const T* const* k, int64_t n, int64_t d, float* s) {
     if constexpr (D == 0) {
       for (int64_t t = 0; t < n; ++t) {
         Vec acc(0.f);
         int64_t e = 0;
-        for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), Vec::loadu(k[t] + e), acc);
+        for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), load_float(k[t] + e), acc);
         float x = reduce_add(acc);
-        for (; e < d; ++e) x += q[e] * k[t][e];
+        for (; e < d; ++e) x += q[e] * static_cast<float>(k[t][e]);
         s[t] = x;
       }
     } else {
       Vec qv[kVecs];
       for (int64_t i = 0; i < kVecs; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
       for (int64_t t = 0; t < n; ++t) {
-        Vec acc = qv[0] * Vec::loadu(k[t]);
-        for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k[t] + i * Vec::size()), acc);
+        Vec acc = qv[0] * load_float(k[t]);
+        for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[i], load_float(k[t] + i * Vec::size()), acc);
         s[t] = reduce_add(acc);
       }
     }
   }
-  static void accumulate(const float* w, const float* const* v, int64_t n, int64_t dv, float* out) {
+  template <typename T>
+  static void accumulate(const float* w, const T* const* v, int64_t n, int64_t dv, float* out) {
     if constexpr (D == 0) {
-      for (int64_t t = 0; t < n; ++t) axpy(w[t], v[t], out, dv);
+      for (int64_t t = 0; t < n; ++t) {
+        const Vec wt(w[t]);
+        int64_t e = 0;
+        for (; e + Vec::size() <= dv; e += Vec::size())
+          at::vec::fmadd(wt, load_float(v[t] + e), Vec::loadu(out + e)).store(out + e);
+        for (; e < dv; ++e) out[e] += w[t] * static_cast<float>(v[t][e]);
+      }
     } else {
       Vec acc[kVecs];
       for (int64_t i = 0; i < kVecs; ++i) acc[i] = Vec::loadu(out + i * Vec::size());
       for (int64_t t = 0; t < n; ++t) {
         const Vec wt(w[t]);
-        for (int64_t i = 0; i < kVecs; ++i) acc[i] = at::vec::fmadd(wt, Vec::loadu(v[t] + i * Vec::size()), acc[i]);
+        for (int64_t i = 0; i < kVecs; ++i) acc[i] = at::vec::fmadd(wt, load_float(v[t] + i * Vec::size()), acc[i]);
       }
       for (int64_t i = 0; i < kVecs; ++i) acc[i].store(out + i * Vec::size());
     }
@@ -124,15 +149,6 @@ template <typename T>
 inline void prefetch_row(const T* row, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i);
-}
-
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(src, src + n, dst);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-  }
 }
 
 void check_metadata(const Meta& m, int64_t num_tokens) {
@@ -172,9 +188,9 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
   const int64_t first_pos = kv_len - q_len;  // absolute position of the sequence's query row 0
   const int64_t width = 2 + dv;
 
-  std::vector<float> q(nvec * d), kbuf(nkv * kKvChunk * d), vbuf(nkv * kKvChunk * dv), s(kKvChunk);
+  std::vector<float> q(nvec * d), s(kKvChunk);
   std::vector<int64_t> pos(nvec);
-  std::vector<const float*> kp(nkv * kKvChunk), vp(nkv * kKvChunk);  // [KV head of the item][chunk token]
+  std::vector<const T*> kp(nkv * kKvChunk), vp(nkv * kKvChunk);  // [KV head of the item][chunk token]
   const float* qf = query.data_ptr<float>();  // query is fp32 contiguous [T, H, D] (converted by the caller)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < heads; ++i) {
@@ -195,16 +211,8 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
       for (int64_t gl = 0; gl < nkv; ++gl) {
         const T* k = k_base + blk * k_strides[0] + off * k_strides[1] + (it.g0 + gl) * k_strides[2];
         const T* v = v_base + blk * v_strides[0] + off * v_strides[1] + (it.g0 + gl) * v_strides[2];
-        const int64_t slot = gl * kKvChunk + j;
-        if constexpr (std::is_same_v<T, float>) {
-          kp[slot] = k;
-          vp[slot] = v;
-        } else {
-          to_float(k, kbuf.data() + slot * d, d);
-          to_float(v, vbuf.data() + slot * dv, dv);
-          kp[slot] = kbuf.data() + slot * d;
-          vp[slot] = vbuf.data() + slot * dv;
-        }
+        kp[gl * kKvChunk + j] = k;
+        vp[gl * kKvChunk + j] = v;
       }
     }
     // The next chunk's rows sit in other blocks the hardware prefetcher cannot guess: ask for them
@@ -218,8 +226,8 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
     }
     for (int64_t v = 0; v < nvec; ++v) {
       const int64_t hl = v % heads, h = it.g0 * group + hl;
-      const float* const* kv_k = kp.data() + hl / group * kKvChunk;
-      const float* const* kv_v = vp.data() + hl / group * kKvChunk;
+      const T* const* kv_k = kp.data() + hl / group * kKvChunk;
+      const T* const* kv_v = vp.data() + hl / group * kKvChunk;
       // Keys this row sees: j <= pos (causal), j > pos - window, j in pos's chunk, j < kv_len (item range).
       const int64_t hi = std::min(c0 + n, pos[v] + 1);
       const int64_t lo = std::max(c0, first_key(p, pos[v]));
