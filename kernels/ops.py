@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from pagedpack.contract import KV_SCALE_BYTES
 from pagedpack.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
+from pagedpack.kernels.kv_quant import dequantize_rows, head_size, is_scaled, quantize_rows
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.validation import (
     arguments_checked,
@@ -69,7 +71,14 @@ def _check_floating(op: str, **tensors: Tensor) -> None:
 def _check_caches(op: str, key_cache: Tensor, value_cache: Tensor) -> None:
     _check_rank(op, "key_cache", key_cache, _CACHE_LAYOUT)
     _check_rank(op, "value_cache", value_cache, _CACHE_LAYOUT)
-    _check_floating(op, key_cache=key_cache, value_cache=value_cache)
+    for arg, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(t.is_floating_point() or is_scaled(t.dtype), op, arg, "a floating-point or scaled KV dtype (int8, "
+                 "float8_e4m3fn, float8_e5m2)", str(t.dtype).removeprefix("torch."))
+    _require(not (is_scaled(key_cache.dtype) or is_scaled(value_cache.dtype)) or key_cache.dtype == value_cache.dtype,
+             op, "value_cache", f"the dtype of the scaled key_cache ({key_cache.dtype})", value_cache.dtype)
+    for arg, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(head_size(t) >= 1, op, arg, f"rows of head_size + {KV_SCALE_BYTES} scale bytes (a scaled dtype)",
+                 f"shape {tuple(t.shape)}")
     _require(key_cache.shape[2] > 0, op, "key_cache", "num_kv_heads >= 1", key_cache.shape[2])
     k, v = tuple(key_cache.shape), tuple(value_cache.shape)
     _require(
@@ -88,9 +97,9 @@ def _check_reshape_and_cache_args(
     for arg, t, cache in (("key", key, key_cache), ("value", value, value_cache)):
         _check_rank(op, arg, t, "[T, num_kv_heads, head_dim]")
         _check_floating(op, **{arg: t})
+        heads = (cache.shape[2], head_size(cache))
         _require(
-            tuple(t.shape[1:]) == tuple(cache.shape[2:]), op, arg,
-            f"(num_kv_heads, head_dim) = {tuple(cache.shape[2:])} as in {arg}_cache",
+            tuple(t.shape[1:]) == heads, op, arg, f"(num_kv_heads, head_dim) = {heads} as in {arg}_cache",
             f"shape {tuple(t.shape)}",
         )
     _check_rank(op, "slot_mapping", slot_mapping, "[T]")
@@ -116,7 +125,7 @@ def _check_paged_attention_args(
     _check_floating(op, query=query)
     _check_caches(op, key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads, cache_head_dim = key_cache.shape[2:]
+    num_kv_heads, cache_head_dim = key_cache.shape[2], head_size(key_cache)
     _require(
         num_heads % num_kv_heads == 0, op, "query",
         f"num_heads divisible by the cache's num_kv_heads={num_kv_heads}", f"num_heads={num_heads}",
@@ -169,12 +178,15 @@ def reshape_and_cache(
 
     Semantics of vLLM's ``reshape_and_cache`` (``reshape_and_cache_flash`` layout): token ``t``
     goes to block ``slot_mapping[t] // block_size``, offset ``slot_mapping[t] % block_size``;
-    ``slot_mapping[t] == -1`` writes nothing. Keys and values are cast to the cache dtype.
+    ``slot_mapping[t] == -1`` writes nothing. Keys and values are cast to the cache dtype, or for a
+    scaled cache (int8, fp8) quantized per (token, KV head) with the scale in the row
+    (:mod:`pagedpack.kernels.kv_quant`).
 
     Args:
         key: ``[T, num_kv_heads, head_dim]``, any floating dtype.
         value: ``[T, num_kv_heads, head_dim_v]``.
-        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), mutated.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), mutated; a scaled
+            cache's rows are ``head_dim + 4`` long.
         value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim_v]``, mutated.
         slot_mapping: int32 or int64 ``[T]``, slots in ``[0, num_blocks * block_size)`` or -1.
 
@@ -194,8 +206,9 @@ def reshape_and_cache(
     write = slot_mapping >= 0
     slots = slot_mapping[write].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[write].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[write].to(value_cache.dtype)
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        rows = quantize_rows(src[write], cache.dtype) if is_scaled(cache.dtype) else src[write].to(cache.dtype)
+        cache[blocks, offsets] = rows
 
 
 @reshape_and_cache.register_fake
@@ -230,8 +243,10 @@ def paged_attention(
 
     Args:
         query: ``[T, num_heads, head_dim]``, all sequences' query rows packed.
-        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD).
-        value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim_v]``.
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD): floating, or a scaled
+            dtype (int8, fp8) whose rows are ``head_dim + 4`` long (values, then their fp32 scale),
+            read as ``values * scale`` (:mod:`pagedpack.kernels.kv_quant`).
+        value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim_v]``, of key_cache's layout.
         block_table: int32 ``[B, max_blocks_per_seq]``, physical block ids of each sequence.
         cu_seqlens_q: int32 ``[B + 1]``, query rows of sequence ``b`` are
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]``.
@@ -273,7 +288,10 @@ def reference_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Ten
     """:func:`paged_attention` in plain PyTorch (any device): the semantics' reference kernel.
 
     Decode rows are batched (:func:`_decode_attention`); every other sequence's blocks are gathered
-    and run through :func:`causal_attention`. Arguments as in :func:`paged_attention`, checked."""
+    and run through :func:`causal_attention`; scaled caches are read back whole first. Arguments as in
+    :func:`paged_attention`, checked."""
+    if is_scaled(key_cache.dtype):
+        key_cache, value_cache = dequantize_rows(key_cache), dequantize_rows(value_cache)
     num_tokens, num_heads, _ = query.shape
     head_dim_v = value_cache.shape[3]
     block_size = key_cache.shape[1]
@@ -405,7 +423,7 @@ def _(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
     check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks,
                            attention_chunk_size)
-    return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+    return query.new_empty(query.shape[0], query.shape[1], head_size(value_cache))
 
 
 @torch.library.custom_op("pagedpack::paged_attention_functional", mutates_args=())
@@ -450,5 +468,5 @@ def _(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_
     _check_paged_attention_args(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
     check_attention_params("paged_attention", query, sliding_window, logits_soft_cap, alibi_slopes, sinks,
                            attention_chunk_size)
-    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[3])
+    out = query.new_empty(query.shape[0], query.shape[1], head_size(value_cache))
     return out, torch.empty_like(key_cache), torch.empty_like(value_cache)

@@ -132,6 +132,13 @@ class Target:
     def prepare_device(self, device: torch.device | str) -> None:
         """Make ``device`` usable before the model is moved there (e.g. import a device plugin)."""
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` unless this target's programs run with KV caches of ``kv_cache_dtype``
+        where the program was built for ``cache_dtype`` (the model's). By default only the same."""
+        if kv_cache_dtype != cache_dtype:
+            raise ValueError(f"kv_cache_dtype: the {self.name} target keeps the KV cache in the model's dtype "
+                             f"({_name(cache_dtype)}), got {_name(kv_cache_dtype)}")
+
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
 
@@ -150,6 +157,10 @@ class Target:
     def emulated(self, device: torch.device | str) -> bool:
         """True if on ``device`` the target's ops run as an emulation of the real ones."""
         return False
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # name -> "module:attribute" of a Target subclass, imported on first use.

@@ -13,6 +13,7 @@ from rich.table import Table
 from pagedpack.chat import has_chat_template, render
 from pagedpack.engine_args import EngineArgs
 from pagedpack.export import FORMATS
+from pagedpack.inputs import KV_CACHE_DTYPES
 from pagedpack.llm import LLM
 from pagedpack.lowering.onnx.export import ATTENTIONS
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
@@ -309,7 +310,30 @@ def _plan(args) -> int:
     for key, value in llm.plan_memory(memory, keep_source_model=False).rows():  # as `generate` would serve
         table.add_row(key, value)
     Console().print(table)
+    Console().print(_kv_capacity(llm, memory))
     return 0
+
+
+def _kv_capacity(llm: LLM, memory: int) -> Table:
+    """The KV pool the same budget gives with each ``--kv-cache-dtype`` the target takes."""
+    table = Table(title="KV pool by --kv-cache-dtype")
+    for column in ("KV dtype", "bytes per token", "blocks", "tokens", f"sequences of {llm.max_model_len}",
+                   "tokens vs auto"):
+        table.add_column(column, justify="left" if column == "KV dtype" else "right")
+    base = llm.plan_memory(memory, keep_source_model=False, kv_cache_dtype="auto")
+    shown = set()
+    for name, dtype in KV_CACHE_DTYPES.items():
+        if dtype in shown:  # another name of a dtype listed already ("fp8")
+            continue
+        shown.add(dtype)
+        try:
+            plan = llm.plan_memory(memory, keep_source_model=False, kv_cache_dtype=name)
+        except ValueError:  # a dtype the target does not take
+            continue
+        ratio = plan.kv_pool_tokens / base.kv_pool_tokens if base.kv_pool_tokens else float("nan")
+        table.add_row(name, str(plan.kv_bytes_per_token), str(max(0, plan.num_blocks)), str(plan.kv_pool_tokens),
+                      str(plan.concurrent_seqs), f"{ratio:.2f}x")
+    return table
 
 
 def _export(args) -> int:

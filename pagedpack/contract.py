@@ -33,9 +33,23 @@ def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
     return [f"{kind}_cache{suffix}_{i}" for i in range(num_layers) for kind in ("key", "value")]
 
 
+# Cache dtypes whose rows carry a scale: each (token, KV head) row holds its head_size quantized
+# values, then its fp32 scale in the row's last KV_SCALE_BYTES elements (one byte each), so the
+# value is ``values * scale`` (docs/design.md, "Quantized KV").
+SCALED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+KV_SCALE_BYTES = 4
+
+
+def kv_row_size(head_size: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of a cache of ``dtype``: the head, plus its scale if scaled."""
+    return head_size + (KV_SCALE_BYTES if dtype in SCALED_KV_DTYPES else 0)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape and dtype of one layer's cache pair, read off the captured K/V tensors."""
+    """Shape and dtype of one layer's cache pair, read off the captured K/V tensors (``dtype``: the
+    caches' dtype, the model's unless ``kv_cache_dtype`` chose another; a :data:`SCALED_KV_DTYPES`
+    cache's rows carry their scale)."""
 
     num_kv_heads: int
     key_head_size: int
@@ -44,13 +58,14 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K plus V for one token in this layer."""
-        return self.num_kv_heads * (self.key_head_size + self.value_head_size) * self.dtype.itemsize
+        """Bytes of K plus V for one token in this layer (scales included)."""
+        rows = kv_row_size(self.key_head_size, self.dtype) + kv_row_size(self.value_head_size, self.dtype)
+        return self.num_kv_heads * rows * self.dtype.itemsize
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(key_cache shape, value_cache shape)`` in the NHD block layout."""
-        return ((num_blocks, block_size, self.num_kv_heads, self.key_head_size),
-                (num_blocks, block_size, self.num_kv_heads, self.value_head_size))
+        return ((num_blocks, block_size, self.num_kv_heads, kv_row_size(self.key_head_size, self.dtype)),
+                (num_blocks, block_size, self.num_kv_heads, kv_row_size(self.value_head_size, self.dtype)))
 
 
 def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from pagedpack.devices import device_type, is_cpu
-from pagedpack.inputs import check_int, parse_bytes, resolve_dtype
+from pagedpack.inputs import KV_CACHE_DTYPES, check_int, check_kv_cache_dtype, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import (
     DEFAULT_TARGET,
     StepBounds,
@@ -62,6 +62,12 @@ class EngineArgs:
         enable_prefix_caching: reuse the KV blocks of earlier requests' identical prefixes
             (:mod:`pagedpack.runtime.block_pool`; on by default, as in vLLM v1).
         dtype: ``torch.dtype`` or its name (``"bfloat16"``); None keeps the checkpoint's.
+        kv_cache_dtype: the dtype the KV cache is stored in, as vLLM's ``kv_cache_dtype``: ``"auto"``
+            (default: the model's), ``"float32"``, ``"bfloat16"`` or ``"float16"``. Keys and values
+            are rounded to it as they are written and read back in fp32 by the attention kernels;
+            a 2-byte dtype holds twice the tokens of fp32 in the same memory. A serving choice: an
+            export keeps the model's dtype. The ``reference`` target takes every one; the others
+            only their model's (:meth:`pagedpack.lowering.targets.Target.check_kv_cache_dtype`).
         device: where the model runs.
         target_options: the target's own options by name (a dict, or its
             :class:`~pagedpack.lowering.targets.TargetOptions` dataclass), e.g. for ``ascend``
@@ -97,6 +103,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: torch.dtype | str | None = None
+    kv_cache_dtype: str = "auto"
     device: str | torch.device = "cpu"
     target_options: dict | TargetOptions | None = None
     keep_source_model: bool = False
@@ -109,6 +116,7 @@ class EngineArgs:
         target = self.lowering_target  # ValueError for an unknown name
         self.target_options = target.options(self.target_options)  # ValueError for options it does not take
         self.dtype = resolve_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size is None:
             self.block_size = target.default_block_size
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -227,6 +235,9 @@ class EngineArgs:
         parser.add_argument("--memory-budget", default=None,
                             help="bytes (e.g. 4GiB) for weights + a step's activations + the KV pool, "
                                  "which gets the rest (see pagedpack plan)")
+        parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                            help="dtype of the KV cache (auto: the model's); bfloat16 / float16 hold twice the "
+                                 "tokens of float32 in the same memory")
         parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                             help="tokens per step (longer prompts are prefilled in chunks)")

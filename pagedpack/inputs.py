@@ -103,6 +103,20 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     raise ValueError(f"dtype: expected a torch.dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
+# kv_cache_dtype names (vLLM's ``--kv-cache-dtype``; "fp8" is fp8_e4m3 there too) -> the dtype the KV
+# cache is stored in; "auto": the model's. int8 / fp8 rows carry their scale (pagedpack.kernels.kv_quant).
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                   "fp8": torch.float8_e4m3fn}
+
+
+def check_kv_cache_dtype(name) -> str:
+    """``name`` if it is a :data:`KV_CACHE_DTYPES` name, else ``ValueError`` listing them."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {list(KV_CACHE_DTYPES)}, got {name!r}")
+    return name
+
+
 def check_causal_lm(model) -> None:
     """``model`` is a ``transformers`` causal LM that generates, with an attention form the
     capture supports."""

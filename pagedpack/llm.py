@@ -120,19 +120,23 @@ class LLM:
         ``ValueError`` for an LLM served from a file or lowered for a target other than the reference."""
         return self._builder.export(path, self.description, format=format, attention=attention)
 
-    def plan_memory(self, memory, *, keep_source_model: bool | None = None) -> MemoryPlan:
+    def plan_memory(self, memory, *, keep_source_model: bool | None = None,
+                    kv_cache_dtype: str | None = None) -> MemoryPlan:
         """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
         bytes (an int or a string such as ``"4GiB"``) with this LLM's block size, step limits and
         ``max_model_len``; weights counted as serving holds them: a program of the target's own
         (on the CPU, with the prepacked copies) alone, otherwise, or with ``keep_source_model``
-        (None: as this LLM was built), with the model and the rewritten graph. ``ValueError`` for
-        an LLM served from a file (no graph to plan from)."""
+        (None: as this LLM was built), with the model and the rewritten graph. ``kv_cache_dtype``
+        (a name as ``EngineArgs.kv_cache_dtype``; None: this LLM's) sizes the KV cache in that dtype.
+        ``ValueError`` for an LLM served from a file (no graph to plan from)."""
         peak = self._builder.activation_peak()  # ValueError for a file
         args = self.engine_args
         keep = args.keep_source_model if keep_source_model is None else keep_source_model
         if not isinstance(keep, bool):
             raise ValueError(f"keep_source_model: expected a bool or None, got {keep_source_model!r}")
-        return plan_memory(peak, bytes_per_token=self.bytes_per_token,
+        per_token = self.bytes_per_token if kv_cache_dtype is None else bytes_per_token(
+            self._builder.kv_cache_specs(kv_cache_dtype))
+        return plan_memory(peak, bytes_per_token=per_token,
                            memory=parse_bytes("memory", memory), block_size=self.block_size,
                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                            max_model_len=self.max_model_len, weight_bytes=self._builder.weight_bytes(keep))

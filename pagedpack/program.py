@@ -28,6 +28,7 @@ import torch
 
 from pagedpack.contract import ModelDescription, StepProgram
 from pagedpack.engine_args import EngineArgs
+from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import get_target
 from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.planner import resident_weight_bytes
@@ -45,6 +46,7 @@ class ProgramBuilder:
         self.report = None
         self._model, self._rewritten, self._peak, self._stamp, self._weight_bytes = None, None, None, None, {}
         self._program: StepProgram | None = None
+        self.source_specs: list = []  # the program's KV cache specs as built (the model's dtype)
 
     def build(self) -> tuple[StepProgram, ModelDescription]:
         """The program and the model's description: from the file ``args.model`` names, from the
@@ -53,8 +55,27 @@ class ProgramBuilder:
             program = self._load_file(self.args.model, trust_file=self.args.trust_file)
         else:
             program = self._from_compile_cache() or self._capture_and_lower()
+        self._apply_kv_cache_dtype(program)
         self._program = program
         return program, program.description
+
+    def _apply_kv_cache_dtype(self, program: StepProgram) -> None:
+        """Give ``program`` caches of ``args.kv_cache_dtype`` (the runner allocates them from its specs);
+        ``source_specs`` keeps the specs it was built with (the model's dtype)."""
+        self.source_specs = list(program.kv_cache_specs)
+        program.kv_cache_specs = self.kv_cache_specs(self.args.kv_cache_dtype)
+
+    def kv_cache_specs(self, kv_cache_dtype: str) -> list:
+        """The program's KV cache specs with caches of ``kv_cache_dtype`` (a name as
+        ``EngineArgs.kv_cache_dtype``); ``ValueError`` naming the option if the target does not run
+        the program so (:meth:`pagedpack.lowering.targets.Target.check_kv_cache_dtype`)."""
+        kv_dtype = KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)]
+        if kv_dtype is None:
+            return list(self.source_specs)
+        target = get_target(self.target)
+        for spec in self.source_specs:
+            target.check_kv_cache_dtype(kv_dtype, spec.dtype)
+        return [dataclasses.replace(spec, dtype=kv_dtype) for spec in self.source_specs]
 
     def _load_file(self, path: str, *, trust_file: bool = False) -> StepProgram:
         """The program of a file ``pagedpack export`` wrote (a compile-cache entry is never trusted as code)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from pagedpack.contract import ModelDescription
+from pagedpack.contract import ModelDescription, bytes_per_token
 from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.cpu_threads import CpuThreads
@@ -50,7 +50,9 @@ class Stats:
     query); ``num_evictions`` (cached blocks handed out for other contents). KV blocks now:
     ``kv_blocks_used`` (owned by requests) + ``kv_blocks_cached_free`` (owned by nobody, cached:
     reusable by a hit) + ``kv_blocks_free`` (neither) == ``kv_blocks_total``; ``kv_blocks_cached``
-    (owned or not); ``kv_blocks_peak_used``.
+    (owned or not); ``kv_blocks_peak_used``. KV memory: ``kv_cache_dtype`` (the caches' dtype name),
+    ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype);
+    ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that.
     """
 
     num_steps: int
@@ -67,6 +69,9 @@ class Stats:
     kv_blocks_cached_free: int
     kv_blocks_free: int
     kv_blocks_peak_used: int
+    kv_cache_dtype: str
+    kv_cache_bytes_per_block: int
+    kv_cache_bytes_used: int
 
 
 class RequestRejected(ValueError):
@@ -177,6 +182,8 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         pool, prefix = kv.pool, kv.prefix_cache_stats
         cached_free = pool.num_cached_free_blocks
+        specs = self.runner.program.kv_cache_specs
+        per_block = bytes_per_token(specs) * self.runner.block_size
         return Stats(
             num_steps=self.stats.num_steps, num_batched_tokens=self.stats.num_batched_tokens,
             num_prompt_tokens_computed=self.stats.num_prompt_tokens_computed,
@@ -184,7 +191,9 @@ class LLMEngine:
             prefix_cache_hits=prefix.hits, prefix_cache_hit_rate=prefix.hit_rate, num_evictions=pool.num_evictions,
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_cached_free=cached_free,
-            kv_blocks_free=pool.num_free_blocks - cached_free, kv_blocks_peak_used=pool.peak_used_blocks)
+            kv_blocks_free=pool.num_free_blocks - cached_free, kv_blocks_peak_used=pool.peak_used_blocks,
+            kv_cache_dtype=", ".join(sorted({str(s.dtype).removeprefix("torch.") for s in specs})),
+            kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks)
 
     def step(self) -> list[RequestOutput]:
         """One scheduled step; returns a delta for every request that advanced or finished in it."""

@@ -113,6 +113,15 @@ def test_plan_prints_the_memory_plan():
     for field in ("memory budget │ 64.0 MiB", weights, "KV bytes │ 1024*tokens", "activation peak(T, B) │ Max(",
                   "KV pool", "largest max_num_batched_tokens", "sequences of 512 tokens"):
         assert field in text, field
+    # the KV pool per --kv-cache-dtype: the budget less weights and activations over each dtype's bytes a
+    # block (int8: 4 layers x 2 KV heads x K and V x 16 values and a 4-byte scale)
+    plan = LLM("tiny", num_blocks=8, max_model_len=512).plan_memory("64MiB", keep_source_model=False)
+    free = plan.memory - plan.weight_bytes - plan.activation_bytes
+    for name, per_token in (("auto", 1024), ("bfloat16", 512), ("float16", 512), ("int8", 320)):
+        blocks = free // (per_token * plan.block_size)
+        ratio = blocks / (free // (1024 * plan.block_size))
+        assert f"│ {name} │ {per_token} │ {blocks} │ {blocks * plan.block_size} │" in text, name
+        assert f"{ratio:.2f}x" in text
 
 
 def test_plan_rejects_a_bad_budget_before_loading(refused):

@@ -13,6 +13,7 @@
 // metadata raises instead of reading outside the cache.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -78,8 +80,37 @@ inline void scale_row(float alpha, float* y, int64_t n) {
   at::vec::map([alpha](Vec x) { return x * Vec(alpha); }, y, y, n);
 }
 
-// Vec::size() elements of the cache's dtype as a vector of floats, converted in
-// registers (bf16 / fp16 caches are read as they are stored, never copied).
+// Scaled caches (int8, fp8): each (token, KV head) row holds its head's quantized values, then the
+// fp32 scale they are multiplied by, in kScaleBytes one-byte elements (kernels/kv_quant.py).
+template <typename T>
+constexpr bool kScaled =
+    std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+constexpr int64_t kScaleBytes = 4;
+
+bool is_scaled(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+// The head size of a cache [num_blocks, block_size, num_kv_heads, row].
+int64_t head_size(const at::Tensor& cache) {
+  return cache.size(3) - (is_scaled(cache.scalar_type()) ? kScaleBytes : 0);
+}
+
+// The scale of a scaled row of `head` values (1 for an unscaled dtype).
+template <typename T>
+inline float row_scale(const T* row, int64_t head) {
+  if constexpr (kScaled<T>) {
+    float scale;
+    std::memcpy(&scale, row + head, sizeof(float));
+    return scale;
+  } else {
+    return 1.f;
+  }
+}
+
+// Vec::size() elements of the cache's dtype as a vector of floats, converted in registers (bf16,
+// fp16, int8 and fp8 caches are read as they are stored, never copied; a scaled row's scale is
+// applied by the caller).
 template <typename T>
 inline Vec load_float(const T* x) {
   if constexpr (std::is_same_v<T, float>) {
@@ -88,7 +119,21 @@ inline Vec load_float(const T* x) {
     Vec out;
     at::vec::load_to_float<T>(x, out);
     return out;
-  } else {  // float64
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  else if constexpr (std::is_same_v<T, int8_t>) {
+    return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)))));
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    __m512 out;
+    at::vec::cvtfp8e4m3_fp32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)), out);
+    return Vec(out);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+    __m512 out;
+    at::vec::cvtfp8e5m2_fp32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)), out);
+    return Vec(out);
+  }
+#endif
+  else {  // float64, and the 1-byte types without AVX-512
     __at_align__ float tmp[Vec::size()];
     for (int64_t i = 0; i < Vec::size(); ++i) tmp[i] = static_cast<float>(x[i]);
     return Vec::loadu(tmp);
@@ -111,7 +156,7 @@ struct Row {
         for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), load_float(k[t] + e), acc);
         float x = reduce_add(acc);
         for (; e < d; ++e) x += q[e] * static_cast<float>(k[t][e]);
-        s[t] = x;
+        s[t] = x * row_scale(k[t], d);
       }
     } else {
       Vec qv[kVecs];
@@ -119,7 +164,7 @@ struct Row {
       for (int64_t t = 0; t < n; ++t) {
         Vec acc = qv[0] * load_float(k[t]);
         for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[i], load_float(k[t] + i * Vec::size()), acc);
-        s[t] = reduce_add(acc);
+        s[t] = reduce_add(acc) * row_scale(k[t], D);
       }
     }
   }
@@ -127,17 +172,18 @@ struct Row {
   static void accumulate(const float* w, const T* const* v, int64_t n, int64_t dv, float* out) {
     if constexpr (D == 0) {
       for (int64_t t = 0; t < n; ++t) {
-        const Vec wt(w[t]);
+        const float wt_s = w[t] * row_scale(v[t], dv);
+        const Vec wt(wt_s);
         int64_t e = 0;
         for (; e + Vec::size() <= dv; e += Vec::size())
           at::vec::fmadd(wt, load_float(v[t] + e), Vec::loadu(out + e)).store(out + e);
-        for (; e < dv; ++e) out[e] += w[t] * static_cast<float>(v[t][e]);
+        for (; e < dv; ++e) out[e] += wt_s * static_cast<float>(v[t][e]);
       }
     } else {
       Vec acc[kVecs];
       for (int64_t i = 0; i < kVecs; ++i) acc[i] = Vec::loadu(out + i * Vec::size());
       for (int64_t t = 0; t < n; ++t) {
-        const Vec wt(w[t]);
+        const Vec wt(w[t] * row_scale(v[t], D));
         for (int64_t i = 0; i < kVecs; ++i) acc[i] = at::vec::fmadd(wt, load_float(v[t] + i * Vec::size()), acc[i]);
       }
       for (int64_t i = 0; i < kVecs; ++i) acc[i].store(out + i * Vec::size());
@@ -263,6 +309,13 @@ std::pair<int64_t, int64_t> key_range(const Meta& m, const Params& p, int64_t b,
   return {std::clamp<int64_t>(first_key(p, first), 0, hi), hi};
 }
 
+// Rows [..., row] of a cache as fp32 [..., head]: a scaled row's values times its scale.
+at::Tensor read_rows(const at::Tensor& rows) {
+  if (!is_scaled(rows.scalar_type())) return rows.to(at::kFloat);
+  const int64_t head = rows.size(-1) - kScaleBytes;
+  return rows.narrow(-1, 0, head).to(at::kFloat) * rows.narrow(-1, head, kScaleBytes).contiguous().view(at::kFloat);
+}
+
 // SDPA over the sequence's K/V copied out of the cache (parameter-free long query runs).
 void sdpa_sequence(const Meta& m, int64_t b, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, double scale, at::Tensor& out) {
@@ -277,7 +330,7 @@ void sdpa_sequence(const Meta& m, int64_t b, const at::Tensor& query, const at::
     auto rows = at::arange(q_len, at::kLong).unsqueeze(1) + (kv_len - q_len);
     mask = at::arange(kv_len, at::kLong).unsqueeze(0) <= rows;
   }
-  auto o = at::scaled_dot_product_attention(q, k.to(at::kFloat), v.to(at::kFloat), mask, 0.0,
+  auto o = at::scaled_dot_product_attention(q, read_rows(k), read_rows(v), mask, 0.0,
                                             /*is_causal=*/!mask.has_value(), scale, /*enable_gqa=*/true);
   out.narrow(0, start, q_len).copy_(o.squeeze(0).transpose(0, 1));
 }
@@ -297,7 +350,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                         cu_seqlens_q.scalar_type() == at::kInt,
                     "paged_attention: block_table, seq_lens, cu_seqlens_q: expected int32");
   TORCH_CHECK_VALUE(key_cache.size(2) > 0 && query_in.size(1) % key_cache.size(2) == 0 &&
-                        query_in.size(2) == key_cache.size(3) && key_cache.sizes().slice(0, 3) == value_cache.sizes().slice(0, 3),
+                        query_in.size(2) == head_size(key_cache) && head_size(value_cache) >= 1 &&
+                        key_cache.sizes().slice(0, 3) == value_cache.sizes().slice(0, 3),
                     "paged_attention: query ", query_in.sizes(), ", key_cache ", key_cache.sizes(), ", value_cache ",
                     value_cache.sizes(), ": head counts or head dims do not match");
   TORCH_CHECK_VALUE(block_table.size(0) == seq_lens.size(0) && cu_seqlens_q.size(0) == seq_lens.size(0) + 1,
@@ -312,7 +366,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
               "paged_attention: key_cache/value_cache: expected a contiguous last dimension");
   const auto query = query_in.to(at::kFloat).contiguous();
   const int64_t num_tokens = query.size(0), num_heads = query.size(1);
-  const int64_t num_kv_heads = key_cache.size(2), dv = value_cache.size(3);
+  const int64_t num_kv_heads = key_cache.size(2), dv = head_size(value_cache);
   const int64_t group = num_heads / num_kv_heads;
   const auto bt = block_table.contiguous();
   const auto cu = cu_seqlens_q.contiguous();
@@ -394,7 +448,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
     for (size_t i = 0; i < items.size(); ++i)
       offset[i + 1] = offset[i] + (items[i].r1 - items[i].r0) * (items[i].g1 - items[i].g0) * group * (2 + dv);
     std::vector<float> state(offset.back());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(), "paged_attention_cpu", [&] {
+    AT_DISPATCH_V2(key_cache.scalar_type(), "paged_attention_cpu", AT_WRAP([&] {
       const scalar_t* kb = key_cache.data_ptr<scalar_t>();
       const scalar_t* vb = value_cache.data_ptr<scalar_t>();
       const int64_t d = query.size(2);
@@ -416,7 +470,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       else if (d == 128) run(std::integral_constant<int64_t, 128>{});
       else if (d == 256) run(std::integral_constant<int64_t, 256>{});
       else run(std::integral_constant<int64_t, 0>{});
-    });
+    }), AT_EXPAND(AT_FLOATING_TYPES), at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn, at::kFloat8_e5m2);
     // Merge the splits of each (b, g0, r0) run (consecutive items) and normalise.
     float* o = out.data_ptr<float>();
     const int64_t width = 2 + dv;
@@ -453,15 +507,37 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
   return out.to(query_in.scalar_type());
 }
 
+// Quantize `n` values of `src` into `dst` with their scale after them (kernels/kv_quant.py:
+// scale = max|x| / qmax, 1 for an all-zero row; x / scale rounded to T, int8 to nearest-even and clamped).
+template <typename T>
+void quantize_row(const float* src, int64_t n, T* dst) {
+  const float qmax = std::is_same_v<T, int8_t> ? 127.f : static_cast<float>(std::numeric_limits<T>::max());
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(src[i]));
+  float scale = amax / qmax;
+  if (!(scale > 0.f)) scale = 1.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = src[i] / scale;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(q), -127.f, 127.f));
+    } else {
+      dst[i] = static_cast<T>(q);
+    }
+  }
+  std::memcpy(dst + n, &scale, sizeof(float));
+}
+
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK_VALUE(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4 &&
-                        key.sizes().slice(1) == key_cache.sizes().slice(2) &&
-                        value.sizes().slice(1) == value_cache.sizes().slice(2) && slot_mapping.dim() == 1 &&
-                        key.size(0) == slot_mapping.size(0) && value.size(0) == slot_mapping.size(0),
+                        key.size(1) == key_cache.size(2) && key.size(2) == head_size(key_cache) &&
+                        value.size(1) == value_cache.size(2) && value.size(2) == head_size(value_cache) &&
+                        slot_mapping.dim() == 1 && key.size(0) == slot_mapping.size(0) &&
+                        value.size(0) == slot_mapping.size(0),
                     "reshape_and_cache: key ", key.sizes(), ", value ", value.sizes(), ", key_cache ", key_cache.sizes(),
                     ", value_cache ", value_cache.sizes(), ", slot_mapping ", slot_mapping.sizes(),
-                    ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] and T slots");
+                    ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] (D + 4 for "
+                    "a scaled dtype) and T slots");
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "reshape_and_cache: key_cache/value_cache: expected a contiguous last dimension");
   TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "reshape_and_cache: key_cache: expected block_size >= 1, got ",
@@ -479,17 +555,24 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                       num_slots, ") (num_blocks=", key_cache.size(0), " x block_size=", block_size, "), got slot_mapping[",
                       t, "]=", s[t]);
   for (auto [src_in, cache] : {std::pair{key, key_cache}, std::pair{value, value_cache}}) {
-    const auto src = src_in.to(cache.scalar_type()).contiguous();
-    const int64_t heads = cache.size(2), dim = cache.size(3);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "reshape_and_cache_cpu", [&] {
-      const scalar_t* in = src.data_ptr<scalar_t>();
+    const bool scaled = is_scaled(cache.scalar_type());
+    const auto src = src_in.to(scaled ? at::kFloat : cache.scalar_type()).contiguous();
+    const int64_t heads = cache.size(2), dim = head_size(cache);
+    AT_DISPATCH_V2(cache.scalar_type(), "reshape_and_cache_cpu", AT_WRAP([&] {
       scalar_t* dst = cache.data_ptr<scalar_t>();
       for (int64_t t = 0; t < slots.size(0); ++t) {
         if (s[t] < 0) continue;
         scalar_t* row = dst + (s[t] / block_size) * cache.stride(0) + (s[t] % block_size) * cache.stride(1);
-        for (int64_t h = 0; h < heads; ++h) std::copy(in + (t * heads + h) * dim, in + (t * heads + h + 1) * dim, row + h * cache.stride(2));
+        for (int64_t h = 0; h < heads; ++h) {
+          if constexpr (kScaled<scalar_t>) {
+            quantize_row(src.data_ptr<float>() + (t * heads + h) * dim, dim, row + h * cache.stride(2));
+          } else {
+            const scalar_t* in = src.data_ptr<scalar_t>() + (t * heads + h) * dim;
+            std::copy(in, in + dim, row + h * cache.stride(2));
+          }
+        }
       }
-    });
+    }), AT_EXPAND(AT_FLOATING_TYPES), at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn, at::kFloat8_e5m2);
   }
 }
 

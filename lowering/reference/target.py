@@ -20,6 +20,10 @@ class ReferenceTarget(Target):
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
     serves_pt2: bool = True
 
+    def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+        """Any floating KV dtype: the ops round keys and values to the cache's dtype as they write them
+        and compute attention in fp32 from whatever the cache holds (:mod:`pagedpack.kernels.ops`)."""
+
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
         """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
