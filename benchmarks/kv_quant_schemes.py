@@ -19,6 +19,7 @@ import math
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pagedpack.models.aliases import resolve
 
@@ -28,14 +29,14 @@ QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    scale = torch.where(scale > 0, scale, 1.0)  # a group that was all zeros
     q = x / scale
     q = q.round().clamp(-127, 127) if kind == "int8" else q.clamp(-448, 448).to(torch.float8_e4m3fn).float()
     return q * scale
 
 
 def per_row(x: torch.Tensor, kind: str) -> torch.Tensor:  # x [B, Hkv, T, D]: one scale per (token, head)
-    scale = x.abs().amax(-1, keepdim=True) / QMAX[kind]
-    return quantize(x, torch.where(scale > 0, scale, 1.0), kind)
+    return quantize(x, x.abs().amax(-1, keepdim=True) / QMAX[kind], kind)
 
 
 class Scheme:
@@ -86,6 +87,7 @@ def main() -> None:
         for name in ("token", "channel-keys", "tensor", "tensor-1"):
             scheme = Scheme(name, kind)
             AttentionInterface.register(f"kv_{kind}_{name}", scheme)
+            AttentionMaskInterface.register(f"kv_{kind}_{name}", sdpa_mask)  # causal and sliding-window masks
             model.config._attn_implementation = f"kv_{kind}_{name}"
             scheme.calibrating = True
             with torch.no_grad():

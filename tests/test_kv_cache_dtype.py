@@ -7,14 +7,19 @@ is the suite's for a low-precision whole-model result (``assert_within_own_error
 """
 import pytest
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
+from pagedpack.lowering.targets import get_target
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.request import Request
-from tests.conftest import assert_within_own_error, random_prompts, run_step, snapshot
+
+from conftest import assert_within_own_error, random_prompts, run_step, snapshot
+from test_families import _BASE, WINDOW
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -46,6 +51,7 @@ def _reference_logits(model, prompt, kv_dtype) -> torch.Tensor:
     name = "sdpa" if kv_dtype is None else f"sdpa_kv_{kv_dtype}".replace("torch.", "")
     if kv_dtype is not None:
         AttentionInterface.register(name, _stored_kv_attention(kv_dtype))
+        AttentionMaskInterface.register(name, sdpa_mask)  # else no mask at all (no sliding windows)
     model.config._attn_implementation = name
     with torch.no_grad():
         return model(torch.tensor([prompt]), use_cache=False).logits[0, -1]
@@ -56,16 +62,37 @@ def tiny():
     return default_model()[0]
 
 
+@pytest.fixture(scope="module")
+def auto(tiny):
+    """An fp32 cache, its source kept (for plans and exports)."""
+    return LLM(tiny, num_blocks=32, keep_source_model=True)
+
+
+@pytest.fixture(scope="module")
+def half(tiny):
+    return LLM(tiny, num_blocks=32, kv_cache_dtype="bfloat16")
+
+
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-@pytest.mark.parametrize("name", list(KV_DTYPES))
-def test_logits_of_mixed_steps_are_the_model_with_stored_kv(tiny, name, cpu_kernels):
-    """Prefills, a decode and a chunked prefill in one step, over caches of ``kv_dtype``."""
+def _gemma3():
+    """A tiny Gemma-3: a sliding-window layer (window 24) and a full one, head_dim 16."""
+    config = transformers.Gemma3TextConfig(**dict(_BASE, head_dim=16, sliding_window=WINDOW,
+                                                  layer_types=["sliding_attention", "full_attention"]))
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize(("family", "name"), [("llama", n) for n in KV_DTYPES] + [("gemma3", "int8")])
+def test_logits_of_mixed_steps_are_the_model_with_stored_kv(tiny, family, name):
+    """Prefills, a decode and a chunked prefill in one step, over caches of ``kv_dtype`` (the native
+    kernels; test_kv_quant_ops holds both kernel sets to the same reference at the op level)."""
     kv_dtype = KV_DTYPES[name]
-    reference = snapshot(tiny)
-    llm = LLM(tiny, block_size=16, num_blocks=64, kv_cache_dtype=name)
+    model = tiny if family == "llama" else _gemma3()
+    reference = snapshot(model)
+    llm = LLM(model, block_size=16, num_blocks=64, kv_cache_dtype=name)
     assert {c.dtype for c in llm.llm_engine.runner.kv_caches} == {kv_dtype}
     fresh, decoding, chunked = (Request(str(i), p, GREEDY) for i, p in enumerate(random_prompts((37, 21, 70), seed=3)))
     run_step(llm, [(decoding, 20), (chunked, 21)])
@@ -79,22 +106,21 @@ def test_logits_of_mixed_steps_are_the_model_with_stored_kv(tiny, name, cpu_kern
         assert (row - exact).abs().max() > 0.1 * (rounded - exact).abs().max()
 
 
-def test_two_byte_kv_holds_twice_the_tokens(tiny):
-    """The pool, the plan and the stats count the KV dtype's bytes."""
-    auto = LLM(tiny, num_blocks=8)
-    half = LLM(tiny, num_blocks=8, kv_cache_dtype="bfloat16")
+def test_the_pool_the_plan_and_the_stats_count_the_kv_dtype(auto, half):
     assert half.bytes_per_token * 2 == auto.bytes_per_token
     assert half.llm_engine.runner.kv_cache_bytes * 2 == auto.llm_engine.runner.kv_cache_bytes
-    # int8: one byte a value and 4 for each (token, head) row's scale: 4 x 2 x (16 + 4) bytes a layer here
-    spec = auto.program.kv_cache_specs[0]
-    int8 = LLM(tiny, num_blocks=8, kv_cache_dtype="int8")
-    assert int8.bytes_per_token == len(auto.program.kv_cache_specs) * spec.num_kv_heads * 2 * (spec.key_head_size + 4)
-    plans = {name: auto.plan_memory("64MiB", kv_cache_dtype=name) for name in ("auto", "float32", "bfloat16")}
+    plans = {name: auto.plan_memory("64MiB", kv_cache_dtype=name) for name in ("auto", "float32", "bfloat16", "int8")}
     assert plans["auto"].num_blocks == plans["float32"].num_blocks
-    # the same budget less weights and activations, over half the bytes per block
+    # int8: one byte a value and 4 for each (token, head) row's scale
+    specs = auto.program.kv_cache_specs
+    assert plans["int8"].kv_bytes_per_token == sum(s.num_kv_heads * (s.key_head_size + s.value_head_size + 8)
+                                                   for s in specs)
+    # the same budget less weights and activations, over each dtype's bytes per block
     free = plans["auto"].memory - plans["auto"].weight_bytes - plans["auto"].activation_bytes
-    assert plans["bfloat16"].num_blocks == free // (auto.bytes_per_token // 2 * auto.block_size)
+    for plan in plans.values():
+        assert plan.num_blocks == free // (plan.kv_bytes_per_token * auto.block_size)
     assert plans["bfloat16"].num_blocks >= 2 * plans["auto"].num_blocks
+    assert plans["int8"].num_blocks >= 3 * plans["auto"].num_blocks
     half.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     stats = half.get_stats()
     assert stats.kv_cache_dtype == "bfloat16"
@@ -102,14 +128,14 @@ def test_two_byte_kv_holds_twice_the_tokens(tiny):
 
 
 def test_greedy_tokens_with_prefix_caching_and_preemption(tiny):
-    """Prefix hits, copy-on-write forks and preemption over a bf16 pool: each prompt's tokens are
-    those it gets alone in the same pool."""
+    """Prefix hits, copy-on-write forks and preemption over an int8 pool (the scales move with the
+    blocks): each prompt's tokens are those it gets alone, without prefix caching."""
     prompts = random_prompts((40, 40, 9, 33), seed=5)
     prompts[1][:32] = prompts[0][:32]  # a shared prefix of two blocks
     params = SamplingParams(max_tokens=12, temperature=0.0, n=2)
-    alone = [LLM(tiny, block_size=16, num_blocks=32, kv_cache_dtype="bfloat16").generate([p], params, use_tqdm=False)
-             [0] for p in prompts]
-    llm = LLM(tiny, block_size=16, num_blocks=12, kv_cache_dtype="bfloat16")  # too few blocks: preemption
+    single = LLM(tiny, block_size=16, num_blocks=32, kv_cache_dtype="int8", enable_prefix_caching=False)
+    alone = [single.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    llm = LLM(tiny, block_size=16, num_blocks=12, kv_cache_dtype="int8")  # too few blocks: preemption
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.get_stats().num_preemptions > 0 and llm.get_stats().prefix_cache_hits > 0
     for got, want in zip(outputs, alone, strict=True):
@@ -123,20 +149,19 @@ def test_bad_kv_cache_dtype_is_named():
         EngineArgs(kv_cache_dtype=torch.bfloat16)
 
 
-def test_targets_that_keep_the_model_dtype_refuse(tmp_path, tiny):
-    llm = LLM(tiny, num_blocks=8, keep_source_model=True)
-    path = llm.export(tmp_path / "tiny.onnx", format="onnx")
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: the onnx target keeps the KV cache in the model's dtype "
-                                         r"\(float32\), got bfloat16"):
-        LLM.from_exported(path, kv_cache_dtype="bfloat16")
+@pytest.mark.parametrize("target", ["onnx", "ascend"])
+def test_targets_that_keep_the_model_dtype_refuse(target):
+    """An onnxruntime session's inputs are typed; FIA's int8 KV takes static per-channel scales."""
+    get_target(target).check_kv_cache_dtype(torch.float16, torch.float16)
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype: the {target} target keeps the KV cache in the model's "
+                                         r"dtype \(float16\), got int8"):
+        get_target(target).check_kv_cache_dtype(torch.int8, torch.float16)
 
 
-def test_an_exported_pt2_serves_with_a_bf16_cache(tmp_path, tiny):
-    llm = LLM(tiny, num_blocks=32, keep_source_model=True)
-    path = llm.export(tmp_path / "tiny.pt2")
+def test_an_exported_pt2_serves_with_a_bf16_cache(tmp_path, auto, half):
+    path = auto.export(tmp_path / "tiny.pt2")
     served = LLM.from_exported(path, num_blocks=32, kv_cache_dtype="bfloat16")
     assert {c.dtype for c in served.llm_engine.runner.kv_caches} == {torch.bfloat16}
-    direct = LLM(tiny, num_blocks=32, kv_cache_dtype="bfloat16")
     prompts = random_prompts((5, 19, 33), seed=2)
     assert [o.outputs[0].token_ids for o in served.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [o.outputs[0].token_ids for o in direct.generate(prompts, GREEDY, use_tqdm=False)]
+        [o.outputs[0].token_ids for o in half.generate(prompts, GREEDY, use_tqdm=False)]

@@ -127,3 +127,18 @@ def test_a_scaled_cache_of_the_wrong_row_length_is_named():
     cache = torch.zeros(4, 16, 2, 64, dtype=torch.int8)  # no room for the scales
     with pytest.raises(ValueError, match=r"key: expected \(num_kv_heads, head_dim\) = \(2, 60\)"):
         ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), cache, cache.clone(), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_every_stored_value_reads_back_exactly(dtype):
+    """All 256 bytes (the NaN / infinity codes, which are never written, as 0) as value rows of scale 1,
+    one 1-token sequence each: the output is each row as the dtype defines it."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype)
+    values = torch.where(values.float().isfinite(), values.float(), 0.0).to(dtype).view(16, 16)
+    one = torch.tensor([1.0]).view(torch.uint8).view(dtype)
+    value_cache = torch.cat([values, one.expand(16, 4)], dim=1).view(16, 1, 1, 20)
+    key_cache = torch.zeros_like(value_cache)
+    ids = torch.arange(16, dtype=torch.int32)
+    out = ops.paged_attention(torch.randn(16, 1, 16), key_cache, value_cache, ids[:, None], torch.arange(17,
+                              dtype=torch.int32), torch.ones(16, dtype=torch.int32), 0.25)
+    assert torch.equal(out[:, 0], values.float())

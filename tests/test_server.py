@@ -414,6 +414,8 @@ def test_metrics_namespace_vllm_gives_vllm_s_exact_names(tiny_llm):
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total"):
         assert f"\n{name}{{" in text
+    assert ('vllm:cache_config_info{block_size="16",cache_dtype="float32",enable_prefix_caching="True",'
+            'model_name="m",num_gpu_blocks="64"} 1.0') in text
     assert "_created" not in text  # as vLLM: no creation-time series
 
 

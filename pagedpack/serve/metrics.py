@@ -7,6 +7,8 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
 - gauges read at scrape time: ``num_requests_running``, ``num_requests_waiting`` (queued or in
   the scheduler's waiting queue, preempted ones too), ``kv_cache_usage_perc`` (KV blocks held by
   requests / all blocks, 0..1; cached blocks nobody holds count as free, as vLLM counts them);
+  ``cache_config_info`` (1, the KV cache's ``block_size``, ``cache_dtype``, ``num_gpu_blocks`` and
+  ``enable_prefix_caching`` as labels, vLLM's label names);
 - counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
   as their outputs arrive), ``request_success_total{finished_reason}`` (per completion), and read from the
   engine's own counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
@@ -51,6 +53,13 @@ class _EngineCollector:
             family = GaugeMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        config = {"block_size": engine.runner.block_size, "cache_dtype": stats.kv_cache_dtype,
+                  "num_gpu_blocks": stats.kv_blocks_total,  # vLLM's label, whatever the device
+                  "enable_prefix_caching": engine.scheduler.kv_cache_manager.enable_prefix_caching}
+        info = GaugeMetricFamily(name + "cache_config_info", "Information of the LLM's KV cache configuration.",
+                                 labels=["model_name", *config])
+        info.add_metric([self.model_name, *map(str, config.values())], 1.0)
+        yield info
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
