@@ -2,8 +2,7 @@
 
 The reference is the unmodified ``transformers`` model with its keys and values as the cache holds
 them (rounded to the KV dtype, or quantized per row and scaled back, written plainly here) before
-attention (an attention function registered under another name), one sequence at a time; the rule
-is the suite's for a low-precision whole-model result (``assert_within_own_error``).
+attention (an attention function registered under another name), one sequence at a time.
 """
 import pytest
 import torch
@@ -18,7 +17,7 @@ from pagedpack.lowering.targets import get_target
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.request import Request
 
-from conftest import assert_within_own_error, random_prompts, run_step, snapshot
+from conftest import random_prompts, run_step, snapshot
 from test_families import _BASE, WINDOW
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -101,9 +100,11 @@ def test_logits_of_mixed_steps_are_the_model_with_stored_kv(tiny, family, name):
         prompt = request.prompt_token_ids[:length]
         exact = _reference_logits(reference, prompt, None)
         rounded = _reference_logits(reference, prompt, kv_dtype)
-        assert_within_own_error(row, rounded, exact)
-        # the rounding happened: an fp32 cache would be ~1e-6 off, not the rounded reference's error
-        assert (row - exact).abs().max() > 0.1 * (rounded - exact).abs().max()
+        # the reference's own error (the stored K/V's) is reproduced, not just matched in size: an fp32
+        # cache would sit at ratio 1, a wrong scale far above; a rounding that flips where the two
+        # sides' K/V differ by an fp32 step moves a few elements (measured ratios 0 - 0.04)
+        own = (rounded - exact).abs().max()
+        assert own > 0 and (row - rounded).abs().max() <= 0.25 * own
 
 
 def test_the_pool_the_plan_and_the_stats_count_the_kv_dtype(auto, half):

@@ -104,11 +104,13 @@ def test_paged_attention_reads_scaled_caches(pair, block_size, head_dim, ratio, 
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("param_set", list(PARAM_SETS))
-def test_scaled_caches_with_attention_parameters(param_set):
+def test_scaled_caches_with_attention_parameters(param_set, dtype):
+    """A chunk of 3 rows over 147 keys beside a 40-token prefill (the prefill path), each parameter set."""
     (q_len, kv_len), block_size, head_dim = (3, 147), 16, 64
     params = grid_params(param_set, kv_len, block_size, 4)
-    out, expected, _ = run([(kv_len - q_len, q_len), (0, 40)], torch.int8, ratio=2, head_dim=head_dim,
+    out, expected, _ = run([(kv_len - q_len, q_len), (0, 40)], dtype, ratio=2, head_dim=head_dim,
                            block_size=block_size, params=params)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
