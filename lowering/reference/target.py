@@ -21,8 +21,9 @@ class ReferenceTarget(Target):
     serves_pt2: bool = True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
-        """Any floating KV dtype: the ops round keys and values to the cache's dtype as they write them
-        and compute attention in fp32 from whatever the cache holds (:mod:`pagedpack.kernels.ops`)."""
+        """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize
+        them into a scaled one, as they write them, and compute attention in fp32 from whatever the cache
+        holds (:mod:`pagedpack.kernels.ops`); the CPU lowering drops a loaded program's input guards."""
 
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
