@@ -84,7 +84,9 @@ def _gemma3():
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
-@pytest.mark.parametrize(("family", "name"), [("llama", n) for n in KV_DTYPES] + [("gemma3", "int8")])
+# float16 and fp8_e4m3 differ from these only in the element type, which test_kv_quant_ops reads back exactly
+@pytest.mark.parametrize(("family", "name"), [("llama", "bfloat16"), ("llama", "int8"), ("llama", "fp8_e5m2"),
+                                              ("gemma3", "int8")])
 def test_logits_of_mixed_steps_are_the_model_with_stored_kv(tiny, family, name):
     """Prefills, a decode and a chunked prefill in one step, over caches of ``kv_dtype`` (the native
     kernels; test_kv_quant_ops holds both kernel sets to the same reference at the op level)."""

@@ -512,14 +512,24 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 }
 
 // Quantize `n` values of `src` into `dst` with their scale after them (kernels/kv_quant.py:
-// scale = max|x| / qmax, 1 for an all-zero row; x / scale rounded to T, int8 to nearest-even and clamped).
+// scale = max|x| / qmax, 1 for an all-zero row, NaN for a row holding inf / NaN; x / scale rounded
+// to T, int8 to nearest-even and clamped).
 template <typename T>
 void quantize_row(const float* src, int64_t n, T* dst) {
   const float qmax = std::is_same_v<T, int8_t> ? 127.f : static_cast<float>(std::numeric_limits<T>::max());
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(src[i]));
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::abs(src[i]);
+    if (std::isnan(a) || a > amax) amax = a;  // NaN sticks: no later a > NaN
+  }
   float scale = amax / qmax;
-  if (!(scale > 0.f)) scale = 1.f;
+  if (scale == 0.f) scale = 1.f;
+  if (!std::isfinite(scale)) {  // an infinity or NaN in the row: zeros and a NaN scale, read back as NaN
+    std::fill(dst, dst + n, static_cast<T>(0.f));
+    scale = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(dst + n, &scale, sizeof(float));
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const float q = src[i] / scale;
     if constexpr (std::is_same_v<T, int8_t>) {
