@@ -2,8 +2,9 @@
 
 A row is one token's keys (or values) of one KV head, ``x [head_size]``. Written as
 ``scale = max|x| / qmax`` in fp32 (1 for an all-zero row), ``q = x / scale`` rounded to the cache
-dtype (int8: to nearest, ties to even, clamped to ``[-127, 127]``; fp8: the dtype's own rounding,
-``|q| <= qmax`` by construction), stored as ``[q..., scale's 4 bytes]``; a row holding an infinity
+dtype after clamping to ``[-qmax, qmax]`` (int8: to nearest, ties to even, qmax 127; fp8: the
+dtype's own rounding, qmax its largest finite value; the clamp matters only where a subnormal
+``max|x|`` makes the scale round down), stored as ``[q..., scale's 4 bytes]``; a row holding an infinity
 or NaN is stored as zeros with a NaN scale, so it reads back as NaN (never as finite numbers)
 (:data:`pagedpack.contract.KV_SCALE_BYTES`). Read as ``q * scale`` in fp32. One scale per
 (token, head), as vLLM's per-token-head scales and OpenVINO's by-token values: no calibration,
@@ -32,7 +33,7 @@ def quantize_rows(x: Tensor, dtype: torch.dtype) -> Tensor:
     scale = x.abs().amax(dim=-1, keepdim=True) / QMAX[dtype]
     scale = torch.where(scale.isfinite(), torch.where(scale > 0, scale, 1.0), torch.nan)  # inf / NaN rows: NaN
     q = torch.where(scale.isfinite(), x / scale, 0.0)
-    q = q.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else q.to(dtype)
+    q = (q.round() if dtype == torch.int8 else q).clamp(-QMAX[dtype], QMAX[dtype]).to(dtype)
     scale_bytes = scale.contiguous().view(torch.uint8).view(dtype)  # [..., 4]
     return torch.cat([q, scale_bytes], dim=-1)
 

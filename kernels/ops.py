@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from pagedpack.contract import KV_SCALE_BYTES
+from pagedpack.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
 from pagedpack.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.kv_quant import dequantize_rows, head_size, is_scaled, quantize_rows
@@ -63,19 +63,21 @@ def _check_same_device(op: str, **tensors: Tensor) -> None:
         _require(t.device == ref.device, op, arg, f"the device of {first} ({ref.device})", t.device)
 
 
-def _check_floating(op: str, **tensors: Tensor) -> None:
+_ACTIVATION_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _check_activation(op: str, **tensors: Tensor) -> None:
+    """Queries, keys and values: a floating dtype that computes (not an fp8 storage dtype)."""
     for arg, t in tensors.items():
-        _require(t.is_floating_point(), op, arg, "a floating-point dtype", str(t.dtype).removeprefix("torch."))
+        _check_dtype(op, arg, t, _ACTIVATION_DTYPES)
 
 
 def _check_caches(op: str, key_cache: Tensor, value_cache: Tensor) -> None:
     _check_rank(op, "key_cache", key_cache, _CACHE_LAYOUT)
     _check_rank(op, "value_cache", value_cache, _CACHE_LAYOUT)
-    for arg, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _require(t.is_floating_point() or is_scaled(t.dtype), op, arg, "a floating-point or scaled KV dtype (int8, "
-                 "float8_e4m3fn, float8_e5m2)", str(t.dtype).removeprefix("torch."))
-    _require(not (is_scaled(key_cache.dtype) or is_scaled(value_cache.dtype)) or key_cache.dtype == value_cache.dtype,
-             op, "value_cache", f"the dtype of the scaled key_cache ({key_cache.dtype})", value_cache.dtype)
+    _check_dtype(op, "key_cache", key_cache, _ACTIVATION_DTYPES + SCALED_KV_DTYPES)
+    _require(key_cache.dtype == value_cache.dtype, op, "value_cache", f"the dtype of key_cache ({key_cache.dtype})",
+             value_cache.dtype)
     for arg, t in (("key_cache", key_cache), ("value_cache", value_cache)):
         _require(head_size(t) >= 1, op, arg, f"rows of head_size + {KV_SCALE_BYTES} scale bytes (a scaled dtype)",
                  f"shape {tuple(t.shape)}")
@@ -96,7 +98,7 @@ def _check_reshape_and_cache_args(
     _check_caches(op, key_cache, value_cache)
     for arg, t, cache in (("key", key, key_cache), ("value", value, value_cache)):
         _check_rank(op, arg, t, "[T, num_kv_heads, head_dim]")
-        _check_floating(op, **{arg: t})
+        _check_activation(op, **{arg: t})
         heads = (cache.shape[2], head_size(cache))
         _require(
             tuple(t.shape[1:]) == heads, op, arg, f"(num_kv_heads, head_dim) = {heads} as in {arg}_cache",
@@ -122,7 +124,7 @@ def _check_paged_attention_args(
         cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
     )
     _check_rank(op, "query", query, "[T, num_heads, head_dim]")
-    _check_floating(op, query=query)
+    _check_activation(op, query=query)
     _check_caches(op, key_cache, value_cache)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, cache_head_dim = key_cache.shape[2], head_size(key_cache)
@@ -165,7 +167,7 @@ def check_attention_params(op: str, query: Tensor, sliding_window, logits_soft_c
         if t is None:
             continue
         _check_same_device(op, query=query, **{arg: t})
-        _check_floating(op, **{arg: t})
+        _check_activation(op, **{arg: t})
         _require(t.dim() == 1 and t.shape[0] == num_heads, op, arg, f"shape [num_heads] = ({num_heads},) like query",
                  f"shape {tuple(t.shape)}")
 

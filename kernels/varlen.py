@@ -17,8 +17,8 @@ from pagedpack.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import (
+    _check_activation,
     _check_dtype,
-    _check_floating,
     _check_rank,
     _check_same_device,
     _require,
@@ -37,7 +37,7 @@ def _check_args(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -
     _check_rank(_OP, "value", value, "[T, num_kv_heads, head_dim_v]")
     _check_rank(_OP, "cu_seqlens", cu_seqlens, "[B + 1]")
     _check_dtype(_OP, "cu_seqlens", cu_seqlens, (torch.int32,))
-    _check_floating(_OP, query=query, key=key, value=value)
+    _check_activation(_OP, query=query, key=key, value=value)
     _require(key.shape[1] > 0, _OP, "key", "num_kv_heads >= 1", key.shape[1])
     for arg, t in (("key", key), ("value", value)):
         _require(t.shape[0] == query.shape[0], _OP, arg, f"T={query.shape[0]} rows like query", t.shape[0])

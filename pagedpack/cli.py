@@ -220,7 +220,8 @@ def _serve(args) -> int:
     name = args.served_model_name or str(args.model)
     config = ServingConfig(model_name=name, chat_template=template,
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)
-    print(f"pagedpack: serving {name!r} ({llm.target} target) on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
+          f"on http://{args.host}:{args.port}/v1", flush=True)
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                                             metrics_namespace=args.metrics_namespace, log_level=args.log_level,
                                             graceful_s=args.timeout_graceful_shutdown))
@@ -272,7 +273,8 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
         ("KV blocks", f"peak {stats.kv_blocks_peak_used}, in use {stats.kv_blocks_used}, cached and free "
                       f"{stats.kv_blocks_cached_free}, free {stats.kv_blocks_free}, pool {stats.kv_blocks_total} "
                       f"x {llm.block_size} tokens"),
-        ("KV memory", f"peak {_mib(used)} used of a {_mib(kv.num_blocks * llm.block_size * per_token)} pool; "
+        ("KV memory", f"{stats.kv_cache_dtype} cache: peak {_mib(used)} used of a "
+                      f"{_mib(kv.num_blocks * llm.block_size * per_token)} pool; "
                       f"a contiguous {sequences} x max_len={llm.max_model_len} preallocation takes "
                       f"{_mib(contiguous)} ({100 * used / contiguous:.1f}% of that used)"),
     ]

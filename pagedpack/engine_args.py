@@ -236,8 +236,9 @@ class EngineArgs:
                             help="bytes (e.g. 4GiB) for weights + a step's activations + the KV pool, "
                                  "which gets the rest (see pagedpack plan)")
         parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                            help="dtype of the KV cache (auto: the model's); bfloat16 / float16 hold twice the "
-                                 "tokens of float32 in the same memory")
+                            help="dtype of the KV cache (auto: the model's); bfloat16 / float16 hold 2x the tokens of "
+                                 "float32 in the same memory, int8 / fp8_e4m3 / fp8_e5m2 (a per-token scale "
+                                 "each; fp8 = fp8_e4m3) about 3.8x")
         parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                             help="tokens per step (longer prompts are prefilled in chunks)")

@@ -74,7 +74,10 @@ class ProgramBuilder:
             return list(self.source_specs)
         target = get_target(self.target)
         for spec in self.source_specs:
-            target.check_kv_cache_dtype(kv_dtype, spec.dtype)
+            try:
+                target.check_kv_cache_dtype(kv_dtype, spec.dtype)
+            except ValueError as err:  # named as the user spelled it ("fp8" is float8_e4m3fn)
+                raise ValueError(f"{err} (kv_cache_dtype={kv_cache_dtype!r})") from None
         return [dataclasses.replace(spec, dtype=kv_dtype) for spec in self.source_specs]
 
     def _load_file(self, path: str, *, trust_file: bool = False) -> StepProgram:

@@ -69,6 +69,13 @@ def test_dynamic_axes_and_functional_caches(exported, llama):
             assert writer.op_type == "reshape_and_cache" and f"{kind}_cache_{i}" in writer.input
 
 
+def test_a_kv_cache_dtype_onnxruntime_cannot_take_is_refused_by_its_name(exported):
+    """The session's cache inputs are typed with the model's dtype (a scaled cache would need BitCast)."""
+    with pytest.raises(ValueError, match=r"onnx target keeps the KV cache in the model's dtype \(float32\), got "
+                                         r"float8_e4m3fn \(kv_cache_dtype='fp8'\)"):
+        LLM.from_exported(exported[0], kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_onnxruntime_generation_matches_pytorch(family, mixed_prompts, tmp_path):
     # Llama (and the fresh-process load) is covered by test_export.py for both formats.

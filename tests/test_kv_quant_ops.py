@@ -19,14 +19,15 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 DTYPES = list(QMAX)
+SCALED = tuple(QMAX)
 
 
 def quantize(row: torch.Tensor, dtype) -> tuple[torch.Tensor, float]:
     """One fp32 row -> (its quantized values, its scale), as the cache stores them."""
     scale = float(torch.tensor(row.abs().max().item() / QMAX[dtype], dtype=torch.float32))  # fp32 division
     scale = scale if scale > 0 else 1.0
-    q = row / torch.tensor(scale, dtype=torch.float32)
-    return (q.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else q.to(dtype)), scale
+    q = (row / torch.tensor(scale, dtype=torch.float32)).clamp(-QMAX[dtype], QMAX[dtype])
+    return (q.round() if dtype == torch.int8 else q).to(dtype), scale
 
 
 def read_back(k: torch.Tensor, dtype) -> torch.Tensor:
@@ -123,6 +124,47 @@ def test_packed_steps_over_scaled_caches(seqs, block_size, head_dim, ratio, slot
     out, expected, _ = run(seqs, dtype, ratio=ratio, head_dim=head_dim, block_size=block_size,
                            params=make_params(2 * ratio, seed=seed, **params), seed=seed)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("amax", [1e-44, 1e-40, 1e-38])
+def test_rows_of_subnormal_magnitude_are_stored_finite(dtype, amax):
+    """A subnormal max|x| rounds max|x| / qmax down, so x / scale can pass qmax (e5m2 would store
+    inf): the cache holds the clamped values, as the plain reference does, within max|x| of x."""
+    key = (torch.tensor([1.0, -1.0, 0.5, 0.25]) * amax).repeat(16).view(1, 1, 64)
+    cache = torch.zeros(1, 1, 1, 68, dtype=dtype)
+    ops.reshape_and_cache(key, key.clone(), cache, cache.clone(), torch.tensor([0]))
+    q, scale = quantize(key[0, 0], dtype)
+    assert torch.equal(cache[0, 0, 0, :64].view(torch.uint8), q.view(torch.uint8))
+    read = cache[0, 0, 0, :64].float() * cache[0, 0, 0, 64:].contiguous().view(torch.float32)
+    assert read.isfinite().all() and (read - key[0, 0]).abs().max() <= amax
+
+
+@pytest.mark.parametrize(("query_dtype", "cache_dtypes", "match"), [
+    (torch.float32, (torch.int32, torch.int32), r"key_cache: expected dtype float32 .* got int32"),
+    (torch.float32, (torch.uint8, torch.uint8), r"key_cache: expected dtype float32 .* got uint8"),
+    (torch.float32, (torch.float16, torch.float32), r"value_cache: expected the dtype of key_cache"),
+    (torch.float32, (torch.int8, torch.float32), r"value_cache: expected the dtype of key_cache"),
+    (torch.int8, (torch.int8, torch.int8), r"query: expected dtype float32 .* got int8"),
+    (torch.float8_e4m3fn, (torch.float32, torch.float32), r"query: expected dtype float32 .* got float8_e4m3fn"),
+])
+def test_cache_and_query_dtypes_are_named(query_dtype, cache_dtypes, match):
+    """Both kernel sets refuse what they cannot read, naming the argument and the dtype."""
+    row = lambda dtype: 68 if dtype in SCALED else 64  # noqa: E731
+    caches = [torch.zeros(2, 16, 2, row(d), dtype=d) for d in cache_dtypes]
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        ops.paged_attention(torch.zeros(1, 2, 64).to(query_dtype), *caches, one[None, :1], one, one[1:], 0.125)
+    if query_dtype == torch.float32:
+        with pytest.raises(ValueError, match=match.replace("query", "key")):
+            ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), *caches, torch.tensor([0]))
+
+
+def test_a_value_cache_of_another_pool_size_is_named():
+    """Slots index key_cache's blocks; a smaller value_cache is refused, not written past its end."""
+    key_cache, value_cache = torch.zeros(4, 16, 2, 64), torch.zeros(1, 16, 2, 64)
+    with pytest.raises(ValueError, match="value_cache"):
+        ops.reshape_and_cache(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), key_cache, value_cache, torch.tensor([63]))
 
 
 def test_a_scaled_cache_of_the_wrong_row_length_is_named():

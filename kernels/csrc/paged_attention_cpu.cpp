@@ -91,6 +91,21 @@ bool is_scaled(at::ScalarType t) {
   return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
+// Activations (query, key, value) are float32/64, bfloat16 or float16; caches also one of the scaled dtypes.
+bool is_activation_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_cache_dtypes(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  for (const auto& [name, cache] : {std::pair{"key_cache", key_cache}, std::pair{"value_cache", value_cache}})
+    TORCH_CHECK_VALUE(is_activation_dtype(cache.scalar_type()) || is_scaled(cache.scalar_type()), op, ": ", name,
+                      ": expected a cache dtype (float32, float64, bfloat16, float16, int8, float8_e4m3fn, "
+                      "float8_e5m2), got ", cache.scalar_type());
+  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(), op,
+                    ": value_cache: expected the dtype of key_cache (", key_cache.scalar_type(), "), got ",
+                    value_cache.scalar_type());
+}
+
 // The head size of a cache [num_blocks, block_size, num_kv_heads, row].
 int64_t head_size(const at::Tensor& cache) {
   return cache.size(3) - (is_scaled(cache.scalar_type()) ? kScaleBytes : 0);
@@ -363,9 +378,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                     cu_seqlens_q.sizes(), ": expected B rows, B lengths and B + 1 offsets");
   TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "paged_attention: key_cache: expected block_size >= 1, got ",
                     key_cache.sizes());
-  TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(),
-                    "paged_attention: value_cache: expected the dtype of key_cache (", key_cache.scalar_type(),
-                    ") in the native kernel, got ", value_cache.scalar_type());
+  check_cache_dtypes("paged_attention", key_cache, value_cache);
+  TORCH_CHECK_VALUE(is_activation_dtype(query_in.scalar_type()),
+                    "paged_attention: query: expected float32, float64, bfloat16 or float16, got ",
+                    query_in.scalar_type());
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_attention: key_cache/value_cache: expected a contiguous last dimension");
   const auto query = query_in.to(at::kFloat).contiguous();
@@ -512,8 +528,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
 }
 
 // Quantize `n` values of `src` into `dst` with their scale after them (kernels/kv_quant.py:
-// scale = max|x| / qmax, 1 for an all-zero row, NaN for a row holding inf / NaN; x / scale rounded
-// to T, int8 to nearest-even and clamped).
+// scale = max|x| / qmax, 1 for an all-zero row, NaN for a row holding inf / NaN; x / scale clamped
+// to [-qmax, qmax], which a subnormal max|x| can exceed, and rounded to T, int8 to nearest-even).
 template <typename T>
 void quantize_row(const float* src, int64_t n, T* dst) {
   const float qmax = std::is_same_v<T, int8_t> ? 127.f : static_cast<float>(std::numeric_limits<T>::max());
@@ -531,9 +547,9 @@ void quantize_row(const float* src, int64_t n, T* dst) {
     return;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float q = src[i] / scale;
+    const float q = std::clamp(src[i] / scale, -qmax, qmax);
     if constexpr (std::is_same_v<T, int8_t>) {
-      dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(q), -127.f, 127.f));
+      dst[i] = static_cast<int8_t>(std::nearbyint(q));
     } else {
       dst[i] = static_cast<T>(q);
     }
@@ -552,15 +568,19 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                     ", value_cache ", value_cache.sizes(), ", slot_mapping ", slot_mapping.sizes(),
                     ": expected key/value [T, Hkv, D] matching the caches' [num_blocks, block_size, Hkv, D] (D + 4 for "
                     "a scaled dtype) and T slots");
+  TORCH_CHECK_VALUE(key_cache.sizes().slice(0, 2) == value_cache.sizes().slice(0, 2),
+                    "reshape_and_cache: value_cache ", value_cache.sizes(), ": expected the num_blocks and block_size "
+                    "of key_cache ", key_cache.sizes());
+  check_cache_dtypes("reshape_and_cache", key_cache, value_cache);
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "reshape_and_cache: key_cache/value_cache: expected a contiguous last dimension");
   TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "reshape_and_cache: key_cache: expected block_size >= 1, got ",
                     key_cache.sizes());
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
                     "reshape_and_cache: slot_mapping: expected dtype int32 or int64, got ", slot_mapping.scalar_type());
-  TORCH_CHECK_VALUE(key.is_floating_point() && value.is_floating_point(),
-                    "reshape_and_cache: key, value: expected a floating-point dtype, got ", key.scalar_type(), ", ",
-                    value.scalar_type());
+  TORCH_CHECK_VALUE(is_activation_dtype(key.scalar_type()) && is_activation_dtype(value.scalar_type()),
+                    "reshape_and_cache: key, value: expected float32, float64, bfloat16 or float16, got ",
+                    key.scalar_type(), ", ", value.scalar_type());
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t* s = slots.data_ptr<int64_t>();
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1), block_size = key_cache.size(1);
