@@ -1,0 +1,335 @@
+"""The ``tensor_parallel`` pass: one rank's shard of a rewritten step graph.
+
+Megatron-LM's split, as vLLM and ``transformers`` apply it, driven by the model's own plan
+(``transformers``' ``_tp_plan``: ``"colwise"`` / ``"rowwise"`` per linear module, e.g.
+``model.layers.*.self_attn.q_proj: colwise``). Each ``aten.linear`` of the step graph whose weight
+(or, after ``merge_linears``, each slice of a merged weight) belongs to a planned module becomes
+rank ``r``'s part of it:
+
+- colwise (Q, K, V, gate, up): rows of the output features. Query heads and MLP channels are cut in
+  ``tp_size`` contiguous chunks; KV heads too when ``num_kv_heads >= tp_size``, and otherwise each
+  rank holds the one KV head its query heads read, replicated ``tp_size / num_kv_heads`` times
+  (vLLM's ``QKVParallelLinear``). A merged QKV / gate-up linear keeps one GEMM, its slices shrunk;
+- rowwise (attention output, down): columns of the input features, then an out-of-place
+  ``_c10d_functional.all_reduce(x, "sum", group_name)`` + ``wait_tensor`` (the collective form
+  ``torch.compile`` and ``torch.export`` keep in graphs); a bias is added on rank 0 only;
+- per-head attention inputs (``sinks``, ``alibi_slopes``) keep their rank's query heads;
+- embeddings, norms and the LM head stay whole on every rank (each rank computes full logits).
+
+Rank ``r``'s KV caches hold its KV heads only (:func:`shard_specs`). Refused with the numbers, as a
+``ValueError`` naming ``tensor_parallel_size``: a model without a plan, query heads or MLP channels
+that do not divide, KV heads that neither divide nor are divided by ``tp_size``, Mixture-of-Experts
+layers (their experts are not sharded), a planned weight in a form other than a linear's.
+
+:func:`check_shards` runs every rank's graph on one sample in lockstep in this process (the
+all-reduce sums the ranks' values) and compares the logits with the unsharded graph's by the
+passes' rule (:mod:`pagedpack.passes.numerics`): a plan that does not fit the graph (a norm over
+all heads between a colwise and a rowwise linear, a view with a hard-coded head count) is refused
+there instead of giving wrong tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec
+from pagedpack.kernels.attention_params import op_arguments
+from pagedpack.metadata import example_metadata
+from pagedpack.passes.graph_attrs import attr_tensor, vocab_size
+from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_ops = torch.ops.pagedpack
+_SHARDED_STYLES = ("colwise", "rowwise")
+_REPLICATED_STYLES = ("colwise_gather_output", "embedding_rowwise", "replicated", "gather_output")
+_SAMPLE_BLOCK_SIZE = 4
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How ``num_heads`` query heads and ``num_kv_heads`` KV heads of a layer split over ``tp_size``
+    ranks (module docstring); ``ValueError`` with the numbers when they do not."""
+
+    num_heads: int
+    num_kv_heads: int
+    tp_size: int
+
+    def __post_init__(self):
+        h, kv, tp = self.num_heads, self.num_kv_heads, self.tp_size
+        if h % tp:
+            raise ValueError(f"tensor_parallel_size: {h} query heads ({kv} KV heads) do not split over {tp} ranks; "
+                             f"expected a size that divides {h}")
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor_parallel_size: {kv} KV heads neither split over {tp} ranks nor replicate "
+                             f"evenly on them; expected a divisor or a multiple of {kv}")
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def query_heads(self, rank: int) -> range:
+        per_rank = self.num_heads // self.tp_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
+    def kv_heads(self, rank: int) -> range:
+        """Rank ``rank``'s KV heads: the ones its query heads read (GQA groups stay whole)."""
+        if self.num_kv_heads >= self.tp_size:
+            return range(rank * self.local_kv_heads, (rank + 1) * self.local_kv_heads)
+        first = rank // (self.tp_size // self.num_kv_heads)
+        return range(first, first + 1)
+
+
+def tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The ``transformers`` plan of ``model`` (module name pattern -> style); ``ValueError`` if none."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"tensor_parallel_size: {type(model).__name__} has no tensor-parallel plan "
+                         f"(transformers' base_model_tp_plan), so no split is known for its linears")
+    return dict(plan)
+
+
+def _planned_weights(model: torch.nn.Module, plan: dict[str, str]) -> dict[int, tuple[str, str]]:
+    """``data_ptr`` of each planned module's weight -> (module name, style). A merged weight's rows
+    are its originals' storage (``merge_linears``), so a slice finds its module by address."""
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + "$"), style) for p, style in plan.items()]
+    found = {}
+    for name, module in model.named_modules():
+        style = next((s for pattern, s in patterns if pattern.match(name)), None)
+        weight = getattr(module, "weight", None)
+        if style is None or style.startswith("embedding"):
+            continue
+        if "experts" in name:
+            raise ValueError(f"tensor_parallel_size: {name} (tp plan {style!r}) is a Mixture-of-Experts layer, "
+                             f"whose experts pagedpack does not shard; serve the model with tensor_parallel_size=1")
+        if isinstance(weight, torch.Tensor):
+            found[weight.data_ptr()] = (name, style)
+    return found
+
+
+@dataclass
+class _Part:
+    """One projection of a linear node: the node itself, or one slice of a merged linear."""
+
+    node: Node
+    start: int
+    end: int
+    name: str | None
+    style: str | None
+
+
+def _parts(gm: torch.fx.GraphModule, linear: Node, planned: dict) -> list[_Part]:
+    weight = attr_tensor(gm, linear.args[1])
+    slices = [u for u in linear.users if u.target is aten.slice.Tensor and u.args[1] in (-1, 1)]
+    if weight is None:
+        return []
+    step = weight.stride(0) * weight.element_size()
+    if slices and len(slices) == len(linear.users):
+        ranges = [(s, s.args[2], s.args[3]) for s in slices]
+    else:
+        ranges = [(linear, 0, weight.shape[0])]
+    return [_Part(node, start, end, *planned.get(weight.data_ptr() + start * step, (None, None)))
+            for node, start, end in ranges]
+
+
+def _nearest_parts(start: Node, part_nodes: set[Node]) -> set[Node]:
+    """The projection outputs ``start`` is computed from without passing through another projection."""
+    seen, stack, found = set(), [start], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in part_nodes:
+            found.add(node)
+        else:
+            stack.extend(node.all_input_nodes)
+    return found
+
+
+def shard_specs(specs: list[KVCacheSpec], splits: list[HeadSplit]) -> list[KVCacheSpec]:
+    """Each layer's KV cache spec on one rank: its local KV heads."""
+    return [dataclasses.replace(spec, num_kv_heads=split.local_kv_heads) for spec, split in zip(specs, splits)]
+
+
+def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: torch.nn.Module, *,
+                     tp_size: int, rank: int, group_name: str) -> tuple[torch.fx.GraphModule, list[KVCacheSpec]]:
+    """Rank ``rank``'s step graph and KV cache specs (module docstring). ``gm`` (a rewritten step
+    graph) is left as it is; the new module holds its unsharded tensors and slices (copies) of the
+    sharded ones. ``model`` is the ``transformers`` model ``gm`` was captured from (for its plan).
+    ``ValueError`` naming ``tensor_parallel_size`` if the model cannot be split so."""
+    if not isinstance(tp_size, int) or tp_size < 1 or not 0 <= rank < tp_size:
+        raise ValueError(f"tensor_parallel_size: expected an int >= 1 and a rank below it, got {tp_size}, rank {rank}")
+    if any(n.target is aten._grouped_mm.default for n in gm.graph.nodes):
+        raise ValueError("tensor_parallel_size: the model has Mixture-of-Experts layers (grouped GEMMs), whose "
+                         "experts pagedpack does not shard; serve it with tensor_parallel_size=1")
+    planned = _planned_weights(model, tp_plan(model))
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    attrs = {n.target: attr_tensor(gm, n) for n in graph.nodes if n.op == "get_attr"}
+    linears = [n for n in graph.nodes if n.target is aten.linear.default]
+    parts = {n: _parts(gm, n, planned) for n in linears}
+    part_nodes = {p.node: p for ps in parts.values() for p in ps}
+    sites = _attention_sites(graph)
+    splits, roles = [], {}
+    for layer, (write, read) in enumerate(sites):
+        spec = specs[layer]
+        queries = _nearest_parts(op_arguments(read)["query"], set(part_nodes))
+        keys, values = (_nearest_parts(op_arguments(write)[a], set(part_nodes)) for a in ("key", "value"))
+        q_rows = sum(part_nodes[q].end - part_nodes[q].start for q in queries)
+        split = HeadSplit(q_rows // spec.key_head_size, spec.num_kv_heads, tp_size)
+        splits.append(split)
+        # A projection that feeds queries and keys alike (GPT-NeoX's fused QKV, heads interleaved) is cut
+        # in contiguous chunks like an MLP's; the sample check tells whether its layout allows that.
+        roles.update({q: ("query", split, spec.key_head_size) for q in queries - keys - values})
+        roles.update({k: ("kv", split, spec.key_head_size) for k in keys - queries})
+        roles.update({v: ("kv", split, spec.value_head_size) for v in values - queries})
+        _shard_per_head_inputs(read, attrs, split.query_heads(rank))
+    for linear in linears:
+        _shard_linear(graph, linear, parts[linear], roles, attrs, tp_size=tp_size, rank=rank, group_name=group_name)
+    graph.lint()
+    return torch.fx.GraphModule(attrs, graph), shard_specs(specs, splits)
+
+
+def _attention_sites(graph: torch.fx.Graph) -> list[tuple[Node, Node]]:
+    """``(reshape_and_cache, paged_attention)`` per layer, in cache-input order."""
+    reads = {op_arguments(n)["key_cache"]: n for n in graph.nodes if n.target is _ops.paged_attention.default}
+    writes = {op_arguments(n)["key_cache"]: n for n in graph.nodes if n.target is _ops.reshape_and_cache.default}
+    caches = [n for n in graph.nodes if n.op == "placeholder" and n.target.startswith("key_cache_")]
+    if any(c not in reads or c not in writes for c in caches):
+        raise ValueError("tensor_parallel_size: expected one reshape_and_cache and one paged_attention per layer")
+    return [(writes[c], reads[c]) for c in caches]
+
+
+def _shard_per_head_inputs(read: Node, attrs: dict, heads: range) -> None:
+    for name in ("alibi_slopes", "sinks"):
+        arg = op_arguments(read).get(name)
+        if arg is None:
+            continue
+        if arg.op != "get_attr":
+            raise ValueError(f"tensor_parallel_size: {name} of {read.name} is computed in the graph, not a "
+                             f"stored tensor pagedpack can split by head")
+        attrs[arg.target] = attrs[arg.target][heads.start:heads.stop]
+
+
+def _rows(part: _Part, roles: dict, tp_size: int, rank: int) -> range:
+    """The output features of ``part`` rank ``rank`` computes (module docstring)."""
+    size = part.end - part.start
+    role = roles.get(part.node)
+    if role is not None:
+        kind, split, head_size = role
+        heads = split.query_heads(rank) if kind == "query" else split.kv_heads(rank)
+        return range(heads.start * head_size, heads.stop * head_size)
+    if size % tp_size:
+        raise ValueError(f"tensor_parallel_size: {part.name} has {size} output features, which do not split over "
+                         f"{tp_size} ranks")
+    chunk = size // tp_size
+    return range(rank * chunk, (rank + 1) * chunk)
+
+
+def _shard_linear(graph: torch.fx.Graph, linear: Node, parts: list[_Part], roles: dict, attrs: dict, *,
+                  tp_size: int, rank: int, group_name: str) -> None:
+    styles = {p.style for p in parts}
+    if styles <= {None} or styles <= set(_REPLICATED_STYLES) | {None}:
+        return
+    if len(styles) > 1 or not styles <= set(_SHARDED_STYLES):
+        shown = {p.name: p.style for p in parts}
+        raise ValueError(f"tensor_parallel_size: expected linears planned 'colwise' or 'rowwise' (one GEMM, one "
+                         f"style), got {shown}")
+    weight_node, bias_node = linear.args[1], (linear.args[2] if len(linear.args) > 2 else None)
+    weight = attrs[weight_node.target]
+    bias = attrs[bias_node.target] if bias_node is not None else None
+    if styles == {"colwise"}:
+        rows = [_rows(p, roles, tp_size, rank) for p in parts]
+        index = torch.tensor([p.start + r for p, rs in zip(parts, rows) for r in rs], dtype=torch.long)
+        attrs[weight_node.target] = weight.index_select(0, index)
+        if bias is not None:
+            attrs[bias_node.target] = bias.index_select(0, index)
+        start = 0
+        for part, rs in zip(parts, rows):
+            if part.node is not linear:
+                part.node.args = (linear, part.node.args[1], start, start + len(rs))
+            start += len(rs)
+        return
+    (part,) = parts
+    columns = weight.shape[1]
+    if columns % tp_size:
+        raise ValueError(f"tensor_parallel_size: {part.name} has {columns} input features, which do not split over "
+                         f"{tp_size} ranks")
+    chunk = columns // tp_size
+    attrs[weight_node.target] = weight[:, rank * chunk:(rank + 1) * chunk].clone()
+    if bias is not None and rank:
+        attrs[bias_node.target] = torch.zeros_like(bias)
+    with graph.inserting_after(linear):
+        reduced = graph.call_function(c10d.all_reduce.default, (linear, "sum", group_name))
+    with graph.inserting_after(reduced):
+        waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
+    linear.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
+    if "val" in linear.meta:
+        reduced.meta["val"] = waited.meta["val"] = linear.meta["val"]
+
+
+def count_all_reduces(gm: torch.fx.GraphModule) -> int:
+    return sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes)
+
+
+def run_in_lockstep(graphs: list[torch.fx.GraphModule], inputs: list[tuple]) -> list:
+    """Run the ranks' graphs (equal node lists, :func:`shard_step_graph` of one graph) side by
+    side in this process: each ``all_reduce`` gives every rank the sum of the ranks' values, as
+    the process group would. Returns each rank's outputs."""
+    interpreters = [torch.fx.Interpreter(gm) for gm in graphs]
+    for interpreter, args in zip(interpreters, inputs):
+        interpreter.env, interpreter.args_iter = {}, iter(args)
+    outputs = [None] * len(graphs)
+    for nodes in zip(*(gm.graph.nodes for gm in graphs)):
+        if nodes[0].target is c10d.all_reduce.default:
+            total = sum(i.env[n.args[0]] for i, n in zip(interpreters, nodes))
+            for i, n in zip(interpreters, nodes):
+                i.env[n] = total.clone()
+            continue
+        for r, (interpreter, node) in enumerate(zip(interpreters, nodes)):
+            value = interpreter.run_node(node)
+            if node.op == "output":
+                outputs[r] = value
+            else:
+                interpreter.env[node] = value
+    return outputs
+
+
+def check_shards(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: torch.nn.Module, *, tp_size: int,
+                 num_tokens: int = 7) -> None:
+    """Shard ``gm`` for every rank and run one prefill of ``num_tokens`` random tokens in lockstep
+    (:func:`run_in_lockstep`); ``ValueError`` naming ``tensor_parallel_size`` unless the logits are
+    the unsharded graph's within the passes' rule (against a float64 run of ``gm``)."""
+    ranks = [shard_step_graph(gm, specs, model, tp_size=tp_size, rank=r, group_name="check") for r in range(tp_size)]
+    device = next(iter(gm.parameters())).device
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size(gm), (num_tokens,), generator=g).to(device)
+    num_blocks = -(-num_tokens // _SAMPLE_BLOCK_SIZE)
+    batch = example_metadata([num_tokens], block_size=_SAMPLE_BLOCK_SIZE, num_blocks=num_blocks, device=device)
+    step = batch._replace(input_ids=tokens, logits_indices=torch.arange(num_tokens, device=device)).as_inputs()
+    meta = tuple(step[name] for name in METADATA_INPUTS)
+
+    def caches(layer_specs, dtype=None):
+        return tuple(torch.zeros(shape, dtype=dtype or spec.dtype, device=device) for spec in layer_specs
+                     for shape in spec.cache_shapes(num_blocks, _SAMPLE_BLOCK_SIZE))
+
+    failure = f"tensor_parallel_size: the model's plan does not fit its step graph split over {tp_size} ranks"
+    with torch.no_grad():
+        own = gm(*meta, *caches(specs))
+        try:
+            sharded = run_in_lockstep([g for g, _ in ranks], [meta + caches(s) for _, s in ranks])[0]
+        except Exception as err:  # e.g. a per-head norm weight the plan leaves whole
+            raise ValueError(f"{failure}: the shards do not run ({type(err).__name__}: {str(err)[:200]})") from err
+        if equal_to_floor(sharded, own):
+            return
+        exact = float64_copy(gm)(*float64_inputs(meta), *caches(specs, torch.float64))
+    excess = excess_error(sharded, own, exact)
+    if excess is not None:
+        raise ValueError(f"{failure}: the logits are {excess}")
