@@ -108,7 +108,8 @@ def _applies(args: EngineArgs) -> bool:
     return (os.environ.get(ENV, "1").lower() not in _OFF and not os.environ.get("PAGEDPACK_DUMP_GRAPHS")
             and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
             and args.lowering_target.serves_pt2 and is_cpu(args.device)
-            and not args.keep_source_model and args.memory_budget is None and not args.extra_passes)
+            and not args.keep_source_model and args.memory_budget is None and not args.extra_passes
+            and args.tensor_parallel_size == 1)
 
 
 def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:

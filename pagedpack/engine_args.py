@@ -84,6 +84,11 @@ class EngineArgs:
             ``reserved_cpus`` (:mod:`pagedpack.runtime.cpu_threads`).
         reserved_cpus: CPUs left to the rest of the process (a server's HTTP threads), as vLLM's
             ``VLLM_CPU_NUM_OF_RESERVED_CPU``; default 0.
+        tensor_parallel_size: ranks the model is split over (vLLM's ``tensor_parallel_size``): this
+            process and ``N - 1`` worker processes on ``torch.distributed`` (gloo, CPU), each holding
+            its shard of the weights and its KV heads (:mod:`pagedpack.runtime.tensor_parallel`); the
+            split follows the model's ``transformers`` tp plan and is checked on a sample
+            (:mod:`pagedpack.passes.tensor_parallel`). Default 1.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -111,6 +116,7 @@ class EngineArgs:
     extra_passes: tuple = ()
     num_threads: int | None = None
     reserved_cpus: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -119,7 +125,7 @@ class EngineArgs:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size is None:
             self.block_size = target.default_block_size
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             check_int(name, getattr(self, name))
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
@@ -146,6 +152,11 @@ class EngineArgs:
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
+        if self.tensor_parallel_size > 1 and (self.is_exported or target.name != DEFAULT_TARGET
+                                              or not is_cpu(self.device)):
+            got = "an exported file" if self.is_exported else f"target {target.name!r} on {self.device}"
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model on the "
+                             f"CPU with the {DEFAULT_TARGET} target (gloo), got {got}")
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
@@ -251,6 +262,9 @@ class EngineArgs:
         parser.add_argument("--reserved-cpus", type=int, default=0,
                             help="CPUs the step's threads leave to the rest of the process, e.g. 1 for a "
                                  "server's HTTP threads (as vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU)")
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="split the model over this many processes (torch.distributed, gloo), each "
+                                 "holding its shard of the weights and KV heads")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],

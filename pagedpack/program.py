@@ -40,8 +40,9 @@ class ProgramBuilder:
     cycle needs after: ``model`` and ``rewritten`` (loaded / captured again if let go),
     ``report``, :meth:`weight_bytes`, :meth:`activation_peak`, :meth:`source_graph`."""
 
-    def __init__(self, args: EngineArgs):
-        self.args, self.target = args, args.lowering_target.name
+    def __init__(self, args: EngineArgs, *, rank: int = 0):
+        self.args, self.target, self.rank = args, args.lowering_target.name, rank
+        self.workers = None  # rank 0 of a tensor-parallel LLM: the other ranks' processes
         self.exported = args.is_exported
         self.report = None
         self._model, self._rewritten, self._peak, self._stamp, self._weight_bytes = None, None, None, None, {}
@@ -106,6 +107,8 @@ class ProgramBuilder:
         args, target = self.args, self.args.lowering_target
         module, description, rewritten = self.capture()
         rewritten.raise_if_refused()
+        if args.tensor_parallel_size > 1:
+            rewritten = self._shard(module, rewritten)
         bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
         target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
         if args.memory_budget is not None:  # before lowering, which may change the graph in place
@@ -121,6 +124,23 @@ class ProgramBuilder:
         if not (args.keep_source_model or not program.standalone):
             self._let_source_go(program)
         return program
+
+    def _shard(self, module: torch.nn.Module, rewritten):
+        """This rank's shard of ``rewritten`` (:mod:`pagedpack.passes.tensor_parallel`). Rank 0 checks
+        the split on a sample first, then starts the other ranks (:mod:`pagedpack.runtime.tensor_parallel`)."""
+        from pagedpack.passes.pipeline import RewrittenModel
+        from pagedpack.passes.tensor_parallel import check_shards, count_all_reduces, shard_step_graph
+        from pagedpack.runtime.tensor_parallel import TensorParallelWorkers, group_name
+
+        tp_size = self.args.tensor_parallel_size
+        if self.rank == 0:
+            check_shards(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size)
+            self.workers = TensorParallelWorkers(self.args)
+        gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size,
+                                     rank=self.rank, group_name=group_name())
+        rewritten.report.notes.append(f"tensor_parallel: rank {self.rank} of {tp_size}, {specs[0].num_kv_heads} KV "
+                                      f"heads per layer, {count_all_reduces(gm)} all-reduces per step")
+        return RewrittenModel(gm, rewritten.report, specs)
 
     def _from_compile_cache(self) -> StepProgram | None:
         """The program of the compile-cache entry of ``args``, with its report and weight counts as

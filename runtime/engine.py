@@ -107,12 +107,12 @@ class LLMEngine:
     @classmethod
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
-              max_model_len: int, cpu_threads: CpuThreads | None = None) -> "LLMEngine":
+              max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
-        and, on the CPU, that thread policy."""
+        and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any."""
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
-                             cpu_threads=cpu_threads)
+                             cpu_threads=cpu_threads, workers=workers)
         kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)

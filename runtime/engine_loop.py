@@ -16,7 +16,8 @@ its own (measured, 2 cores). A server (``pagedpack serve``) has its main thread,
 model, drive for good (:meth:`EngineLoop.serve_forever`) while the HTTP front runs in another.
 
 A step that raises fails every live request: each sink gets the exception instead of a delta,
-their blocks are freed, and stepping goes on with the requests added later.
+their blocks are freed, and stepping goes on with the requests added later, unless the step
+raised :class:`EngineDeadError` (a tensor-parallel rank is gone): then no request runs again.
 """
 from __future__ import annotations
 
@@ -194,6 +195,9 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 -- the step's own error goes to every caller it stopped
+                if isinstance(err, EngineDeadError):
+                    with self._lock:
+                        self.error = err
                 self._fail_all(err)
                 return True
             for out in outputs:

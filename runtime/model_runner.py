@@ -36,8 +36,8 @@ class ModelRunner:
     """
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None):
-        self.program, self.cpu_threads = program, cpu_threads
+                 device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None, workers=None):
+        self.program, self.cpu_threads, self.workers = program, cpu_threads, workers
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.kv_caches: list[torch.Tensor] = []
         allocated = num_blocks + getattr(program, "padding_blocks", 0)
@@ -51,10 +51,17 @@ class ModelRunner:
         """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
         sequence, its last token, then any prompt rows)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
+        if self.workers is not None:
+            self.workers.step(batch)
         if self.cpu_threads is not None:
             self.cpu_threads.apply()
         with checked_step():
-            out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+            try:
+                out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+            except RuntimeError as err:  # an all-reduce of a tensor-parallel step: say which rank failed
+                if self.workers is None:
+                    raise
+                raise self.workers.failure(err) from err
         if self.program.functional:
             out, *self.kv_caches = out
         if batch.num_tokens >= TRIM_AFTER_TOKENS and is_cpu(self.device):
@@ -66,6 +73,8 @@ class ModelRunner:
         """Make every page of the caches resident now (a server claims its whole pool at start, as
         vLLM's up-front allocation does: a pool the machine cannot hold fails here, not under load,
         and the RSS no longer grows as blocks are first written)."""
+        if self.workers is not None:
+            self.workers.commit_kv_memory()
         for cache in self.kv_caches:
             cache.zero_()
 
@@ -73,6 +82,8 @@ class ModelRunner:
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy KV block ``src`` into block ``dst`` in every cache, for each ``(src, dst)``
         (copy-on-write of a shared block, as vLLM's ``copy_blocks``)."""
+        if self.workers is not None:
+            self.workers.copy_blocks(blocks_to_copy)
         src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*blocks_to_copy))
         for cache in self.kv_caches:
             cache[dst] = cache[src]

@@ -1,24 +1,22 @@
 """The tensor-parallel pass (``passes/tensor_parallel.py``): each rank's shard of the step graph.
 
 In this process the ranks' graphs run in lockstep (the all-reduce sums their values) against the
-unsharded step graph and a float64 run of it; ``test_ranks_on_gloo`` runs them in real
-``torch.distributed`` processes.
+unsharded step graph and a float64 run of it; ``LLM(..., tensor_parallel_size=2)`` runs them in
+real ``torch.distributed`` processes (gloo) against one rank's tokens.
 """
-import json
-import os
-import socket
+import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedpack import LLM
-from pagedpack.contract import METADATA_INPUTS, bytes_per_token
-from pagedpack.metadata import example_metadata
+from pagedpack import LLM, SamplingParams
+from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.tensor_parallel import HeadSplit, check_shards, count_all_reduces, shard_step_graph
+from pagedpack.runtime.engine_loop import EngineDeadError
 
+from conftest import random_prompts
 from test_families import SERVED, family_model
 
 
@@ -88,54 +86,56 @@ def test_models_the_plan_cannot_split_are_refused_by_name(family, message):
         check_shards(step.graph_module, step.kv_cache_specs, llm.model, tp_size=2)
 
 
-# ---------------------------------------------------------------- real processes
+# ---------------------------------------------------------------- LLM(..., tensor_parallel_size=2)
+
+SERVING = dict(block_size=16, num_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)  # chunked, preempting
+SHARED = [7] * 40  # a prefix some prompts share: prefix-cache hits
 
 
-def _steps(vocab: int) -> list:
-    """A prefill of three sequences (5, 9, 1 tokens), then a step decoding them beside a new one."""
-    g = torch.Generator().manual_seed(1)
-    steps = [example_metadata([5, 9, 1], block_size=4, num_blocks=16),
-             example_metadata([1, 1, 1, 3], [5, 9, 1, 0], block_size=4, num_blocks=16)]
-    return [s._replace(input_ids=torch.randint(0, vocab, (s.num_tokens,), generator=g)) for s in steps]
+def _requests():
+    prompts = [SHARED + p for p in random_prompts((1, 9, 30), seed=2)] + random_prompts((5, 17, 100), seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    return prompts, [greedy] * 5 + [SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=16)]
 
 
-def _rank(rank: int, tp_size: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=tp_size)
-    try:
-        llm = LLM(tiny_model("qwen2"), keep_source_model=True)
-        step = llm.rewritten
-        gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, llm.model, tp_size=tp_size, rank=rank,
-                                     group_name=dist.group.WORLD.group_name)
-        full, local = ([torch.zeros(shape, dtype=s.dtype) for s in layer_specs for shape in s.cache_shapes(16, 4)]
-                       for layer_specs in (step.kv_cache_specs, specs))
-        result = []
-        with torch.no_grad():
-            for batch in _steps(llm.vocab_size):
-                inputs = [batch.as_inputs()[name] for name in METADATA_INPUTS]
-                want, got = step.graph_module(*inputs, *full), gm(*inputs, *local)
-                result.append({"max_diff": (got - want).abs().max().item(), "scale": want.abs().max().item(),
-                               "argmax_equal": torch.equal(got.argmax(-1), want.argmax(-1))})
-        with open(f"{out}.{rank}", "w") as file:
-            json.dump(result, file)
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def tp2():
+    llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, **SERVING)
+    yield llm
+    llm._builder.workers.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_two_ranks_generate_the_tokens_of_one(tp2):
+    """Prefix caching, chunked prefill, preemption and a parallel-sampling fork (copy-on-write) on."""
+    prompts, params = _requests()
+    want = [[c.token_ids for c in o.outputs] for o in LLM(tiny_model("qwen2"), **SERVING).generate(
+        prompts, params, use_tqdm=False)]
+    got = [[c.token_ids for c in o.outputs] for o in tp2.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    stats = tp2.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert tp2.program.kv_cache_specs[0].num_kv_heads == 1  # of 2: this rank's half
+    assert any("tensor_parallel: rank 0 of 2" in note for note in tp2.report.notes)
 
 
-def test_ranks_on_gloo(tmp_path):
-    """Two processes, gloo, the all-reduce in the graph: each step's logits are the unsharded graph's."""
-    out = str(tmp_path / "result")
-    mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
-    for rank in range(2):
-        with open(f"{out}.{rank}") as file:
-            steps = json.load(file)
-        assert len(steps) == 2
-        for step in steps:
-            assert step["argmax_equal"] and step["max_diff"] <= 1e-5 * (1 + step["scale"]), step
+def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
+    """Runs last in this module: it ends ``tp2``'s engine."""
+    tp2._builder.workers._procs[0].kill()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size: a worker rank stopped answering "
+                                           r"\(pagedpack-tp-rank1 exited with code -9\)"):
+        tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    with pytest.raises(EngineDeadError):
+        tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def test_what_tensor_parallel_cannot_serve_is_refused_before_starting_processes(tmp_path):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks run a captured model on the CPU with the "
+                                         r"reference target \(gloo\), got target 'onnx'"):
+        LLM(tiny_model("llama"), target="onnx", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: expected an int >= 1, got 0"):
+        LLM(tiny_model("llama"), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: .*4 KV heads neither split over 3 ranks"):
+        LLM(tiny_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4), tensor_parallel_size=3)
+    assert not mp.active_children()
