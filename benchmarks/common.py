@@ -1,7 +1,11 @@
 """What the benchmark scripts share: prompt text and load readings."""
 from __future__ import annotations
 
+import importlib.util
 import pydoc
+from pathlib import Path
+
+PROMPT_LENS = (32, 50, 128, 256, 512, 64, 16, 256)  # W1's (../shared/bench/workload.py)
 
 
 def english_text() -> str:
@@ -23,3 +27,56 @@ def load_1min() -> float:
     """The 1-minute load average (start a measurement only below 0.8)."""
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def w1_workload(args) -> tuple[str, list[list[int]]]:
+    """The model (alias or directory) and the prompts' token ids of ``args.workload`` (``w1``: W1's
+    model, written to ``args.w1_dir`` on first use, and prompts; with ``args.model``, W1's lengths cut
+    from :func:`english_text`; ``random``: ``args.model`` on random ids, ``args.repeat`` times W1's lengths)."""
+    import torch
+
+    from pagedpack import LLM
+
+    if args.workload == "random":
+        model = args.model or "tiny"
+        vocab = LLM(model).model.config.vocab_size if model != "tiny" else 256
+        g = torch.Generator().manual_seed(0)
+        return model, [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist()
+                       for n in list(PROMPT_LENS) * args.repeat]
+    source = args.bench_dir / "workload.py"
+    if not source.is_file():  # ../shared/bench lives beside the repository, not in it
+        raise SystemExit(f"--bench-dir: expected a folder holding workload.py (the shared benchmark folder), "
+                         f"got {str(args.bench_dir)!r}; give --bench-dir, or use --workload random")
+    spec = importlib.util.spec_from_file_location("workload", source)
+    workload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    if args.model is None:
+        from pagedpack.models.aliases import cache_dir
+
+        folder = Path(args.w1_dir or cache_dir() / "w1")
+        # save_model imports transformers' Llama even when the folder exists: not in this process then
+        return str(folder) if (folder / "config.json").is_file() else workload.save_model(str(folder)), \
+            workload.prompts_w1()
+    from pagedpack.models.aliases import resolve
+    from pagedpack.models.loading import load_tokenizer
+
+    model_dir = resolve(args.model)
+    ids = load_tokenizer(model_dir)(english_text())["input_ids"]
+    prompts, start = [], 0
+    for n in workload.LENGTHS_W1:  # consecutive windows of the text, W1's lengths
+        prompts.append(ids[start:start + n])
+        start = (start + n) % (len(ids) - 512)
+    return model_dir, prompts
+
+
+def reset_peak_rss(pid: int | str = "self") -> None:
+    """Restart process ``pid``'s peak-RSS count (Linux: ``5`` to ``/proc/<pid>/clear_refs``), so that
+    :func:`peak_rss_mb` measures what runs after, as vllm_cpu.py samples its RSS during its runs."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mb(pid: int | str = "self") -> int:
+    """Process ``pid``'s peak RSS since :func:`reset_peak_rss` (``VmHWM``), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024)

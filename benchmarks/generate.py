@@ -32,7 +32,6 @@ below 0.8 (reported as ``load_1min``). Prints one JSON object. Run:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -48,9 +47,8 @@ import torch
 from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import status as kernel_status
 
-from common import english_text, load_1min
+from common import load_1min, peak_rss_mb, reset_peak_rss, w1_workload
 
-PROMPT_LENS = (32, 50, 128, 256, 512, 64, 16, 256)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -82,16 +80,16 @@ def main() -> None:
         return print(json.dumps(_serve_file(args, *args.serve_file)))
     load = load_1min()
 
-    model_dir, prompts = _workload(args)
+    model_dir, prompts = w1_workload(args)
     # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
     llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False, dtype=args.dtype)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     child_peak_mb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) or None
-    load_peak_mb = _peak_rss_mb()  # before the reset, which also resets getrusage's ru_maxrss
-    _reset_peak_rss()
+    load_peak_mb = peak_rss_mb()  # before the reset, which also resets getrusage's ru_maxrss
+    reset_peak_rss()
     paged_s, paged_outputs = _timed(lambda: _generate(llm, prompts, params), args.runs)
-    peak_mb = _peak_rss_mb()
+    peak_mb = peak_rss_mb()
     # the unmodified model only now (LLM let it go after lowering): its weights are not in the peak
     reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
     eos = llm.description.eos_token_ids
@@ -120,53 +118,6 @@ def main() -> None:
         "threads": torch.get_num_threads(), "machine": platform.machine(),
     }
     print(json.dumps(result, indent=2))
-
-
-def _workload(args) -> tuple[str, list[list[int]]]:
-    """The model (alias or directory) and the prompts' token ids."""
-    if args.workload == "random":
-        model = args.model or "tiny"
-        vocab = LLM(model).model.config.vocab_size if model != "tiny" else 256
-        g = torch.Generator().manual_seed(0)
-        return model, [torch.randint(0, min(vocab, 256), (n,), generator=g).tolist()
-                       for n in list(PROMPT_LENS) * args.repeat]
-    source = args.bench_dir / "workload.py"
-    if not source.is_file():  # ../shared/bench lives beside the repository, not in it
-        raise SystemExit(f"--bench-dir: expected a folder holding workload.py (the shared benchmark folder), "
-                         f"got {str(args.bench_dir)!r}; give --bench-dir, or use --workload random")
-    spec = importlib.util.spec_from_file_location("workload", source)
-    workload = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(workload)
-    if args.model is None:
-        from pagedpack.models.aliases import cache_dir
-
-        folder = Path(args.w1_dir or cache_dir() / "w1")
-        # save_model imports transformers' Llama even when the folder exists: not in this process then
-        return str(folder) if (folder / "config.json").is_file() else workload.save_model(str(folder)), \
-            workload.prompts_w1()
-    from pagedpack.models.aliases import resolve
-    from pagedpack.models.loading import load_tokenizer
-
-    model_dir = resolve(args.model)
-    ids = load_tokenizer(model_dir)(english_text())["input_ids"]
-    prompts, start = [], 0
-    for n in workload.LENGTHS_W1:  # consecutive windows of the text, W1's lengths
-        prompts.append(ids[start:start + n])
-        start = (start + n) % (len(ids) - 512)
-    return model_dir, prompts
-
-
-def _reset_peak_rss() -> None:
-    """Restart this process's peak-RSS count (Linux: ``5`` to ``/proc/self/clear_refs``), so that
-    :func:`_peak_rss_mb` measures the runs, as vllm_cpu.py samples its RSS during its runs."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_rss_mb() -> int:
-    """This process's peak RSS since :func:`_reset_peak_rss` (``VmHWM``), in MiB."""
-    with open("/proc/self/status") as f:
-        return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024)
 
 
 def _generate(llm, prompts, params) -> list[list[int]]:
@@ -276,10 +227,10 @@ def _serve_file(args, path: str, prompts_json: str, num_blocks: str) -> dict:
                                enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = json.loads(Path(prompts_json).read_text())
-    load_peak_mb = _peak_rss_mb()
-    _reset_peak_rss()
+    load_peak_mb = peak_rss_mb()
+    reset_peak_rss()
     seconds, outputs = _timed(lambda: _generate(served, prompts, params), args.runs)
-    return {"seconds": seconds, "outputs": outputs, "peak_rss_mb": _peak_rss_mb(),
+    return {"seconds": seconds, "outputs": outputs, "peak_rss_mb": peak_rss_mb(),
             "peak_rss_mb_of_load": load_peak_mb, "note": served.program.note,
             "imports_transformers_modeling": "transformers.modeling_utils" in sys.modules}
 

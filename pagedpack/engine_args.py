@@ -88,7 +88,8 @@ class EngineArgs:
             process and ``N - 1`` worker processes on ``torch.distributed`` (gloo, CPU), each holding
             its shard of the weights and its KV heads (:mod:`pagedpack.runtime.tensor_parallel`); the
             split follows the model's ``transformers`` tp plan and is checked on a sample
-            (:mod:`pagedpack.passes.tensor_parallel`). Default 1.
+            (:mod:`pagedpack.passes.tensor_parallel`). Default 1. ``num_threads`` defaults to the
+            CPUs divided by it.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -152,14 +153,23 @@ class EngineArgs:
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
-        if self.tensor_parallel_size > 1 and (self.is_exported or target.name != DEFAULT_TARGET
-                                              or not is_cpu(self.device)):
-            got = "an exported file" if self.is_exported else f"target {target.name!r} on {self.device}"
-            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model on the "
-                             f"CPU with the {DEFAULT_TARGET} target (gloo), got {got}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(target)
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
+
+    def _check_tensor_parallel(self, target: Target) -> None:
+        """Tensor parallelism runs a captured model on the CPU (gloo); each rank's step gets an equal
+        share of this process's CPUs unless ``num_threads`` says otherwise."""
+        if self.is_exported or target.name != DEFAULT_TARGET or not is_cpu(self.device):
+            got = "an exported file" if self.is_exported else f"target {target.name!r} on {self.device}"
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model on the "
+                             f"CPU with the {DEFAULT_TARGET} target (gloo), got {got}")
+        if self.num_threads is None:
+            from pagedpack.runtime.cpu_threads import allowed_cpus
+
+            self.num_threads = max(1, len(allowed_cpus()) // self.tensor_parallel_size)
 
     def _check_extra_passes(self) -> None:
         if not isinstance(self.extra_passes, (list, tuple)):

@@ -13,7 +13,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import normalize_prompts, parse_bytes
 from pagedpack.planner import MemoryPlan, plan_memory, pool_num_blocks
 from pagedpack.program import ProgramBuilder, max_model_len
-from pagedpack.runtime.cpu_threads import CpuThreads, allowed_cpus
+from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
 from pagedpack.runtime.memory import release_memory
@@ -57,16 +57,12 @@ class LLM:
         self.block_size = args.block_size
         self.num_blocks = pool_num_blocks(args, bytes_per_token=self.bytes_per_token,
                                           max_model_len=self.max_model_len, plan=self.plan_memory)
-        workers = self._builder.workers  # the other tensor-parallel ranks, if any
-        if workers is not None:
-            workers.start(self.num_blocks)
-        threads = args.num_threads or (max(1, len(allowed_cpus()) // args.tensor_parallel_size)
-                                       if args.tensor_parallel_size > 1 else None)
         self.llm_engine = LLMEngine.build(
             self.program, description, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device,
             enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-            cpu_threads=CpuThreads(threads, args.reserved_cpus) if is_cpu(args.device) else None, workers=workers)
+            cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
+            workers=self._builder.workers)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

@@ -135,7 +135,7 @@ class ProgramBuilder:
         tp_size = self.args.tensor_parallel_size
         if self.rank == 0:
             check_shards(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size)
-            self.workers = TensorParallelWorkers(self.args)
+            self.workers = TensorParallelWorkers(self.args, build_rank_program)
         gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size,
                                      rank=self.rank, group_name=group_name())
         rewritten.report.notes.append(f"tensor_parallel: rank {self.rank} of {tp_size}, {specs[0].num_kv_heads} KV "
@@ -255,6 +255,11 @@ class ProgramBuilder:
 
             self._peak = activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
         return self._peak
+
+
+def build_rank_program(args: EngineArgs, rank: int) -> StepProgram:
+    """Rank ``rank``'s program of a tensor-parallel ``args`` (what a worker process runs)."""
+    return ProgramBuilder(args, rank=rank).build()[0]
 
 
 def max_model_len(args: EngineArgs, description: ModelDescription) -> int:

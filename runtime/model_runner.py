@@ -45,6 +45,8 @@ class ModelRunner:
             for shape in spec.cache_shapes(allocated, block_size):
                 self.kv_caches.append(_zeros(shape, spec.dtype, self.device))
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        if workers is not None:
+            workers.start(num_blocks)
 
     @torch.inference_mode()
     def execute(self, batch: StepMetadata) -> torch.Tensor:

@@ -44,12 +44,13 @@ def group_name() -> str:
 
 
 class TensorParallelWorkers:
-    """Rank 0's end of the worker processes. Spawns ranks 1 .. ``tp_size - 1`` for ``args`` and joins
+    """Rank 0's end of the worker processes. Spawns ranks 1 .. ``tp_size - 1``, each building its
+    program with ``build(args, rank)`` (a module-level function: it travels by name), and joins
     them in the default process group (``gloo``; ``MASTER_PORT`` a free local port) before the caller
     builds rank 0's own shard; :meth:`start` then gives them the pool size. ``EngineDeadError`` (a
     ``RuntimeError``) if a worker fails or does not join within ``timeout_s``."""
 
-    def __init__(self, args, *, timeout_s: float = TIMEOUT_S):
+    def __init__(self, args, build, *, timeout_s: float = TIMEOUT_S):
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size: this process already has a torch.distributed process group; "
                                "an LLM with tensor_parallel_size > 1 starts and owns its own")
@@ -60,7 +61,7 @@ class TensorParallelWorkers:
         for rank in range(1, self.tp_size):
             receive, send = context.Pipe(duplex=False)  # a worker's error text, as bytes (nothing unpickled)
             self._procs.append(context.Process(target=_worker_main, name=f"pagedpack-tp-rank{rank}", daemon=True,
-                                               args=(rank, args, port, timeout_s, send)))
+                                               args=(rank, args, build, port, timeout_s, send)))
             self._procs[-1].start()
             send.close()
             self._errors.append(receive)
@@ -150,16 +151,16 @@ def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker_main(rank: int, args, port: int, timeout_s: float, errors) -> None:
-    """A worker rank: join the group, build this rank's program, then run what rank 0 sends."""
-    from pagedpack.program import ProgramBuilder
-    from pagedpack.runtime.cpu_threads import allowed_cpus
+def _worker_main(rank: int, args, build, port: int, timeout_s: float, errors) -> None:
+    """A worker rank: join the group, ``build(args, rank)`` its program, then run what rank 0 sends."""
+    from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 
     try:
-        torch.set_num_threads(args.num_threads or max(1, len(allowed_cpus()) // args.tensor_parallel_size))
+        torch.set_num_threads(args.num_threads)
         _init_group(rank, args.tensor_parallel_size, port, timeout_s)
-        program, _ = ProgramBuilder(args, rank=rank).build()
+        program = build(args, rank)
+        release_memory()  # what the capture and the source model held, as LLM does after its build
         runner = None
         while True:
             header = torch.empty(_HEADER, dtype=torch.int64)
