@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--attention", default="pagedpack", choices=ATTENTIONS,
                      help="onnx only: the pagedpack domain's functions (any onnxruntime provider) or "
                           "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
+    exp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="write one .pt2 per rank of this many and a manifest naming them (--out NAME.json), "
+                          "served with LLM('NAME.json') / pagedpack serve NAME.json")
     exp.add_argument("--out", required=True, help="file to write, e.g. model.pt2 or model.onnx")
 
     plan = sub.add_parser("plan", help="plan memory: KV bytes per token, the symbolic activation peak, the blocks "
@@ -144,6 +147,8 @@ def _generate(args) -> int:
         llm.llm_engine.step_observers.append(timeline)
     prompts = args.prompt or DEFAULT_PROMPTS
     where = f", emulated on {args.device}" if get_target(llm.target).emulated(args.device) else ""
+    tp_size = llm.engine_args.tensor_parallel_size
+    where += f", {tp_size} tensor-parallel ranks (gloo)" if tp_size > 1 else ""
     builtin = args.model in (DEFAULT_MODEL, TINY_ALIAS)
     console.print(f"[bold]model:[/bold] {args.model}"
                   + (" (built-in, random weights: the text is noise by design)" if builtin else "")
@@ -344,14 +349,19 @@ def _export(args) -> int:
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
     check_output_path(args.out)  # before the model is loaded
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True))
-    path = llm.export(args.out, format=args.format, attention=args.attention)
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True,
+                                                        tensor_parallel_size=1))
+    path = llm.export(args.out, format=args.format, attention=args.attention,
+                      tensor_parallel_size=args.tensor_parallel_size)
     if args.attention == "com.microsoft":
         runs = "onnxruntime's CUDA provider"
     elif args.format == "onnx":  # each step copies the whole pool: size it for the batch
         runs = f"LLM.from_exported({path!r}, num_blocks=...)"
     else:
         runs = f"LLM.from_exported({path!r})"
+    if args.tensor_parallel_size > 1:
+        print(f"wrote {path} (a manifest of {args.tensor_parallel_size} .pt2 files beside it); run it with {runs}")
+        return 0
     print(f"wrote {path} ({args.format}); run it with {runs}")
     return 0
 

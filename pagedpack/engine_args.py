@@ -153,19 +153,33 @@ class EngineArgs:
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
-        if self.tensor_parallel_size > 1:
+        if self.is_exported or self.tensor_parallel_size > 1:
             self._check_tensor_parallel(target)
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
 
     def _check_tensor_parallel(self, target: Target) -> None:
-        """Tensor parallelism runs a captured model on the CPU (gloo); each rank's step gets an equal
-        share of this process's CPUs unless ``num_threads`` says otherwise."""
-        if self.is_exported or target.name != DEFAULT_TARGET or not is_cpu(self.device):
-            got = "an exported file" if self.is_exported else f"target {target.name!r} on {self.device}"
-            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model on the "
-                             f"CPU with the {DEFAULT_TARGET} target (gloo), got {got}")
+        """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size
+        it takes) on the CPU (gloo); each rank's step gets an equal share of this process's CPUs
+        unless ``num_threads`` says otherwise."""
+        from pagedpack.export import file_format
+        from pagedpack.tp_export import manifest_size
+
+        manifest = self.is_exported and file_format(self.model) == "tp"
+        if manifest:
+            size = manifest_size(self.model)
+            if self.tensor_parallel_size not in (1, size):
+                raise ValueError(f"tensor_parallel_size: {self.model!r} is an export for {size} ranks, "
+                                 f"got {self.tensor_parallel_size}")
+            self.tensor_parallel_size = size
+        if self.tensor_parallel_size == 1:
+            return
+        if (self.is_exported and not manifest) or target.name != DEFAULT_TARGET or not is_cpu(self.device):
+            got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "
+                             f"tensor-parallel export's manifest on the CPU with the {DEFAULT_TARGET} target (gloo), "
+                             f"got {got}")
         if self.num_threads is None:
             from pagedpack.runtime.cpu_threads import allowed_cpus
 

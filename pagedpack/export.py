@@ -49,7 +49,7 @@ from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
 
 FORMATS = ("pt2", "onnx")
 # the target that serves each format (Target.load_exported): a .pt2 archive is a zip file, ONNX anything else
-FILE_TARGETS = {"pt2": "reference", "onnx": "onnx"}
+FILE_TARGETS = {"pt2": "reference", "onnx": "onnx", "tp": "reference"}  # tp: a manifest (pagedpack.tp_export)
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
 
@@ -181,12 +181,15 @@ def check_export_file(path) -> str:
 
 
 def file_format(path) -> str:
-    """The export format of the file at ``path`` (one of :data:`FORMATS`), whatever its name: a
-    ``.pt2`` archive is a zip file, an ONNX model anything else; ``ValueError`` for no file or an empty one."""
+    """The export format of the file at ``path`` (a key of :data:`FILE_TARGETS`), whatever its name:
+    a ``.pt2`` archive is a zip file, a tensor-parallel manifest a JSON object, an ONNX model anything
+    else; ``ValueError`` for no file or an empty one."""
+    from pagedpack.tp_export import is_manifest
+
     path = check_export_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
-    return "pt2" if zipfile.is_zipfile(path) else "onnx"
+    return "pt2" if zipfile.is_zipfile(path) else "tp" if is_manifest(path) else "onnx"
 
 
 # Ops a captured model may call that a library registers on import, by the prefix of their name in

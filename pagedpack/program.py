@@ -84,13 +84,29 @@ class ProgramBuilder:
     def _load_file(self, path: str, *, trust_file: bool = False) -> StepProgram:
         """The program of a file ``pagedpack export`` wrote (a compile-cache entry is never trusted as code)."""
         from pagedpack.export import FILE_TARGETS, file_format
+        from pagedpack.passes.tensor_parallel import count_all_reduces, set_group_name
 
-        name = FILE_TARGETS[file_format(path)]
+        fmt = file_format(path)
+        name = FILE_TARGETS[fmt]
         if self.args.target is not None and self.args.target != name:
             raise ValueError(f"target: {path!r} is run by the {name!r} target, got {self.args.target!r}")
         self.target = name
-        return load_exported(path, trust_file=trust_file, device=self.args.device,
-                             max_model_len=self.args.max_model_len)
+        if fmt == "tp":  # a tensor-parallel export: this rank's file, its all-reduces on this group
+            from pagedpack.runtime.tensor_parallel import TensorParallelWorkers, group_name
+            from pagedpack.tp_export import read_manifest
+
+            file = read_manifest(path)[self.rank]
+            if self.rank == 0:
+                self.workers = TensorParallelWorkers(self.args, build_rank_program)
+            program = load_exported(file, trust_file=trust_file, device=self.args.device,
+                                    max_model_len=self.args.max_model_len)
+            set_group_name(program.run, group_name())
+            return program
+        program = load_exported(path, trust_file=trust_file, device=self.args.device,
+                                max_model_len=self.args.max_model_len)
+        if isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run):
+            raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
+        return program
 
     def capture(self) -> tuple[torch.nn.Module, ModelDescription, object]:
         """``(module, description, rewritten)``: the source loaded, captured and rewritten, not lowered
@@ -223,11 +239,22 @@ class ProgramBuilder:
                              "again; export the original model")
         return self._rewritten if self._rewritten is not None else self._capture_again()
 
-    def export(self, path, description: ModelDescription, *, format: str = "pt2", attention: str = "pagedpack") -> str:
-        """Write the rewritten step program with ``description`` to ``path`` as ``format`` (``LLM.export``)."""
+    def export(self, path, description: ModelDescription, *, format: str = "pt2", attention: str = "pagedpack",
+               tensor_parallel_size: int | None = None) -> str:
+        """Write the rewritten step program with ``description`` to ``path`` as ``format`` (``LLM.export``);
+        split over ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and one ``.pt2``
+        per rank (:mod:`pagedpack.tp_export`)."""
         from pagedpack.export import check_format, export_pt2
 
         check_format(format)
+        tp_size = self.args.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
+        if tp_size != 1:
+            from pagedpack.tp_export import export_tensor_parallel
+
+            if format != "pt2":
+                raise ValueError(f"tensor_parallel_size: a tensor-parallel export is written as .pt2 files, "
+                                 f"got format {format!r}")
+            return export_tensor_parallel(self.source_graph(), self.model, path, description, tp_size=tp_size)
         if format == "onnx":
             from pagedpack.lowering.onnx.export import export_onnx
 

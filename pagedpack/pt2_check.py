@@ -39,6 +39,8 @@ import zipfile
 
 _NAMESPACES = ("aten", "pagedpack", "transformers")
 _DENIED_OPS = ("torch.ops.aten.from_file",)
+# a tensor-parallel rank's all-reduces (pagedpack.tp_export): out-of-place collectives on a named group
+_COLLECTIVES = ("torch.ops._c10d_functional.all_reduce.default", "torch.ops._c10d_functional.wait_tensor.default")
 _OPERATORS = frozenset("getitem add sub mul truediv floordiv mod neg pos pow abs eq ne lt le gt ge and_ or_ xor "
                        "not_ invert lshift rshift matmul".split())
 _SYMPY_NAMES = frozenset(
@@ -168,7 +170,8 @@ def _check_target(target: str, refuse) -> None:
            and ".".join(parts[:4]) not in _DENIED_OPS)
           or (len(parts) == 2 and parts[0] == "_operator" and parts[1] in _OPERATORS)
           or (len(parts) == 2 and parts[0] == "math" and parts[1].isidentifier() and not parts[1].startswith("_"))
-          or (len(parts) == 2 and parts[0] == "torch" and parts[1].startswith(("sym_", "_sym_"))))
+          or (len(parts) == 2 and parts[0] == "torch" and parts[1].startswith(("sym_", "_sym_")))
+          or target in _COLLECTIVES)
     if not ok:
         raise refuse(f"a graph node calling {target!r:.120} (not an operator of {list(_NAMESPACES)})")
 

@@ -279,6 +279,16 @@ def count_all_reduces(gm: torch.fx.GraphModule) -> int:
     return sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes)
 
 
+def set_group_name(gm: torch.fx.GraphModule, group_name: str) -> int:
+    """Point ``gm``'s all-reduces at the process group ``group_name`` (a loaded rank program names
+    the group it was exported with); returns how many, ``gm`` recompiled."""
+    reduces = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
+    for node in reduces:
+        node.args = (node.args[0], node.args[1], group_name)
+    gm.recompile()
+    return len(reduces)
+
+
 def run_in_lockstep(graphs: list[torch.fx.GraphModule], inputs: list[tuple]) -> list:
     """Run the ranks' graphs (equal node lists, :func:`shard_step_graph` of one graph) side by
     side in this process: each ``all_reduce`` gives every rank the sum of the ranks' values, as

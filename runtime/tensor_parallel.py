@@ -69,9 +69,7 @@ class TensorParallelWorkers:
         try:
             _init_group(0, self.tp_size, port, timeout_s)
         except Exception as err:
-            failure = self.failure(err)
-            self.close()
-            raise failure from err
+            raise self.failure(err) from err
 
     def start(self, num_blocks: int) -> None:
         """Have every worker allocate its KV caches for ``num_blocks`` blocks and wait for steps."""
@@ -113,6 +111,7 @@ class TensorParallelWorkers:
             proc.join(timeout=0.5)  # a killed worker's exit code, once the OS has it
         exited = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if p.exitcode is not None]
         why = "; ".join(exited + reported) or f"{type(err).__name__}: {str(err)[:300]}"
+        self.close()  # the ranks cannot step together again: stop the rest, leave the group
         return EngineDeadError(f"tensor_parallel_size: a worker rank stopped answering ({why})")
 
 

@@ -4,6 +4,9 @@ In this process the ranks' graphs run in lockstep (the all-reduce sums their val
 unsharded step graph and a float64 run of it; ``LLM(..., tensor_parallel_size=2)`` runs them in
 real ``torch.distributed`` processes (gloo) against one rank's tokens.
 """
+import json
+import os
+import shutil
 import time
 
 import pytest
@@ -128,14 +131,72 @@ def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
     assert time.monotonic() - start < 30
     with pytest.raises(EngineDeadError):
         tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not mp.active_children()  # the other workers stopped, the group left: another LLM may start one
 
 
 def test_what_tensor_parallel_cannot_serve_is_refused_before_starting_processes(tmp_path):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks run a captured model on the CPU with the "
-                                         r"reference target \(gloo\), got target 'onnx'"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 ranks run a captured model or a tensor-parallel "
+                                         r"export's manifest on the CPU with the reference target \(gloo\), got "
+                                         r"target 'onnx'"):
         LLM(tiny_model("llama"), target="onnx", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"tensor_parallel_size: expected an int >= 1, got 0"):
         LLM(tiny_model("llama"), tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size: .*4 KV heads neither split over 3 ranks"):
         LLM(tiny_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4), tensor_parallel_size=3)
     assert not mp.active_children()
+
+
+# ---------------------------------------------------------------- tensor-parallel export
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """qwen2 exported for 2 ranks, and one rank's greedy tokens to compare with."""
+    one = LLM(tiny_model("qwen2"), keep_source_model=True, **SERVING)
+    path = one.export(tmp_path_factory.mktemp("tp") / "qwen2-tp2.json", tensor_parallel_size=2)
+    prompts, params = _requests()
+    return path, prompts, params, [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params,
+                                                                                            use_tqdm=False)]
+
+
+def test_an_export_for_two_ranks_is_served_by_two_processes(exported):
+    path, prompts, params, want = exported
+    with open(path) as file:
+        manifest = json.load(file)
+    assert manifest["tensor_parallel_size"] == 2 and [r["file"] for r in manifest["ranks"]] == [
+        "qwen2-tp2.rank0.pt2", "qwen2-tp2.rank1.pt2"]
+    llm = LLM.from_exported(path, **SERVING)
+    try:
+        assert llm.engine_args.tensor_parallel_size == 2 and llm.program.kv_cache_specs[0].num_kv_heads == 1
+        assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        llm._builder.workers.close()
+
+
+def _edited(path, tmp_path, edit) -> str:
+    """A copy of the export's folder whose manifest ``edit`` changed."""
+    folder = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(path), folder)
+    with open(path) as file:
+        manifest = json.load(file)
+    edit(manifest)
+    (folder / os.path.basename(path)).write_text(json.dumps(manifest))
+    return str(folder / os.path.basename(path))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m["ranks"][1].update(file="../qwen2-tp2.rank1.pt2"), r"ranks\[1\].file: expected a plain file name"),
+    (lambda m: m["ranks"][0].update(file=m["ranks"][1]["file"]),
+     r"ranks\[0\].file: 'qwen2-tp2.rank1.pt2' is not the file the manifest records"),
+    (lambda m: m.update(tensor_parallel_size=3), r"tensor_parallel_size: expected an int in \[2, 64\] and as many"),
+    (lambda m: m.update(format="other"), r"expected format 'pagedpack-tensor-parallel' version 1"),
+])
+def test_a_manifest_that_does_not_hold_is_refused_by_field(exported, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        LLM.from_exported(_edited(exported[0], tmp_path, edit))
+    assert not mp.active_children()
+
+
+def test_one_rank_of_an_export_is_not_served_alone(exported):
+    with pytest.raises(ValueError, match=r"is one rank of a tensor-parallel export; serve its manifest"):
+        LLM.from_exported(exported[0].replace(".json", ".rank1.pt2"))
