@@ -21,7 +21,9 @@ it and takes no more (a server's ``/health`` turns 503); workers exit when rank 
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import signal
 import socket
 import weakref
 
@@ -66,6 +68,7 @@ class TensorParallelWorkers:
             send.close()
             self._errors.append(receive)
         self._finalizer = weakref.finalize(self, _shutdown, self._procs)
+        atexit.register(self._finalizer)  # at exit before multiprocessing's own hook, which would kill them
         try:
             _init_group(0, self.tp_size, port, timeout_s)
         except Exception as err:
@@ -155,6 +158,7 @@ def _worker_main(rank: int, args, build, port: int, timeout_s: float, errors) ->
     from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
         torch.set_num_threads(args.num_threads)
         _init_group(rank, args.tensor_parallel_size, port, timeout_s)

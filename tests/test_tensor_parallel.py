@@ -101,6 +101,21 @@ def _requests():
     return prompts, [greedy] * 5 + [SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=16)]
 
 
+def test_four_ranks_replicate_the_two_kv_heads():
+    """tp 4 > 2 KV heads: each rank holds the KV head its query head reads (KV bytes per rank: half of one
+    rank's). Before ``tp2`` starts: one tensor-parallel LLM per process at a time."""
+    prompts = random_prompts((3, 20, 40), seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    one = LLM(tiny_model("llama"), block_size=16)
+    llm = LLM(tiny_model("llama"), block_size=16, tensor_parallel_size=4)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
+            o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+        assert llm.bytes_per_token * 2 == one.bytes_per_token
+    finally:
+        llm._builder.workers.close()
+
+
 @pytest.fixture(scope="module")
 def tp2():
     llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, **SERVING)
@@ -111,10 +126,11 @@ def tp2():
 def test_two_ranks_generate_the_tokens_of_one(tp2):
     """Prefix caching, chunked prefill, preemption and a parallel-sampling fork (copy-on-write) on."""
     prompts, params = _requests()
-    want = [[c.token_ids for c in o.outputs] for o in LLM(tiny_model("qwen2"), **SERVING).generate(
-        prompts, params, use_tqdm=False)]
+    one = LLM(tiny_model("qwen2"), **SERVING)
+    want = [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params, use_tqdm=False)]
     got = [[c.token_ids for c in o.outputs] for o in tp2.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert tp2.plan_memory("64MiB").kv_bytes_per_token * 2 == one.plan_memory("64MiB").kv_bytes_per_token
     stats = tp2.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert tp2.program.kv_cache_specs[0].num_kv_heads == 1  # of 2: this rank's half
