@@ -184,12 +184,13 @@ def file_format(path) -> str:
     """The export format of the file at ``path`` (a key of :data:`FILE_TARGETS`), whatever its name:
     a ``.pt2`` archive is a zip file, a tensor-parallel manifest a JSON object, an ONNX model anything
     else; ``ValueError`` for no file or an empty one."""
-    from pagedpack.tp_export import is_manifest
-
     path = check_export_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
-    return "pt2" if zipfile.is_zipfile(path) else "tp" if is_manifest(path) else "onnx"
+    if zipfile.is_zipfile(path):
+        return "pt2"
+    with open(path, "rb") as file:  # a manifest is JSON (pagedpack.tp_export); ONNX is protobuf, never '{' first
+        return "tp" if file.read(64).lstrip()[:1] == b"{" else "onnx"
 
 
 # Ops a captured model may call that a library registers on import, by the prefix of their name in

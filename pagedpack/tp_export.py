@@ -28,12 +28,6 @@ VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 16
 
 
-def is_manifest(path: str) -> bool:
-    """Whether the file at ``path`` starts as a JSON object (a ``.pt2`` is a zip file, an ONNX model protobuf)."""
-    with open(path, "rb") as file:
-        return file.read(64).lstrip()[:1] == b"{"
-
-
 def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int) -> str:
     """Write ``rewritten`` (a ``RewrittenModel`` captured from the ``transformers`` ``model``) split
     over ``tp_size`` ranks as the manifest ``path`` and its rank files (module docstring); the split
