@@ -48,7 +48,7 @@ def group_name() -> str:
 class TensorParallelWorkers:
     """Rank 0's end of the worker processes. Spawns ranks 1 .. ``tp_size - 1``, each building its
     program with ``build(args, rank)`` (a module-level function: it travels by name), and joins
-    them in the default process group (``gloo``; ``MASTER_PORT`` a free local port) before the caller
+    them in the default process group (``gloo``, on a free local TCP port) before the caller
     builds rank 0's own shard; :meth:`start` then gives them the pool size. ``EngineDeadError`` (a
     ``RuntimeError``) if a worker fails or does not join within ``timeout_s``."""
 
@@ -114,7 +114,8 @@ class TensorParallelWorkers:
             proc.join(timeout=0.5)  # a killed worker's exit code, once the OS has it
         exited = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if p.exitcode is not None]
         why = "; ".join(exited + reported) or f"{type(err).__name__}: {str(err)[:300]}"
-        self.close()  # the ranks cannot step together again: stop the rest, leave the group
+        if self._finalizer.detach():  # the ranks cannot step together again: no stop command, end the rest
+            _shutdown(self._procs, stop=False)
         return EngineDeadError(f"tensor_parallel_size: a worker rank stopped answering ({why})")
 
 
@@ -126,10 +127,11 @@ def _reported(conn) -> str | None:
         return None
 
 
-def _shutdown(procs) -> None:
-    """A stop command while every worker lives (a dead one would fail it), then join, else terminate."""
+def _shutdown(procs, stop: bool = True) -> None:
+    """Leave the group, after a stop command if ``stop`` and every worker lives (a dead one would fail
+    it); then join the workers, else terminate them."""
     if dist.is_initialized():
-        if all(proc.is_alive() for proc in procs):
+        if stop and all(proc.is_alive() for proc in procs):
             try:
                 dist.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64), src=0)
             except Exception:  # noqa: BLE001 -- stopping anyway
