@@ -449,6 +449,19 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
         ratios = check_peak_matches_profiler(llm, token_counts=(64, 512))  # 2048 on the built-in model
         print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}")
         _check_streaming_and_chat(llm)
+        _check_tensor_parallel_split(llm)
+
+
+def _check_tensor_parallel_split(llm):
+    """SmolLM2's 9 query / 3 KV heads: split over 3 ranks, the shards (run in lockstep here) give
+    the unsharded logits on real weights; over 2, refused with the numbers. (3 real processes:
+    ``benchmarks/tensor_parallel.py --model smollm2-135m --tp 1 3``, token-identical; ~50 s.)"""
+    from pagedpack.passes.tensor_parallel import check_shards
+
+    step = llm.rewritten
+    check_shards(step.graph_module, step.kv_cache_specs, llm.model, tp_size=3)
+    with pytest.raises(ValueError, match=r"9 query heads \(3 KV heads\) do not split over 2 ranks"):
+        check_shards(step.graph_module, step.kv_cache_specs, llm.model, tp_size=2)
 
 
 def _check_streaming_and_chat(llm):
