@@ -15,11 +15,17 @@ def die_with_parent(sig: int = signal.SIGKILL):
     parent = os.getpid()
 
     def preexec() -> None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the parent died before the flag was set
-            os._exit(1)
+        exit_with_parent(parent, sig)
 
     return preexec
+
+
+def exit_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """In a child of ``parent`` (a pid): get ``sig`` when the parent dies; a parent already gone ends
+    the child at once. Elsewhere than Linux, nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the flag was set
+        os._exit(1)

@@ -61,10 +61,12 @@ class ExportedStep(LoweredStep):
     (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)``
     (:class:`pagedpack.lowering.onnx.session.OnnxSessionStep`, functional). ``description``: what
     the file stores besides the program; ``target``: the registry name of what runs it;
-    ``attention``: the ONNX attention lowering it was exported with."""
+    ``attention``: the ONNX attention lowering it was exported with; ``tensor_parallel``: which rank
+    of which tensor-parallel export it is (:mod:`pagedpack.tp_export`), None for a whole model."""
 
     target: str = "reference"
     attention: str | None = None
+    tensor_parallel: dict | None = None
 
 
 def check_format(fmt: str) -> str:
@@ -74,9 +76,11 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None) -> str:
+def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
+               tensor_parallel: dict | None = None) -> str:
     """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ``.pt2`` file
-    ``path``, storing ``description`` (eos ids, ``max_model_len``, tokenizer, ...; optional).
+    ``path``, storing ``description`` (eos ids, ``max_model_len``, tokenizer, ...; optional) and, for
+    one rank's shard, ``tensor_parallel`` (``{"rank", "size", "export_id"}``, :mod:`pagedpack.tp_export`).
     Returns ``str(path)``.
 
     Raises ``ValueError`` for a source that is not a rewritten reference-target model, or a
@@ -84,6 +88,7 @@ def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription
     a path.
     """
     meta = export_metadata(rewritten, description)
+    meta["tensor_parallel"] = tensor_parallel
     path = check_output_path(path)
     program = _export_program(rewritten)
     if meta["vocab_size"] is None:  # read it off the exported logits
@@ -292,7 +297,7 @@ def _import_op_libraries(file) -> None:
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
-_OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict}
+_OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict}
 _REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
 
 
@@ -332,6 +337,11 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
     for name in ("max_model_len", "vocab_size"):
         if meta.get(name) is not None and meta[name] < 1:
             raise invalid(name, "an int >= 1", meta[name])
+    shard = meta.get("tensor_parallel")
+    if shard is not None and not (set(shard) == {"rank", "size", "export_id"} and isinstance(shard["export_id"], str)
+                                  and all(type(shard[k]) is int for k in ("rank", "size"))
+                                  and 0 <= shard["rank"] < shard["size"]):
+        raise invalid("tensor_parallel", "{'rank', 'size', 'export_id'} of one rank's shard", shard)
     try:
         check_tokenizer_files(meta.get("tokenizer_files"))
     except ValueError as err:
@@ -343,7 +353,8 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
     description = ModelDescription(meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
                                    meta.get("model_name"), tokenizer)
     return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", note=f"loaded from {path}",
-                        description=description, target=target, attention=meta.get("attention"))
+                        description=description, target=target, attention=meta.get("attention"),
+                        tensor_parallel=shard)
 
 
 def _export_program(rewritten) -> torch.export.ExportedProgram:

@@ -95,16 +95,17 @@ class ProgramBuilder:
             from pagedpack.runtime.tensor_parallel import TensorParallelWorkers, group_name
             from pagedpack.tp_export import read_manifest
 
-            file = read_manifest(path)[self.rank]
+            files = read_manifest(path)
+            program = load_exported(files[self.rank], trust_file=trust_file, device=self.args.device,
+                                    max_model_len=self.args.max_model_len)
             if self.rank == 0:
                 self.workers = TensorParallelWorkers(self.args, build_rank_program)
-            program = load_exported(file, trust_file=trust_file, device=self.args.device,
-                                    max_model_len=self.args.max_model_len)
             set_group_name(program.run, group_name())
             return program
         program = load_exported(path, trust_file=trust_file, device=self.args.device,
                                 max_model_len=self.args.max_model_len)
-        if isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run):
+        if getattr(program, "tensor_parallel", None) is not None or (
+                isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run)):
             raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
         return program
 

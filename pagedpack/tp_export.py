@@ -4,14 +4,17 @@
 rank ``r`` (:func:`pagedpack.export.export_pt2` of the rank's shard,
 :mod:`pagedpack.passes.tensor_parallel`), then the manifest::
 
-    {"format": "pagedpack-tensor-parallel", "version": 1, "tensor_parallel_size": N,
+    {"format": "pagedpack-tensor-parallel", "version": 1, "tensor_parallel_size": N, "export_id": "<uuid>",
      "ranks": [{"file": "NAME.rank0.pt2", "sha256": "..."}, ...]}
+
+and each rank file records ``{"rank": r, "size": N, "export_id": ...}`` in its own metadata.
 
 ``LLM("NAME.json")`` serves it with N ranks (:mod:`pagedpack.runtime.tensor_parallel`), each
 loading its file. A manifest is untrusted input: it is read as JSON only (at most
 :data:`MAX_MANIFEST_BYTES`), every field is checked, a rank file must be a plain name in the
-manifest's own folder, and its sha256 must be the one recorded (a rank file of another export is
-refused); each ``.pt2`` then passes its own checks (:func:`pagedpack.export.load_pt2`). The
+manifest's own folder (not a symbolic link), its sha256 must be the one recorded, and once loaded
+its metadata must say it is that rank of that export (a rank file of another export, or one file
+twice, is refused); each ``.pt2`` then passes its own checks (:func:`pagedpack.export.load_pt2`). The
 all-reduces in the files name the process group they were exported with; the loader points them
 at the group of the processes serving them (:func:`pagedpack.passes.tensor_parallel.set_group_name`).
 """
@@ -20,7 +23,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
+import zipfile
 
+from pagedpack.export import META_FILE, check_output_path, export_pt2
 from pagedpack.files import atomic_write, check_file_name
 
 FORMAT = "pagedpack-tensor-parallel"
@@ -33,7 +39,6 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
     over ``tp_size`` ranks as the manifest ``path`` and its rank files (module docstring); the split
     is checked on a sample first. Returns ``str(path)``. ``ValueError`` if it cannot be split so or
     ``path`` cannot be written."""
-    from pagedpack.export import check_output_path, export_pt2
     from pagedpack.passes.pipeline import RewrittenModel
     from pagedpack.passes.tensor_parallel import check_shards, shard_step_graph
 
@@ -42,14 +47,16 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
         raise ValueError(f"tensor_parallel_size: expected an int >= 2 for a tensor-parallel export, got {tp_size!r}")
     check_shards(rewritten.graph_module, rewritten.kv_cache_specs, model, tp_size=tp_size)
     folder, stem = os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0]
-    ranks = []
+    ranks, export_id = [], uuid.uuid4().hex
     for rank in range(tp_size):
         gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, model, tp_size=tp_size,
                                      rank=rank, group_name="0")
         name = f"{stem}.rank{rank}.pt2"
-        export_pt2(RewrittenModel(gm, rewritten.report, specs), os.path.join(folder, name), description)
+        export_pt2(RewrittenModel(gm, rewritten.report, specs), os.path.join(folder, name), description,
+                   tensor_parallel={"rank": rank, "size": tp_size, "export_id": export_id})
         ranks.append({"file": name, "sha256": _sha256(os.path.join(folder, name))})
-    manifest = {"format": FORMAT, "version": VERSION, "tensor_parallel_size": tp_size, "ranks": ranks}
+    manifest = {"format": FORMAT, "version": VERSION, "tensor_parallel_size": tp_size, "export_id": export_id,
+                "ranks": ranks}
     with atomic_write(path) as tmp, open(tmp, "w") as file:
         json.dump(manifest, file, indent=1)
     return path
@@ -61,19 +68,40 @@ def manifest_size(path: str) -> int:
 
 
 def read_manifest(path: str) -> list[str]:
-    """The rank files of the manifest at ``path``, in rank order, each checked against its sha256;
-    ``ValueError`` naming the field for anything else."""
+    """The rank files of the manifest at ``path``, in rank order, each checked against its sha256 and
+    its own record of its rank and export; ``ValueError`` naming the field for anything else."""
+    manifest = _parse(path)
     folder, files = os.path.dirname(os.path.abspath(path)), []
-    for rank, entry in enumerate(_parse(path)["ranks"]):
+    for rank, entry in enumerate(manifest["ranks"]):
         name = check_file_name(entry.get("file"), f"ranks[{rank}].file")
         file = os.path.join(folder, name)
+        if os.path.islink(file):
+            raise ValueError(f"path: {path!r}: ranks[{rank}].file: {name!r} is a symbolic link; expected a file "
+                             f"beside the manifest")
         if not os.path.isfile(file):
             raise ValueError(f"path: {path!r}: ranks[{rank}].file: no file {name!r} beside the manifest")
         if _sha256(file) != entry["sha256"]:
             raise ValueError(f"path: {path!r}: ranks[{rank}].file: {name!r} is not the file the manifest records "
                              f"(sha256 differs)")
+        _check_rank(file, path, rank, len(manifest["ranks"]), manifest["export_id"])
         files.append(file)
     return files
+
+
+def _check_rank(file: str, path: str, rank: int, size: int, export_id: str) -> None:
+    """``ValueError`` unless the rank file ``file`` says (its ``pagedpack.json``) it is that rank of that export."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            (member,) = [n for n in archive.namelist() if n.endswith(f"/extra/{META_FILE}")]
+            if archive.getinfo(member).file_size > MAX_MANIFEST_BYTES << 8:
+                raise ValueError("its metadata is too large")
+            said = json.loads(archive.read(member)).get("tensor_parallel")
+    except (zipfile.BadZipFile, ValueError, AttributeError, RecursionError) as err:
+        raise ValueError(f"path: {path!r}: ranks[{rank}].file: not a pagedpack .pt2 archive ({err})") from err
+    want = {"rank": rank, "size": size, "export_id": export_id}
+    if said != want:
+        raise ValueError(f"path: {path!r}: ranks[{rank}].file: its metadata says {said!r:.200}, expected {want} "
+                         f"(a rank file of another export, or of another rank)")
 
 
 def _parse(path: str) -> dict:
@@ -83,11 +111,14 @@ def _parse(path: str) -> dict:
         raise ValueError(f"path: {path!r}: a tensor-parallel manifest of at most {MAX_MANIFEST_BYTES} bytes expected")
     try:
         manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"path: {path!r} is not a JSON tensor-parallel manifest ({err})") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"path: {path!r}: expected format {FORMAT!r} version {VERSION}, got "
-                         f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r:.80}")
+    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT and type(manifest.get("version")) is int
+            and manifest["version"] == VERSION and isinstance(manifest.get("export_id"), str)):
+        got = ({k: manifest.get(k) for k in ("format", "version", "export_id")} if isinstance(manifest, dict)
+               else manifest)
+        raise ValueError(f"path: {path!r}: expected format {FORMAT!r}, version {VERSION} and an export_id, got "
+                         f"{got!r:.120}")
     size, ranks = manifest.get("tensor_parallel_size"), manifest.get("ranks")
     if not (isinstance(size, int) and not isinstance(size, bool) and 2 <= size <= 64
             and isinstance(ranks, list) and len(ranks) == size):

@@ -178,6 +178,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """``EngineDeadError`` if the engine cannot step again (a tensor-parallel worker has exited)."""
+        if self.runner.workers is not None:
+            self.runner.workers.check()
+
     def get_stats(self) -> Stats:
         kv = self.scheduler.kv_cache_manager
         pool, prefix = kv.pool, kv.prefix_cache_stats

@@ -130,7 +130,7 @@ class EngineLoop:
         otherwise sleeps until one is added (or ``poll_s`` passes, to look at ``stop``); going idle,
         it gives the heap's free pages back to the OS (:func:`~pagedpack.runtime.memory.trim_heap`:
         glibc keeps what a busy spell's steps freed, so an idle server's RSS drifted with the load
-        it last had). If driving
+        it last had) and checks that the engine can still step (:meth:`LLMEngine.check_health`). If driving
         fails outside a step (a step's own error fails only its requests), every live request gets
         the error, :attr:`error` is set, later adds raise :class:`EngineDeadError`, and it re-raises."""
         self._wakeup = threading.Event()
@@ -144,6 +144,7 @@ class EngineLoop:
                 if busy:  # going idle: hand the heap pages the busy spell freed back to the OS
                     trim_heap()
                     busy = False
+                self.engine.check_health()  # idle too: a server's /health turns 503 once it cannot step
                 self._wakeup.wait(poll_s)
         except BaseException as err:
             with self._lock:

@@ -6,23 +6,27 @@ building its own shard from the same source (capture, rewrite, :mod:`pagedpack.p
 lowering) and KV caches of its own heads, then following rank 0. The all-reduces inside the step
 graphs join the ranks on the default process group (``gloo`` on the CPU, as vLLM's CPU workers).
 
-Per step rank 0 broadcasts one int64 header ``[command, T, B, max_blocks, R]`` and, for a step, one
-int64 payload with the step's metadata (:data:`pagedpack.contract.METADATA_INPUTS`, concatenated):
-two small collectives (a copy-on-write of blocks and the commit of the KV pages at a server's start
-travel the same way). Nothing is pickled between ranks after start-up; a worker takes its
-``EngineArgs`` from rank 0 when spawned.
+Commands travel outside the process group, on a pipe from rank 0 to each worker: per step one
+message of int64s, a header ``[command, T, B, max_blocks, R]`` and the step's metadata
+(:data:`pagedpack.contract.METADATA_INPUTS`, concatenated); block copies, the commit of the KV
+pages at a server's start and the stop travel the same way. Nothing is pickled after start-up (a
+worker takes its ``EngineArgs`` from rank 0 when spawned). A worker waits for its next command
+without a deadline, so an idle engine stays up; only the collectives time out.
 
-Faults: a worker that fails while building sends its error text on a pipe and exits, and rank 0
-raises an error naming the rank and the error; a worker that dies later breaks the next
-collective (gloo sees the closed connection) and a worker that hangs makes it time out after
-``timeout_s``: either way rank 0's step raises
+Faults: a worker that fails sends its error text on a pipe of its own and exits, and rank 0 raises
+an error naming the rank and the error. A worker that dies breaks the next command or collective
+(a closed pipe, gloo's closed connection); one that hangs makes the step's all-reduce time out
+after ``timeout_s``. Either way rank 0's step raises
 :class:`~pagedpack.runtime.engine_loop.EngineDeadError`, the engine loop fails every request with
-it and takes no more (a server's ``/health`` turns 503); workers exit when rank 0 does.
+it and takes no more (a server's ``/health`` turns 503, also for a worker that dies while idle:
+:meth:`TensorParallelWorkers.check`). Workers die with rank 0 (``PR_SET_PDEATHSIG``, and the
+command pipe's end).
 """
 from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import signal
 import socket
 import weakref
@@ -36,7 +40,7 @@ from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.engine_loop import EngineDeadError
 
 TIMEOUT_S = 60.0  # a collective no rank answers fails after this
-_HEADER = 5
+JOIN_TIMEOUT_S = 60.0  # the workers' start (imports) until they join the group
 _START, _STEP, _COPY, _COMMIT, _STOP = range(5)
 
 
@@ -52,22 +56,27 @@ class TensorParallelWorkers:
     builds rank 0's own shard; :meth:`start` then gives them the pool size. ``EngineDeadError`` (a
     ``RuntimeError``) if a worker fails or does not join within ``timeout_s``."""
 
-    def __init__(self, args, build, *, timeout_s: float = TIMEOUT_S):
+    def __init__(self, args, build, *, timeout_s: float | None = None):
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size: this process already has a torch.distributed process group; "
                                "an LLM with tensor_parallel_size > 1 starts and owns its own")
-        self.tp_size, self.timeout_s = args.tensor_parallel_size, timeout_s
+        self.tp_size, self.timeout_s = args.tensor_parallel_size, TIMEOUT_S if timeout_s is None else timeout_s
+        timeout_s = self.timeout_s
         context = mp.get_context("spawn")
         port = _free_port()
-        self._errors, self._procs = [], []
+        self._errors, self._commands, self._procs = [], [], []
         for rank in range(1, self.tp_size):
-            receive, send = context.Pipe(duplex=False)  # a worker's error text, as bytes (nothing unpickled)
+            errors, error_end = context.Pipe(duplex=False)  # a worker's error text, as bytes (nothing unpickled)
+            command_end, commands = context.Pipe(duplex=False)
             self._procs.append(context.Process(target=_worker_main, name=f"pagedpack-tp-rank{rank}", daemon=True,
-                                               args=(rank, args, build, port, timeout_s, send)))
+                                               args=(rank, args, build, port, timeout_s, os.getpid(), command_end,
+                                                     error_end)))
             self._procs[-1].start()
-            send.close()
-            self._errors.append(receive)
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs)
+            error_end.close()
+            command_end.close()
+            self._errors.append(errors)
+            self._commands.append(commands)
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._commands)
         atexit.register(self._finalizer)  # at exit before multiprocessing's own hook, which would kill them
         try:
             _init_group(0, self.tp_size, port, timeout_s)
@@ -82,11 +91,15 @@ class TensorParallelWorkers:
         """Send one step's metadata; each worker runs its shard of the step on it."""
         num_tokens, num_seqs = batch.num_tokens, batch.num_seqs
         width, rows = batch.block_table.shape[1], batch.logits_indices.shape[0]
-        payload = torch.cat([t.reshape(-1).to(torch.int64) for t in batch])
-        self._send([_STEP, num_tokens, num_seqs, width, rows], payload)
+        self._send([_STEP, num_tokens, num_seqs, width, rows], [t.reshape(-1).to(torch.int64) for t in batch])
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        self._send([_COPY, len(blocks_to_copy), 0, 0, 0], torch.tensor(blocks_to_copy, dtype=torch.int64).reshape(-1))
+        self._send([_COPY, len(blocks_to_copy), 0, 0, 0], [torch.tensor(blocks_to_copy, dtype=torch.int64).reshape(-1)])
+
+    def check(self) -> None:
+        """``EngineDeadError`` if a worker has exited (an idle engine's health check)."""
+        if any(not p.is_alive() for p in self._procs):
+            raise self.failure(RuntimeError("a worker process is gone"))
 
     def commit_kv_memory(self) -> None:
         self._send([_COMMIT, 0, 0, 0, 0])
@@ -95,13 +108,13 @@ class TensorParallelWorkers:
         """Stop the workers and leave the group (also when this object is collected, or at exit)."""
         self._finalizer()
 
-    def _send(self, header: list[int], payload: torch.Tensor | None = None) -> None:
+    def _send(self, header: list[int], payload: list[torch.Tensor] = ()) -> None:
+        message = torch.cat([torch.tensor(header, dtype=torch.int64), *payload]).numpy().tobytes()
         try:
             if any(not p.is_alive() for p in self._procs):
                 raise RuntimeError("a worker process is gone")
-            dist.broadcast(torch.tensor(header, dtype=torch.int64), src=0)
-            if payload is not None:
-                dist.broadcast(payload, src=0)
+            for conn in self._commands:
+                conn.send_bytes(message)
         except Exception as err:
             raise self.failure(err) from err
 
@@ -115,7 +128,7 @@ class TensorParallelWorkers:
         exited = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if p.exitcode is not None]
         why = "; ".join(exited + reported) or f"{type(err).__name__}: {str(err)[:300]}"
         if self._finalizer.detach():  # the ranks cannot step together again: no stop command, end the rest
-            _shutdown(self._procs, stop=False)
+            _shutdown(self._procs, self._commands, stop=False)
         return EngineDeadError(f"tensor_parallel_size: a worker rank stopped answering ({why})")
 
 
@@ -127,15 +140,17 @@ def _reported(conn) -> str | None:
         return None
 
 
-def _shutdown(procs, stop: bool = True) -> None:
-    """Leave the group, after a stop command if ``stop`` and every worker lives (a dead one would fail
-    it); then join the workers, else terminate them."""
+def _shutdown(procs, commands, stop: bool = True) -> None:
+    """Send the stop command if ``stop`` (else close the command pipes: a worker reads their end),
+    leave the group, then join the workers, else terminate them."""
+    for conn in commands:
+        try:
+            if stop:
+                conn.send_bytes(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64).numpy().tobytes())
+            conn.close()
+        except OSError:  # a worker gone already
+            pass
     if dist.is_initialized():
-        if stop and all(proc.is_alive() for proc in procs):
-            try:
-                dist.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64), src=0)
-            except Exception:  # noqa: BLE001 -- stopping anyway
-                pass
         dist.destroy_process_group()
     for proc in procs:
         proc.join(timeout=5)
@@ -151,15 +166,21 @@ def _free_port() -> int:
 
 
 def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    """Join the gloo group: the rendezvous waits up to :data:`JOIN_TIMEOUT_S`, collectives ``timeout_s``."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _worker_main(rank: int, args, build, port: int, timeout_s: float, errors) -> None:
-    """A worker rank: join the group, ``build(args, rank)`` its program, then run what rank 0 sends."""
+def _worker_main(rank: int, args, build, port: int, timeout_s: float, parent: int, commands, errors) -> None:
+    """A worker rank: join the group, ``build(args, rank)`` its program, then run what rank 0 sends
+    until the stop command or the end of the command pipe (rank 0 gone)."""
+    from pagedpack.child_process import exit_with_parent
     from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 
+    exit_with_parent(parent, signal.SIGTERM)  # also while joining the group, when no pipe is read yet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
         torch.set_num_threads(args.num_threads)
@@ -168,19 +189,19 @@ def _worker_main(rank: int, args, build, port: int, timeout_s: float, errors) ->
         release_memory()  # what the capture and the source model held, as LLM does after its build
         runner = None
         while True:
-            header = torch.empty(_HEADER, dtype=torch.int64)
-            dist.broadcast(header, src=0)
-            command, *sizes = header.tolist()
+            try:
+                message = torch.frombuffer(bytearray(commands.recv_bytes()), dtype=torch.int64)
+            except EOFError:  # rank 0 is gone
+                break
+            (command, *sizes), payload = message[:5].tolist(), message[5:]
             if command == _STOP:
                 break
             if command == _START:
                 runner = ModelRunner(program, num_blocks=sizes[0], block_size=args.block_size, device=args.device)
             elif command == _STEP:
-                runner.execute(_receive_step(*sizes))
+                runner.execute(_step_metadata(payload, *sizes))
             elif command == _COPY:
-                pairs = torch.empty(2 * sizes[0], dtype=torch.int64)
-                dist.broadcast(pairs, src=0)
-                runner.copy_blocks([tuple(p) for p in pairs.view(-1, 2).tolist()])
+                runner.copy_blocks([tuple(p) for p in payload.view(-1, 2).tolist()])
             elif command == _COMMIT:
                 runner.commit_kv_memory()
     except BaseException as err:
@@ -194,13 +215,11 @@ def _worker_main(rank: int, args, build, port: int, timeout_s: float, errors) ->
             dist.destroy_process_group()
 
 
-def _receive_step(num_tokens: int, num_seqs: int, width: int, rows: int) -> StepMetadata:
-    sizes = {"input_ids": num_tokens, "positions": num_tokens, "cu_seqlens_q": num_seqs + 1, "seq_lens": num_seqs,
-             "block_table": num_seqs * width, "slot_mapping": num_tokens, "logits_indices": rows}
-    payload = torch.empty(sum(sizes.values()), dtype=torch.int64)
-    dist.broadcast(payload, src=0)
-    parts = dict(zip(METADATA_INPUTS, payload.split(list(sizes.values()))))
+def _step_metadata(payload: torch.Tensor, num_tokens: int, num_seqs: int, width: int, rows: int) -> StepMetadata:
+    """The :class:`StepMetadata` :meth:`TensorParallelWorkers.step` flattened into ``payload``."""
+    sizes = [num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_tokens, rows]
     int32 = ("cu_seqlens_q", "seq_lens", "block_table")
-    parts = {name: (t.to(torch.int32) if name in int32 else t) for name, t in parts.items()}
+    parts = {name: (t.to(torch.int32) if name in int32 else t.clone())
+             for name, t in zip(METADATA_INPUTS, payload.split(sizes))}
     parts["block_table"] = parts["block_table"].view(num_seqs, width)
     return StepMetadata(**parts)

@@ -17,6 +17,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.tensor_parallel import HeadSplit, check_shards, count_all_reduces, shard_step_graph
+from pagedpack.runtime import tensor_parallel
 from pagedpack.runtime.engine_loop import EngineDeadError
 
 from conftest import random_prompts
@@ -116,6 +117,24 @@ def test_four_ranks_replicate_the_two_kv_heads():
         llm._builder.workers.close()
 
 
+def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worker(monkeypatch):
+    """Workers wait for rank 0's next command without a deadline (only collectives time out, here
+    after 2 s); a worker that dies while the engine is idle fails its health check."""
+    monkeypatch.setattr(tensor_parallel, "TIMEOUT_S", 2.0)  # the group's join still waits JOIN_TIMEOUT_S
+    llm = LLM(tiny_model("qwen2"), block_size=16, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+        time.sleep(3)
+        assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
+        llm._builder.workers._procs[0].kill()
+        llm._builder.workers._procs[0].join(5)
+        with pytest.raises(EngineDeadError, match=r"pagedpack-tp-rank1 exited with code -9"):
+            llm.llm_engine.check_health()
+    finally:
+        llm._builder.workers.close()
+
+
 @pytest.fixture(scope="module")
 def tp2():
     llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, **SERVING)
@@ -205,12 +224,30 @@ def _edited(path, tmp_path, edit) -> str:
     (lambda m: m["ranks"][0].update(file=m["ranks"][1]["file"]),
      r"ranks\[0\].file: 'qwen2-tp2.rank1.pt2' is not the file the manifest records"),
     (lambda m: m.update(tensor_parallel_size=3), r"tensor_parallel_size: expected an int in \[2, 64\] and as many"),
-    (lambda m: m.update(format="other"), r"expected format 'pagedpack-tensor-parallel' version 1"),
+    (lambda m: m.update(format="other"), r"expected format 'pagedpack-tensor-parallel', version 1 and an export_id"),
+    (lambda m: m.update(version=True), r"expected format 'pagedpack-tensor-parallel', version 1"),
+    (lambda m: m["ranks"][1].update(m["ranks"][0]), r"ranks\[1\].file: its metadata says \{'rank': 0, .* expected "
+                                                     r"\{'rank': 1"),  # one file twice, its own sha256
 ])
 def test_a_manifest_that_does_not_hold_is_refused_by_field(exported, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
         LLM.from_exported(_edited(exported[0], tmp_path, edit))
     assert not mp.active_children()
+
+
+def test_deeply_nested_json_and_symbolic_links_are_refused(exported, tmp_path):
+    path = _edited(exported[0], tmp_path, lambda m: None)
+    folder = os.path.dirname(path)
+    with open(path, "w") as file:
+        file.write('{"format": ' + "[" * 20000 + "]" * 20000 + "}")  # the JSON parser's recursion limit
+    with pytest.raises(ValueError, match="is not a JSON tensor-parallel manifest"):
+        LLM.from_exported(path)
+    shutil.copy(exported[0], path)
+    rank0 = os.path.join(folder, "qwen2-tp2.rank0.pt2")
+    os.replace(rank0, rank0 + ".elsewhere")
+    os.symlink(rank0 + ".elsewhere", rank0)  # the same bytes, so only the link itself is refused
+    with pytest.raises(ValueError, match=r"ranks\[0\].file: 'qwen2-tp2.rank0.pt2' is a symbolic link"):
+        LLM.from_exported(path)
 
 
 def test_one_rank_of_an_export_is_not_served_alone(exported):
