@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import platform
 import pydoc
 from pathlib import Path
 
@@ -80,3 +81,12 @@ def peak_rss_mb(pid: int | str = "self") -> int:
     """Process ``pid``'s peak RSS since :func:`reset_peak_rss` (``VmHWM``), in MiB."""
     with open(f"/proc/{pid}/status") as f:
         return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024)
+
+
+def cpu_model() -> str:
+    """The host's CPU model name (``/proc/cpuinfo``), to name beside every figure."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
 
-from common import load_1min
+from common import cpu_model, load_1min
 from serve_load import run, schedule
 
 KV_CACHE_GIB = 2  # the KV pool of each server: equal, so that both hold as many requests at once
@@ -96,7 +96,7 @@ def main() -> None:
         print(json.dumps({name: results[name]}), flush=True)
     report = {"model": args.model, "dtype": args.dtype, "num": args.num,
               "output_tokens": [args.min_tokens, args.max_tokens], "results": results, "load_1min": load,
-              "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": _cpu_model()}
+              "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
     if "vllm" in results and "pagedpack" in results:
         report["pagedpack_over_vllm"] = {
             rate: {key: _ratio(results["pagedpack"][rate][key], results["vllm"][rate][key])
@@ -108,14 +108,6 @@ def main() -> None:
 
 def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

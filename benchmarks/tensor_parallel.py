@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from pagedpack import LLM, SamplingParams
 from pagedpack.runtime.cpu_threads import allowed_cpus
 
-from common import load_1min, peak_rss_mb, reset_peak_rss, w1_workload
+from common import cpu_model, load_1min, peak_rss_mb, reset_peak_rss, w1_workload
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ def main() -> None:
         "model": str(args.model or "W1"), "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
         "new_tokens_per_request": args.max_tokens, "sizes": rows,
         "time_ratio_to_first": {k: round(r["seconds"] / first, 2) for k, r in rows.items() if "seconds" in r and first},
-        "load_1min": load, "host": _cpu_model(), "cpus": len(allowed_cpus()), "machine": platform.machine(),
+        "load_1min": load, "host": cpu_model(), "cpus": len(allowed_cpus()), "machine": platform.machine(),
     }, indent=2))
 
 
@@ -91,12 +91,6 @@ def _measure(llm: LLM, prompts, params, runs: int) -> tuple[dict, list]:
             "steps": steps, "mean_step_ms": round(1000 * best / steps, 2), "peak_rss_mb_per_rank": rss,
             "kv_bytes_per_token_per_rank": llm.bytes_per_token,
             "all_reduce_share_of_wall": round(collective_us / 1e6 / profiled, 3)}, outputs
-
-
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return names[0] if names else platform.processor()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""Child processes that die with their parent (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+"""What the child processes pagedpack starts share: dying with their parent (Linux
+``prctl(PR_SET_PDEATHSIG)``) and a free local port to meet on."""
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import socket
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,3 +31,10 @@ def exit_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent:  # the parent died before the flag was set
         os._exit(1)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -359,10 +359,9 @@ def _export(args) -> int:
         runs = f"LLM.from_exported({path!r}, num_blocks=...)"
     else:
         runs = f"LLM.from_exported({path!r})"
-    if args.tensor_parallel_size > 1:
-        print(f"wrote {path} (a manifest of {args.tensor_parallel_size} .pt2 files beside it); run it with {runs}")
-        return 0
-    print(f"wrote {path} ({args.format}); run it with {runs}")
+    what = f"a manifest of {args.tensor_parallel_size} .pt2 files beside it" if args.tensor_parallel_size > 1 \
+        else args.format
+    print(f"wrote {path} ({what}); run it with {runs}")
     return 0
 
 

@@ -20,14 +20,13 @@ at the group of the processes serving them (:func:`pagedpack.passes.tensor_paral
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
 import zipfile
 
 from pagedpack.export import META_FILE, check_output_path, export_pt2
-from pagedpack.files import atomic_write, check_file_name
+from pagedpack.files import atomic_write, check_file_name, sha256_file
 
 FORMAT = "pagedpack-tensor-parallel"
 VERSION = 1
@@ -54,7 +53,7 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
         name = f"{stem}.rank{rank}.pt2"
         export_pt2(RewrittenModel(gm, rewritten.report, specs), os.path.join(folder, name), description,
                    tensor_parallel={"rank": rank, "size": tp_size, "export_id": export_id})
-        ranks.append({"file": name, "sha256": _sha256(os.path.join(folder, name))})
+        ranks.append({"file": name, "sha256": sha256_file(os.path.join(folder, name))})
     manifest = {"format": FORMAT, "version": VERSION, "tensor_parallel_size": tp_size, "export_id": export_id,
                 "ranks": ranks}
     with atomic_write(path) as tmp, open(tmp, "w") as file:
@@ -80,7 +79,7 @@ def read_manifest(path: str) -> list[str]:
                              f"beside the manifest")
         if not os.path.isfile(file):
             raise ValueError(f"path: {path!r}: ranks[{rank}].file: no file {name!r} beside the manifest")
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             raise ValueError(f"path: {path!r}: ranks[{rank}].file: {name!r} is not the file the manifest records "
                              f"(sha256 differs)")
         _check_rank(file, path, rank, len(manifest["ranks"]), manifest["export_id"])
@@ -129,11 +128,3 @@ def _parse(path: str) -> dict:
             raise ValueError(f"path: {path!r}: ranks[{rank}]: expected {{'file': NAME, 'sha256': HEX}}, "
                              f"got {entry!r:.120}")
     return manifest
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -29,6 +29,7 @@ there instead of giving wrong tokens.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -277,6 +278,20 @@ def _shard_linear(graph: torch.fx.Graph, linear: Node, parts: list[_Part], roles
 
 def count_all_reduces(gm: torch.fx.GraphModule) -> int:
     return sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes)
+
+
+def local_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with its all-reduces passing their input through (one rank's local ops, no
+    collective: what the CPU lowering checks a rank's graph with); ``gm`` itself when it has none."""
+    collectives = (c10d.all_reduce.default, c10d.wait_tensor.default)
+    if not any(n.target in collectives for n in gm.graph.nodes):
+        return gm
+    local = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    for node in [n for n in local.graph.nodes if n.target in collectives]:
+        node.replace_all_uses_with(node.args[0])
+        local.graph.erase_node(node)
+    local.recompile()
+    return local
 
 
 def set_group_name(gm: torch.fx.GraphModule, group_name: str) -> int:

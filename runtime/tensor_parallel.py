@@ -28,13 +28,13 @@ import atexit
 import datetime
 import os
 import signal
-import socket
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagedpack.child_process import exit_with_parent, free_port
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.engine_loop import EngineDeadError
@@ -63,7 +63,7 @@ class TensorParallelWorkers:
         self.tp_size, self.timeout_s = args.tensor_parallel_size, TIMEOUT_S if timeout_s is None else timeout_s
         timeout_s = self.timeout_s
         context = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._errors, self._commands, self._procs = [], [], []
         for rank in range(1, self.tp_size):
             errors, error_end = context.Pipe(duplex=False)  # a worker's error text, as bytes (nothing unpickled)
@@ -159,12 +159,6 @@ def _shutdown(procs, commands, stop: bool = True) -> None:
             proc.join(timeout=5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
     """Join the gloo group: the rendezvous waits up to :data:`JOIN_TIMEOUT_S`, collectives ``timeout_s``."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
@@ -176,7 +170,6 @@ def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None
 def _worker_main(rank: int, args, build, port: int, timeout_s: float, parent: int, commands, errors) -> None:
     """A worker rank: join the group, ``build(args, rank)`` its program, then run what rank 0 sends
     until the stop command or the end of the command pipe (rank 0 gone)."""
-    from pagedpack.child_process import exit_with_parent
     from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 

@@ -45,6 +45,7 @@ from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
 from pagedpack.metadata import example_metadata
 from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
+from pagedpack.passes.tensor_parallel import local_graph
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 # A bf16 / fp16 step's logits move by several of the dtype's rounding steps whenever a GEMM's row
@@ -114,21 +115,6 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     return lowered, f"cpu lowering: {done}"
 
 
-def _local(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` with its all-reduces (a tensor-parallel rank's, :mod:`pagedpack.passes.tensor_parallel`)
-    passing their input through: the check compares one rank's local ops and runs no collective,
-    which the other ranks would not join. ``gm`` itself when it has none."""
-    collectives = (torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default)
-    if not any(n.target in collectives for n in gm.graph.nodes):
-        return gm
-    local = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    for node in [n for n in local.graph.nodes if n.target in collectives]:
-        node.replace_all_uses_with(node.args[0])
-        local.graph.erase_node(node)
-    local.recompile()
-    return local
-
-
 def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs,
            max_model_len: int | None) -> str | None:
     """None if ``lowered`` computes ``reference``'s logits on an example step (random tokens and
@@ -147,7 +133,8 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
               for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
     results = []
-    for which, program in (("the graph itself", _local(reference)), ("the lowered copy", _local(lowered))):
+    # a tensor-parallel rank's graphs without their all-reduces: the other ranks would not join them
+    for which, program in (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered))):
         try:
             with torch.no_grad():
                 results.append(program(*inputs, *(c.clone() for c in caches)))

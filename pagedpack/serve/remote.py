@@ -4,19 +4,13 @@ started on 127.0.0.1 and a free port, ready once ``/health`` answers 200, stoppe
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedpack.child_process import free_port
 
 
 def pagedpack_serve_command(*args: str, port: int, log_level: str = "warning") -> list[str]:
