@@ -88,8 +88,8 @@ class EngineArgs:
             process and ``N - 1`` worker processes on ``torch.distributed`` (gloo, CPU), each holding
             its shard of the weights and its KV heads (:mod:`pagedpack.runtime.tensor_parallel`); the
             split follows the model's ``transformers`` tp plan and is checked on a sample
-            (:mod:`pagedpack.passes.tensor_parallel`). Default 1. ``num_threads`` defaults to the
-            CPUs divided by it.
+            (:mod:`pagedpack.passes.tensor_parallel`). Default 1. A worker's step threads:
+            ``num_threads``, else the CPUs divided by it; rank 0's follow ``num_threads`` as without it.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -161,8 +161,7 @@ class EngineArgs:
 
     def _check_tensor_parallel(self, target: Target) -> None:
         """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size
-        it takes) on the CPU (gloo); each rank's step gets an equal share of this process's CPUs
-        unless ``num_threads`` says otherwise."""
+        it takes) on the CPU (gloo)."""
         from pagedpack.export import file_format
         from pagedpack.tp_export import manifest_size
 
@@ -180,10 +179,6 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "
                              f"tensor-parallel export's manifest on the CPU with the {DEFAULT_TARGET} target (gloo), "
                              f"got {got}")
-        if self.num_threads is None:
-            from pagedpack.runtime.cpu_threads import allowed_cpus
-
-            self.num_threads = max(1, len(allowed_cpus()) // self.tensor_parallel_size)
 
     def _check_extra_passes(self) -> None:
         if not isinstance(self.extra_passes, (list, tuple)):

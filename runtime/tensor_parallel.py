@@ -170,13 +170,14 @@ def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None
 def _worker_main(rank: int, args, build, port: int, timeout_s: float, parent: int, commands, errors) -> None:
     """A worker rank: join the group, ``build(args, rank)`` its program, then run what rank 0 sends
     until the stop command or the end of the command pipe (rank 0 gone)."""
+    from pagedpack.runtime.cpu_threads import allowed_cpus
     from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 
     exit_with_parent(parent, signal.SIGTERM)  # also while joining the group, when no pipe is read yet
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
-        torch.set_num_threads(args.num_threads)
+        torch.set_num_threads(args.num_threads or max(1, len(allowed_cpus()) // args.tensor_parallel_size))
         _init_group(rank, args.tensor_parallel_size, port, timeout_s)
         program = build(args, rank)
         release_memory()  # what the capture and the source model held, as LLM does after its build

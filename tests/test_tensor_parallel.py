@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pagedpack import LLM, SamplingParams
+from pagedpack import LLM, EngineArgs, SamplingParams
 from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.tensor_parallel import HeadSplit, check_shards, count_all_reduces, shard_step_graph
@@ -179,6 +179,11 @@ def test_what_tensor_parallel_cannot_serve_is_refused_before_starting_processes(
     with pytest.raises(ValueError, match=r"tensor_parallel_size: .*4 KV heads neither split over 3 ranks"):
         LLM(tiny_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4), tensor_parallel_size=3)
     assert not mp.active_children()
+
+
+def test_rank_zero_leaves_the_thread_count_to_num_threads():
+    """Fixing rank 0's step threads to CPUs / N set this process's torch count for every later LLM in it."""
+    assert EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2).num_threads is None
 
 
 # ---------------------------------------------------------------- tensor-parallel export
