@@ -1,7 +1,9 @@
-"""Graph modes of the ``ascend`` target (``lowering/ascend/graphs.py``), on the op emulation.
+"""Graph modes of the ``ascend`` target (``lowering/ascend/graphs.py``), on the op emulation and
+the ACL graph stand-in (``kernels/npu_graph_emulation.py``).
 
-Decode steps run a static graph per batch-size bucket, the others eagerly; the padded steps are
-compared with the reference target (the project's own ops, unpadded) on the same batches.
+Decode steps run a graph per batch-size bucket (an ACL graph replayed, or a static TorchAir
+graph), the others eagerly; the padded steps are compared with the reference target (the
+project's own ops, unpadded) on the same batches.
 """
 import random
 
@@ -49,18 +51,46 @@ def test_pad_decode_keeps_t_equal_to_the_last_cumulative_length_and_writes_only_
                    width=4, padding_block=8, block_size=BLOCK)
 
 
-def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_model, monkeypatch):
+def _runners(tnd_model, num_blocks, max_model_len, **ascend):
+    """The ascend target's runner, the reference target's, and an fp32 reference's, by name."""
+    llms = {"ascend": LLM(tnd_model, target="ascend", **ascend, block_size=BLOCK, num_blocks=num_blocks,
+                          max_model_len=max_model_len),
+            "reference": LLM(tnd_model, target="reference", block_size=BLOCK, num_blocks=num_blocks,
+                             max_model_len=max_model_len),
+            # the exact reference the two bf16 runs are measured against
+            "fp32": LLM(snapshot(tnd_model).float(), block_size=BLOCK, num_blocks=num_blocks,
+                        max_model_len=max_model_len)}
+    return llms["ascend"].program, {target: llm.llm_engine.runner for target, llm in llms.items()}
+
+
+def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_within_own_error):
+    """Run each step (``(request, new tokens)`` pairs) on every runner and ``compare`` the logits."""
+    for parts in steps:
+        for r, n in parts:
+            if r.num_computed_tokens + n > r.num_tokens:  # a decode: the token sampled last step
+                r.append_output(7, max_model_len)
+        scheduled = [ScheduledRequest(r, n) for r, n in parts]
+        for s in scheduled:
+            assert kv.allocate_slots(s.request, s.num_new_tokens)
+        batch = build_batch(scheduled, block_size=BLOCK, num_blocks=num_blocks)
+        got, expected, exact = (runners[t].execute(batch) for t in ("ascend", "reference", "fp32"))
+        assert got.shape == expected.shape
+        compare(got, expected, exact)
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+
+@pytest.mark.parametrize("mode", ["aclgraph", "decode_buckets"])
+def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, monkeypatch, mode):
     """40 steps: prefills and a mixed step (eager), then decode batches of every size 1..37 in a
-    shuffled order (graphs); a recording backend counts the graphs dynamo compiles. Logits match the
-    reference target on the same batches; blocks no request holds are never written."""
+    shuffled order (graphs): one ACL graph captured per bucket used and replayed for every decode
+    step, or one TorchAir graph compiled per bucket (a recording backend counts what dynamo
+    compiles). Logits match the reference target on every step; blocks no request holds are never
+    written."""
     recorded = []
     monkeypatch.setattr(ascend_target, "emulation_backend", lambda gm, inputs: recorded.append(gm) or gm.forward)
     num_blocks, max_model_len = 96, 512
-    llms = {target: LLM(tnd_model, target=target, block_size=BLOCK, num_blocks=num_blocks,
-                        max_model_len=max_model_len) for target in ("ascend", "reference")}
-    llms["fp32"] = LLM(snapshot(tnd_model).float(), block_size=BLOCK, num_blocks=num_blocks,
-                       max_model_len=max_model_len)  # the exact reference the two bf16 runs are measured against
-    runners = {target: llm.llm_engine.runner for target, llm in llms.items()}
+    program, runners = _runners(tnd_model, num_blocks, max_model_len, target_options={"graph_mode": mode})
     sentinel = float("nan")
     for cache in runners["ascend"].kv_caches:
         cache.fill_(sentinel)
@@ -74,26 +104,21 @@ def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_mode
              [(requests[0], 1), (requests[36], len(requests[36].prompt_token_ids))]]  # mixed
     steps += [[(r, 1) for r in random.Random(b).sample(requests, b)] for b in sizes]
     assert len(steps) == 40
-    for parts in steps:
-        for r, n in parts:
-            if r.num_computed_tokens + n > r.num_tokens:  # a decode: the token sampled last step
-                r.append_output(7, max_model_len)
-        scheduled = [ScheduledRequest(r, n) for r, n in parts]
-        for s in scheduled:
-            assert kv.allocate_slots(s.request, s.num_new_tokens)
-        batch = build_batch(scheduled, block_size=BLOCK, num_blocks=num_blocks)
-        got, expected, exact = (runners[t].execute(batch) for t in ("ascend", "reference", "fp32"))
-        assert got.shape == expected.shape
-        assert_within_own_error(got, expected, exact)
-        for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-    stats = llms["ascend"].program.graphs
+    _run_steps(runners, steps, kv, num_blocks, max_model_len)
+    stats = program.graphs
     used = sorted({next(b for b in DEFAULT_GRAPH_BATCH_SIZES if b >= size) for size in sizes})
-    assert sorted(stats.buckets_compiled) == used and len(recorded) == stats.graphs_compiled == len(used)
+    assert sorted(stats.buckets_compiled) == used and stats.graphs_compiled == len(used)
     assert (stats.graph_steps, stats.eager_steps) == (37, 3)
-    for gm in recorded:  # static shapes: no symbolic size among the graph's inputs
-        assert not any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
-                       if n.op == "placeholder")
+    if mode == "aclgraph":
+        assert not recorded and sorted(program.run.captured) == used
+        for captured in program.run.captured.values():  # each layer's FIA recorded as updatable
+            assert len(captured.graph.updatable) == 2
+        assert f"aclgraph: {len(used)} graph(s) captured" in stats.describe() and "37 replays" in stats.describe()
+    else:
+        assert len(recorded) == len(used)
+        for gm in recorded:  # static shapes: no symbolic size among the graph's inputs
+            assert not any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes
+                           if n.op == "placeholder")
     held = {b for r in requests for b in r.block_ids}
     for cache in runners["ascend"].kv_caches:
         untouched = [b for b in range(num_blocks) if b not in held]
@@ -101,8 +126,56 @@ def test_decode_steps_of_1_to_37_sequences_compile_one_graph_per_bucket(tnd_mode
         assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
 
 
-def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd_model):
-    """The reference target, the padded decode graphs and the dynamic graph mode each give the
+@pytest.mark.parametrize("refresh", [True, False], ids=["refreshed", "stale"])
+def test_a_replay_needs_this_steps_kv_lengths(tnd_model, monkeypatch, refresh):
+    """Two decode steps in one bucket with different sequences: the second replays the graph the
+    first captured. With the length refresh its logits are the reference's; without it FIA reads
+    the first step's KV lengths and the logits are wrong, so a missing refresh cannot pass."""
+    from pagedpack.lowering.ascend.graphs import ACLGraphBuckets
+
+    if not refresh:
+        monkeypatch.setattr(ACLGraphBuckets, "refresh", lambda self, captured, padded: None)
+    num_blocks, max_model_len = 16, 512
+    program, runners = _runners(tnd_model, num_blocks, max_model_len, target_options={"graph_batch_sizes": [2]})
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
+                for i, p in enumerate(random_prompts([5, 150, 40, 260], seed=3))]
+    steps = [[(r, len(r.prompt_token_ids)) for r in requests], [(r, 1) for r in requests[:2]],
+             [(r, 1) for r in requests[2:]]]
+    mismatches = []
+
+    def compare(got, expected, exact):
+        try:
+            assert_within_own_error(got, expected, exact)
+        except AssertionError as err:
+            mismatches.append(err)
+
+    _run_steps(runners, steps, kv, num_blocks, max_model_len, compare=compare)
+    assert (program.graphs.graphs_compiled, program.graphs.graph_steps) == (1, 2)
+    assert (mismatches == []) == refresh, mismatches
+
+
+def test_the_capture_reads_no_device_value():
+    """A device-to-host read inside a capture fails there (a capturing stream cannot synchronise):
+    the stand-in raises, so host lengths read in the captured program would be caught."""
+    from pagedpack.kernels.npu_graph_emulation import NPUGraph, graph
+
+    g = NPUGraph()
+    x = torch.arange(4)
+    with pytest.raises(RuntimeError, match="device-to-host read"):
+        with graph(g, auto_dispatch_capture=True):
+            (x + 1).sum().item()
+    with pytest.raises(RuntimeError, match="not captured with auto_dispatch_capture=True"):
+        with graph(g):
+            x.add_(1)
+        g.update(cpu_update_input=[{}])
+    g.replay()  # the recorded in-place add runs again on the captured tensor
+    assert x.tolist() == [2, 3, 4, 5]
+
+
+def test_every_graph_mode_gives_the_reference_tokens(tnd_model):
+    """The reference target, the replayed ACL graphs, the padded TorchAir decode graphs and the
+    dynamic graph mode each give the
     unmodified model's greedy tokens, a bf16 tie aside (the targets' attention sums in different
     orders: a 1-ulp bf16 difference picks the other side of a tie)."""
     reference = snapshot(tnd_model)
@@ -110,16 +183,18 @@ def test_padded_decode_graphs_and_the_dynamic_mode_give_the_reference_tokens(tnd
     params = SamplingParams(temperature=0.0, max_tokens=12)
     tokens = {}
     for name, kwargs in (("reference", {}),
-                         ("decode_buckets", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
+                         ("aclgraph", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
+                         ("decode_buckets", dict(target="ascend", target_options={"graph_mode": "decode_buckets",
+                                                                                  "graph_batch_sizes": [4, 8]})),
                          ("dynamic", dict(target="ascend", target_options={"graph_mode": "dynamic"}))):
         llm = LLM(tnd_model, block_size=BLOCK, max_num_batched_tokens=256, **kwargs)
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       params, use_tqdm=False)]
-        if name == "decode_buckets":  # 5 decoding sequences run padded to 8, fewer padded to 4
+        if name in ("aclgraph", "decode_buckets"):  # 5 decoding sequences run padded to 8, fewer padded to 4
             assert llm.program.graphs.graph_steps > 0 and set(llm.program.graphs.buckets_compiled) <= {4, 8}
         if name == "dynamic":
             assert llm.program.graphs.eager_steps == 0 and llm.program.graphs.graph_steps > 0
-    for prompt, *outputs in zip(prompts, tokens["reference"], tokens["decode_buckets"], tokens["dynamic"]):
+    for prompt, *outputs in zip(prompts, *tokens.values()):
         expected = hf_greedy(reference, prompt, 12)
         for got in outputs:
             assert_greedy_tokens_or_tie(reference, prompt, got, expected)
@@ -130,7 +205,8 @@ def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_m
     has two users, the view the scatter reads and one ``copy_`` back into it whose source is a view
     of the scatter result (``torchair/patterns/_recover_view_inplace_pattern.py``); otherwise every
     layer copies its whole cache each step."""
-    llm = LLM(tnd_model, target="ascend", block_size=BLOCK, num_blocks=4)
+    llm = LLM(tnd_model, target="ascend", target_options={"graph_mode": "decode_buckets"}, block_size=BLOCK,
+              num_blocks=4)
     gm = llm.rewritten.graph_module  # lowered in place: the graph compiled per bucket
     functional = make_fx(torch.func.functionalize(gm))(*step_example_inputs(llm.rewritten, BLOCK, "cpu"))
     functional.graph.eliminate_dead_code()
@@ -151,12 +227,12 @@ def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_m
     (dict(target_options={"graph_mode": "dynamic"}),
      "target_options: the reference target takes no options, got \\['graph_mode'\\]"),
     (dict(target="ascend", target_options={"graph_mode": "static"}),
-     "graph_mode: expected one of \\['decode_buckets', 'dynamic'\\]"),
+     "graph_mode: expected one of \\['aclgraph', 'decode_buckets', 'dynamic'\\]"),
     (dict(target="ascend", target_options={"graph_batch_sizes": [0, 4]}),
      "graph_batch_sizes: expected a non-empty list of ints in 1..40"),
     (dict(target="ascend", target_options={"graph_batch_sizes": []}), "graph_batch_sizes: expected a non-empty list"),
     (dict(target="ascend", target_options={"graph_mode": "dynamic", "graph_batch_sizes": [4]}),
-     "only the decode_buckets graph mode"),
+     "only the aclgraph and decode_buckets graph modes"),
     (dict(target="ascend", target_options={"graph_modes": "dynamic"}),
      "target_options: the ascend target takes \\['graph_mode', 'graph_batch_sizes'\\], got \\['graph_modes'\\]"),
     (dict(target="ascend", target_options=["graph_mode"]), "target_options: the ascend target takes"),

@@ -4,6 +4,7 @@ Numbers are compared with independent references: the explicit-mask fp32 attenti
 ``test_ops`` for single steps, the reference target for whole generations.
 """
 import importlib
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -296,7 +297,7 @@ def test_mixed_batch_matches_the_reference_target(tnd_model, mixed_prompts):
         outputs[target] = [r.outputs[0].token_ids for r in results]
         if target == "ascend":  # decode steps padded to their bucket's graph, the others eager
             graphs = llm.program.graphs
-            assert graphs.mode == "decode_buckets" and graphs.graph_steps > 0 and graphs.eager_steps > 0
+            assert graphs.mode == "aclgraph" and graphs.graph_steps > 0 and graphs.eager_steps > 0
             assert any(b not in (len(s.seq_lens) for s in steps) for b in graphs.buckets_compiled), "none padded"
     q_lens = [b.cu_seqlens_q.diff() for b in steps]
     cached = [b.seq_lens - q for b, q in zip(steps, q_lens)]
@@ -351,7 +352,11 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
     assert cli_main([*args, "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "1 (0 failed)" in out
-    assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in out
+    assert re.search(r"aclgraph: 1 graph\(s\) captured \(batch sizes 1\); 2 replays \(length refresh [0-9.]+ ms "
+                     r"and replay [0-9.]+ ms per replay\), 1 steps eagerly", out), out
+    assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=decode_buckets"]) == 0
+    assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in \
+        capsys.readouterr().out
     assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=dynamic"]) == 0
     assert "dynamic: " in capsys.readouterr().out
     # A float32 model is outside TND's limits: a clear error, no traceback.
@@ -469,18 +474,25 @@ def test_torchair_backend_uses_the_production_config(monkeypatch):
 
 
 @pytest.mark.parametrize("version, ok", [("8.2.RC1", False), ("8.3.RC1", True), ("8.3.0", True), ("8.5.0", True),
+                                         ("9.1.0", True), ("9.0.RC1", True), ("10.0.RC1", "warn"),
                                          ("7.0.0", False), ("8.3.RC1.alpha002", True), (None, False)])
 def test_cann_version_is_checked_when_the_npu_ops_are_taken(monkeypatch, version, ok):
     """A stand-in torch_npu reporting ``torch.version.cann``: below 8.3.RC1 npu_ops() refuses
-    with the version found and the one needed, before touching TorchAir's op modules."""
+    with the version found and the one needed, before touching TorchAir's op modules; 8.3.RC1 to
+    9.x pass quietly; a later major release passes with a warning naming the followed range."""
     imported = []
     monkeypatch.setitem(sys.modules, "torch_npu", ModuleType("torch_npu"))
     monkeypatch.setitem(sys.modules, "torchair", ModuleType("torchair"))
     monkeypatch.setattr(torch.version, "cann", version, raising=False)
     monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name))
     if ok:
-        with pytest.raises(AttributeError):  # past the check: the stand-ins define no air / npu ops
-            npu_ops()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(AttributeError):  # past the check: the stand-ins define no air / npu ops
+                npu_ops()
+        newer = [str(w.message) for w in caught if issubclass(w.category, AscendUnverifiedWarning)]
+        assert len(newer) == (ok == "warn"), newer
+        assert all("newer than the releases this lowering follows (8.3.RC1 - 9.x)" in m for m in newer)
         assert imported == ["torchair.ops._npu_fused_infer_attention_score"]
     else:
         needed = "is not set" if version is None else f"found CANN {version}"

@@ -76,10 +76,10 @@ def test_the_emulation_has_the_real_signature(real, emulated):
 
 
 def test_the_lowering_emits_only_arguments_the_real_ops_take():
-    """Both lowered graphs of the default graph mode: the one compiled per decode bucket (air FIA)
-    and the eager one (torch_npu FIA)."""
+    """Both lowered graphs of the decode_buckets graph mode: the one compiled per decode bucket
+    (air FIA) and the eager one (torch_npu FIA, also what the aclgraph mode runs and captures)."""
     llm = LLM(tiny_model("llama", dtype=torch.bfloat16, head_dim=128), target="ascend", block_size=128,
-              num_blocks=4, max_num_batched_tokens=256, max_num_seqs=8)
+              num_blocks=4, max_num_batched_tokens=256, max_num_seqs=8, target_options={"graph_mode": "decode_buckets"})
     ops = emulated_ops()
     schemas = {ops.fused_infer_attention_score: torch._C.parse_schema(AIR_FIA),
                ops.fused_infer_attention_score_eager: torch._C.parse_schema(NPU_FIA),

@@ -1,15 +1,38 @@
-"""Graph modes of the ``ascend`` target: which steps run in a compiled graph, which eagerly.
+"""Graph modes of the ``ascend`` target: which steps run in a graph, which eagerly.
 
-``"decode_buckets"`` (the default) is the pattern production Ascend inference ships: vllm-ascend's
+``"aclgraph"`` (the default) is what production runs in 2026: vllm-ascend removed its TorchAir
+graph mode (PR #4814, 2025-12, "aclgraph is stable and fast now") and captures ACL graphs
+(``torch.npu.NPUGraph``) of its decode steps, per batch size, running prefill eagerly
+(``FULL_DECODE_ONLY``; ``docs/source/user_guide/feature_guide/graph_mode.md``). Here:
+
+- a decode step (the bucket rule below) copies its padded metadata into the input tensors its
+  bucket's graph captured, refreshes FIA's host length lists and replays the graph. The graph is
+  the eager program (torch_npu's FIA with host lists, :data:`~pagedpack.lowering.ascend.lower.
+  HOST_LENGTH_INPUTS`), captured on the bucket's first step with ``auto_dispatch_capture=True``;
+- the refresh is one call per replay, not per layer: the KV lengths are read once
+  (``seq_lens.tolist()``) and ``NPUGraph.update`` gets them for every FIA call it recorded (one
+  dict for all of them, or one per call when windowed sites carry the dummy sequence). torch_npu
+  then relaunches each call's task group on its update stream, the per-layer work vllm-ascend
+  measured at ~38 % of its main thread (RFC #13058), which no caller can avoid; the query lengths
+  of a padded decode bucket (``1 .. bucket``) never change and are not refreshed. A replay without
+  the refresh computes with the lengths of the capture's step (tested: the emulation then gives
+  the wrong logits);
+- every other step runs the eager program.
+
+Off an NPU the graphs are captured and replayed by :mod:`pagedpack.kernels.npu_graph_emulation`.
+
+``"decode_buckets"`` is the pattern production Ascend inference shipped until late 2025: vllm-ascend's
 former TorchAir model runner compiled decode only, with static shapes and the batch padded to a
 list of graph batch sizes (``torchair_graph_config.graph_batch_sizes``), prefill eager;
 cann-recipes-infer compiles decode with ``dynamic=False`` and runs prefill eagerly. TorchAir's
 docs say that any dynamic dimension makes FIA compute its tiling on the host every step, which
 static graphs avoid. Here:
 
+Both bucket modes (``aclgraph``, ``decode_buckets``) pick steps the same way:
+
 - a step of decodes only (every sequence computes one token: ``T == B``, one logits row each) with
   ``B`` at most the largest bucket runs the static graph of the smallest bucket ``>= B``
-  (compiled on first use, then reused). The metadata is padded to the bucket by
+  (captured or compiled on first use, then reused). The metadata is padded to the bucket by
   :func:`pad_decode`; the padding rows of the logits are dropped;
 - every other step (prefill, chunked prefill, mixed, a decode batch above the largest bucket, or
   one returning the prompt rows of ``prompt_logprobs``) runs the eager program: torch_npu's FIA
@@ -27,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,28 +58,38 @@ import torch
 import torch.fx
 
 from pagedpack.contract import METADATA_INPUTS
+from pagedpack.lowering.ascend.lower import host_lengths
 from pagedpack.metadata import StepMetadata
 
-GRAPH_MODES = ("decode_buckets", "dynamic")
-DEFAULT_GRAPH_MODE = "decode_buckets"
+GRAPH_MODES = ("aclgraph", "decode_buckets", "dynamic")
+DEFAULT_GRAPH_MODE = "aclgraph"
+BUCKET_MODES = ("aclgraph", "decode_buckets")
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
 class GraphStats:
-    """What a graph mode did so far: graphs compiled (bucket sizes for ``decode_buckets``) and how
-    many steps ran in a compiled graph and how many eagerly."""
+    """What a graph mode did so far: graphs compiled or captured (bucket sizes for the bucket
+    modes), how many steps ran in a graph and how many eagerly; for ``aclgraph`` also the
+    seconds spent refreshing FIA's host lengths and replaying (host time, summed over replays)."""
 
     mode: str
     graphs_compiled: int = 0
     buckets_compiled: list[int] = field(default_factory=list)
     graph_steps: int = 0
     eager_steps: int = 0
+    refresh_s: float = 0.0
+    replay_s: float = 0.0
 
     def describe(self) -> str:
         buckets = f" (batch sizes {', '.join(map(str, self.buckets_compiled))})" if self.buckets_compiled else ""
-        return (f"{self.mode}: {self.graphs_compiled} graph(s) compiled{buckets}; {self.graph_steps} steps ran in a "
-                f"compiled graph, {self.eager_steps} eagerly")
+        if self.mode != "aclgraph":
+            return (f"{self.mode}: {self.graphs_compiled} graph(s) compiled{buckets}; {self.graph_steps} steps ran "
+                    f"in a compiled graph, {self.eager_steps} eagerly")
+        timing = (f" (length refresh {1e3 * self.refresh_s / self.graph_steps:.3f} ms and replay "
+                  f"{1e3 * self.replay_s / self.graph_steps:.1f} ms per replay)") if self.graph_steps else ""
+        return (f"aclgraph: {self.graphs_compiled} graph(s) captured{buckets}; {self.graph_steps} replays{timing}, "
+                f"{self.eager_steps} steps eagerly")
 
 
 def counting(backend: Callable, stats: GraphStats) -> Callable:
@@ -104,25 +138,19 @@ def pad_decode(metadata: list[torch.Tensor], bucket: int, *, width: int, padding
     ]
 
 
-class DecodeBuckets:
-    """The ``decode_buckets`` graph mode (module docstring): a step program over caches of
-    ``num_blocks + padding_blocks`` blocks.
-
-    ``graph``: the step graph lowered for compiled graphs (tensor lengths); a copy is compiled per
-    bucket with ``backend`` (``torch.compile(..., dynamic=False, fullgraph=True)``). ``eager``: the
-    step graph lowered for eager runs (host lengths). ``batch_sizes``: the buckets, ascending.
-    ``max_blocks_per_seq``: the static block-table width, ``ceil(max_model_len / block_size)``.
-    """
+class _DecodeBucketProgram:
+    """What the bucket modes share (module docstring): a step program over caches of
+    ``num_blocks + padding_blocks`` blocks whose decode steps run padded to a bucket
+    (:meth:`run_bucket`) and whose other steps run ``eager``, the step graph lowered with host
+    lengths (``eager(*inputs, *host_lengths(...))``). ``batch_sizes``: the buckets.
+    ``max_blocks_per_seq``: the static block-table width, ``ceil(max_model_len / block_size)``."""
 
     padding_blocks = 1
 
-    def __init__(self, graph: torch.fx.GraphModule, eager: Callable, *, batch_sizes: list[int],
-                 max_blocks_per_seq: int, backend: Callable):
-        self.graph, self.eager, self.batch_sizes = graph, eager, sorted(batch_sizes)
+    def __init__(self, eager: Callable, *, batch_sizes: list[int], max_blocks_per_seq: int, stats: GraphStats):
+        self.eager, self.batch_sizes = eager, sorted(batch_sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.stats = GraphStats("decode_buckets")
-        self.backend = counting(backend, self.stats)
-        self.graphs: dict[int, Callable] = {}
+        self.stats = stats
 
     def bucket(self, num_tokens: int, num_seqs: int, num_columns: int) -> int | None:
         """The bucket a step runs in, or None (run eagerly)."""
@@ -136,16 +164,98 @@ class DecodeBuckets:
             if metadata.logits_indices.shape[0] == metadata.num_seqs else None
         if bucket is None:
             self.stats.eager_steps += 1
-            return self.eager(*inputs)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = torch.compile(copy_module(self.graph), backend=self.backend, dynamic=False,
-                                                fullgraph=True)
-            self.stats.buckets_compiled.append(bucket)
+            return self.eager(*inputs, *host_lengths(metadata.cu_seqlens_q, metadata.seq_lens))
         key_cache = caches[0]
         padded = pad_decode(metadata, bucket, width=self.max_blocks_per_seq, padding_block=key_cache.shape[0] - 1,
                             block_size=key_cache.shape[1])
         self.stats.graph_steps += 1
-        return self.graphs[bucket](*padded, *caches)[:metadata.num_seqs]
+        return self.run_bucket(bucket, padded, caches, metadata.num_seqs)
+
+    def run_bucket(self, bucket: int, padded: list[torch.Tensor], caches, num_seqs: int) -> torch.Tensor:
+        """The first ``num_seqs`` logits rows of the padded decode step."""
+        raise NotImplementedError
+
+
+class DecodeBuckets(_DecodeBucketProgram):
+    """The ``decode_buckets`` graph mode: ``graph``, the step graph lowered for compiled graphs
+    (tensor lengths), is compiled per bucket with ``backend``
+    (``torch.compile(..., dynamic=False, fullgraph=True)``) on a copy each."""
+
+    def __init__(self, graph: torch.fx.GraphModule, eager: Callable, *, batch_sizes: list[int],
+                 max_blocks_per_seq: int, backend: Callable):
+        super().__init__(eager, batch_sizes=batch_sizes, max_blocks_per_seq=max_blocks_per_seq,
+                         stats=GraphStats("decode_buckets"))
+        self.graph = graph
+        self.backend = counting(backend, self.stats)
+        self.graphs: dict[int, Callable] = {}
+
+    def run_bucket(self, bucket, padded, caches, num_seqs):
+        if bucket not in self.graphs:
+            self.graphs[bucket] = torch.compile(copy_module(self.graph), backend=self.backend, dynamic=False,
+                                                fullgraph=True)
+            self.stats.buckets_compiled.append(bucket)
+        return self.graphs[bucket](*padded, *caches)[:num_seqs]
+
+
+@dataclass
+class _Captured:
+    """One bucket's ACL graph: the input tensors it captured, its output, the caches it writes."""
+
+    graph: object
+    inputs: list[torch.Tensor]
+    caches: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+
+
+class ACLGraphBuckets(_DecodeBucketProgram):
+    """The ``aclgraph`` graph mode (module docstring). ``eager``: the step graph lowered with host
+    lengths, for eager steps and captured per bucket. ``graph_api``: ``torch.npu`` on an NPU, else
+    :mod:`pagedpack.kernels.npu_graph_emulation` (``NPUGraph`` and ``graph``). ``windowed``: per FIA
+    call of ``eager``, in graph order, whether its site appends the sliding window's dummy sequence
+    (its KV list then ends in a 0)."""
+
+    def __init__(self, eager: Callable, *, batch_sizes: list[int], max_blocks_per_seq: int, graph_api,
+                 windowed: list[bool]):
+        super().__init__(eager, batch_sizes=batch_sizes, max_blocks_per_seq=max_blocks_per_seq,
+                         stats=GraphStats("aclgraph"))
+        self.graph_api, self.windowed = graph_api, windowed
+        self.captured: dict[int, _Captured] = {}
+
+    def run_bucket(self, bucket, padded, caches, num_seqs):
+        captured = self.captured.get(bucket)
+        if captured is None or any(a is not b for a, b in zip(captured.caches, caches)):
+            captured = self.captured[bucket] = self.capture(padded, caches)
+            self.stats.graphs_compiled += 1
+            self.stats.buckets_compiled.append(bucket)
+        for buffer, value in zip(captured.inputs, padded):
+            buffer.copy_(value)
+        start = time.perf_counter()
+        self.refresh(captured, padded)
+        replay = time.perf_counter()
+        captured.graph.replay()
+        self.stats.refresh_s += replay - start
+        self.stats.replay_s += time.perf_counter() - replay
+        return captured.output[:num_seqs].clone()
+
+    def capture(self, padded: list[torch.Tensor], caches) -> _Captured:
+        """Capture the eager program on copies of ``padded`` (which later steps copy into). The host
+        lists are read before the capture, which cannot read the device."""
+        inputs = [t.clone() for t in padded]
+        lengths = host_lengths(inputs[2], inputs[3])
+        graph = self.graph_api.NPUGraph()
+        with self.graph_api.graph(graph, auto_dispatch_capture=True):
+            output = self.eager(*inputs, *caches, *lengths)
+        return _Captured(graph, inputs, tuple(caches), output)
+
+    def refresh(self, captured: _Captured, padded: list[torch.Tensor]) -> None:
+        """This step's KV lengths into every captured FIA call: one read, one ``update``."""
+        kv_lens = padded[3].tolist()
+        if not any(self.windowed):
+            captured.graph.update(cpu_update_input=[{"actual_seq_lengths_kv": kv_lens}])
+        else:
+            windowed = kv_lens + [0]
+            captured.graph.update(cpu_update_input=[{"actual_seq_lengths_kv": windowed if w else kv_lens}
+                                                    for w in self.windowed])
 
 
 class DynamicGraph:
@@ -175,6 +285,6 @@ def check_graph_batch_sizes(sizes, *, limit: int) -> list[int]:
 def max_blocks_per_seq(max_model_len: int | None, block_size: int) -> int:
     """The static block-table width of a bucket graph."""
     if max_model_len is None:
-        raise ValueError("max_model_len: the decode_buckets graph mode sizes its block tables by it, and the model "
+        raise ValueError("max_model_len: the bucket graph modes size its block tables by it, and the model "
                          "records no limit; pass max_model_len")
     return math.ceil(max_model_len / block_size)

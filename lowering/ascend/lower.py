@@ -43,9 +43,12 @@ Lengths are int64 tensors computed in the graph from the metadata inputs, the fo
 ``torch.ops.air.npu_fused_infer_attention_score`` takes (torchair/ops/_npu_fused_infer_attention_score.py);
 the air op runs only under TorchAir's max-autotune (GE) mode, so this is the form of compiled
 graphs. A graph lowered with ``eager=True`` calls torch_npu's ``torch.ops.npu`` op instead, which
-takes host int lists (``SymInt[]``): the lengths are read to the host once per step (``tolist``)
-and shared by every site, as vllm-ascend's eager attention passes them. Which steps run which
-graph: :mod:`pagedpack.lowering.ascend.graphs`.
+takes host int lists (``SymInt[]``): the graph takes them as its last two inputs
+(:data:`HOST_LENGTH_INPUTS`), which the caller reads off the step's metadata once per step
+(:func:`host_lengths`) and every site shares, as vllm-ascend passes its CPU-side lengths to its
+eager attention. Lists that are inputs, not read in the graph, are also what a captured ACL graph
+needs: no device-to-host read inside the capture, and a replay refreshes them by name
+(``NPUGraph.update``). Which steps run which graph: :mod:`pagedpack.lowering.ascend.graphs`.
 
 Cache writes use ``npu_scatter_nd_update_`` (rows by slot, in place, no ATB; TorchAir converts it to
 an in-place ScatterNdUpdate and restores the in-place form after functionalisation,
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import importlib
 import operator
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +72,21 @@ from torch.fx import Node
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
-from pagedpack.lowering.ascend.limits import WINDOW_DUMMY_ROWS, AttentionShape, check_supported
+from pagedpack.lowering.ascend.limits import (
+    WINDOW_DUMMY_ROWS,
+    AscendUnverifiedWarning,
+    AttentionShape,
+    check_supported,
+)
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
 from pagedpack.metadata import example_metadata
 
 aten = torch.ops.aten
 COMPRESSED_MASK_SIZE = 2048
 _MASK_BUFFER = "ascend_compressed_causal_mask"
+# The eager form's last two inputs: FIA's host lists, ``cu_seqlens_q[1:]`` and ``seq_lens``
+# (:func:`host_lengths`), read from the step's metadata once per step by the caller.
+HOST_LENGTH_INPUTS = ("host_actual_seq_lengths", "host_actual_seq_lengths_kv")
 _PAGEDPACK_OPS = (torch.ops.pagedpack.reshape_and_cache.default, torch.ops.pagedpack.paged_attention.default)
 
 
@@ -116,6 +128,10 @@ def import_torchair():
 
 
 MIN_CANN = "8.3.RC1"
+# The newest major release the choices here follow: vllm-ascend v0.23 runs CANN 9.1.0 with torch 2.10 /
+# torch_npu 2.10.0.post4; late-2025 releases ran CANN 8.3.RC2 - 8.5.0 with torch_npu 2.7.1 - 2.8.0.
+FOLLOWED_CANN = "8.3.RC1 - 9.x"
+NEWEST_CANN_MAJOR = 9
 
 
 def cann_version_key(version: str) -> tuple[int, int, int, int]:
@@ -132,7 +148,8 @@ def cann_version_key(version: str) -> tuple[int, int, int, int]:
 
 
 def check_cann_version(version: str | None) -> None:
-    """Refuse CANN older than :data:`MIN_CANN`: before 8.3.RC1 FIA rejects TND with a block table
+    """Refuse CANN older than :data:`MIN_CANN`, warn (:class:`AscendUnverifiedWarning`) for a major
+    release past :data:`NEWEST_CANN_MAJOR` (the followed range is :data:`FOLLOWED_CANN`): before 8.3.RC1 FIA rejects TND with a block table
     at run time ("When layout is TND, not support Page Attention", vllm-ascend issue #4373; vllm-ascend
     gated the path on ``torch.version.cann``), older builds reject head_dim 128 in TND (vllm-ascend
     #8045), and TorchAir's pass restoring the in-place cache update after functionalisation exists
@@ -141,10 +158,14 @@ def check_cann_version(version: str | None) -> None:
     if version is None:
         raise AscendUnavailableError(f"the ascend target needs CANN >= {MIN_CANN}, and torch.version.cann is not set "
                                      "(torch_npu sets it from the installed toolkit): cannot tell which CANN runs")
-    if cann_version_key(version) < cann_version_key(MIN_CANN):
+    key = cann_version_key(version)
+    if key < cann_version_key(MIN_CANN):
         raise AscendUnavailableError(
             f"the ascend target needs CANN >= {MIN_CANN} (TND with a block table: vllm-ascend #4373; in-place "
             f"cache writes through TorchAir), found CANN {version} (torch.version.cann); upgrade the toolkit")
+    if key[0] > NEWEST_CANN_MAJOR:
+        warnings.warn(f"ascend target: CANN {version} is newer than the releases this lowering follows "
+                      f"({FOLLOWED_CANN}); op signatures may have changed", AscendUnverifiedWarning, stacklevel=2)
 
 
 def npu_ops() -> AscendOps:
@@ -179,8 +200,9 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
 
     ``example_inputs`` are inputs ``gm`` accepts (real or fake; only their shapes and dtypes are
     used, to read each site's heads, head sizes, dtype and block size). ``eager``: for running
-    ``gm`` eagerly, with torch_npu's FIA and the lengths read to host lists (``tolist``) once per
-    step, as vllm-ascend's eager attention passes them; otherwise TorchAir's tensor-length form.
+    ``gm`` eagerly or in a captured ACL graph, with torch_npu's FIA and the lengths as host lists
+    passed after the caches (:data:`HOST_LENGTH_INPUTS`, :func:`host_lengths`); otherwise
+    TorchAir's tensor-length form.
     Raises :class:`pagedpack.lowering.ascend.limits.AscendLoweringError` (a ``ValueError``) if a
     site breaks a documented limit; ``gm`` is then unchanged.
     """
@@ -262,6 +284,12 @@ def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor
     return [inputs[name] for name in METADATA_INPUTS] + caches
 
 
+def host_lengths(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> list[list[int]]:
+    """The eager form's host lists: ``[cu_seqlens_q[1:], seq_lens]`` as Python ints (one
+    device-to-host read each per step)."""
+    return [cu_seqlens_q[1:].tolist(), seq_lens.tolist()]
+
+
 class _Emitter:
     """Inserts the Ascend ops; what all sites share (int64 lengths, the mask) is built once."""
 
@@ -303,26 +331,15 @@ class _Emitter:
         with self.graph.inserting_before(node):
             caches = [self._call(aten.view.default, c, [-1, shape.block_size, shape.num_kv_heads * d])
                       for c, d in ((args["key_cache"], shape.head_dim), (args["value_cache"], shape.value_head_dim))]
-            ends = self._once(("cumulative_q", cu_seqlens_q), lambda: self._call(
-                aten.slice.Tensor, self._call(aten._to_copy.default, cu_seqlens_q, dtype=torch.int64), 0, 1))
-            kv_lens = self._once(("kv_lens", seq_lens), lambda: self._call(
-                aten._to_copy.default, seq_lens, dtype=torch.int64))
+            ends, kv_lens = self._lengths(cu_seqlens_q, seq_lens, windowed=window is not None)
             mask = self._once(("mask",), lambda: self._mask(query))
             query = self._call(aten.contiguous.default, query)  # FIA takes no non-contiguous tensor
             band = dict(sparse_mode=3)
             if window is not None:  # the module docstring: a dummy sequence keeps the call off the Q_S == 1 branch
                 query = self._call(aten.constant_pad_nd.default, query, [0, 0, 0, 0, 0, WINDOW_DUMMY_ROWS], 0.0)
-                ends = self._once(("cumulative_q_dummy", cu_seqlens_q), lambda: self._call(
-                    aten.cat.default, [ends, self._call(aten.add.Tensor, self._call(aten.slice.Tensor, ends, 0, -1),
-                                                        WINDOW_DUMMY_ROWS)]))
-                kv_lens = self._once(("kv_lens_dummy", seq_lens), lambda: self._call(
-                    aten.constant_pad_nd.default, kv_lens, [0, 1], 0))
                 block_table = self._once(("block_table_dummy", block_table), lambda: self._call(
                     aten.constant_pad_nd.default, block_table, [0, 0, 0, 1], 0))
                 band = dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
-            if self.eager:  # host lists, read once per step and shared by every site
-                ends, kv_lens = (self._once(("host", t), lambda t=t: self.graph.call_method("tolist", (t,)))
-                                 for t in (ends, kv_lens))
             result = self._call(
                 self.fia, query, *caches,
                 atten_mask=mask, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens, block_table=block_table,
@@ -334,6 +351,36 @@ class _Emitter:
                 out = self._call(aten.slice.Tensor, out, 0, 0, -WINDOW_DUMMY_ROWS)
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
+
+    def _lengths(self, cu_seqlens_q: Node, seq_lens: Node, *, windowed: bool) -> tuple[Node, Node]:
+        """FIA's ``(actual_seq_lengths, actual_seq_lengths_kv)``: int64 tensors computed from the
+        metadata, or in the eager form the two host lists of :data:`HOST_LENGTH_INPUTS`; a windowed
+        site's carry the dummy sequence (``T + 2`` rows, KV length 0)."""
+        if self.eager:
+            ends, kv_lens = self._once(("host",), self._host_inputs)
+            if windowed:
+                ends = self._once(("host_dummy_q",), lambda: self._call(operator.add, ends, [self._call(
+                    operator.add, self._call(operator.getitem, ends, -1), WINDOW_DUMMY_ROWS)]))
+                kv_lens = self._once(("host_dummy_kv",), lambda: self._call(operator.add, kv_lens, [0]))
+            return ends, kv_lens
+        ends = self._once(("cumulative_q",), lambda: self._call(
+            aten.slice.Tensor, self._call(aten._to_copy.default, cu_seqlens_q, dtype=torch.int64), 0, 1))
+        kv_lens = self._once(("kv_lens",), lambda: self._call(aten._to_copy.default, seq_lens, dtype=torch.int64))
+        if windowed:
+            ends = self._once(("cumulative_q_dummy",), lambda: self._call(aten.cat.default, [ends, self._call(
+                aten.add.Tensor, self._call(aten.slice.Tensor, ends, 0, -1), WINDOW_DUMMY_ROWS)]))
+            kv_lens = self._once(("kv_lens_dummy",), lambda: self._call(aten.constant_pad_nd.default, kv_lens,
+                                                                        [0, 1], 0))
+        return ends, kv_lens
+
+    def _host_inputs(self) -> tuple[Node, Node]:
+        """The two host-list inputs, appended after the graph's last input."""
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        with self.graph.inserting_after(last):
+            kv_lens = self.graph.placeholder(HOST_LENGTH_INPUTS[1])
+        with self.graph.inserting_after(last):
+            ends = self.graph.placeholder(HOST_LENGTH_INPUTS[0])
+        return ends, kv_lens
 
     def _mask(self, query: Node) -> Node:
         """The compressed mask as a buffer of ``gm`` on the query's device."""

@@ -2,12 +2,14 @@
 
 - limits: :mod:`pagedpack.lowering.ascend.limits` (each documented FIA limit with its source);
 - lowering: :mod:`pagedpack.lowering.ascend.lower` (``pagedpack`` ops -> FIA + ``npu_scatter_nd_update_``);
-- graph modes: :mod:`pagedpack.lowering.ascend.graphs` (static decode graphs per batch-size
-  bucket and eager prefill, as production runs; or one dynamic graph);
-- running: on an ``npu`` device, graphs compile with TorchAir's GE backend
-  (:mod:`pagedpack.lowering.ascend.torchair`);
+- graph modes: :mod:`pagedpack.lowering.ascend.graphs` (ACL graphs of decode steps per
+  batch-size bucket and eager prefill, as production runs in 2026; static TorchAir decode graphs
+  per bucket, as until late 2025; or one dynamic TorchAir graph);
+- running: on an ``npu`` device, ACL graphs through ``torch.npu.NPUGraph``, TorchAir graphs with
+  its GE backend (:mod:`pagedpack.lowering.ascend.torchair`);
 - emulation: elsewhere, the same graphs run on :mod:`pagedpack.kernels.ascend_emulation`, which
-  implements the documented op contracts.
+  implements the documented op contracts, ACL graphs on
+  :mod:`pagedpack.kernels.npu_graph_emulation`.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ import torch.fx
 
 from pagedpack.devices import is_npu
 from pagedpack.lowering.ascend.graphs import (
+    BUCKET_MODES,
     DEFAULT_GRAPH_BATCH_SIZES,
     DEFAULT_GRAPH_MODE,
     GRAPH_MODES,
+    ACLGraphBuckets,
     DecodeBuckets,
     DynamicGraph,
     check_graph_batch_sizes,
@@ -42,6 +46,14 @@ from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
 from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
 
 
+def npu_graph_api(emulated: bool):
+    """What provides ``NPUGraph`` and ``graph``: ``torch.npu`` (torch_npu) on an NPU, else the stand-in."""
+    if not emulated:
+        return torch.npu
+    import pagedpack.kernels.npu_graph_emulation as stand_in
+    return stand_in
+
+
 def emulation_backend(gm: torch.fx.GraphModule, example_inputs):
     """Stands for TorchAir's GE backend off an NPU: runs the graph dynamo captured, as captured,
     on the emulated ops (dynamo still specialises, guards and recompiles as it would there)."""
@@ -50,11 +62,12 @@ def emulation_backend(gm: torch.fx.GraphModule, example_inputs):
 
 @dataclass(frozen=True)
 class AscendOptions(TargetOptions):
-    """``graph_mode``: which steps run in a compiled graph, one of :data:`GRAPH_MODES`
-    (``decode_buckets``, the default: decode steps in a static graph per batch-size bucket, the
-    others eager, as production runs; ``dynamic``: one dynamic graph for every step);
+    """``graph_mode``: which steps run in a graph, one of :data:`GRAPH_MODES` (``aclgraph``, the
+    default: decode steps replay an ACL graph captured per batch-size bucket, the others eager, as
+    production runs in 2026; ``decode_buckets``: a static TorchAir graph per bucket instead, as
+    until late 2025; ``dynamic``: one dynamic TorchAir graph for every step);
     ``graph_batch_sizes``: the decode buckets (default 1, 2, 4, ..., 64; each at most the TND limit),
-    ``decode_buckets`` only. :mod:`pagedpack.lowering.ascend.graphs`."""
+    bucket modes only. :mod:`pagedpack.lowering.ascend.graphs`."""
 
     graph_mode: str = DEFAULT_GRAPH_MODE
     graph_batch_sizes: tuple[int, ...] | None = None
@@ -62,8 +75,8 @@ class AscendOptions(TargetOptions):
     def __post_init__(self):
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode: expected one of {list(GRAPH_MODES)}, got {self.graph_mode!r}")
-        if self.graph_batch_sizes is not None and self.graph_mode != "decode_buckets":
-            raise ValueError(f"graph_batch_sizes: only the decode_buckets graph mode takes them, "
+        if self.graph_batch_sizes is not None and self.graph_mode not in BUCKET_MODES:
+            raise ValueError(f"graph_batch_sizes: only the {' and '.join(BUCKET_MODES)} graph modes take them, "
                              f"got graph_mode={self.graph_mode!r}")
         sizes = DEFAULT_GRAPH_BATCH_SIZES if self.graph_batch_sizes is None else self.graph_batch_sizes
         object.__setattr__(self, "graph_batch_sizes", tuple(check_graph_batch_sizes(sizes, limit=MAX_TND_SEQS)))
@@ -94,25 +107,35 @@ class AscendTarget(Target):
 
     def lower(self, rewritten, options: AscendOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
-        """Lower ``rewritten`` in place (TorchAir's tensor-length ops) and wrap it in the graph mode
-        of ``options``; ``decode_buckets`` also lowers a copy for eager steps (torch_npu's host-length
-        ops). On an NPU graphs compile with TorchAir's GE backend, elsewhere with
-        :func:`emulation_backend` over the emulated ops."""
+        """Lower ``rewritten`` in place and wrap it in the graph mode of ``options``: ``aclgraph``
+        lowers it with host lengths (torch_npu's ops, run eagerly and captured per bucket);
+        ``dynamic`` with TorchAir's tensor-length ops; ``decode_buckets`` both (a copy for eager
+        steps). On an NPU, ACL graphs are ``torch.npu.NPUGraph`` and TorchAir graphs compile with its
+        GE backend; elsewhere the emulations stand in (:func:`emulation_backend`,
+        :mod:`pagedpack.kernels.npu_graph_emulation`)."""
         emulated = self.emulated(device)
         ops = emulated_ops() if emulated else npu_ops()
-        eager = copy_module(rewritten.graph_module) if options.graph_mode == "decode_buckets" else None
-        shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
-        backend = emulation_backend if emulated else torchair_backend()
-        if eager is None:
-            program = DynamicGraph(rewritten.graph_module, backend, compile_step)
+        mode = options.graph_mode
+        buckets = dict(batch_sizes=list(options.graph_batch_sizes),
+                       max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
+            if mode in BUCKET_MODES else {}
+        if mode == "aclgraph":
+            shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device,
+                                     eager=True)
+            program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
+                                      windowed=[s.sliding_window is not None for s in shapes], **buckets)
         else:
-            lower_to_ascend(eager, step_example_inputs(rewritten, block_size, device), ops=ops, bounds=bounds,
-                            eager=True)
-            program = DecodeBuckets(rewritten.graph_module, eager, batch_sizes=list(options.graph_batch_sizes),
-                                    max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size),
-                                    backend=backend)
-        buckets = f" {list(options.graph_batch_sizes)}" if eager is not None else ""
-        note = f"{describe(shapes, ops)}; graph mode {options.graph_mode}{buckets}"
+            eager = copy_module(rewritten.graph_module) if mode == "decode_buckets" else None
+            shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
+            backend = emulation_backend if emulated else torchair_backend()
+            if eager is None:
+                program = DynamicGraph(rewritten.graph_module, backend, compile_step)
+            else:
+                lower_to_ascend(eager, step_example_inputs(rewritten, block_size, device), ops=ops, bounds=bounds,
+                                eager=True)
+                program = DecodeBuckets(rewritten.graph_module, eager, backend=backend, **buckets)
+        note = f"{describe(shapes, ops)}; graph mode {mode}"
+        note += f" {list(options.graph_batch_sizes)}" if buckets else ""
         note += f"; emulated on {device}" if emulated else ""
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, graphs=program.stats,
                            padding_blocks=program.padding_blocks)
