@@ -148,12 +148,14 @@ def cann_version_key(version: str) -> tuple[int, int, int, int]:
 
 
 def check_cann_version(version: str | None) -> None:
-    """Refuse CANN older than :data:`MIN_CANN`, warn (:class:`AscendUnverifiedWarning`) for a major
-    release past :data:`NEWEST_CANN_MAJOR` (the followed range is :data:`FOLLOWED_CANN`): before 8.3.RC1 FIA rejects TND with a block table
-    at run time ("When layout is TND, not support Page Attention", vllm-ascend issue #4373; vllm-ascend
-    gated the path on ``torch.version.cann``), older builds reject head_dim 128 in TND (vllm-ascend
-    #8045), and TorchAir's pass restoring the in-place cache update after functionalisation exists
-    only from 8.3.RC1 (without it every layer copies its whole cache every step).
+    """Refuse CANN older than :data:`MIN_CANN`; warn (:class:`AscendUnverifiedWarning`) for a major
+    release past :data:`NEWEST_CANN_MAJOR` (the followed range is :data:`FOLLOWED_CANN`).
+
+    Before 8.3.RC1 FIA rejects TND with a block table at run time ("When layout is TND, not support
+    Page Attention", vllm-ascend issue #4373; vllm-ascend gated the path on ``torch.version.cann``),
+    older builds reject head_dim 128 in TND (vllm-ascend #8045), and TorchAir's pass restoring the
+    in-place cache update after functionalisation exists only from 8.3.RC1 (without it every layer
+    copies its whole cache every step).
     Raises :class:`AscendUnavailableError` naming the version found and the one needed."""
     if version is None:
         raise AscendUnavailableError(f"the ascend target needs CANN >= {MIN_CANN}, and torch.version.cann is not set "
