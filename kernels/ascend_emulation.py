@@ -12,6 +12,10 @@ the arguments the lowering uses) and the semantics the torch-npu 2.13.0 wheel do
   "npu_fused_infer_attention_score"; for TND also entry "npu_fused_infer_attention_score_v2"
   (both entries lower to the same GE op, FusedInferAttentionScore). Output shapes:
   ``op_plugin/meta/_meta_registrations.py``.
+- ``..._v2`` in both namespaces stands for FIA v2 (``npu_fused_infer_attention_score_v2``: the same
+  kernel, arguments renamed, plus ``learnable_sink``; ``_op_plugin_docs.py`` entry
+  "npu_fused_infer_attention_score_v2"; schema: TorchAir's ``_npu_fused_infer_attention_score_v2.py``
+  and op-plugin's ``op_plugin_functions.yaml``).
 - ``pagedpack_npu.npu_scatter_nd_update_`` stands for ``torch.ops.npu.npu_scatter_nd_update_``
   (``_op_plugin_docs.py`` entry "npu_scatter_nd_update_"), ``npu_scatter_nd_update`` for its
   functional twin. Functionalisation (``torch.func.functionalize``, AOT compilation) turns the
@@ -48,10 +52,21 @@ _FIA_ARGS = (
     'str input_layout="BSH", int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, '
     "int block_size=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)"
 )
+# FIA v2: v1's arguments renamed (actual_seq_qlen / actual_seq_kvlen, num_query_heads, softmax_scale,
+# return_softmax_lse), plus learnable_sink.
+FIA_V2 = "npu_fused_infer_attention_score_v2"
+_FIA_V2_ARGS = (
+    "(Tensor query, Tensor key, Tensor value, *, Tensor? atten_mask=None, "
+    "{lengths}? actual_seq_qlen=None, {lengths}? actual_seq_kvlen=None, Tensor? block_table=None, "
+    "Tensor? learnable_sink=None, int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, "
+    'int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", int sparse_mode=0, '
+    "int block_size=0, int inner_precise=0, bool return_softmax_lse=False) -> (Tensor, Tensor)"
+)
 _AIR = torch.library.Library("pagedpack_air", "DEF")
-_AIR.define(FIA + _FIA_ARGS.format(lengths="Tensor"))
 _NPU = torch.library.Library("pagedpack_npu", "DEF")
-_NPU.define(FIA + _FIA_ARGS.format(lengths="SymInt[]"))
+for _library, _lengths_type in ((_AIR, "Tensor"), (_NPU, "SymInt[]")):
+    _library.define(FIA + _FIA_ARGS.format(lengths=_lengths_type))
+    _library.define(FIA_V2 + _FIA_V2_ARGS.format(lengths=_lengths_type))
 _NPU.define(f"{SCATTER}(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)")
 _NPU.define("npu_scatter_nd_update(Tensor input, Tensor indices, Tensor updates) -> Tensor")
 
@@ -335,19 +350,25 @@ def _visible(q_len, kv_len, *, sparse_mode, mask, pre_tokens, next_tokens, decod
     return (j >= i + offset - pre_tokens) & (j <= i + offset + next_tokens)  # 4: band
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, row_invalid_correction: bool):
+def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, row_invalid_correction: bool,
+            sink: Tensor | None = None):
     """One batch entry in fp32: ``q [sq, N, D]``, ``k``/``v [skv, KV_N, D]`` -> ``([sq, N, Dv], lse [sq, N])``.
-    GQA: query head ``h`` reads KV head ``h // (N / KV_N)``. Rows without a visible key: zeros
-    with row-invalid correction, else NaN."""
+    GQA: query head ``h`` reads KV head ``h // (N / KV_N)``. ``sink`` ``[N]``: a logit per head
+    that joins each row's softmax denominator and weighs no value (FIA v2's ``learnable_sink``,
+    gpt-oss's sinks), so a row without a visible key gives zeros. Otherwise rows without a
+    visible key: zeros with row-invalid correction, else NaN."""
     sq, num_heads, _ = q.shape
     kv_heads = k.shape[1]
     q = q.float().view(sq, kv_heads, num_heads // kv_heads, -1)
     scores = torch.einsum("qgrd,kgd->grqk", q, k.float()) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [KV_N, rep, sq]
-    out = torch.einsum("grqk,kgd->qgrd", torch.softmax(scores, dim=-1), v.float()).reshape(sq, num_heads, -1)
-    seen = visible.any(-1)[:, None, None]
-    out = torch.where(seen, out, 0.0 if row_invalid_correction else float("nan"))
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.float().view(kv_heads, num_heads // kv_heads, 1))
+    out = torch.einsum("grqk,kgd->qgrd", torch.exp(scores - lse[..., None]), v.float()).reshape(sq, num_heads, -1)
+    if sink is None:
+        seen = visible.any(-1)[:, None, None]
+        out = torch.where(seen, out, 0.0 if row_invalid_correction else float("nan"))
     return out, lse.reshape(num_heads, sq).T
 
 
@@ -449,7 +470,7 @@ def npu_fused_infer_attention_score(
     actual_seq_lengths: Tensor | list[int] | None = None, actual_seq_lengths_kv: Tensor | list[int] | None = None,
     block_table: Tensor | None = None, num_heads: int = 1, scale: float = 1.0, pre_tokens: int = _INT_MAX,
     next_tokens: int = _INT_MAX, input_layout: str = "BSH", num_key_value_heads: int = 0, sparse_mode: int = 0,
-    inner_precise: int = 0, block_size: int = 0, softmax_lse_flag: bool = False,
+    inner_precise: int = 0, block_size: int = 0, softmax_lse_flag: bool = False, learnable_sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``softmax(scale * q k^T + mask) v`` per batch, with the doc's reading of every argument.
 
@@ -465,11 +486,15 @@ def npu_fused_infer_attention_score(
     decode branch: sparse_mode, pre/next tokens and ``actual_seq_lengths`` have no effect.
     GQA: query head ``h`` reads KV head ``h // (num_heads // num_key_value_heads)``.
 
+    ``learnable_sink`` (FIA v2 only, :func:`npu_fused_infer_attention_score_v2`): see :func:`_attend`.
+
     Returns ``(attention_out, softmax_lse)``: the query's shape with value's D in query's dtype;
     the fp32 log-sum-exp ``[B, N, S, 1]`` / ``[T, N, 1]`` if ``softmax_lse_flag``, else shape ``[0]``.
     Raises ``ValueError`` on a call the docs reject.
     """
     dims = _check_static(query, key, value, block_table, num_heads, num_key_value_heads, input_layout)
+    if learnable_sink is not None:
+        _check_sink(learnable_sink, dims)
     _require(sparse_mode in (0, 1, 2, 3, 4), FIA, f"sparse_mode={sparse_mode} not supported (0, 1, 2, 3, 4)")
     kv_values = _lengths(actual_seq_lengths_kv, "actual_seq_lengths_kv")
     _require(not dims.paged or kv_values is not None, FIA, "page attention requires actual_seq_lengths_kv")
@@ -492,7 +517,7 @@ def npu_fused_infer_attention_score(
     results = [_attend(q, k, v, _visible(len(q), len(k), sparse_mode=sparse_mode, pre_tokens=pre_tokens,
                                          next_tokens=next_tokens, decode=queries.decode, device=query.device,
                                          mask=None if mask is None else mask[b if mask.shape[0] > 1 else 0]),
-                       scale, corrected)
+                       scale, corrected, learnable_sink)
                for b, (q, k, v) in enumerate(zip(queries.rows, keys, values))]
     return _assemble(query, results, queries, dims, softmax_lse_flag)
 
@@ -524,6 +549,38 @@ def _fake_fia(query, key, value, *, atten_mask=None, actual_seq_lengths=None, ac
     return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=torch.float32)
 
 
+def _check_sink(sink: Tensor, dims: _Dims) -> None:
+    """The v2 doc's learnable_sink constraints (the quantisation, pse, left padding and shared
+    prefix it excludes are not emulated at all)."""
+    _require(dims.layout == "TND", FIA_V2, f"learnable_sink supports the TND layout only, got {dims.layout}")
+    _require(dims.value_head_dim <= 128, FIA_V2, f"learnable_sink needs value D <= 128, got {dims.value_head_dim}")
+    _require(sink.dtype == torch.bfloat16 and tuple(sink.shape) == (dims.num_heads,), FIA_V2,
+             f"learnable_sink must be bfloat16 of shape (Q_N,) = ({dims.num_heads},), got {sink.dtype} "
+             f"{tuple(sink.shape)}")
+
+
+def _v1_arguments(actual_seq_qlen=None, actual_seq_kvlen=None, num_query_heads=1, softmax_scale=1.0,
+                  return_softmax_lse=False, **same) -> dict:
+    """FIA v2's keyword arguments under v1's names (the v2 doc: the same operator, renamed arguments)."""
+    return dict(same, actual_seq_lengths=actual_seq_qlen, actual_seq_lengths_kv=actual_seq_kvlen,
+                num_heads=num_query_heads, scale=softmax_scale, softmax_lse_flag=return_softmax_lse)
+
+
+def npu_fused_infer_attention_score_v2(query: Tensor, key: Tensor, value: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
+    """``npu_fused_infer_attention_score_v2`` (``_op_plugin_docs.py`` / torch_npu's
+    ``npu_fused_infer_attention_score_v2`` doc): :func:`npu_fused_infer_attention_score` with the
+    v2 argument names and ``learnable_sink`` (bfloat16 ``(Q_N,)``, TND only, value D <= 128)."""
+    return npu_fused_infer_attention_score(query, key, value, **_v1_arguments(**kwargs))
+
+
+def _fake_fia_v2(query, key, value, **kwargs):
+    arguments = _v1_arguments(**kwargs)
+    arguments.pop("learnable_sink", None)
+    return _fake_fia(query, key, value, **arguments)
+
+
 for _namespace in ("pagedpack_air", "pagedpack_npu"):
     torch.library.impl(f"{_namespace}::{FIA}", "CompositeExplicitAutograd")(npu_fused_infer_attention_score)
     torch.library.register_fake(f"{_namespace}::{FIA}")(_fake_fia)
+    torch.library.impl(f"{_namespace}::{FIA_V2}", "CompositeExplicitAutograd")(npu_fused_infer_attention_score_v2)
+    torch.library.register_fake(f"{_namespace}::{FIA_V2}")(_fake_fia_v2)

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 # The ops torch_npu's auto-dispatch capture records as updatable (its IFA handlers), emulated.
-UPDATABLE_OPS = ("npu_fused_infer_attention_score",)
+UPDATABLE_OPS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")
 
 
 @dataclass

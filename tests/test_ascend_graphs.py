@@ -126,22 +126,20 @@ def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, m
         assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
 
 
-@pytest.mark.parametrize("refresh", [True, False], ids=["refreshed", "stale"])
-def test_a_replay_needs_this_steps_kv_lengths(tnd_model, monkeypatch, refresh):
-    """Two decode steps in one bucket with different sequences: the second replays the graph the
-    first captured. With the length refresh its logits are the reference's; without it FIA reads
-    the first step's KV lengths and the logits are wrong, so a missing refresh cannot pass."""
+def test_a_replay_needs_this_steps_kv_lengths(tnd_model, monkeypatch):
+    """Decode steps in one bucket with different sequences: each replays the graph the first
+    captured. With the length refresh the logits are the reference's; without it FIA reads the
+    capture's KV lengths and the logits are wrong, so a missing refresh cannot pass."""
     from pagedpack.lowering.ascend.graphs import ACLGraphBuckets
 
-    if not refresh:
-        monkeypatch.setattr(ACLGraphBuckets, "refresh", lambda self, captured, padded: None)
     num_blocks, max_model_len = 16, 512
     program, runners = _runners(tnd_model, num_blocks, max_model_len, target_options={"graph_batch_sizes": [2]})
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
     requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(random_prompts([5, 150, 40, 260], seed=3))]
-    steps = [[(r, len(r.prompt_token_ids)) for r in requests], [(r, 1) for r in requests[:2]],
-             [(r, 1) for r in requests[2:]]]
+    prefill = [[(r, len(r.prompt_token_ids)) for r in requests]]
+    decodes = [[(r, 1) for r in requests[:2]], [(r, 1) for r in requests[2:]]]
+    _run_steps(runners, prefill + decodes, kv, num_blocks, max_model_len)  # refreshed: every step compared
     mismatches = []
 
     def compare(got, expected, exact):
@@ -150,9 +148,10 @@ def test_a_replay_needs_this_steps_kv_lengths(tnd_model, monkeypatch, refresh):
         except AssertionError as err:
             mismatches.append(err)
 
-    _run_steps(runners, steps, kv, num_blocks, max_model_len, compare=compare)
-    assert (program.graphs.graphs_compiled, program.graphs.graph_steps) == (1, 2)
-    assert (mismatches == []) == refresh, mismatches
+    monkeypatch.setattr(ACLGraphBuckets, "refresh", lambda self, captured, padded: None)
+    _run_steps(runners, decodes, kv, num_blocks, max_model_len, compare=compare)  # stale: the last refresh's
+    assert (program.graphs.graphs_compiled, program.graphs.graph_steps) == (1, 4)
+    assert len(mismatches) == 2, mismatches
 
 
 def test_the_capture_reads_no_device_value():
@@ -198,6 +197,24 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model):
         expected = hf_greedy(reference, prompt, 12)
         for got in outputs:
             assert_greedy_tokens_or_tie(reference, prompt, got, expected)
+
+
+def test_a_sliding_window_model_generates_the_reference_tokens_through_fia_v2():
+    """The tiny Mistral (a 12-key window, shorter than every prompt) on the default aclgraph mode:
+    each site is FIA v2's band with the dummy sequence, the replays refresh v2's
+    ``actual_seq_kvlen`` with the dummy's 0, and the tokens are the unmodified model's."""
+    model = tiny_model("mistral", **TND_MODEL)
+    reference = snapshot(model)
+    prompts = random_prompts((30, 60, 140), seed=5)
+    llm = LLM(model, target="ascend", block_size=BLOCK, max_num_batched_tokens=256)
+    assert "2 through npu_fused_infer_attention_score_v2" in llm.report.notes[-1]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10),
+                           use_tqdm=False)
+    graphs = llm.program.graphs
+    assert graphs.mode == "aclgraph" and graphs.graph_steps > 0
+    assert llm.program.run.kv_updates == [("actual_seq_kvlen", True)] * 2
+    for prompt, output in zip(prompts, outputs):
+        assert_greedy_tokens_or_tie(reference, prompt, output.outputs[0].token_ids, hf_greedy(reference, prompt, 10))
 
 
 def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model):

@@ -158,8 +158,9 @@ def _check_windowed_step(gm, seqs, window, seed=0):
     return (exact - full).abs().max()  # how much the window changed the result
 
 
-def test_window_is_lowered_to_the_band_with_a_dummy_sequence(windowed):
-    (fia,) = [n for n in windowed.graph.nodes if n.target == EMULATED.fused_infer_attention_score]
+def test_window_is_lowered_to_fia_v2s_band_with_a_dummy_sequence(windowed):
+    (fia,) = [n for n in windowed.graph.nodes if n.target == EMULATED.fused_infer_attention_score_v2]
+    assert "learnable_sink" not in fia.kwargs and fia.kwargs["softmax_scale"] == 128**-0.5
     assert (fia.kwargs["sparse_mode"], fia.kwargs["pre_tokens"], fia.kwargs["next_tokens"]) == (4, WINDOW - 1, 0)
     assert fia.kwargs["input_layout"] == "TND" and fia.kwargs["block_size"] == BLOCK
     targets = {getattr(n.target, "namespace", None) for n in windowed.graph.nodes if n.op == "call_function"}
@@ -185,12 +186,41 @@ def test_windows_below_at_and_above_the_kv_length(window):
     _check_windowed_step(gm, [(200, 56), (129, 1), (0, 129)], window, seed=window)
 
 
-REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=True), "sinks": dict(sinks=True),
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_sinks_are_fia_v2s_learnable_sink(window):
+    """A site with sinks (and a window, or none) calls FIA v2 with the sinks as its bfloat16
+    learnable_sink; the step matches the fp32 reference with the sink in the softmax denominator,
+    and the sinks changed the result."""
+    params = make_params(4, window=window, sinks=True)
+    params["sinks"] = params["sinks"].bfloat16()  # the model's dtype (TND: bfloat16)
+
+    def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
+        pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                             128**-0.5, **params)
+
+    example, _ = _step_inputs([(3, 2)])
+    gm = make_fx(step)(*example)
+    lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
+    (fia,) = [n for n in gm.graph.nodes if n.target == EMULATED.fused_infer_attention_score_v2]
+    assert fia.kwargs["sparse_mode"] == (3 if window is None else 4) and "learnable_sink" in fia.kwargs
+    seqs = [(0, 300), (260, 1), (180, 75), (40, 1)]
+    inputs, full_kv = _step_inputs(seqs, seed=5)
+    query, cu = inputs[0], inputs[6].tolist()
+    out = gm(*inputs)
+    exact, plain = (torch.cat([reference_attention(query[cu[b]:cu[b + 1]], k, v, 128**-0.5, sliding_window=window,
+                                                   **extra) for b, (k, v) in enumerate(full_kv)])
+                    for extra in ({"sinks": params["sinks"]}, {}))
+    torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=1e-5)
+    assert (exact - plain).abs().max() > 0.01
+
+
+REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=True),
            "attention_chunk_size": dict(chunk=32)}
 
 
 @pytest.mark.parametrize("param", REFUSED)
-def test_soft_cap_alibi_sinks_and_chunks_are_refused_naming_the_parameter(param):
+def test_soft_cap_alibi_and_chunks_are_refused_naming_the_parameter(param):
     params = make_params(4, window=64, **REFUSED[param])
 
     def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
@@ -234,7 +264,8 @@ LIMITS = {
     "window: B + dummy over 4096": (dict(sliding_window=512), dict(max_num_seqs=4096), "at most 4096 sequence"),
     "soft cap": (dict(logits_soft_cap=30.0), {}, "logits_soft_cap=30.0: FIA computes softmax"),
     "alibi": (dict(alibi=True), {}, "alibi_slopes: FIA's only score bias is pse_shift"),
-    "sinks": (dict(sinks=True), {}, "sinks: FIA has no sink logit"),
+    "sinks with value head_dim 192": (dict(sinks=True, head_dim=192, value_head_dim=192), {},
+                                      "learnable_sink needs value head_dim <= 128"),
 }
 
 
@@ -493,7 +524,8 @@ def test_cann_version_is_checked_when_the_npu_ops_are_taken(monkeypatch, version
         newer = [str(w.message) for w in caught if issubclass(w.category, AscendUnverifiedWarning)]
         assert len(newer) == (ok == "warn"), newer
         assert all("newer than the releases this lowering follows (8.3.RC1 - 9.x)" in m for m in newer)
-        assert imported == ["torchair.ops._npu_fused_infer_attention_score"]
+        assert imported == ["torchair.ops._npu_fused_infer_attention_score",
+                            "torchair.ops._npu_fused_infer_attention_score_v2"]
     else:
         needed = "is not set" if version is None else f"found CANN {version}"
         with pytest.raises(AscendUnavailableError, match=f"needs CANN >= 8.3.RC1.*{needed}"):

@@ -1,11 +1,14 @@
 """The ops the ascend lowering emits against the schemas of the real ones.
 
 The real ops exist only with torch_npu and CANN, so their schema strings are copied here:
-TorchAir's ``torch.ops.air.npu_fused_infer_attention_score`` (Ascend/torchair,
-``python/torchair/ops/_npu_fused_infer_attention_score.py``, ``lib.define``), torch_npu's eager
-``npu_fused_infer_attention_score`` (its function prototype in torch_npu's op documentation,
-``torch_npu-npu_fused_infer_attention_score.md``) and ``npu_scatter_nd_update_`` (as TorchAir's
-converter ``_npu_scatter_nd_update_.py`` quotes it), with its functional twin.
+TorchAir's ``torch.ops.air.npu_fused_infer_attention_score`` and ``..._v2`` (Ascend/torchair,
+``python/torchair/ops/_npu_fused_infer_attention_score.py`` and ``..._v2.py``, ``lib.define``),
+torch_npu's eager ``npu_fused_infer_attention_score`` (its function prototype in torch_npu's op
+documentation, ``torch_npu-npu_fused_infer_attention_score.md``) and
+``npu_fused_infer_attention_score_v2`` (Ascend/op-plugin ``op_plugin/config/op_plugin_functions.yaml``
+as of 2026-08, the entry every torch_npu from 2.1 to the newest, 2.10, is generated from), and
+``npu_scatter_nd_update_`` (as TorchAir's converter ``_npu_scatter_nd_update_.py`` quotes it),
+with its functional twin.
 If TorchAir renames or retypes an argument the lowering passes, update the copy and this test
 fails until the lowering follows.
 """
@@ -44,6 +47,36 @@ NPU_FIA = (
     "int inner_precise=0, int block_size=0, int antiquant_mode=0, bool softmax_lse_flag=False, "
     "int key_antiquant_mode=0, int value_antiquant_mode=0) -> (Tensor, Tensor)"
 )
+AIR_FIA_V2 = (
+    "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
+    "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, Tensor? actual_seq_qlen=None, "
+    "Tensor? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
+    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
+    "Tensor? quant_offset_out=None, Tensor? learnable_sink=None, int num_query_heads=1, int num_key_value_heads=0, "
+    "float softmax_scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
+    "int sparse_mode=0, int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+    "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, "
+    "int? value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+    "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, int? dequant_scale_key_dtype=None, "
+    "int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) "
+    "-> (Tensor, Tensor)"
+)
+NPU_FIA_V2 = (
+    "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
+    "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+    "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, "
+    "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+    "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, "
+    "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+    "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+    "str input_layout=\"BSH\", int sparse_mode=0, int block_size=0, int query_quant_mode=0, int key_quant_mode=0, "
+    "int value_quant_mode=0, int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+    "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, "
+    "int? key_shared_prefix_dtype=None, int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+    "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, "
+    "int? out_dtype=None) -> (Tensor, Tensor)"
+)
 NPU_SCATTER = "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)"
 NPU_SCATTER_FUNCTIONAL = "npu_scatter_nd_update(Tensor input, Tensor indices, Tensor updates) -> Tensor"
 
@@ -55,9 +88,11 @@ def arguments(schema: torch._C.FunctionSchema) -> dict[str, torch.Argument]:
 @pytest.mark.parametrize("real, emulated", [
     (AIR_FIA, emulated_ops().fused_infer_attention_score),
     (NPU_FIA, emulated_ops().fused_infer_attention_score_eager),
+    (AIR_FIA_V2, emulated_ops().fused_infer_attention_score_v2),
+    (NPU_FIA_V2, emulated_ops().fused_infer_attention_score_v2_eager),
     (NPU_SCATTER, emulated_ops().scatter_nd_update_),
     (NPU_SCATTER_FUNCTIONAL, torch.ops.pagedpack_npu.npu_scatter_nd_update.default),
-], ids=["air FIA", "npu FIA", "scatter_nd_update_", "scatter_nd_update"])
+], ids=["air FIA", "npu FIA", "air FIA v2", "npu FIA v2", "scatter_nd_update_", "scatter_nd_update"])
 def test_the_emulation_has_the_real_signature(real, emulated):
     """Every argument of the emulated op exists in the real one, in the same position kind (positional
     or keyword-only), type and default; the returns and the mutation annotation agree."""
@@ -75,15 +110,21 @@ def test_the_emulation_has_the_real_signature(real, emulated):
     assert [a.name for a in ours.arguments if not a.kwarg_only] == positional
 
 
-def test_the_lowering_emits_only_arguments_the_real_ops_take():
+@pytest.mark.parametrize("family, fia", [("llama", "v1"), ("mistral", "v2")])
+def test_the_lowering_emits_only_arguments_the_real_ops_take(family, fia):
     """Both lowered graphs of the decode_buckets graph mode: the one compiled per decode bucket
-    (air FIA) and the eager one (torch_npu FIA, also what the aclgraph mode runs and captures)."""
-    llm = LLM(tiny_model("llama", dtype=torch.bfloat16, head_dim=128), target="ascend", block_size=128,
+    (air FIA) and the eager one (torch_npu FIA, also what the aclgraph mode runs and captures);
+    FIA v1 for plain sites, v2 for the sliding window of the tiny Mistral."""
+    llm = LLM(tiny_model(family, dtype=torch.bfloat16, head_dim=128), target="ascend", block_size=128,
               num_blocks=4, max_num_batched_tokens=256, max_num_seqs=8, target_options={"graph_mode": "decode_buckets"})
     ops = emulated_ops()
-    schemas = {ops.fused_infer_attention_score: torch._C.parse_schema(AIR_FIA),
-               ops.fused_infer_attention_score_eager: torch._C.parse_schema(NPU_FIA),
-               ops.scatter_nd_update_: torch._C.parse_schema(NPU_SCATTER)}
+    schemas = {ops.scatter_nd_update_: torch._C.parse_schema(NPU_SCATTER)}
+    if fia == "v1":
+        schemas[ops.fused_infer_attention_score] = torch._C.parse_schema(AIR_FIA)
+        schemas[ops.fused_infer_attention_score_eager] = torch._C.parse_schema(NPU_FIA)
+    else:
+        schemas[ops.fused_infer_attention_score_v2] = torch._C.parse_schema(AIR_FIA_V2)
+        schemas[ops.fused_infer_attention_score_v2_eager] = torch._C.parse_schema(NPU_FIA_V2)
     calls = [n for gm in (llm.program.run.graph, llm.program.run.eager) for n in gm.graph.nodes
              if n.op == "call_function" and n.target in schemas]
     assert {n.target for n in calls} == set(schemas)

@@ -11,7 +11,8 @@ graph mode (PR #4814, 2025-12, "aclgraph is stable and fast now") and captures A
   HOST_LENGTH_INPUTS`), captured on the bucket's first step with ``auto_dispatch_capture=True``;
 - the refresh is one call per replay, not per layer: the KV lengths are read once
   (``seq_lens.tolist()``) and ``NPUGraph.update`` gets them for every FIA call it recorded (one
-  dict for all of them, or one per call when windowed sites carry the dummy sequence). torch_npu
+  dict for all of them, or one per call when sites differ: a windowed site's list carries its dummy
+  sequence, and FIA v2 names the argument ``actual_seq_kvlen``). torch_npu
   then relaunches each call's task group on its update stream, the per-layer work vllm-ascend
   measured at ~38 % of its main thread (RFC #13058), which no caller can avoid; the query lengths
   of a padded decode bucket (``1 .. bucket``) never change and are not refreshed. A replay without
@@ -210,15 +211,15 @@ class _Captured:
 class ACLGraphBuckets(_DecodeBucketProgram):
     """The ``aclgraph`` graph mode (module docstring). ``eager``: the step graph lowered with host
     lengths, for eager steps and captured per bucket. ``graph_api``: ``torch.npu`` on an NPU, else
-    :mod:`pagedpack.kernels.npu_graph_emulation` (``NPUGraph`` and ``graph``). ``windowed``: per FIA
-    call of ``eager``, in graph order, whether its site appends the sliding window's dummy sequence
-    (its KV list then ends in a 0)."""
+    :mod:`pagedpack.kernels.npu_graph_emulation` (``NPUGraph`` and ``graph``). ``kv_updates``: per
+    FIA call of ``eager``, in graph order, the name of its KV-lengths argument (v1 and v2 differ)
+    and whether its site appends the sliding window's dummy sequence (its list then ends in a 0)."""
 
     def __init__(self, eager: Callable, *, batch_sizes: list[int], max_blocks_per_seq: int, graph_api,
-                 windowed: list[bool]):
+                 kv_updates: list[tuple[str, bool]]):
         super().__init__(eager, batch_sizes=batch_sizes, max_blocks_per_seq=max_blocks_per_seq,
                          stats=GraphStats("aclgraph"))
-        self.graph_api, self.windowed = graph_api, windowed
+        self.graph_api, self.kv_updates = graph_api, kv_updates
         self.captured: dict[int, _Captured] = {}
 
     def run_bucket(self, bucket, padded, caches, num_seqs):
@@ -250,12 +251,13 @@ class ACLGraphBuckets(_DecodeBucketProgram):
     def refresh(self, captured: _Captured, padded: list[torch.Tensor]) -> None:
         """This step's KV lengths into every captured FIA call: one read, one ``update``."""
         kv_lens = padded[3].tolist()
-        if not any(self.windowed):
-            captured.graph.update(cpu_update_input=[{"actual_seq_lengths_kv": kv_lens}])
+        if len(set(self.kv_updates)) == 1:  # one dict serves every call
+            (name, dummy), = set(self.kv_updates)
+            captured.graph.update(cpu_update_input=[{name: kv_lens + [0] if dummy else kv_lens}])
         else:
-            windowed = kv_lens + [0]
-            captured.graph.update(cpu_update_input=[{"actual_seq_lengths_kv": windowed if w else kv_lens}
-                                                    for w in self.windowed])
+            with_dummy = kv_lens + [0]
+            captured.graph.update(cpu_update_input=[{name: with_dummy if dummy else kv_lens}
+                                                    for name, dummy in self.kv_updates])
 
 
 class DynamicGraph:

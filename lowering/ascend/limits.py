@@ -114,7 +114,7 @@ def unverified(s: AttentionShape) -> list[str]:
 
 
 def parameter_violations(s: AttentionShape) -> list[str]:
-    """The attention parameters FIA cannot compute, each named with its documented reason."""
+    """The attention parameters FIA (v1 or v2) cannot compute, each named with its documented reason."""
     out = []
     if s.logits_soft_cap is not None:
         out.append(f"logits_soft_cap={s.logits_soft_cap}: FIA computes softmax(scale*(query*key)+atten_mask)*value "
@@ -122,10 +122,9 @@ def parameter_violations(s: AttentionShape) -> list[str]:
     if s.alibi:
         out.append(f"alibi_slopes: FIA's only score bias is pse_shift, and the TND layout does not support pse "
                    f"[{FIA}, parameter input_layout: TND (不支持...pse...)]")
-    if s.sinks:
-        out.append(f"sinks: FIA has no sink logit in the softmax denominator; learnable_sink is a parameter of "
-                   f"npu_fused_infer_attention_score_v2 only, which this lowering does not emit "
-                   f"[{FIA}, 接口原型 (signature); {FIA_V2}, parameter learnable_sink]")
+    if s.sinks and s.value_head_dim > 128:
+        out.append(f"sinks with value head_dim {s.value_head_dim}: FIA v2's learnable_sink needs value head_dim "
+                   f"<= 128 [{FIA_V2}, learnable_sink constraints]")
     if s.attention_chunk_size is not None:
         out.append(f"attention_chunk_size={s.attention_chunk_size}: FIA's masks are causal or a band of "
                    f"pre_tokens/next_tokens around each row (sparse_mode 0-4), and a chunk's first key moves with "

@@ -25,13 +25,19 @@ Q_S is 1 [_op_plugin_docs.py, npu_fused_infer_attention_score, parameters pre_to
 sparse_mode], and a step of decodes only is such a call, which would silently attend every key. So a
 windowed site appends one dummy sequence of two query rows and no keys (zero query rows, KV length
 0, a block-table row of zeros; it needs no block, so the blocknum rule holds), which keeps every
-step on the band's branch; its two output rows are dropped::
+step on the band's branch; its two output rows are dropped. Windowed sites call FIA v2, as
+vllm-ascend does for sliding windows (the same kernel, arguments renamed)::
 
-    out = npu_fused_infer_attention_score(pad(q, 2 rows), ..., actual_seq_lengths=[cu_seqlens_q[1:], T + 2],
-              actual_seq_lengths_kv=[seq_lens, 0], block_table=pad(block_table, 1 row),
+    out = npu_fused_infer_attention_score_v2(pad(q, 2 rows), ..., actual_seq_qlen=[cu_seqlens_q[1:], T + 2],
+              actual_seq_kvlen=[seq_lens, 0], block_table=pad(block_table, 1 row),
               sparse_mode=4, pre_tokens=w - 1, next_tokens=0)[0][:-2]
 
-Logit soft-capping, ALiBi, sinks and attention chunks have no FIA equivalent: such a site is refused with an
+Attention sinks (gpt-oss: a logit per head in the softmax denominator) are FIA v2's
+``learnable_sink`` (bfloat16 ``(Q_N,)``; TND, value head_dim <= 128 [_op_plugin_docs.py,
+npu_fused_infer_attention_score_v2, learnable_sink constraints]); a site with sinks calls v2, with
+the band if it is also windowed.
+
+Logit soft-capping, ALiBi and attention chunks have no FIA equivalent: such a site is refused with an
 :class:`~pagedpack.lowering.ascend.limits.AscendLoweringError` naming the parameter and the reason
 (:func:`pagedpack.lowering.ascend.limits.parameter_violations`).
 
@@ -96,11 +102,14 @@ class AscendOps:
 
     fused_infer_attention_score: OpOverload  # tensor lengths: TorchAir's air op, for compiled graphs
     fused_infer_attention_score_eager: OpOverload  # host int lists: torch_npu's op, for eager steps
+    fused_infer_attention_score_v2: OpOverload  # the same two forms of FIA v2 (windows, sinks)
+    fused_infer_attention_score_v2_eager: OpOverload
     scatter_nd_update_: OpOverload
 
     @property
     def namespaces(self) -> set[str]:
         return {op.namespace for op in (self.fused_infer_attention_score, self.fused_infer_attention_score_eager,
+                                        self.fused_infer_attention_score_v2, self.fused_infer_attention_score_v2_eager,
                                         self.scatter_nd_update_)}
 
 
@@ -176,10 +185,13 @@ def npu_ops() -> AscendOps:
     after :func:`check_cann_version` of the installed CANN."""
     import_torchair()
     check_cann_version(getattr(torch.version, "cann", None))
-    # The air op's library is defined by this (private) module, which torchair.ops imports lazily.
+    # The air ops' library is defined by these (private) modules, which torchair.ops imports lazily.
     importlib.import_module("torchair.ops._npu_fused_infer_attention_score")
+    importlib.import_module("torchair.ops._npu_fused_infer_attention_score_v2")
     return AscendOps(torch.ops.air.npu_fused_infer_attention_score.default,
                      torch.ops.npu.npu_fused_infer_attention_score.default,
+                     torch.ops.air.npu_fused_infer_attention_score_v2.default,
+                     torch.ops.npu.npu_fused_infer_attention_score_v2.default,
                      torch.ops.npu.npu_scatter_nd_update_.default)
 
 
@@ -188,6 +200,8 @@ def emulated_ops() -> AscendOps:
     importlib.import_module("pagedpack.kernels.ascend_emulation")
     return AscendOps(torch.ops.pagedpack_air.npu_fused_infer_attention_score.default,
                      torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default,
+                     torch.ops.pagedpack_air.npu_fused_infer_attention_score_v2.default,
+                     torch.ops.pagedpack_npu.npu_fused_infer_attention_score_v2.default,
                      torch.ops.pagedpack_npu.npu_scatter_nd_update_.default)
 
 
@@ -246,8 +260,10 @@ def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
     kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
     windows = sorted({s.sliding_window for s in shapes if s.sliding_window is not None})
     band = f"; sparse_mode=4 band for sliding window(s) {windows}" if windows else ""
+    v2 = sum(map(uses_fia_v2, shapes))
+    v2 = f", {v2} through npu_fused_infer_attention_score_v2" if v2 else ""
     return (f"ascend lowering: {len(shapes)} site(s) -> npu_fused_infer_attention_score (TND, paged, sparse_mode=3"
-            f"{band}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
+            f"{band}{v2}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
 
 
 def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]:
@@ -286,6 +302,17 @@ def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor
     return [inputs[name] for name in METADATA_INPUTS] + caches
 
 
+def uses_fia_v2(shape: AttentionShape) -> bool:
+    """Whether a site is lowered to FIA v2: sinks need its ``learnable_sink``, and sliding windows
+    go through it as production does (vllm-ascend calls v2 for them)."""
+    return shape.sinks or shape.sliding_window is not None
+
+
+def kv_lengths_argument(shape: AttentionShape) -> str:
+    """The name of the FIA argument holding a site's KV lengths (what an ACL graph's update sets)."""
+    return "actual_seq_kvlen" if uses_fia_v2(shape) else "actual_seq_lengths_kv"
+
+
 def host_lengths(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> list[list[int]]:
     """The eager form's host lists: ``[cu_seqlens_q[1:], seq_lens]`` as Python ints (one
     device-to-host read each per step)."""
@@ -298,6 +325,7 @@ class _Emitter:
     def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object], eager: bool):
         self.gm, self.graph, self.ops, self.values, self.eager = gm, gm.graph, ops, values, eager
         self.fia = ops.fused_infer_attention_score_eager if eager else ops.fused_infer_attention_score
+        self.fia_v2 = ops.fused_infer_attention_score_v2_eager if eager else ops.fused_infer_attention_score_v2
         self._shared: dict[tuple, Node] = {}
 
     def _call(self, target, *args, **kwargs) -> Node:
@@ -342,12 +370,16 @@ class _Emitter:
                 block_table = self._once(("block_table_dummy", block_table), lambda: self._call(
                     aten.constant_pad_nd.default, block_table, [0, 0, 0, 1], 0))
                 band = dict(sparse_mode=4, pre_tokens=window - 1, next_tokens=0)
-            result = self._call(
-                self.fia, query, *caches,
-                atten_mask=mask, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens, block_table=block_table,
-                num_heads=shape.num_heads, scale=float(params.scale), input_layout="TND",
-                num_key_value_heads=shape.num_kv_heads, block_size=shape.block_size, **band,
-            )
+            common = dict(atten_mask=mask, block_table=block_table, input_layout="TND",
+                          num_key_value_heads=shape.num_kv_heads, block_size=shape.block_size, **band)
+            if uses_fia_v2(shape):  # the v2 doc's argument names
+                if shape.sinks:  # FIA v2 takes them as bfloat16 (Q_N,)
+                    common["learnable_sink"] = self._call(aten._to_copy.default, args["sinks"], dtype=torch.bfloat16)
+                result = self._call(self.fia_v2, query, *caches, actual_seq_qlen=ends, actual_seq_kvlen=kv_lens,
+                                    num_query_heads=shape.num_heads, softmax_scale=float(params.scale), **common)
+            else:
+                result = self._call(self.fia, query, *caches, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens,
+                                    num_heads=shape.num_heads, scale=float(params.scale), **common)
             out = self._call(operator.getitem, result, 0)
             if window is not None:
                 out = self._call(aten.slice.Tensor, out, 0, 0, -WINDOW_DUMMY_ROWS)

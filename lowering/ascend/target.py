@@ -36,6 +36,7 @@ from pagedpack.lowering.ascend.lower import (
     describe,
     emulated_ops,
     import_torchair,
+    kv_lengths_argument,
     lower_rewritten,
     lower_to_ascend,
     npu_ops,
@@ -123,7 +124,8 @@ class AscendTarget(Target):
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device,
                                      eager=True)
             program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
-                                      windowed=[s.sliding_window is not None for s in shapes], **buckets)
+                                      kv_updates=[(kv_lengths_argument(s), s.sliding_window is not None)
+                                                  for s in shapes], **buckets)
         else:
             eager = copy_module(rewritten.graph_module) if mode == "decode_buckets" else None
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
