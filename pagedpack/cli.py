@@ -356,9 +356,9 @@ def _export(args) -> int:
     if args.attention == "com.microsoft":
         runs = "onnxruntime's CUDA provider"
     elif args.format == "onnx":  # each step copies the whole pool: size it for the batch
-        runs = f"LLM.from_exported({path!r}, num_blocks=...)"
+        runs = f"LLM({path!r}, num_blocks=...)"
     else:
-        runs = f"LLM.from_exported({path!r})"
+        runs = f"LLM({path!r}) or pagedpack serve {path}"
     what = f"a manifest of {args.tensor_parallel_size} .pt2 files beside it" if args.tensor_parallel_size > 1 \
         else args.format
     print(f"wrote {path} ({what}); run it with {runs}")

@@ -7,7 +7,9 @@ model families it comes from and the attention implementation:
 - ``eager_*``: ``matmul(q, k^T) -> [mul or div by a constant] -> [add mask] -> softmax(-1) ->
   [casts, dropout] -> matmul(., v)``;
 - ``eager_alibi_*``: the same with an ALiBi bias joining the scores (BLOOM, MPT, Falcon with
-  ``alibi=True``), BLOOM's on ``[H, T, D]`` tensors (batch and heads merged, :data:`MERGED_HEADS`).
+  ``alibi=True``), BLOOM's on ``[H, T, D]`` tensors (batch and heads merged, :data:`MERGED_HEADS`);
+- ``eager_sinks``: a sink logit per head joins the scores as one more column, dropped after the
+  softmax (gpt-oss).
 In all, K and V may come through ``repeat_kv`` (``unsqueeze(2) -> expand -> reshape``); the site
 records the pre-repeat tensors, which are what the paged KV cache stores.
 Structural problems are recorded as a refusal reason on the site; nothing is changed here. What
@@ -17,6 +19,7 @@ the mask and the bias compute (the window, the ALiBi slopes) is read on a sample
 from __future__ import annotations
 
 import math
+import operator
 import re
 import sys
 from collections.abc import Callable
@@ -72,13 +75,15 @@ class AttentionSite:
     bias: Node | None = None  # a score bias (ALiBi) broadcasting to the scores [..., H, T, T]
     bias_factor: float = 1.0  # the bias enters the softmax times this (baddbmm beta; the scale if added before it)
     alibi_slopes: Tensor | None = None  # float32 [num_heads], read off the verified bias and mask
+    sinks: Node | None = None  # the per-head sink logits (before their reshape and expand to a column)
+    sink_values: Tensor | None = None  # [num_heads], read off ``sinks`` on the sample
 
     @property
     def sampled_nodes(self) -> tuple[Node | None, ...]:
         """The nodes whose values on a sample the verification checks (``mask``, ``bias`` may be None),
         then the other leaves of :meth:`computation`."""
         nodes = (self.mask, self.bias, self.query, self.key, self.value, self.key_source, self.value_source,
-                 self.output)
+                 self.output, self.sinks)
         return nodes + tuple(leaf for leaf in self.computation()[0] if leaf not in nodes)
 
     def computation(self) -> tuple[list[Node], list[Node]]:
@@ -109,7 +114,7 @@ class AttentionSite:
         """What the site computes besides causal ``softmax(q k^T * scale) v``, for the ops."""
         return AttentionParams(scale=default_scale(self), sliding_window=self.sliding_window,
                                logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes,
-                               attention_chunk_size=self.attention_chunk_size)
+                               sinks=self.sink_values, attention_chunk_size=self.attention_chunk_size)
 
 
 def _apply(op, args: tuple):
@@ -199,6 +204,7 @@ class _Scores:
     logits_soft_cap: float | None = None
     bias: Node | None = None
     bias_factor: float = 1.0
+    sinks: Node | None = None
 
 
 def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> AttentionSite | None:
@@ -210,7 +216,10 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
     scores = scores_of(_before_casts(softmax.args[0]))
     if scores is None:
         return None
-    probs = _single_user_chain(softmax)
+    start = softmax if scores.sinks is None else _sink_column_dropped(softmax)
+    if start is None:
+        return None
+    probs = _single_user_chain(start)
     out = next(iter(probs.users)) if len(probs.users) == 1 else None
     if out is None or not is_call(out, aten.matmul.default, aten.bmm.default) or out.args[0] is not probs:
         return None
@@ -225,7 +234,7 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
         query=query, key=key, value=value, key_source=key_src, value_source=value_src,
         num_rep=k_rep, mask=scores.mask, is_causal=False, scale=scores.scale,
         logits_soft_cap=scores.logits_soft_cap, layout=layout, mask_marks_blocked=scores.mask_marks_blocked,
-        bias=scores.bias, bias_factor=scores.bias_factor,
+        bias=scores.bias, bias_factor=scores.bias_factor, sinks=scores.sinks,
     )
     reader = _other_reader(softmax)
     if reader is not None:
@@ -237,6 +246,36 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
     elif k_rep != v_rep:
         site.refusal = f"K and V are repeated differently ({k_rep} vs {v_rep})"
     return site
+
+
+def _with_sinks(scores_of: Callable[[Node], _Scores | None], x: Node) -> _Scores | None:
+    """gpt-oss (``modeling_gpt_oss.eager_attention_forward``): ``cat([<scores>, sinks.reshape(1, -1, 1,
+    1).expand(...)], -1)``, less its row maximum (``max(-1, keepdim=True).values``), into the
+    softmax, whose last column is dropped after (:func:`_sink_column_dropped`). ``scores_of`` reads
+    ``<scores>``; the sinks are the tensor before the reshape and expand (the verification reads
+    them on the sample and checks the site's output)."""
+    if is_call(x, aten.sub.Tensor):
+        x, peak = x.args
+        if not (is_call(peak, operator.getitem) and peak.args[1] == 0 and is_call(peak.args[0], aten.max.dim)
+                and peak.args[0].args[0] is x):
+            return None
+    if not (is_call(x, aten.cat.default) and len(x.args[0]) == 2 and x.args[1] in (-1, 3)):
+        return None
+    inner, column = x.args[0]
+    scores = scores_of(inner)
+    if scores is None or not is_call(column, aten.expand.default):
+        return None
+    scores.sinks = _before_reshape(column.args[0])
+    return scores
+
+
+def _sink_column_dropped(softmax: Node) -> Node | None:
+    """The softmax's only reader if it is ``probs[..., :-1]`` (the sink column dropped), else None."""
+    readers = _readers(softmax)
+    drop = readers[0] if len(readers) == 1 else None
+    if is_call(drop, aten.slice.Tensor) and drop.args[1] in (-1, 3) and tuple(drop.args[2:4]) == (0, -1):
+        return drop
+    return None
 
 
 def _other_reader(softmax: Node) -> Node | None:
@@ -503,6 +542,10 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "eager_mul_scale", families="Llama, Mistral, Qwen2 and every model sharing their eager_attention_forward "
         "(matmul(q, k^T) * scaling)", implementation="eager", anchors=SOFTMAX,
         match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_mul_scale))),
+    AttentionPattern(
+        "eager_sinks", families="gpt-oss (eager_attention_forward: softmax over cat([matmul(q, k^T) * scaling + "
+        "mask, sinks], -1) less its row max, the sink column dropped)", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=partial(_with_sinks, partial(_scaled_scores, scaling=_mul_scale)))),
     AttentionPattern(
         "eager_soft_cap", families="Gemma 2 (eager_attention_forward with attn_logit_softcapping: "
         "cap * tanh(matmul(q, k^T) * scaling / cap))", implementation="eager", anchors=SOFTMAX,

@@ -162,6 +162,10 @@ def classify_site(site: AttentionSite, values: dict, num_tokens: int,
     if reason:
         return None, reason
     site.sliding_window, site.attention_chunk_size, site.alibi_slopes = longest.window, longest.chunk, slopes
+    if site.sinks is not None:
+        site.sink_values, reason = read_sinks(site, values)
+        if reason:
+            return None, reason
     reason = (_shape_problem(site, values, num_tokens) or _repeat_problem(site, values)
               or _check_output(site, values, longest.kind))
     return (None, reason) if reason else (longest.kind, None)
@@ -341,6 +345,17 @@ def _repeat_problem(site: AttentionSite, values: dict) -> str | None:
             return (f"{name} is not the KV heads repeated {site.num_rep}x "
                     f"(query head h -> KV head h // {site.num_rep})")
     return None
+
+
+def read_sinks(site: AttentionSite, values: dict) -> tuple[Tensor | None, str | None]:
+    """``(sinks [num_heads], None)``: the site's sink logits on the sample, or ``(None, refusal)``
+    if they are not one value per query head (whether they enter the softmax as sinks is what
+    :func:`_check_output` proves)."""
+    sinks = values[site.sinks]
+    if not (isinstance(sinks, Tensor) and sinks.numel() == site.num_heads and sinks.is_floating_point()):
+        shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        return None, f"attention sinks of shape {shape}, not one logit per query head ({site.num_heads})"
+    return sinks.detach().reshape(site.num_heads).clone(), None
 
 
 def _check_output(site: AttentionSite, values: dict, kind: str) -> str | None:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import transformers
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pagedpack.lowering.ascend.target as ascend_target
@@ -16,7 +17,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.ascend.graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
 from pagedpack.lowering.ascend.lower import emulated_ops, step_example_inputs
 from pagedpack.metadata import example_metadata
-from pagedpack.models.tiny import tiny_model
+from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
@@ -199,22 +200,45 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model):
             assert_greedy_tokens_or_tie(reference, prompt, got, expected)
 
 
-def test_a_sliding_window_model_generates_the_reference_tokens_through_fia_v2():
-    """The tiny Mistral (a 12-key window, shorter than every prompt) on the default aclgraph mode:
-    each site is FIA v2's band with the dummy sequence, the replays refresh v2's
-    ``actual_seq_kvlen`` with the dummy's 0, and the tokens are the unmodified model's."""
-    model = tiny_model("mistral", **TND_MODEL)
-    reference = snapshot(model)
+def test_a_model_with_sinks_and_sliding_windows_generates_the_reference_tokens_through_fia_v2():
+    """A tiny gpt-oss (attention sinks on every layer, a 24-key window on the first, experts; bf16,
+    head_dim 128) on the default aclgraph mode: each site is FIA v2 with the sinks as its
+    learnable_sink (and the band with the dummy sequence on the windowed layer), the replays
+    refresh v2's ``actual_seq_kvlen``, and the tokens are the reference target's (the native CPU
+    kernels' sinks and windows), a bf16 tie of the fp32 model aside. Not transformers' bf16 tokens:
+    its eager attention takes gpt-oss's softmax in bf16, where both targets accumulate in fp32 (the
+    fp32 model is token-exact against transformers in the walk). The experts share one set of
+    weights: the router's top-2 choice is discontinuous, and a 1-ulp difference between two
+    attention kernels' bf16 outputs can flip it where two experts' scores tie, which would make the
+    comparison about the router instead of the attention under test."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=0.5,
+        bos_token_id=VOCAB_SIZE - 2, eos_token_id=VOCAB_SIZE - 1, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if ".experts." in name:
+                weight.copy_(weight[:1].expand_as(weight))
+    exact = snapshot(model).float()
     prompts = random_prompts((30, 60, 140), seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [o.outputs[0].token_ids for o in LLM(model, block_size=BLOCK, max_num_batched_tokens=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     llm = LLM(model, target="ascend", block_size=BLOCK, max_num_batched_tokens=256)
     assert "2 through npu_fused_infer_attention_score_v2" in llm.report.notes[-1]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10),
-                           use_tqdm=False)
-    graphs = llm.program.graphs
-    assert graphs.mode == "aclgraph" and graphs.graph_steps > 0
-    assert llm.program.run.kv_updates == [("actual_seq_kvlen", True)] * 2
-    for prompt, output in zip(prompts, outputs):
-        assert_greedy_tokens_or_tie(reference, prompt, output.outputs[0].token_ids, hf_greedy(reference, prompt, 10))
+    assert llm.program.run.kv_updates == [("actual_seq_kvlen", True), ("actual_seq_kvlen", False)]
+    v2 = emulated_ops().fused_infer_attention_score_v2_eager
+    fias = [n for n in llm.program.run.eager.graph.nodes if n.target == v2]
+    assert [("learnable_sink" in n.kwargs, n.kwargs["sparse_mode"]) for n in fias] == [(True, 4), (True, 3)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.program.graphs.graph_steps > 0
+    for prompt, output, tokens in zip(prompts, outputs, expected):
+        assert_greedy_tokens_or_tie(exact, prompt, output.outputs[0].token_ids, tokens)
 
 
 def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model):

@@ -20,7 +20,7 @@ SAMPLE = {
     "glm4_moe": "exact",
     "falcon_h1": "refused",  # state-space hybrid
     "bert": "refused",  # bidirectional
-    "gpt_oss": "refused",  # attention sinks: no attention site the patterns know
+    "gpt_oss": "exact",  # attention sinks (the eager_sinks pattern), experts
 }
 WALKED = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if os.environ.get("PAGEDPACK_WALK_ALL") == "1" else list(SAMPLE)
 

@@ -49,6 +49,10 @@ SERVED = {
     "qwen3": (T.Qwen3Config, dict(_BASE, head_dim=16), BOTH, []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
+    # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts
+    "gpt_oss": (T.GptOssConfig, dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+                EAGER, [f"window={WINDOW}, sinks", "sinks"]),
     "bloom": (T.BloomConfig, dict(vocab_size=V, hidden_size=64, n_layer=2, n_head=4), EAGER, ["alibi"] * 2),
     "mpt": (T.MptConfig, dict(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=512), EAGER,
             ["alibi"] * 2),

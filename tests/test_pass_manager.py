@@ -1,10 +1,12 @@
 """The pass manager: a report row per pass with match counts, graph dumps, the table of attention
 patterns, unmatched softmaxes with reasons, and the post-condition (vLLM-style pass tests)."""
+import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig
+from transformers.models.falcon.modeling_falcon import FalconAttention
 
 from pagedpack import LLM, SamplingParams, compile_cache
 from pagedpack.kernels.attention_params import AttentionParams
@@ -70,9 +72,14 @@ def test_varlen_pipeline_reports_its_matches():
     assert rows["no_attention_left"].refused == 0
 
 
+# Before transformers 5.25, Falcon's own eager attention took an ``alibi`` argument and added it to the
+# scores, beside the copy in the mask (FalconModel.forward); 5.25 puts it in the mask only and uses the
+# shared eager_attention_forward.
+FALCON_EAGER_ADDS_ALIBI = "alibi" in inspect.signature(FalconAttention.forward).parameters
 # (family, attn_implementation): the ATTENTION_PATTERNS entry its sites match
 ALIBI = {("bloom", "eager"): "eager_alibi_baddbmm", ("mpt", "eager"): "eager_alibi_masked_fill",
-         ("falcon-alibi", "eager"): "eager_alibi_falcon", ("falcon-alibi", "sdpa"): "sdpa"}
+         ("falcon-alibi", "eager"): "eager_alibi_falcon" if FALCON_EAGER_ADDS_ALIBI else "eager_mul_scale",
+         ("falcon-alibi", "sdpa"): "sdpa"}
 # The slopes of 4 heads in BLOOM's build_alibi_tensor, MPT's build_mpt_alibi_tensor and Falcon's.
 SLOPES = 0.25 ** torch.arange(1.0, 5.0)
 
@@ -102,12 +109,12 @@ def test_alibi_slopes_are_read_off_the_bias_and_emitted_as_buffers(family):
         torch.testing.assert_close(gm.get_buffer(slopes.target), SLOPES, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("attn, factor", [("sdpa", 1), ("eager", 2)])
+@pytest.mark.parametrize("attn, factor", [("sdpa", 1), ("eager", 2 if FALCON_EAGER_ADDS_ALIBI else 1)])
 def test_falcon_alibi_is_read_and_refused_for_its_bfloat16_bias(attn, factor):
-    """On the short sample the slopes are alibi / sqrt(head_dim) (sdpa: the float mask carries it) or
-    twice that (eager adds alibi * inv_norm_factor to the scores and the mask's copy again,
-    modeling_falcon); build_alibi_tensor rounds slope * key_pos to bfloat16, which the probe past
-    256 positions sees: refused."""
+    """On the short sample the slopes are alibi / sqrt(head_dim) (the float mask carries it) or,
+    before transformers 5.25, twice that in eager (which added alibi * inv_norm_factor to the scores
+    and the mask's copy again, modeling_falcon); build_alibi_tensor rounds slope * key_pos to
+    bfloat16, which the probe past 256 positions sees: refused."""
     captured = capture(_alibi_model("falcon-alibi", attn))
     sites = find_attention_sites(captured.graph_module.graph)
     nodes = {n for s in sites for n in s.sampled_nodes}
