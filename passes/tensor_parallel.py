@@ -153,6 +153,21 @@ def _nearest_parts(start: Node, part_nodes: set[Node]) -> set[Node]:
     return found
 
 
+# The grouped GEMM of transformers' Mixture-of-Experts layers: aten's, or (5.25 on, whose tp plan no
+# longer names the experts) transformers' own fallback op for it.
+_GROUPED_GEMMS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def _refuse_experts(gm: torch.fx.GraphModule) -> None:
+    """``ValueError`` naming the first Mixture-of-Experts layer of ``gm``, if it has one."""
+    for node in gm.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.name() in _GROUPED_GEMMS:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = stack[-1][0].removeprefix("model.") if stack else "the model"
+            raise ValueError(f"tensor_parallel_size: {where} is a Mixture-of-Experts layer (grouped GEMMs), whose "
+                             f"experts pagedpack does not shard; serve the model with tensor_parallel_size=1")
+
+
 def shard_specs(specs: list[KVCacheSpec], splits: list[HeadSplit]) -> list[KVCacheSpec]:
     """Each layer's KV cache spec on one rank: its local KV heads."""
     return [dataclasses.replace(spec, num_kv_heads=split.local_kv_heads) for spec, split in zip(specs, splits)]
@@ -166,9 +181,7 @@ def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: 
     ``ValueError`` naming ``tensor_parallel_size`` if the model cannot be split so."""
     if not isinstance(tp_size, int) or tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"tensor_parallel_size: expected an int >= 1 and a rank below it, got {tp_size}, rank {rank}")
-    if any(n.target is aten._grouped_mm.default for n in gm.graph.nodes):
-        raise ValueError("tensor_parallel_size: the model has Mixture-of-Experts layers (grouped GEMMs), whose "
-                         "experts pagedpack does not shard; serve it with tensor_parallel_size=1")
+    _refuse_experts(gm)
     planned = _planned_weights(model, tp_plan(model))
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})

@@ -109,6 +109,17 @@ def test_importing_one_part_does_not_import_the_others(module, absent):
     assert result.stdout.strip() == "[]"
 
 
+def test_python_started_in_the_clone_imports_the_installed_kernels_package():
+    """Started in the clone (``python -c``, a REPL), Python sees ``kernels/`` as a bare package.
+    transformers 5.25 depends on the ``kernels`` distribution and imports it with its first model
+    class; before, the clone's folder answered and every model load failed with an ImportError."""
+    pytest.importorskip("kernels", reason="the kernels distribution is not installed")
+    code = "from transformers import LlamaConfig; import kernels; print(kernels.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert Path(result.stdout.strip()) != ROOT / "kernels" / "__init__.py"
+
+
 def test_no_target_name_is_compared_outside_the_registry():
     """No ``target == "ascend"``-style test outside the registry and the target modules."""
     for name, path in _modules().items():

@@ -137,7 +137,7 @@ def test_cli_export(tmp_path, capsys, fmt):
     out = tmp_path / f"m.{fmt}"
     code, stdout, stderr = run_cli(capsys, "export", "--format", fmt, "--out", str(out))
     assert code == 0, stderr
-    assert f"LLM.from_exported('{out}'" in stdout
+    assert f"run it with LLM('{out}'" in stdout
     step = load_exported(out)
     # the built-in model's byte-level tokenizer
     assert step.description.tokenizer is not None and step.description.eos_token_ids
