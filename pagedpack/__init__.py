@@ -10,9 +10,15 @@ program needs); the public names below are imported on first use, so that import
 """
 import importlib
 import importlib.metadata
+import warnings
 
 from pagedpack.kernels import ops as _ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels import varlen as _varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
+
+# torch 2.13 deprecates constructing pytree's LeafSpec, and its own deepcopy of a GraphModule (the
+# passes copy graphs) reconstructs one through copyreg: a warning no caller can act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module="copyreg")
 
 _PUBLIC = {
     "LLM": "pagedpack.llm",

@@ -19,9 +19,18 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator
 
+from pagedpack.engine_args import EngineArgs
 from pagedpack.llm import LLM
 from pagedpack.runtime.outputs import RequestOutput, merge
 from pagedpack.runtime.sampling import SamplingParams
+
+
+def check_online(args: EngineArgs) -> None:
+    """``ValueError`` for ranks a launcher started (``external_launcher``): they stay in step only
+    on the same requests at the same steps (``LLM.generate``), and an online engine's arrive at one."""
+    if args.tensor_parallel_size > 1 and args.distributed_executor_backend == "external_launcher":
+        raise ValueError("distributed_executor_backend: 'external_launcher' ranks each run the same offline requests "
+                         "(LLM.generate); an online engine or server takes requests at one rank: use 'mp'")
 
 
 class AsyncLLM:
@@ -29,11 +38,14 @@ class AsyncLLM:
     program and the engine); or :meth:`from_llm` to share an existing ``LLM``'s engine."""
 
     def __init__(self, model=None, **kwargs):
-        self.llm = LLM(model, **kwargs)
+        args = EngineArgs(model=model, **kwargs)
+        check_online(args)
+        self.llm = LLM.from_engine_args(args)
         self._ids = itertools.count()
 
     @classmethod
     def from_llm(cls, llm: LLM) -> "AsyncLLM":
+        check_online(llm.engine_args)
         engine = cls.__new__(cls)
         engine.llm, engine._ids = llm, itertools.count()
         return engine

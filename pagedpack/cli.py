@@ -207,6 +207,7 @@ def _stream(console: Console, deltas, prompts: dict[tuple, str], n: int) -> list
 
 
 def _serve(args) -> int:
+    from pagedpack.async_llm import check_online
     from pagedpack.serve.openai_serving import ServingConfig
     from pagedpack.serve.server import ServerOptions, serve
 
@@ -221,7 +222,9 @@ def _serve(args) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    check_online(engine_args)
+    llm = LLM.from_engine_args(engine_args)
     name = args.served_model_name or str(args.model)
     config = ServingConfig(model_name=name, chat_template=template,
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)

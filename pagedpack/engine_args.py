@@ -36,6 +36,10 @@ def user_pass(spec: str):
     return cls()
 
 
+# how tensor-parallel ranks start (EngineArgs.distributed_executor_backend)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+
+
 @dataclass
 class EngineArgs:
     """What an ``LLM`` is built from.
@@ -90,6 +94,13 @@ class EngineArgs:
             split follows the model's ``transformers`` tp plan and is checked on a sample
             (:mod:`pagedpack.passes.tensor_parallel`). Default 1. A worker's step threads:
             ``num_threads``, else the CPUs divided by it; rank 0's follow ``num_threads`` as without it.
+        distributed_executor_backend: how the ranks start (vLLM's option of that name): ``"mp"``
+            (default) spawns ranks 1 .. N-1 from this process; ``"external_launcher"``: a launcher
+            started every rank (``torchrun``, or any that sets ``RANK``, ``WORLD_SIZE``,
+            ``MASTER_ADDR`` and ``MASTER_PORT``; a process group the script made itself is used as
+            it is), each running the same script with the same requests: each builds its shard and
+            runs its own scheduler and sampler in step with the others, and returns the same outputs
+            (offline calls only: ``AsyncLLM`` and ``pagedpack serve`` refuse it).
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -118,6 +129,7 @@ class EngineArgs:
     num_threads: int | None = None
     reserved_cpus: int = 0
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -146,6 +158,9 @@ class EngineArgs:
                 callable(tokenizer) and callable(getattr(tokenizer, "decode", None))):
             raise ValueError(f"tokenizer: expected a transformers tokenizer (callable, with decode) or a directory / "
                              f"hub id, got {type(tokenizer).__name__}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend: expected one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
         self._check_extra_passes()
         from pagedpack.runtime.cpu_threads import CpuThreads  # the compile side imports no runtime
 
@@ -284,15 +299,18 @@ class EngineArgs:
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                             help="split the model over this many processes (torch.distributed, gloo), each "
                                  "holding its shard of the weights and KV heads")
+        parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default="mp",
+                            help="mp: this process spawns the other tensor-parallel ranks; external_launcher: "
+                                 "torchrun started every rank, each running the same command")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="
-                                 "decode_buckets (default; decode steps in a static graph per batch-size bucket, "
-                                 "prefill eager, as production runs) or dynamic (one graph with dynamic shapes for "
-                                 "every step); graph_batch_sizes=1,2,4 (decode_buckets' buckets, default "
-                                 "1,2,4,8,16,32,64)")
+                                 "aclgraph (default; decode steps replay an ACL graph captured per batch-size "
+                                 "bucket, prefill eager, as vllm-ascend runs), decode_buckets (a TorchAir graph "
+                                 "per bucket) or dynamic (one graph with dynamic shapes for every step); "
+                                 "graph_batch_sizes=1,2,4 (the buckets, default 1,2,4,8,16,32,64)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":

@@ -52,6 +52,10 @@ class ProgramBuilder:
     def build(self) -> tuple[StepProgram, ModelDescription]:
         """The program and the model's description: from the file ``args.model`` names, from the
         compile cache, or captured, rewritten and lowered here."""
+        if self.args.tensor_parallel_size > 1 and self.args.distributed_executor_backend == "external_launcher":
+            from pagedpack.runtime.tensor_parallel import join_launched_group
+
+            self.rank = join_launched_group(self.args.tensor_parallel_size)
         if self.exported:
             program = self._load_file(self.args.model, trust_file=self.args.trust_file)
         else:
@@ -92,14 +96,13 @@ class ProgramBuilder:
             raise ValueError(f"target: {path!r} is run by the {name!r} target, got {self.args.target!r}")
         self.target = name
         if fmt == "tp":  # a tensor-parallel export: this rank's file, its all-reduces on this group
-            from pagedpack.runtime.tensor_parallel import TensorParallelWorkers, group_name
+            from pagedpack.runtime.tensor_parallel import group_name
             from pagedpack.tp_export import read_manifest
 
             files = read_manifest(path)
             program = load_exported(files[self.rank], trust_file=trust_file, device=self.args.device,
                                     max_model_len=self.args.max_model_len)
-            if self.rank == 0:
-                self.workers = TensorParallelWorkers(self.args, build_rank_program)
+            self._start_workers()
             set_group_name(program.run, group_name())
             return program
         program = load_exported(path, trust_file=trust_file, device=self.args.device,
@@ -147,17 +150,24 @@ class ProgramBuilder:
         the split on a sample first, then starts the other ranks (:mod:`pagedpack.runtime.tensor_parallel`)."""
         from pagedpack.passes.pipeline import RewrittenModel
         from pagedpack.passes.tensor_parallel import check_shards, count_all_reduces, shard_step_graph
-        from pagedpack.runtime.tensor_parallel import TensorParallelWorkers, group_name
+        from pagedpack.runtime.tensor_parallel import group_name
 
         tp_size = self.args.tensor_parallel_size
         if self.rank == 0:
             check_shards(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size)
-            self.workers = TensorParallelWorkers(self.args, build_rank_program)
+            self._start_workers()
         gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size,
                                      rank=self.rank, group_name=group_name())
         rewritten.report.notes.append(f"tensor_parallel: rank {self.rank} of {tp_size}, {specs[0].num_kv_heads} KV "
                                       f"heads per layer, {count_all_reduces(gm)} all-reduces per step")
         return RewrittenModel(gm, rewritten.report, specs)
+
+    def _start_workers(self) -> None:
+        """Rank 0 spawns the other ranks, unless a launcher started each (``external_launcher``)."""
+        from pagedpack.runtime.tensor_parallel import TensorParallelWorkers
+
+        if self.rank == 0 and self.args.distributed_executor_backend == "mp":
+            self.workers = TensorParallelWorkers(self.args, build_rank_program)
 
     def _from_compile_cache(self) -> StepProgram | None:
         """The program of the compile-cache entry of ``args``, with its report and weight counts as

@@ -13,6 +13,12 @@ pages at a server's start and the stop travel the same way. Nothing is pickled a
 worker takes its ``EngineArgs`` from rank 0 when spawned). A worker waits for its next command
 without a deadline, so an idle engine stays up; only the collectives time out.
 
+Under a launcher (``distributed_executor_backend="external_launcher"``, vLLM's name: ``torchrun``
+starts every rank, each running the same script): no workers and no commands. Each rank joins the
+launcher's group (:func:`join_launched_group`), builds its shard and runs a whole engine of its own
+on the same requests; the schedulers decide alike and the step's all-reduces keep them in step, so
+each rank's sampler sees the same logits and every rank returns the same outputs.
+
 Faults: a worker that fails sends its error text on a pipe of its own and exits, and rank 0 raises
 an error naming the rank and the error. A worker that dies breaks the next command or collective
 (a closed pipe, gloo's closed connection); one that hangs makes the step's all-reduce time out
@@ -42,6 +48,36 @@ from pagedpack.runtime.engine_loop import EngineDeadError
 TIMEOUT_S = 60.0  # a collective no rank answers fails after this
 JOIN_TIMEOUT_S = 60.0  # the workers' start (imports) until they join the group
 _START, _STEP, _COPY, _COMMIT, _STOP = range(5)
+
+
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def join_launched_group(tp_size: int) -> int:
+    """This process's rank among the ``tp_size`` a launcher started, in the default process group:
+    the caller's if it made one (gloo), else one joined from the launcher's environment (gloo,
+    collectives time out after :data:`TIMEOUT_S`; left at exit). ``ValueError`` naming
+    ``distributed_executor_backend`` if no launcher started this process, or its world is not ``tp_size``."""
+    if not dist.is_initialized():
+        missing = [name for name in _LAUNCHER_ENV if name not in os.environ]
+        if missing:
+            raise ValueError(f"distributed_executor_backend: 'external_launcher' runs ranks a launcher started "
+                             f"(torchrun), expected {', '.join(_LAUNCHER_ENV)} in the environment, got no "
+                             f"{', '.join(missing)}")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        atexit.register(_leave_group)
+    if "gloo" not in str(dist.get_backend()):
+        raise ValueError(f"distributed_executor_backend: the step's all-reduces run on gloo (CPU), got a process "
+                         f"group on {dist.get_backend()!r}")
+    if dist.get_world_size() != tp_size:
+        raise ValueError(f"tensor_parallel_size: the launcher started {dist.get_world_size()} ranks, got "
+                         f"tensor_parallel_size={tp_size}")
+    return dist.get_rank()
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def group_name() -> str:
@@ -150,8 +186,7 @@ def _shutdown(procs, commands, stop: bool = True) -> None:
             conn.close()
         except OSError:  # a worker gone already
             pass
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _leave_group()
     for proc in procs:
         proc.join(timeout=5)
         if proc.is_alive():
@@ -205,8 +240,7 @@ def _worker_main(rank: int, args, build, port: int, timeout_s: float, parent: in
             pass
         raise SystemExit(1) from None
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group()
 
 
 def _step_metadata(payload: torch.Tensor, num_tokens: int, num_seqs: int, width: int, rows: int) -> StepMetadata:

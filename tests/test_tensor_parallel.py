@@ -7,13 +7,16 @@ real ``torch.distributed`` processes (gloo) against one rank's tokens.
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedpack import LLM, EngineArgs, SamplingParams
+from pagedpack import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.tensor_parallel import HeadSplit, check_shards, count_all_reduces, shard_step_graph
@@ -258,3 +261,63 @@ def test_deeply_nested_json_and_symbolic_links_are_refused(exported, tmp_path):
 def test_one_rank_of_an_export_is_not_served_alone(exported):
     with pytest.raises(ValueError, match=r"is one rank of a tensor-parallel export; serve its manifest"):
         LLM.from_exported(exported[0].replace(".json", ".rank1.pt2"))
+
+
+# ---------------------------------------------------------------- ranks a launcher started
+
+_LAUNCHED = """
+import json, sys
+import torch.distributed as dist
+from pagedpack import LLM, SamplingParams
+from pagedpack.models.tiny import tiny_model
+
+folder = sys.argv[1]
+with open(f"{folder}/requests.json") as file:
+    job = json.load(file)
+params, outputs = [SamplingParams(**p) for p in job["params"]], {}
+for name, model in (("captured", tiny_model("qwen2")), ("exported", job["manifest"])):
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="external_launcher", **job["serving"])
+    outputs[name] = [[c.token_ids for c in o.outputs] for o in llm.generate(job["prompts"], params, use_tqdm=False)]
+    outputs[name + " kv heads"] = llm.program.kv_cache_specs[0].num_kv_heads
+with open(f"{folder}/rank{dist.get_rank()}.json", "w") as file:
+    json.dump(outputs, file)
+"""
+
+
+def test_ranks_torchrun_started_each_return_the_tokens_of_one_rank(exported, tmp_path):
+    """``distributed_executor_backend="external_launcher"``: torchrun starts both ranks, each running
+    the same script on the same requests (a captured model, then the export's manifest, in one
+    process group); each rank's engine returns one rank's tokens (chunked, preempting, a fork)."""
+    path, prompts, params, want = exported
+    job = {"manifest": path, "prompts": prompts, "serving": SERVING,
+           "params": [dict(temperature=p.temperature, max_tokens=p.max_tokens, n=p.n, seed=p.seed) for p in params]}
+    (tmp_path / "requests.json").write_text(json.dumps(job))
+    (tmp_path / "run.py").write_text(_LAUNCHED)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(tmp_path / "run.py"), str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
+            "captured": want, "exported": want, "captured kv heads": 1, "exported kv heads": 1}  # of 2
+
+
+def test_a_launcher_backend_without_a_launcher_is_refused_by_name(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"distributed_executor_backend: expected one of "
+                                         r"\('mp', 'external_launcher'\), got 'ray'"):
+        EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"distributed_executor_backend: 'external_launcher' runs ranks a launcher "
+                                         r"started \(torchrun\), expected RANK, .* got no RANK, WORLD_SIZE"):
+        LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match=r"distributed_executor_backend: 'external_launcher' ranks each run the same "
+                                         r"offline requests"):  # before any rank is built
+        AsyncLLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the script's own group
+    try:
+        with pytest.raises(ValueError, match=r"tensor_parallel_size: the launcher started 1 ranks, got "
+                                             r"tensor_parallel_size=2"):
+            LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    finally:
+        dist.destroy_process_group()
