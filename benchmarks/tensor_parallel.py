@@ -4,9 +4,9 @@ For each ``--tp`` size (default 1 and 2) on W1 (``../shared/bench/workload.py``:
 lengths, 32 greedy tokens, EOS ignored) or ``--model M`` (W1's lengths cut from English text),
 prints JSON: the generation time (one warm-up run, best of ``--runs``), steps and mean step time,
 each rank's peak RSS during the runs (``VmHWM`` of rank 0 and of each worker process), the KV
-bytes per token of one rank, whether the tokens equal N = 1's, and the all-reduces' share of rank
+bytes per token of one rank, whether the tokens equal N = 1's, and the collectives' share of rank
 0's wall time (``torch.profiler`` over one more run: the CPU time of the ``_c10d_functional``
-all-reduce and wait ops, which includes waiting for the slower rank). A size the model cannot be
+all-reduce, all-gather and wait ops, which includes waiting for the slower rank). A size the model cannot be
 split over is reported with the refusal. Intra-op threads: the CPUs divided by N on every rank.
 Prefix caching off (the timed runs repeat the warm-up's prompts). Start below a 1-minute load of
 0.8 (reported). Run: ``python benchmarks/tensor_parallel.py [--model smollm2-135m --tp 1 3 2]``.
@@ -27,6 +27,7 @@ from pagedpack.runtime.cpu_threads import allowed_cpus
 from common import cpu_model, load_1min, peak_rss_mb, reset_peak_rss, w1_workload
 
 REPO = Path(__file__).resolve().parent.parent
+_COLLECTIVE_OPS = ("all_reduce", "all_gather_into_tensor", "wait_tensor")
 
 
 def main() -> None:
@@ -86,11 +87,11 @@ def _measure(llm: LLM, prompts, params, runs: int) -> tuple[dict, list]:
         run()
         profiled = time.perf_counter() - start
     collective_us = sum(e.cpu_time_total for e in prof.key_averages()
-                        if "_c10d_functional" in e.key and ("all_reduce" in e.key or "wait_tensor" in e.key))
+                        if "_c10d_functional" in e.key and any(op in e.key for op in _COLLECTIVE_OPS))
     return {"seconds": round(best, 3), "generated_tokens_per_s": round(len(prompts) * params.max_tokens / best, 1),
             "steps": steps, "mean_step_ms": round(1000 * best / steps, 2), "peak_rss_mb_per_rank": rss,
             "kv_bytes_per_token_per_rank": llm.bytes_per_token,
-            "all_reduce_share_of_wall": round(collective_us / 1e6 / profiled, 3)}, outputs
+            "collective_share_of_wall": round(collective_us / 1e6 / profiled, 3)}, outputs
 
 
 if __name__ == "__main__":

@@ -149,7 +149,12 @@ class ProgramBuilder:
         """This rank's shard of ``rewritten`` (:mod:`pagedpack.passes.tensor_parallel`). Rank 0 checks
         the split on a sample first, then starts the other ranks (:mod:`pagedpack.runtime.tensor_parallel`)."""
         from pagedpack.passes.pipeline import RewrittenModel
-        from pagedpack.passes.tensor_parallel import check_shards, count_all_reduces, shard_step_graph
+        from pagedpack.passes.tensor_parallel import (
+            check_shards,
+            count_all_gathers,
+            count_all_reduces,
+            shard_step_graph,
+        )
         from pagedpack.runtime.tensor_parallel import group_name
 
         tp_size = self.args.tensor_parallel_size
@@ -158,8 +163,9 @@ class ProgramBuilder:
             self._start_workers()
         gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size,
                                      rank=self.rank, group_name=group_name())
+        collectives = f"{count_all_reduces(gm)} all-reduces and {count_all_gathers(gm)} all-gathers"
         rewritten.report.notes.append(f"tensor_parallel: rank {self.rank} of {tp_size}, {specs[0].num_kv_heads} KV "
-                                      f"heads per layer, {count_all_reduces(gm)} all-reduces per step")
+                                      f"heads per layer, {collectives} per step")
         return RewrittenModel(gm, rewritten.report, specs)
 
     def _start_workers(self) -> None:

@@ -14,7 +14,14 @@ rank ``r``'s part of it:
   ``_c10d_functional.all_reduce(x, "sum", group_name)`` + ``wait_tensor`` (the collective form
   ``torch.compile`` and ``torch.export`` keep in graphs); a bias is added on rank 0 only;
 - per-head attention inputs (``sinks``, ``alibi_slopes``) keep their rank's query heads;
-- embeddings, norms and the LM head stay whole on every rank (each rank computes full logits).
+- vocabulary-parallel, where the plan says so (``embedding_rowwise`` / ``colwise_gather_output``,
+  vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead``): rank ``r`` holds rows
+  ``[r * ceil(V / tp), (r + 1) * ceil(V / tp))`` of the embedding and LM-head weights (one slice when
+  they are tied; the last padded with zeros). The embedding looks up the ids in its rows, zeroes the
+  others and all-reduces; the LM head computes its columns of the logits, which
+  ``_c10d_functional.all_gather_into_tensor`` joins on every rank (each samples the same logits).
+  A weight also read by anything else stays whole;
+- norms stay whole on every rank.
 
 Rank ``r``'s KV caches hold its KV heads only (:func:`shard_specs`). Refused with the numbers, as a
 ``ValueError`` naming ``tensor_parallel_size``: a model without a plan, query heads or MLP channels
@@ -50,6 +57,11 @@ _ops = torch.ops.pagedpack
 _SHARDED_STYLES = ("colwise", "rowwise")
 _REPLICATED_STYLES = ("colwise_gather_output", "embedding_rowwise", "replicated", "gather_output")
 _SAMPLE_BLOCK_SIZE = 4
+# tp plan styles that split a weight by vocabulary rows, and the op that reads such a weight
+_NAMED_COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default)
+_COLLECTIVES = (*_NAMED_COLLECTIVES, c10d.wait_tensor.default)
+_VOCAB_STYLES = {"embedding_rowwise": aten.embedding.default, "colwise_gather_output": aten.linear.default}
+_WEIGHT_ARG = {aten.embedding.default: 0, aten.linear.default: 1}
 
 
 @dataclass(frozen=True)
@@ -95,14 +107,18 @@ def tp_plan(model: torch.nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
+def _module_styles(model: torch.nn.Module, plan: dict[str, str]):
+    """``(name, style or None, weight or None)`` of each module of ``model`` under ``plan``."""
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + "$"), style) for p, style in plan.items()]
+    for name, module in model.named_modules():
+        yield name, next((s for pattern, s in patterns if pattern.match(name)), None), getattr(module, "weight", None)
+
+
 def _planned_weights(model: torch.nn.Module, plan: dict[str, str]) -> dict[int, tuple[str, str]]:
     """``data_ptr`` of each planned module's weight -> (module name, style). A merged weight's rows
     are its originals' storage (``merge_linears``), so a slice finds its module by address."""
-    patterns = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + "$"), style) for p, style in plan.items()]
     found = {}
-    for name, module in model.named_modules():
-        style = next((s for pattern, s in patterns if pattern.match(name)), None)
-        weight = getattr(module, "weight", None)
+    for name, style, weight in _module_styles(model, plan):
         if style is None or style.startswith("embedding"):
             continue
         if "experts" in name:
@@ -153,6 +169,85 @@ def _nearest_parts(start: Node, part_nodes: set[Node]) -> set[Node]:
     return found
 
 
+def _vocab_parallel_weights(model: torch.nn.Module, plan: dict[str, str]) -> set[int]:
+    """``data_ptr`` of each weight every module of which the plan splits by vocabulary rows
+    (:data:`_VOCAB_STYLES`: an embedding and the LM head tied to it qualify together)."""
+    styles: dict[int, set] = {}
+    for _, style, weight in _module_styles(model, plan):
+        if isinstance(weight, torch.Tensor):
+            styles.setdefault(weight.data_ptr(), set()).add(style)
+    return {ptr for ptr, found in styles.items() if found <= set(_VOCAB_STYLES)}
+
+
+def _vocab_parallel_uses(graph: torch.fx.Graph, attrs: dict, weights: set[int]) -> dict[str, list[Node]]:
+    """Attribute name -> the embeddings and linears reading it as their weight, for each attribute
+    of ``weights`` that nothing else reads."""
+    uses: dict[str, list[Node]] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(attrs.get(node.target), torch.Tensor) \
+                and attrs[node.target].data_ptr() in weights:
+            uses.setdefault(node.target, []).extend(node.users)
+    return {target: users for target, users in uses.items()
+            if all(u.target in _VOCAB_STYLES.values() and u.args[_WEIGHT_ARG[u.target]].target == target
+                   and u.args.count(u.args[_WEIGHT_ARG[u.target]]) == 1 for u in users)}
+
+
+def _shard_vocab(graph: torch.fx.Graph, attrs: dict, uses: dict[str, list[Node]], *, tp_size: int, rank: int,
+                 group_name: str) -> None:
+    """Rank ``rank``'s rows of each vocabulary-parallel weight, and its embeddings and LM heads
+    rewritten to use them (module docstring)."""
+    for target, users in uses.items():
+        weight = attrs[target]
+        vocab = weight.shape[0]
+        per_rank = -(-vocab // tp_size)
+        attrs[target] = _padded_rows(weight, rank * per_rank, per_rank)
+        for user in users:
+            if user.target is aten.embedding.default:
+                _embedding_in_rows(graph, user, rank * per_rank, per_rank, group_name)
+            else:
+                _gathered_logits(graph, user, attrs, rank * per_rank, per_rank, vocab, tp_size, group_name)
+
+
+def _padded_rows(tensor: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """``tensor[start:start + rows]`` (a copy), zero rows appended past its end."""
+    part = tensor[start:start + rows]
+    pad = torch.zeros((rows - part.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([part, pad]) if pad.shape[0] else part.clone()
+
+
+def _embedding_in_rows(graph: torch.fx.Graph, node: Node, start: int, rows: int, group_name: str) -> None:
+    """``embedding(weight, ids)`` on rows ``[start, start + rows)`` only, then summed over the ranks."""
+    call = graph.call_function
+    weight, ids = node.args[:2]
+    with graph.inserting_before(node):  # the nodes a block creates stand in the order it creates them
+        local = call(aten.sub.Scalar, (ids, start))
+        inside = call(aten.bitwise_and.Tensor, (call(aten.ge.Scalar, (local, 0)), call(aten.lt.Scalar, (local, rows))))
+        node.args = (weight, call(aten.mul.Tensor, (local, inside)))  # ids outside: row 0, zeroed below
+        column = call(aten.unsqueeze.default, (inside, -1))
+    with graph.inserting_before(node.next):
+        masked = call(aten.mul.Tensor, (node, column))
+    _reduce_after(graph, node, masked, group_name)
+
+
+def _gathered_logits(graph: torch.fx.Graph, linear: Node, attrs: dict, start: int, rows: int, vocab: int,
+                     tp_size: int, group_name: str) -> None:
+    """The LM head ``linear`` on rows ``[start, start + rows)``, its logits gathered from every rank
+    into the ``vocab`` columns of the unsharded one."""
+    call = graph.call_function
+    if len(linear.args) > 2 and linear.args[2] is not None:
+        attrs[linear.args[2].target] = _padded_rows(attrs[linear.args[2].target], start, rows)
+    with graph.inserting_before(linear.next):
+        ranked = call(aten.unsqueeze.default, (linear, 0))
+        gathered = call(c10d.all_gather_into_tensor.default, (ranked, tp_size, group_name))
+        waited = call(c10d.wait_tensor.default, (gathered,))  # [tp, ..., rows]
+        logits = call(aten.flatten.using_ints, (call(aten.movedim.int, (waited, 0, -2)), -2, -1))
+        if rows * tp_size != vocab:
+            logits = call(aten.slice.Tensor, (logits, -1, 0, vocab))
+    linear.replace_all_uses_with(logits, delete_user_cb=lambda user: user is not ranked)
+    if "val" in linear.meta:
+        logits.meta["val"] = linear.meta["val"]
+
+
 # The grouped GEMM of transformers' Mixture-of-Experts layers: aten's, or (5.25 on, whose tp plan no
 # longer names the experts) transformers' own fallback op for it.
 _GROUPED_GEMMS = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
@@ -182,7 +277,8 @@ def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: 
     if not isinstance(tp_size, int) or tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"tensor_parallel_size: expected an int >= 1 and a rank below it, got {tp_size}, rank {rank}")
     _refuse_experts(gm)
-    planned = _planned_weights(model, tp_plan(model))
+    plan = tp_plan(model)
+    planned = _planned_weights(model, plan)
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
@@ -207,6 +303,9 @@ def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: 
         _shard_per_head_inputs(read, attrs, split.query_heads(rank))
     for linear in linears:
         _shard_linear(graph, linear, parts[linear], roles, attrs, tp_size=tp_size, rank=rank, group_name=group_name)
+    if tp_size > 1:
+        _shard_vocab(graph, attrs, _vocab_parallel_uses(graph, attrs, _vocab_parallel_weights(model, plan)),
+                     tp_size=tp_size, rank=rank, group_name=group_name)
     graph.lint()
     return torch.fx.GraphModule(attrs, graph), shard_specs(specs, splits)
 
@@ -280,54 +379,69 @@ def _shard_linear(graph: torch.fx.Graph, linear: Node, parts: list[_Part], roles
     attrs[weight_node.target] = weight[:, rank * chunk:(rank + 1) * chunk].clone()
     if bias is not None and rank:
         attrs[bias_node.target] = torch.zeros_like(bias)
-    with graph.inserting_after(linear):
-        reduced = graph.call_function(c10d.all_reduce.default, (linear, "sum", group_name))
-    with graph.inserting_after(reduced):
+    _reduce_after(graph, linear, linear, group_name)
+
+
+def _reduce_after(graph: torch.fx.Graph, node: Node, partial: Node, group_name: str) -> None:
+    """Give ``node``'s users the sum over the ranks of ``partial`` (``node`` or computed from it):
+    ``_c10d_functional.all_reduce`` + ``wait_tensor``."""
+    with graph.inserting_before(partial.next):
+        reduced = graph.call_function(c10d.all_reduce.default, (partial, "sum", group_name))
         waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
-    linear.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced)
-    if "val" in linear.meta:
-        reduced.meta["val"] = waited.meta["val"] = linear.meta["val"]
+    node.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not reduced and user is not partial)
+    if "val" in node.meta:
+        reduced.meta["val"] = waited.meta["val"] = node.meta["val"]
 
 
 def count_all_reduces(gm: torch.fx.GraphModule) -> int:
     return sum(n.target is c10d.all_reduce.default for n in gm.graph.nodes)
 
 
+def count_all_gathers(gm: torch.fx.GraphModule) -> int:
+    return sum(n.target is c10d.all_gather_into_tensor.default for n in gm.graph.nodes)
+
+
 def local_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` with its all-reduces passing their input through (one rank's local ops, no
-    collective: what the CPU lowering checks a rank's graph with); ``gm`` itself when it has none."""
-    collectives = (c10d.all_reduce.default, c10d.wait_tensor.default)
-    if not any(n.target in collectives for n in gm.graph.nodes):
+    """``gm`` with its collectives replaced by local ops of the same shapes (an all-reduce passes
+    its input through; no collective: what the CPU lowering checks a rank's graph with); ``gm``
+    itself when it has none."""
+    if not any(n.target in _COLLECTIVES for n in gm.graph.nodes):
         return gm
     local = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    for node in [n for n in local.graph.nodes if n.target in collectives]:
-        node.replace_all_uses_with(node.args[0])
+    for node in [n for n in local.graph.nodes if n.target in _COLLECTIVES]:
+        stand_in = node.args[0]
+        if node.target is c10d.all_gather_into_tensor.default:  # the shape it gives: this rank's part tp times
+            with local.graph.inserting_before(node):
+                stand_in = local.graph.call_function(aten.cat.default, ([node.args[0]] * node.args[1],))
+        node.replace_all_uses_with(stand_in)
         local.graph.erase_node(node)
     local.recompile()
     return local
 
 
 def set_group_name(gm: torch.fx.GraphModule, group_name: str) -> int:
-    """Point ``gm``'s all-reduces at the process group ``group_name`` (a loaded rank program names
+    """Point ``gm``'s collectives at the process group ``group_name`` (a loaded rank program names
     the group it was exported with); returns how many, ``gm`` recompiled."""
-    reduces = [n for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
-    for node in reduces:
+    named = [n for n in gm.graph.nodes if n.target in _NAMED_COLLECTIVES]
+    for node in named:  # all_reduce(x, "sum", group), all_gather_into_tensor(x, size, group)
         node.args = (node.args[0], node.args[1], group_name)
     gm.recompile()
-    return len(reduces)
+    return len(named)
 
 
 def run_in_lockstep(graphs: list[torch.fx.GraphModule], inputs: list[tuple]) -> list:
     """Run the ranks' graphs (equal node lists, :func:`shard_step_graph` of one graph) side by
-    side in this process: each ``all_reduce`` gives every rank the sum of the ranks' values, as
-    the process group would. Returns each rank's outputs."""
+    side in this process: each ``all_reduce`` gives every rank the sum of the ranks' values, each
+    ``all_gather_into_tensor`` their concatenation, as the process group would. Returns each
+    rank's outputs."""
     interpreters = [torch.fx.Interpreter(gm) for gm in graphs]
     for interpreter, args in zip(interpreters, inputs):
         interpreter.env, interpreter.args_iter = {}, iter(args)
     outputs = [None] * len(graphs)
     for nodes in zip(*(gm.graph.nodes for gm in graphs)):
-        if nodes[0].target is c10d.all_reduce.default:
-            total = sum(i.env[n.args[0]] for i, n in zip(interpreters, nodes))
+        if nodes[0].target in _NAMED_COLLECTIVES:
+            parts = [i.env[n.args[0]] for i, n in zip(interpreters, nodes)]
+            total = sum(parts) if nodes[0].target is c10d.all_reduce.default else torch.cat(parts)
             for i, n in zip(interpreters, nodes):
                 i.env[n] = total.clone()
             continue

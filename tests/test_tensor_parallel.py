@@ -19,7 +19,13 @@ import torch.multiprocessing as mp
 from pagedpack import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
-from pagedpack.passes.tensor_parallel import HeadSplit, check_shards, count_all_reduces, shard_step_graph
+from pagedpack.passes.tensor_parallel import (
+    HeadSplit,
+    check_shards,
+    count_all_gathers,
+    count_all_reduces,
+    shard_step_graph,
+)
 from pagedpack.runtime import tensor_parallel
 from pagedpack.runtime.engine_loop import EngineDeadError
 
@@ -42,23 +48,44 @@ def test_shards_compute_the_unsharded_logits(rewritten, tp_size):
 
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_each_rank_holds_its_heads_and_two_all_reduces_per_layer(rewritten, tp_size):
+    """And the vocabulary-parallel embedding's all-reduce and LM head's all-gather, each rank holding
+    its rows of both (the plan's embedding_rowwise / colwise_gather_output)."""
     step, model = rewritten
     full = bytes_per_token(step.kv_cache_specs)
+    vocab_rows = {n.target: -(-model.config.vocab_size // tp_size) for n in step.graph_module.graph.nodes
+                  if n.op == "get_attr" and ("embed_tokens" in n.target or "lm_head" in n.target)}
+    assert len(vocab_rows) == 2  # untied: the embedding's and the LM head's
     for rank in range(tp_size):
         gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, model, tp_size=tp_size, rank=rank,
                                      group_name="0")
-        assert count_all_reduces(gm) == 2 * len(specs)
+        assert count_all_reduces(gm) == 2 * len(specs) + 1 and count_all_gathers(gm) == 1
+        assert {name: _tensor(gm, name).shape[0] for name in vocab_rows} == vocab_rows
         assert [s.num_kv_heads for s in specs] == [max(1, 2 // tp_size)] * len(specs)
         assert bytes_per_token(specs) == full * max(1, 2 // tp_size) // 2  # replicated heads counted
         if tp_size == 2:  # every projection's weight halved
             assert linear_weights(gm) * 2 == linear_weights(step.graph_module)
 
 
+def test_a_tied_embedding_and_lm_head_share_one_padded_slice_per_rank():
+    """258 rows over 4 ranks: 65 each, the last 3 zero rows past the vocabulary, cut off the logits."""
+    llm = LLM(tiny_model("llama", tie_word_embeddings=True), keep_source_model=True)
+    step = llm.rewritten
+    check_shards(step.graph_module, step.kv_cache_specs, llm.model, tp_size=4)
+    gm, _ = shard_step_graph(step.graph_module, step.kv_cache_specs, llm.model, tp_size=4, rank=3, group_name="0")
+    vocab = {name: tuple(t.shape) for name, t in [*gm.named_parameters(), *gm.named_buffers()]
+             if "embed" in name or "lm_head" in name}
+    assert vocab == {"model.lm_head.weight": (65, 64)}  # the one tensor both read
+    assert not _tensor(gm, "model.lm_head.weight")[258 - 3 * 65:].any()
+
+
+def _tensor(gm, name: str) -> torch.Tensor:
+    return gm.get_parameter(name) if name in dict(gm.named_parameters()) else gm.get_buffer(name)
+
+
 def linear_weights(gm) -> int:
     """Elements of the weights the graph's linears read (each tensor once)."""
     attrs = {n.args[1].target for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default}
-    return sum(gm.get_parameter(a).numel() if a in dict(gm.named_parameters()) else gm.get_buffer(a).numel()
-               for a in attrs if "layers" in a)
+    return sum(_tensor(gm, a).numel() for a in attrs if "layers" in a)
 
 
 def test_kv_heads_are_the_ones_the_query_heads_read():
