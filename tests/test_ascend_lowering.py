@@ -126,12 +126,16 @@ def test_mixed_prefill_decode_and_chunk_in_one_step(lowered):
 # ---------------------------------------------------------------- attention parameters
 
 
-def _windowed_step(window):
+def _traced_layer(params: dict):
+    """One layer's cache write and paged attention with ``params``, traced on a small step:
+    ``(graph module, example inputs)``."""
     def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
         pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                             128**-0.5, sliding_window=window)
-    return step
+                                             128**-0.5, **params)
+
+    example, _ = _step_inputs([(3, 2)])
+    return make_fx(step)(*example), example
 
 
 WINDOW = 200  # keys; a 200-key window of a row at position 255 starts at 56, mid-block (blocks of 128)
@@ -139,8 +143,7 @@ WINDOW = 200  # keys; a 200-key window of a row at position 255 starts at 56, mi
 
 @pytest.fixture(scope="module")
 def windowed():
-    example, _ = _step_inputs([(3, 2)])
-    gm = make_fx(_windowed_step(WINDOW))(*example)
+    gm, example = _traced_layer(dict(sliding_window=WINDOW))
     shapes = lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
     assert [s.sliding_window for s in shapes] == [WINDOW]
     return gm
@@ -180,10 +183,10 @@ def test_windowed_step_matches_the_reference(windowed, seqs):
 def test_windows_below_at_and_above_the_kv_length(window):
     """kv lengths 256 (chunk of 56 after 200 cached) and 130/129 (decode, fresh prefill): windows
     of one key, starting mid-block, equal to and longer than the sequences."""
-    example, _ = _step_inputs([(3, 2)])
-    gm = make_fx(_windowed_step(window))(*example)
+    gm, example = _traced_layer(dict(sliding_window=window))
     lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
     _check_windowed_step(gm, [(200, 56), (129, 1), (0, 129)], window, seed=window)
+
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])
@@ -193,14 +196,7 @@ def test_sinks_are_fia_v2s_learnable_sink(window):
     and the sinks changed the result."""
     params = make_params(4, window=window, sinks=True)
     params["sinks"] = params["sinks"].bfloat16()  # the model's dtype (TND: bfloat16)
-
-    def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
-        pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                             128**-0.5, **params)
-
-    example, _ = _step_inputs([(3, 2)])
-    gm = make_fx(step)(*example)
+    gm, example = _traced_layer(params)
     lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
     (fia,) = [n for n in gm.graph.nodes if n.target == EMULATED.fused_infer_attention_score_v2]
     assert fia.kwargs["sparse_mode"] == (3 if window is None else 4) and "learnable_sink" in fia.kwargs
@@ -222,14 +218,7 @@ REFUSED = {"logits_soft_cap": dict(soft_cap=50.0), "alibi_slopes": dict(alibi=Tr
 @pytest.mark.parametrize("param", REFUSED)
 def test_soft_cap_alibi_and_chunks_are_refused_naming_the_parameter(param):
     params = make_params(4, window=64, **REFUSED[param])
-
-    def step(query, key, value, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, slot_mapping):
-        pagedpack_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return pagedpack_ops.paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                             128**-0.5, **params)
-
-    example, _ = _step_inputs([(3, 2)])
-    gm = make_fx(step)(*example)
+    gm, example = _traced_layer(params)
     before = gm.code
     with pytest.raises(AscendLoweringError, match=rf"(?s)sparse_mode=4 band.*\n  {param}\b.*_op_plugin_docs.py"):
         lower_to_ascend(gm, example, ops=EMULATED, bounds=BOUNDS)
