@@ -19,6 +19,7 @@ from pagedpack.lowering.onnx.export import ATTENTIONS
 from pagedpack.lowering.targets import TargetUnavailableError, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
 from pagedpack.program import ProgramBuilder
+from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -134,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, TargetUnavailableError) as err:  # bad arguments, unsupported or missing model
         print(f"pagedpack: error: {err}", file=sys.stderr)
         return 2
+    except EngineDeadError as err:  # e.g. a tensor-parallel worker died
+        print(f"\npagedpack: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _generate(args) -> int:
@@ -351,7 +355,10 @@ def _export(args) -> int:
 
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
-    check_output_path(args.out)  # before the model is loaded
+    try:
+        check_output_path(args.out)  # before the model is loaded
+    except ValueError as err:  # named as the command line spells it
+        raise ValueError(f"--out{str(err).removeprefix('path')}") from None
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True,
                                                         tensor_parallel_size=1))
     path = llm.export(args.out, format=args.format, attention=args.attention,

@@ -189,6 +189,11 @@ class EngineArgs:
             self.tensor_parallel_size = size
         if self.tensor_parallel_size == 1:
             return
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if self.distributed_executor_backend == "mp" and launched.isdigit() and int(launched) > 1:
+            raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
+                             f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
+                             f"'external_launcher' (--distributed-executor-backend external_launcher)")
         if (self.is_exported and not manifest) or target.name != DEFAULT_TARGET or not is_cpu(self.device):
             got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "

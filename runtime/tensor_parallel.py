@@ -34,6 +34,7 @@ import atexit
 import datetime
 import os
 import signal
+import time
 import weakref
 
 import torch
@@ -50,6 +51,9 @@ JOIN_TIMEOUT_S = 60.0  # the workers' start (imports) until they join the group
 _START, _STEP, _COPY, _COMMIT, _STOP = range(5)
 
 
+# A worker spawned from a script whose LLM is built at import time exits before it can report.
+_SPAWN_HINT = ("; a script that starts tensor-parallel ranks builds its LLM under `if __name__ == \"__main__\":`, "
+               "as every spawned process requires (the worker imports the script again)")
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -115,9 +119,9 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._commands)
         atexit.register(self._finalizer)  # at exit before multiprocessing's own hook, which would kill them
         try:
-            _init_group(0, self.tp_size, port, timeout_s)
+            _init_group(0, self.tp_size, port, timeout_s, self._procs)
         except Exception as err:
-            raise self.failure(err) from err
+            raise self.failure(err, hint=_SPAWN_HINT) from err
 
     def start(self, num_blocks: int) -> None:
         """Have every worker allocate its KV caches for ``num_blocks`` blocks and wait for steps."""
@@ -154,18 +158,21 @@ class TensorParallelWorkers:
         except Exception as err:
             raise self.failure(err) from err
 
-    def failure(self, err: BaseException) -> EngineDeadError:
+    def failure(self, err: BaseException, hint: str = "") -> EngineDeadError:
         """The error to raise for ``err``, a collective (a broadcast here, or an all-reduce of the
-        step) that failed: which workers exited and what they reported, else ``err`` itself. An
+        step) that failed: which workers exited and what they reported, else ``err`` itself, and
+        ``hint`` for a worker that exited without a word. An
         :class:`~pagedpack.runtime.engine_loop.EngineDeadError`: the engine cannot step again."""
         reported = [text for text in map(_reported, self._errors) if text]
         for proc in self._procs:
             proc.join(timeout=0.5)  # a killed worker's exit code, once the OS has it
-        exited = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if p.exitcode is not None]
+        exited = [f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in self._procs
+                  if p.exitcode is not None]
         why = "; ".join(exited + reported) or f"{type(err).__name__}: {str(err)[:300]}"
         if self._finalizer.detach():  # the ranks cannot step together again: no stop command, end the rest
             _shutdown(self._procs, self._commands, stop=False)
-        return EngineDeadError(f"tensor_parallel_size: a worker rank stopped answering ({why})")
+        return EngineDeadError(f"tensor_parallel_size: a worker rank stopped answering ({why})"
+                               f"{hint if exited and not reported else ''}")
 
 
 def _reported(conn) -> str | None:
@@ -194,10 +201,21 @@ def _shutdown(procs, commands, stop: bool = True) -> None:
             proc.join(timeout=5)
 
 
-def _init_group(rank: int, world_size: int, port: int, timeout_s: float) -> None:
-    """Join the gloo group: the rendezvous waits up to :data:`JOIN_TIMEOUT_S`, collectives ``timeout_s``."""
+def _init_group(rank: int, world_size: int, port: int, timeout_s: float, workers=()) -> None:
+    """Join the gloo group: the rendezvous waits up to :data:`JOIN_TIMEOUT_S` (rank 0 gives up as
+    soon as one of ``workers``, the processes, has exited), collectives ``timeout_s``."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+    joined = [f"pagedpack/joined/{r}" for r in range(1, world_size)]
+    if rank:
+        store.set(joined[rank - 1], "1")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not rank and not store.check(joined):
+        if any(not p.is_alive() for p in workers):
+            raise RuntimeError("a worker process exited before it joined the group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the workers did not join the group within {JOIN_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -553,5 +553,5 @@ def test_cli_export_into_a_missing_directory(capsys, tmp_path):
     out = tmp_path / "missing" / "x.onnx"
     assert main(["export", "--format", "onnx", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert f"pagedpack: error: path: expected a file in an existing directory, got '{out}'" in err
+    assert f"pagedpack: error: --out: expected a file in an existing directory, got '{out}'" in err
     assert not (tmp_path / "missing").exists()

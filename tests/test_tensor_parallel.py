@@ -6,6 +6,7 @@ real ``torch.distributed`` processes (gloo) against one rank's tokens.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,7 +160,7 @@ def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worke
         assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
         llm._builder.workers._procs[0].kill()
         llm._builder.workers._procs[0].join(5)
-        with pytest.raises(EngineDeadError, match=r"pagedpack-tp-rank1 exited with code -9"):
+        with pytest.raises(EngineDeadError, match=r"pagedpack-tp-rank1 \(pid \d+\) exited with code -9"):
             llm.llm_engine.check_health()
     finally:
         llm._builder.workers.close()
@@ -191,7 +192,7 @@ def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
     tp2._builder.workers._procs[0].kill()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size: a worker rank stopped answering "
-                                           r"\(pagedpack-tp-rank1 exited with code -9\)"):
+                                           r"\(pagedpack-tp-rank1 \(pid \d+\) exited with code -9\)"):
         tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 30
     with pytest.raises(EngineDeadError):
@@ -341,6 +342,11 @@ def test_a_launcher_backend_without_a_launcher_is_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match=r"distributed_executor_backend: 'external_launcher' ranks each run the same "
                                          r"offline requests"):  # before any rank is built
         AsyncLLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: each process would spawn its own ranks
+    with pytest.raises(ValueError, match=r"distributed_executor_backend: this process is one of WORLD_SIZE=2 a "
+                                         r"launcher \(torchrun\) started, .* expected 'external_launcher'"):
+        EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2)
+    monkeypatch.delenv("WORLD_SIZE")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the script's own group
     try:
         with pytest.raises(ValueError, match=r"tensor_parallel_size: the launcher started 1 ranks, got "
@@ -348,3 +354,15 @@ def test_a_launcher_backend_without_a_launcher_is_refused_by_name(monkeypatch):
             LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_script_without_a_main_guard_is_told_so_at_once(tmp_path):
+    """A spawned worker imports the script again and exits before it can report; rank 0 stops
+    waiting for it to join (before: the 60 s rendezvous timeout) and names the guard."""
+    (tmp_path / "script.py").write_text("from pagedpack import LLM\nLLM('tiny', tensor_parallel_size=2)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1 and time.monotonic() - start < 50
+    assert re.search(r"EngineDeadError: tensor_parallel_size: a worker rank stopped answering \(pagedpack-tp-rank1 "
+                     r"\(pid \d+\) exited with code 1\); a script that starts tensor-parallel ranks builds its LLM "
+                     r"under `if __name__ == \"__main__\":`", done.stderr), done.stderr[-2000:]
