@@ -29,7 +29,7 @@ os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 # The files that take longest (pytest --durations=0 on 2 cores: 70-190 s each), handed to the workers
 # first: with a file per worker at a time, a long file started last leaves the other worker idle.
 _LONGEST_FIRST = ("test_real_weights.py", "test_compile_cache.py", "test_families.py", "test_backend.py",
-                  "test_cli.py", "test_serving_memory.py", "test_trust_and_faults.py", "test_tensor_parallel.py")
+                  "test_cli.py", "test_serving_memory.py", "test_trust_and_faults.py")
 
 
 def pytest_collection_modifyitems(items):
