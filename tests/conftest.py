@@ -20,10 +20,11 @@ if _workers.isdigit() and int(_workers) > 0:
 # LLM(path) captures in this process, as it does with PAGEDPACK_COMPILE_CACHE=0 (tests/test_compile_cache.py
 # turns the compile cache on, with a cache of its own); so do the subprocesses tests start.
 os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
-# transformers 5.25 materializes a checkpoint's tensors on a thread pool; once in the suite a worker
-# hung there: the pool thread, holding the GIL in torch.asarray, waited on glibc's dynamic-loader lock
-# (registering a thread_local destructor) while a thread being started waited for the GIL. Loads here
-# are small: sequentially, as transformers' own switch makes them.
+# transformers 5.25 materializes a checkpoint's tensors on a thread pool. A worker hung there once:
+# a new thread, holding the GIL, waited on glibc's dynamic-loader lock (registering a thread_local
+# destructor), which nothing alive held; that run handed out the tensor-parallel module first, and a
+# second hang of that order had the same lock in another thread. Loads here are small: sequentially
+# (transformers' own switch), one thread start fewer. The root cause is not found.
 os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
 # The files that take longest (pytest --durations=0 on 2 cores: 70-190 s each), handed to the workers
