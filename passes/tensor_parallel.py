@@ -57,9 +57,10 @@ _ops = torch.ops.pagedpack
 _SHARDED_STYLES = ("colwise", "rowwise")
 _REPLICATED_STYLES = ("colwise_gather_output", "embedding_rowwise", "replicated", "gather_output")
 _SAMPLE_BLOCK_SIZE = 4
-# tp plan styles that split a weight by vocabulary rows, and the op that reads such a weight
+# the collectives a rank's graph holds; the first two name their process group
 _NAMED_COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default)
 _COLLECTIVES = (*_NAMED_COLLECTIVES, c10d.wait_tensor.default)
+# tp plan styles that split a weight by vocabulary rows, and the op that reads such a weight
 _VOCAB_STYLES = {"embedding_rowwise": aten.embedding.default, "colwise_gather_output": aten.linear.default}
 _WEIGHT_ARG = {aten.embedding.default: 0, aten.linear.default: 1}
 
