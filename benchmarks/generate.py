@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="every engine's dtype (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-gib", type=int, default=2,
+                        help="KV pool of every engine, GiB (default %(default)s: vllm_cpu.py's VLLM_CPU_KVCACHE_SPACE)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the padded transformers baseline")
     parser.add_argument("--onnx", action="store_true", help="also serve the ONNX export on onnxruntime")
     parser.add_argument("--pt2", action="store_true", help="also serve the .pt2 export from a fresh process")
@@ -82,7 +84,9 @@ def main() -> None:
 
     model_dir, prompts = w1_workload(args)
     # prefix caching off, as vllm_cpu.py runs vLLM: the timed runs repeat the warm-up's prompts
-    llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False, dtype=args.dtype)
+    # and the KV pool vLLM gets: a smaller one would keep requests waiting for blocks (SmolLM2's W1 needs ~280 MiB)
+    llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False, dtype=args.dtype,
+              kv_cache_memory=f"{args.kv_cache_gib}GiB")
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     child_peak_mb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) or None
@@ -182,7 +186,7 @@ def _vllm(args, model_dir: str, prompts, reference) -> dict:
         ref_json.write_text(json.dumps({"first4": reference}))
         done = subprocess.run([args.vllm_python, str(args.bench_dir / "vllm_cpu.py"), model_dir, str(prompts_json),
                                "--ref", str(ref_json), "--reserved-cpus", "0", "--runs", str(args.runs),
-                               "--dtype", args.dtype],
+                               "--dtype", args.dtype, "--kv-gb", str(args.kv_cache_gib)],
                               env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
     if done.returncode or not lines:
