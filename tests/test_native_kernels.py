@@ -90,6 +90,23 @@ def test_decode_items_span_kv_heads(num_kv_heads, head_dim, dtype, threads):
         assert_rounded_close(out, expected)
 
 
+@pytest.mark.parametrize("head_dim, ratio", [(64, 5), (64, 8), (128, 3), (32, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_groups_wider_than_a_register_tile(head_dim, ratio, dtype):
+    """A GQA group's query heads share each K/V row read in tiles of up to 4 heads (2 at head_dim
+    128): groups of 5, 8, 3 and 6 split over tiles, with per-head ALiBi slopes, sinks and a soft cap
+    (each tile's heads must get their own), decode rows and short chunks; against the explicit-mask
+    reference."""
+    params = make_params(2 * ratio, soft_cap=30.0, alibi=True, sinks=True, seed=ratio)
+    seqs = [(n, 1) for n in (0, 15, 40, 333)] + [(20, 3), (0, 7)]
+    out, expected = run_step(seqs, params, dtype=dtype, num_kv_heads=2, ratio=ratio, head_dim=head_dim,
+                             block_size=16, g=torch.Generator().manual_seed(ratio))
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    else:
+        assert_rounded_close(out, expected)
+
+
 @pytest.mark.parametrize("head_dim, ratio", [(64, 3), (128, 1), (80, 4)])
 def test_fp32_prefill(head_dim, ratio, threads):
     """fp32 runs of >= 32 rows on the flash path (BRGEMM tiles over 128-key blocks, 64-row items

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "flash_prefill.h"
@@ -208,6 +209,83 @@ struct Row {
       for (int64_t i = 0; i < kVecs; ++i) acc[i].store(out + i * Vec::size());
     }
   }
+  // Query vectors of one GQA group sharing each key / value row: G of them at a time, so that a row
+  // is loaded (and converted from its cache dtype) once for G heads. kTile keeps the G queries or
+  // accumulators, the row and the sums within the 32 vector registers.
+  static constexpr int64_t kTile = D == 0 ? 1 : (kVecs <= 4 ? 4 : (kVecs <= 8 ? 2 : 1));
+  // s[g * s_stride + t] = q[g * d ..] . k[t] for g < G, t < n.
+  template <int64_t G, typename T>
+  static void scores_tile(const float* q, const T* const* k, int64_t n, float* s, int64_t s_stride) {
+    Vec qv[G][kVecs];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < kVecs; ++i) qv[g][i] = Vec::loadu(q + g * D + i * Vec::size());
+    for (int64_t t = 0; t < n; ++t) {
+      Vec kv[kVecs];
+      for (int64_t i = 0; i < kVecs; ++i) kv[i] = load_float(k[t] + i * Vec::size());
+      const float scale = row_scale(k[t], D);
+      for (int64_t g = 0; g < G; ++g) {
+        Vec acc = qv[g][0] * kv[0];
+        for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[g][i], kv[i], acc);
+        s[g * s_stride + t] = reduce_add(acc) * scale;
+      }
+    }
+  }
+  // out[g * out_stride ..] += sum_t w[g * w_stride + t] * v[t] for g < G.
+  template <int64_t G, typename T>
+  static void accumulate_tile(const float* w, int64_t w_stride, const T* const* v, int64_t n, float* out,
+                              int64_t out_stride) {
+    Vec acc[G][kVecs];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = Vec::loadu(out + g * out_stride + i * Vec::size());
+    for (int64_t t = 0; t < n; ++t) {
+      Vec vv[kVecs];
+      for (int64_t i = 0; i < kVecs; ++i) vv[i] = load_float(v[t] + i * Vec::size());
+      const float scale = row_scale(v[t], D);
+      for (int64_t g = 0; g < G; ++g) {
+        const Vec wt(w[g * w_stride + t] * scale);
+        for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = at::vec::fmadd(wt, vv[i], acc[g][i]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < kVecs; ++i) acc[g][i].store(out + g * out_stride + i * Vec::size());
+  }
+  // The tiles above for gn <= kTile query vectors (any head dims when D == 0: one at a time).
+  template <typename T>
+  static void scores_group(int64_t gn, const float* q, const T* const* k, int64_t n, int64_t d, float* s,
+                           int64_t s_stride) {
+    if constexpr (D == 0) {
+      for (int64_t g = 0; g < gn; ++g) scores(q + g * d, k, n, d, s + g * s_stride);
+    } else {
+      dispatch_tile(gn, [&](auto g) { scores_tile<decltype(g)::value>(q, k, n, s, s_stride); });
+    }
+  }
+  template <typename T>
+  static void accumulate_group(int64_t gn, const float* w, int64_t w_stride, const T* const* v, int64_t n,
+                               int64_t dv, float* out, int64_t out_stride) {
+    if constexpr (D == 0) {
+      for (int64_t g = 0; g < gn; ++g) accumulate(w + g * w_stride, v, n, dv, out + g * out_stride);
+    } else {
+      dispatch_tile(gn, [&](auto g) { accumulate_tile<decltype(g)::value>(w, w_stride, v, n, out, out_stride); });
+    }
+  }
+
+ private:
+  template <typename F>
+  static void dispatch_tile(int64_t gn, F&& f) {
+    using C1 = std::integral_constant<int64_t, 1>;
+    using C2 = std::integral_constant<int64_t, 2>;
+    using C3 = std::integral_constant<int64_t, 3>;
+    using C4 = std::integral_constant<int64_t, 4>;
+    if constexpr (kTile >= 4) {
+      if (gn == 4) return f(C4{});
+      if (gn == 3) return f(C3{});
+    }
+    if constexpr (kTile >= 2) {
+      if (gn == 2) return f(C2{});
+    }
+    TORCH_CHECK(gn == 1, "paged_attention: internal: a tile of ", gn, " query vectors");
+    f(C1{});
+  }
 };
 
 template <typename T>
@@ -253,8 +331,7 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
   const int64_t first_pos = kv_len - q_len;  // absolute position of the sequence's query row 0
   const int64_t width = 2 + dv;
 
-  std::vector<float> q(nvec * d), s(kKvChunk);
-  std::vector<int64_t> pos(nvec);
+  std::vector<float> q(nvec * d), s(Row<D>::kTile * kKvChunk);  // s: [tile's query vector][chunk token]
   std::vector<const T*> kp(nkv * kKvChunk), vp(nkv * kKvChunk);  // [KV head of the item][chunk token]
   const float* qf = query.data_ptr<float>();  // query is fp32 contiguous [T, H, D] (converted by the caller)
   for (int64_t r = 0; r < rows; ++r) {
@@ -262,7 +339,6 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
       const int64_t h = it.g0 * group + i, v = r * heads + i;
       const float* src = qf + ((meta.cu[it.b] + it.r0 + r) * query.size(1) + h) * d;
       for (int64_t e = 0; e < d; ++e) q[v * d + e] = src[e] * static_cast<float>(p.scale);
-      pos[v] = first_pos + it.r0 + r;
       float* st = state + v * width;
       st[0] = kNegInf;
       st[1] = 0.f;
@@ -289,33 +365,44 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
         prefetch_row(v_base + blk * v_strides[0] + off * v_strides[1] + (it.g0 + gl) * v_strides[2], dv);
       }
     }
-    for (int64_t v = 0; v < nvec; ++v) {
-      const int64_t hl = v % heads, h = it.g0 * group + hl;
-      const T* const* kv_k = kp.data() + hl / group * kKvChunk;
-      const T* const* kv_v = vp.data() + hl / group * kKvChunk;
+    // The query vectors of row r and KV head gl (a GQA group) share the keys they see, so each
+    // key / value row is read once for up to Row<D>::kTile of them.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row_pos = first_pos + it.r0 + r;
       // Keys this row sees: j <= pos (causal), j > pos - window, j in pos's chunk, j < kv_len (item range).
-      const int64_t hi = std::min(c0 + n, pos[v] + 1);
-      const int64_t lo = std::max(c0, first_key(p, pos[v]));
+      const int64_t hi = std::min(c0 + n, row_pos + 1);
+      const int64_t lo = std::max(c0, first_key(p, row_pos));
       if (hi <= lo) continue;
       const int64_t n_row = hi - lo;
-      float* sc = s.data() + (lo - c0);
-      Row<D>::scores(q.data() + v * d, kv_k + (lo - c0), n_row, d, sc);
-      for (int64_t t = 0; t < n_row; ++t) {
-        if (p.soft_cap > 0) sc[t] = static_cast<float>(p.soft_cap * std::tanh(sc[t] / p.soft_cap));
-        if (p.alibi) sc[t] += p.alibi[h] * static_cast<float>(lo + t - pos[v]);
+      for (int64_t gl = 0; gl < nkv; ++gl) {
+        const T* const* kv_k = kp.data() + gl * kKvChunk + (lo - c0);
+        const T* const* kv_v = vp.data() + gl * kKvChunk + (lo - c0);
+        for (int64_t g0 = 0; g0 < group; g0 += Row<D>::kTile) {
+          const int64_t gn = std::min(Row<D>::kTile, group - g0), v0 = r * heads + gl * group + g0;
+          Row<D>::scores_group(gn, q.data() + v0 * d, kv_k, n_row, d, s.data(), kKvChunk);
+          for (int64_t g = 0; g < gn; ++g) {
+            const int64_t h = (it.g0 + gl) * group + g0 + g;
+            float* sc = s.data() + g * kKvChunk;
+            for (int64_t t = 0; t < n_row; ++t) {
+              if (p.soft_cap > 0) sc[t] = static_cast<float>(p.soft_cap * std::tanh(sc[t] / p.soft_cap));
+              if (p.alibi) sc[t] += p.alibi[h] * static_cast<float>(lo + t - row_pos);
+            }
+            const float chunk_max =
+                at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sc, n_row);
+            float* st = state + (v0 + g) * width;
+            const float m_new = std::max(st[0], chunk_max);
+            if (st[0] != m_new && st[1] > 0.f) {
+              const float corr = std::exp(st[0] - m_new);
+              st[1] *= corr;
+              scale_row(corr, st + 2, dv);
+            }
+            st[0] = m_new;
+            at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, sc, sc, n_row);
+            st[1] += at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sc, n_row);
+          }
+          Row<D>::accumulate_group(gn, s.data(), kKvChunk, kv_v, n_row, dv, state + v0 * width + 2, width);
+        }
       }
-      const float chunk_max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sc, n_row);
-      float* st = state + v * width;
-      const float m_new = std::max(st[0], chunk_max);
-      if (st[0] != m_new && st[1] > 0.f) {
-        const float corr = std::exp(st[0] - m_new);
-        st[1] *= corr;
-        scale_row(corr, st + 2, dv);
-      }
-      st[0] = m_new;
-      at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, sc, sc, n_row);
-      st[1] += at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sc, n_row);
-      Row<D>::accumulate(sc, kv_v + (lo - c0), n_row, dv, st + 2);
     }
   }
 }
