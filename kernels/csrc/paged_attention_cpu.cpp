@@ -160,58 +160,16 @@ inline Vec load_float(const T* x) {
   }
 }
 
-// Scores and weighted values of one query vector against n key rows of dtype T, in fp32, head
-// dims known at compile time (D == Dv, a multiple of the vector width): the query and the
-// accumulator stay in registers. D == 0: any head dims, through memory.
+// Scores and weighted values of a GQA group's query vectors against n key rows of dtype T, in
+// fp32. Head dims known at compile time (D == Dv, a multiple of the vector width): G query vectors
+// at a time share each key / value row, loaded (and converted from its cache dtype) once for the G,
+// with the queries or accumulators in registers; kTile keeps the G queries or accumulators, the row
+// and the sums within the 32 vector registers. D == 0: any head dims, one vector at a time, through
+// memory.
 template <int64_t D>
 struct Row {
   static_assert(D % Vec::size() == 0, "head dims of the register kernels are multiples of the vector width");
   static constexpr int64_t kVecs = D / Vec::size();
-  template <typename T>
-  static void scores(const float* q, const T* const* k, int64_t n, int64_t d, float* s) {
-    if constexpr (D == 0) {
-      for (int64_t t = 0; t < n; ++t) {
-        Vec acc(0.f);
-        int64_t e = 0;
-        for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), load_float(k[t] + e), acc);
-        float x = reduce_add(acc);
-        for (; e < d; ++e) x += q[e] * static_cast<float>(k[t][e]);
-        s[t] = x * row_scale(k[t], d);
-      }
-    } else {
-      Vec qv[kVecs];
-      for (int64_t i = 0; i < kVecs; ++i) qv[i] = Vec::loadu(q + i * Vec::size());
-      for (int64_t t = 0; t < n; ++t) {
-        Vec acc = qv[0] * load_float(k[t]);
-        for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[i], load_float(k[t] + i * Vec::size()), acc);
-        s[t] = reduce_add(acc) * row_scale(k[t], D);
-      }
-    }
-  }
-  template <typename T>
-  static void accumulate(const float* w, const T* const* v, int64_t n, int64_t dv, float* out) {
-    if constexpr (D == 0) {
-      for (int64_t t = 0; t < n; ++t) {
-        const float wt_s = w[t] * row_scale(v[t], dv);
-        const Vec wt(wt_s);
-        int64_t e = 0;
-        for (; e + Vec::size() <= dv; e += Vec::size())
-          at::vec::fmadd(wt, load_float(v[t] + e), Vec::loadu(out + e)).store(out + e);
-        for (; e < dv; ++e) out[e] += wt_s * static_cast<float>(v[t][e]);
-      }
-    } else {
-      Vec acc[kVecs];
-      for (int64_t i = 0; i < kVecs; ++i) acc[i] = Vec::loadu(out + i * Vec::size());
-      for (int64_t t = 0; t < n; ++t) {
-        const Vec wt(w[t] * row_scale(v[t], D));
-        for (int64_t i = 0; i < kVecs; ++i) acc[i] = at::vec::fmadd(wt, load_float(v[t] + i * Vec::size()), acc[i]);
-      }
-      for (int64_t i = 0; i < kVecs; ++i) acc[i].store(out + i * Vec::size());
-    }
-  }
-  // Query vectors of one GQA group sharing each key / value row: G of them at a time, so that a row
-  // is loaded (and converted from its cache dtype) once for G heads. kTile keeps the G queries or
-  // accumulators, the row and the sums within the 32 vector registers.
   static constexpr int64_t kTile = D == 0 ? 1 : (kVecs <= 4 ? 4 : (kVecs <= 8 ? 2 : 1));
   // s[g * s_stride + t] = q[g * d ..] . k[t] for g < G, t < n.
   template <int64_t G, typename T>
@@ -249,12 +207,22 @@ struct Row {
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < kVecs; ++i) acc[g][i].store(out + g * out_stride + i * Vec::size());
   }
-  // The tiles above for gn <= kTile query vectors (any head dims when D == 0: one at a time).
+  // s / out of gn <= kTile query vectors: the tiles above, or (D == 0, any head dims) one vector at a
+  // time through memory.
   template <typename T>
   static void scores_group(int64_t gn, const float* q, const T* const* k, int64_t n, int64_t d, float* s,
                            int64_t s_stride) {
     if constexpr (D == 0) {
-      for (int64_t g = 0; g < gn; ++g) scores(q + g * d, k, n, d, s + g * s_stride);
+      for (int64_t g = 0; g < gn; ++g, q += d, s += s_stride) {
+        for (int64_t t = 0; t < n; ++t) {
+          Vec acc(0.f);
+          int64_t e = 0;
+          for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(q + e), load_float(k[t] + e), acc);
+          float x = reduce_add(acc);
+          for (; e < d; ++e) x += q[e] * static_cast<float>(k[t][e]);
+          s[t] = x * row_scale(k[t], d);
+        }
+      }
     } else {
       dispatch_tile(gn, [&](auto g) { scores_tile<decltype(g)::value>(q, k, n, s, s_stride); });
     }
@@ -263,7 +231,16 @@ struct Row {
   static void accumulate_group(int64_t gn, const float* w, int64_t w_stride, const T* const* v, int64_t n,
                                int64_t dv, float* out, int64_t out_stride) {
     if constexpr (D == 0) {
-      for (int64_t g = 0; g < gn; ++g) accumulate(w + g * w_stride, v, n, dv, out + g * out_stride);
+      for (int64_t g = 0; g < gn; ++g, w += w_stride, out += out_stride) {
+        for (int64_t t = 0; t < n; ++t) {
+          const float wt_s = w[t] * row_scale(v[t], dv);
+          const Vec wt(wt_s);
+          int64_t e = 0;
+          for (; e + Vec::size() <= dv; e += Vec::size())
+            at::vec::fmadd(wt, load_float(v[t] + e), Vec::loadu(out + e)).store(out + e);
+          for (; e < dv; ++e) out[e] += wt_s * static_cast<float>(v[t][e]);
+        }
+      }
     } else {
       dispatch_tile(gn, [&](auto g) { accumulate_tile<decltype(g)::value>(w, w_stride, v, n, out, out_stride); });
     }
