@@ -355,10 +355,7 @@ def _export(args) -> int:
 
     if args.format == "pt2" and args.attention != "pagedpack":
         raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
-    try:
-        check_output_path(args.out)  # before the model is loaded
-    except ValueError as err:  # named as the command line spells it
-        raise ValueError(f"--out{str(err).removeprefix('path')}") from None
+    check_output_path(args.out, "--out")  # before the model is loaded
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True,
                                                         tensor_parallel_size=1))
     path = llm.export(args.out, format=args.format, attention=args.attention,

@@ -143,17 +143,17 @@ def check_portable(rewritten) -> None:
                          "left); export a model rewritten for target='reference'")
 
 
-def check_output_path(path) -> str:
-    """``str(path)`` if a file can be written there; ``TypeError``/``ValueError`` naming ``path``
-    otherwise (checked before any work is done)."""
-    path = _path_arg(path)
+def check_output_path(path, arg: str = "path") -> str:
+    """``str(path)`` if a file can be written there; ``TypeError``/``ValueError`` naming ``arg`` (the
+    argument as the caller spells it, e.g. ``--out``) otherwise (checked before any work is done)."""
+    path = _path_arg(path, arg)
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ValueError(f"path: expected a file name, got {path!r} (a directory)")
+        raise ValueError(f"{arg}: expected a file name, got {path!r} (a directory)")
     if not os.path.isdir(parent):
-        raise ValueError(f"path: expected a file in an existing directory, got {path!r} (no such directory)")
+        raise ValueError(f"{arg}: expected a file in an existing directory, got {path!r} (no such directory)")
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"path: expected a writable directory, got {path!r} (cannot write to {parent!r})")
+        raise ValueError(f"{arg}: expected a writable directory, got {path!r} (cannot write to {parent!r})")
     return path
 
 
@@ -167,12 +167,12 @@ def writing(path: str):
         raise ValueError(f"path: cannot write {path!r} ({type(err).__name__}: {err})") from err
 
 
-def _path_arg(path) -> str:
+def _path_arg(path, arg: str = "path") -> str:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(f"path: expected a non-empty str or os.PathLike, got {path!r}")
+        raise TypeError(f"{arg}: expected a non-empty str or os.PathLike, got {path!r}")
     path = os.fspath(path)
     if not isinstance(path, str):
-        raise TypeError(f"path: expected a str or os.PathLike of str, got {path!r}")
+        raise TypeError(f"{arg}: expected a str or os.PathLike of str, got {path!r}")
     return path
 
 

@@ -171,6 +171,12 @@ struct Row {
   static_assert(D % Vec::size() == 0, "head dims of the register kernels are multiples of the vector width");
   static constexpr int64_t kVecs = D / Vec::size();
   static constexpr int64_t kTile = D == 0 ? 1 : (kVecs <= 4 ? 4 : (kVecs <= 8 ? 2 : 1));
+  // One K / V row of dtype T into registers as fp32; returns the row's scale (1 unless int8 / fp8).
+  template <typename T, size_t N>
+  static float load_row(const T* row, Vec (&out)[N]) {
+    for (size_t i = 0; i < N; ++i) out[i] = load_float(row + i * Vec::size());
+    return row_scale(row, D);
+  }
   // s[g * s_stride + t] = q[g * d ..] . k[t] for g < G, t < n.
   template <int64_t G, typename T>
   static void scores_tile(const float* q, const T* const* k, int64_t n, float* s, int64_t s_stride) {
@@ -179,8 +185,7 @@ struct Row {
       for (int64_t i = 0; i < kVecs; ++i) qv[g][i] = Vec::loadu(q + g * D + i * Vec::size());
     for (int64_t t = 0; t < n; ++t) {
       Vec kv[kVecs];
-      for (int64_t i = 0; i < kVecs; ++i) kv[i] = load_float(k[t] + i * Vec::size());
-      const float scale = row_scale(k[t], D);
+      const float scale = load_row(k[t], kv);
       for (int64_t g = 0; g < G; ++g) {
         Vec acc = qv[g][0] * kv[0];
         for (int64_t i = 1; i < kVecs; ++i) acc = at::vec::fmadd(qv[g][i], kv[i], acc);
@@ -197,8 +202,7 @@ struct Row {
       for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = Vec::loadu(out + g * out_stride + i * Vec::size());
     for (int64_t t = 0; t < n; ++t) {
       Vec vv[kVecs];
-      for (int64_t i = 0; i < kVecs; ++i) vv[i] = load_float(v[t] + i * Vec::size());
-      const float scale = row_scale(v[t], D);
+      const float scale = load_row(v[t], vv);
       for (int64_t g = 0; g < G; ++g) {
         const Vec wt(w[g * w_stride + t] * scale);
         for (int64_t i = 0; i < kVecs; ++i) acc[g][i] = at::vec::fmadd(wt, vv[i], acc[g][i]);
