@@ -281,9 +281,9 @@ class EngineArgs:
         parser.add_argument("--num-blocks", type=int, default=None,
                             help="KV blocks in the pool; default: sized to a memory budget")
         parser.add_argument("--kv-cache-memory", default=None,
-                            help="KV pool size in bytes (e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
+                            help="KV pool size: bytes, or a size with a unit (e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
         parser.add_argument("--memory-budget", default=None,
-                            help="bytes (e.g. 4GiB) for weights + a step's activations + the KV pool, "
+                            help="bytes, or a size with a unit (e.g. 4GiB), for weights + a step's activations + the KV pool, "
                                  "which gets the rest (see pagedpack plan)")
         parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                             help="dtype of the KV cache (auto: the model's); bfloat16 / float16 hold 2x the tokens of "
