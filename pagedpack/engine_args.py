@@ -281,10 +281,11 @@ class EngineArgs:
         parser.add_argument("--num-blocks", type=int, default=None,
                             help="KV blocks in the pool; default: sized to a memory budget")
         parser.add_argument("--kv-cache-memory", default=None,
-                            help="KV pool size: bytes, or a size with a unit (e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
+                            help="KV pool size: bytes, or a size with a unit "
+                                 "(e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
         parser.add_argument("--memory-budget", default=None,
-                            help="bytes, or a size with a unit (e.g. 4GiB), for weights + a step's activations + the KV pool, "
-                                 "which gets the rest (see pagedpack plan)")
+                            help="bytes, or a size with a unit (e.g. 4GiB), for weights + a step's "
+                                 "activations + the KV pool, which gets the rest (see pagedpack plan)")
         parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                             help="dtype of the KV cache (auto: the model's); bfloat16 / float16 hold 2x the tokens of "
                                  "float32 in the same memory, int8 / fp8_e4m3 / fp8_e5m2 (a per-token scale "
