@@ -35,6 +35,7 @@ using Vec = at::vec::Vectorized<float>;
 using bf16 = at::BFloat16;
 constexpr int64_t kBlockQ = 64;    // query rows per work item
 constexpr int64_t kBlockKv = 128;  // keys per online-softmax update (even: the VNNI pairs)
+constexpr int64_t kColStep = 32;   // a block's computed keys: a multiple of this, past the last one visible
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -75,10 +76,12 @@ void pack_values(const T* const* rows, int64_t n, int64_t dv, T* dst) {
   }
 }
 
-// C = A B for A [m, k] row-major, B packed [k, n] (k even), C fp32 [m, n].
+// C = A B for A [m, k] row-major (row stride lda), B packed [k, n] (row stride ldb, k even), C fp32
+// [m, n] (row stride ldc).
 template <typename T>
-void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, bool accumulate, const T* a, const T* b, float* c) {
-  at::native::cpublas::brgemm(m, n, k, lda, n, n, accumulate, a, b, c, /*is_vnni=*/kVnni<T>);
+void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool accumulate, const T* a,
+          const T* b, float* c) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/kVnni<T>);
 }
 
 // Run brgemm on small integer matrices (exact in bf16 and fp32) of the kernel's two shapes and
@@ -98,8 +101,8 @@ bool brgemm_matches(int64_t d, int64_t dv) {
     pack_keys(krows.data(), kBlockKv, d, kp.data());
     pack_values(vrows.data(), kBlockKv, dv, vp.data());
     std::vector<float> s(m * kBlockKv), o(m * dv);
-    gemm(m, kBlockKv, d, d, false, a.data(), kp.data(), s.data());
-    gemm(m, dv, kBlockKv, kBlockKv, false, a.data(), vp.data(), o.data());
+    gemm(m, kBlockKv, d, d, kBlockKv, kBlockKv, false, a.data(), kp.data(), s.data());
+    gemm(m, dv, kBlockKv, kBlockKv, dv, dv, false, a.data(), vp.data(), o.data());
     at::native::cpublas::brgemm_release(kVnni<T>);
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < kBlockKv; ++j) {
@@ -119,24 +122,25 @@ bool brgemm_matches(int64_t d, int64_t dv) {
   }
 }
 
-// One query row's raw scores s[0, kBlockKv) against a KV block, the first `seen` of them visible:
-// the online-softmax update of the row's running max and sum (scaled units), P = exp(scale * s -
-// max) (zero past `seen`): in fp32 into hi, in bf16 as two terms, hi + lo. Returns the factor the
-// row's accumulated output takes.
+// One query row's raw scores s[0, cols) against a KV block, the first `seen` of them visible
+// (seen <= cols, cols a multiple of kColStep): the online-softmax update of the row's running max
+// and sum (scaled units), P = exp(scale * s - max) (zero past `seen`): in fp32 into hi, in bf16 as
+// two terms, hi + lo. Returns the factor the row's accumulated output takes.
 template <typename T>
-float softmax_row(const float* s, int64_t seen, float scale, float& row_max, float& row_sum, T* hi, T* lo) {
+float softmax_row(const float* s, int64_t seen, int64_t cols, float scale, float& row_max, float& row_sum, T* hi,
+                  T* lo) {
   constexpr int64_t w = Vec::size();
-  static_assert(kBlockKv % (2 * w) == 0);
+  static_assert(kBlockKv % kColStep == 0 && kColStep % (2 * w) == 0);
   if (seen == 0) {
-    std::fill(hi, hi + kBlockKv, T(0.f));
-    if constexpr (kVnni<T>) std::fill(lo, lo + kBlockKv, T(0.f));
+    std::fill(hi, hi + cols, T(0.f));
+    if constexpr (kVnni<T>) std::fill(lo, lo + cols, T(0.f));
     return 1.f;
   }
   const float raw_max = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, seen);
   const float m_new = std::max(row_max, raw_max * scale), corr = std::exp(row_max - m_new);
   const Vec vs(scale), vm(m_new), zero(0.f);
   Vec sum(0.f);
-  for (int64_t j = 0; j < kBlockKv; j += 2 * w) {
+  for (int64_t j = 0; j < cols; j += 2 * w) {
     Vec a = at::vec::fmsub(Vec::loadu(s + j), vs, vm).exp_u20();
     Vec b = at::vec::fmsub(Vec::loadu(s + j + w), vs, vm).exp_u20();
     if (j + 2 * w > seen) {
@@ -242,17 +246,22 @@ void flash_prefill(const Meta& m, const std::vector<int64_t>& seqs, const at::Te
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       for (int64_t c0 = 0; c0 < pos0 + rows; c0 += kBlockKv) {
         const int64_t pk = first[it.s] + g * nblk + c0 / kBlockKv;
-        gemm(rows, kBlockKv, d, num_heads * d, false, qa, kpack.data() + pk * d * kBlockKv, scores.data());
+        // Only the block's keys up to the last row's last visible one (rounded up) are computed: the
+        // causal diagonal's blocks and a short sequence's only block cost what they show.
+        const int64_t visible = std::min({kBlockKv, kv_len - c0, pos0 + rows - c0});
+        const int64_t cols = (visible + kColStep - 1) / kColStep * kColStep;
+        gemm(rows, cols, d, num_heads * d, kBlockKv, kBlockKv, false, qa, kpack.data() + pk * d * kBlockKv,
+             scores.data());
         for (int64_t i = 0; i < rows; ++i) {
           // Keys this row sees in the block: j < kv_len and j <= its position.
-          const int64_t seen = std::clamp<int64_t>(std::min(kv_len, pos0 + i + 1) - c0, 0, kBlockKv);
-          const float corr = softmax_row(scores.data() + i * kBlockKv, seen, sc, row_max[i], row_sum[i],
+          const int64_t seen = std::clamp<int64_t>(std::min(kv_len, pos0 + i + 1) - c0, 0, visible);
+          const float corr = softmax_row(scores.data() + i * kBlockKv, seen, cols, sc, row_max[i], row_sum[i],
                                          p_hi.data() + i * kBlockKv, kVnni<T> ? p_lo.data() + i * kBlockKv : nullptr);
           if (corr != 1.f) at::vec::map([corr](Vec x) { return x * Vec(corr); }, acc.data() + i * dv, acc.data() + i * dv, dv);
         }
         const T* vb = vpack.data() + pk * kBlockKv * dv;
-        gemm(rows, dv, kBlockKv, kBlockKv, true, p_hi.data(), vb, acc.data());
-        if constexpr (kVnni<T>) gemm(rows, dv, kBlockKv, kBlockKv, true, p_lo.data(), vb, acc.data());
+        gemm(rows, dv, cols, kBlockKv, dv, dv, true, p_hi.data(), vb, acc.data());
+        if constexpr (kVnni<T>) gemm(rows, dv, cols, kBlockKv, dv, dv, true, p_lo.data(), vb, acc.data());
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.f / row_sum[i];  // > 0: every row sees key 0
