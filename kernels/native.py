@@ -2,10 +2,10 @@
 
 The sources are compiled with the system C++ compiler against the installed torch's headers and
 libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library registering
-``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``, its bf16
-prefill path in ``flash_prefill_cpu.cpp``) and
-``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``) and ``rotate_half_rope`` (``rotary_cpu.cpp``), which
-the CPU lowering calls, and loaded with
+``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``, its
+prefill path in ``flash_prefill_cpu.cpp``),
+``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``), ``rotate_half_rope`` (``rotary_cpu.cpp``) and
+``silu_and_mul`` (``silu_and_mul_cpu.cpp``), which the CPU lowering calls, and loaded with
 ``torch.ops.load_library``. The library is cached under ``$PAGEDPACK_CACHE`` (default
 ``~/.cache/pagedpack``) ``/native/<key>/``, the key hashing the sources, the torch version, the
 compiler flags and the CPU capability, so a change of any of them rebuilds (about 30 s on two
@@ -37,7 +37,7 @@ from pagedpack.files import atomic_write, sha256_file
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "rms_norm_cpu.cpp",
-                                      "rotary_cpu.cpp")]
+                                      "rotary_cpu.cpp", "silu_and_mul_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],

@@ -26,6 +26,7 @@ import operator
 import torch
 import torch.fx
 
+from pagedpack.kernels.native import native_ops
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
 from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
 
@@ -39,6 +40,13 @@ _ELEMENTWISE = frozenset({
 })
 _LAST_DIM = frozenset({aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 ROW_LOCAL = LINEARS | _ELEMENTWISE | _LAST_DIM | {operator.getitem}
+
+
+def _row_local_targets() -> frozenset:
+    """:data:`ROW_LOCAL` and, with the native kernels, their elementwise ``silu_and_mul``
+    (:mod:`pagedpack.lowering.reference.cpu_activation`)."""
+    native = native_ops()
+    return ROW_LOCAL if native is None else ROW_LOCAL | {native.silu_and_mul.default}
 
 
 class RowChunked(torch.nn.Module):
@@ -89,7 +97,7 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
     """``(x, nodes in graph order, down last)`` of the MLP region ending at ``down``, or None. The
     walk back from ``down`` stops at the inputs of the other linears it meets (the up projections),
     which must all be the same tensor ``x``."""
-    members, entry, todo = {down}, None, [down]
+    members, entry, todo, row_local = {down}, None, [down], _row_local_targets()
     while todo:
         node = todo.pop()
         if node.target in LINEARS and not _constant_weights(gm, node):
@@ -106,7 +114,7 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
                 if entry not in (None, arg):
                     return None  # up projections of different inputs
                 entry = arg
-            elif arg.op == "call_function" and arg.target in ROW_LOCAL and _row_local(arg):
+            elif arg.op == "call_function" and arg.target in row_local and _row_local(arg):
                 members.add(arg)
                 todo.append(arg)
             else:

@@ -1,0 +1,123 @@
+// CPU kernel of pagedpack_cpu::silu_and_mul(gate, up) = silu(gate) * up (fp32, bf16, fp16).
+//
+// Semantics: a gated MLP's activation (transformers' LlamaMLP, `act_fn(gate_proj(x)) * up_proj(x)`
+// with SiLU; vLLM's silu_and_mul, which takes the two as one `[..., 2I]` tensor: here `gate` and `up`
+// may be the two halves of the merged gate/up GEMM's output, views with a row stride). One pass
+// over the rows instead of ATen's two ops (silu, mul) and the `silu(gate)` temporary between them.
+// Each value is computed and rounded as ATen's unfused ops do on this CPU (silu_kernel and mul in
+// aten/src/ATen/native/cpu): silu(x) = x / (1 + exp(-x)) in fp32 (Vectorized<float>::exp, SLEEF's
+// u10; the last `dim % 32` values of a row with std::exp, as ATen's loops treat a tail), rounded to
+// the dtype, then multiplied by `up` in fp32 and rounded again: a bf16 step's values are the
+// graph's. Chosen by lowering/reference/cpu_activation.py, which checks the lowered step against
+// the graph.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kStep = 2 * Vec::size();     // values per iteration: one Vectorized<bf16 / fp16>
+constexpr int64_t kGrainElements = 1 << 15;  // rows per thread: at least this many values
+
+inline Vec silu(const Vec& x) { return x / (Vec(1.f) + x.neg().exp()); }
+
+// The pair of float vectors holding p[0, kStep).
+template <typename T>
+inline std::pair<Vec, Vec> load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
+  } else {
+    auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+    return {a, b};
+  }
+}
+
+template <typename T>
+inline void store_floats(const Vec& a, const Vec& b, T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + Vec::size());
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// out[r, :] = T(float(T(silu(gate[r, :]))) * float(up[r, :])) for `rows` rows of `dim` values;
+// gate and up rows `gate_stride` / `up_stride` values apart, out's contiguous.
+template <typename T>
+void silu_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t dim, int64_t gate_stride,
+                       int64_t up_stride) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(dim, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* g = gate + r * gate_stride;
+      const T* u = up + r * up_stride;
+      T* o = out + r * dim;
+      int64_t d = 0;
+      for (; d + kStep <= dim; d += kStep) {
+        auto [g0, g1] = load_floats(g + d);
+        auto [u0, u1] = load_floats(u + d);
+        Vec s0 = silu(g0), s1 = silu(g1);
+        if constexpr (!std::is_same_v<T, float>) {  // silu's output rounded to T, as ATen's op stores it
+          std::tie(s0, s1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(s0, s1));
+        }
+        store_floats(s0 * u0, s1 * u1, o + d);
+      }
+      for (; d < dim; ++d) {
+        const float x = static_cast<float>(g[d]);
+        const T s = static_cast<T>(x / (1.f + std::exp(-x)));
+        o[d] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[d]));
+      }
+    }
+  });
+}
+
+// `t` as [rows, dim] with its last dimension contiguous (a view where the strides allow, else a copy).
+at::Tensor as_rows(const at::Tensor& t) {
+  const int64_t dim = t.size(-1);
+  at::Tensor rows = t.reshape({-1, dim});
+  return rows.stride(1) == 1 || dim <= 1 ? rows : rows.contiguous();
+}
+
+at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  const auto dtype = gate.scalar_type();
+  TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                        up.scalar_type() == dtype,
+                    "silu_and_mul: gate, up: expected one dtype of float32, bfloat16, float16, got ", dtype, ", ",
+                    up.scalar_type());
+  TORCH_CHECK_VALUE(gate.dim() >= 1 && gate.sizes() == up.sizes(), "silu_and_mul: gate ", gate.sizes(), ", up ",
+                    up.sizes(), ": expected one shape [..., I]");
+  auto out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const auto g = as_rows(gate), u = as_rows(up);
+  auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    silu_and_mul_rows<T>(g.data_ptr<T>(), u.data_ptr<T>(), out.data_ptr<T>(), g.size(0), g.size(1), g.stride(0),
+                         u.stride(0));
+  };
+  if (dtype == at::kFloat) {
+    run(float{});
+  } else if (dtype == at::kBFloat16) {
+    run(at::BFloat16{});
+  } else {
+    run(at::Half{});
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedpack_cpu, m) {
+  m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
+  m.impl("silu_and_mul", &silu_and_mul_cpu);
+}

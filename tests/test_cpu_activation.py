@@ -1,0 +1,115 @@
+"""A gated MLP's ``silu(gate) * up`` in one native kernel (``lowering/reference/cpu_activation.py``,
+``kernels/csrc/silu_and_mul_cpu.cpp``): the kernel against an fp64 reference written here and
+against ATen's two ops bit for bit, which products are fused and which are left alone, and greedy
+tokens equal to the unmodified model's across the families' MLPs."""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.kernels.native import native_ops
+from pagedpack.lowering.reference.cpu_activation import fuse_silu_and_mul
+from pagedpack.passes.cleanup import strip_export_checks
+
+from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
+from test_families import _BASE, SERVED
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
+
+
+def _silu_and_mul64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.double()
+    return g / (1 + torch.exp(-g)) * up.double()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 40), inter=st.integers(1, 100), merged=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31))
+def test_native_silu_and_mul_is_atens_two_ops(rows, inter, merged, dtype, seed):
+    """The halves of a merged gate/up output (views with a row stride) or two tensors of their own,
+    any row count and width (rows of whole vectors and ragged tails): ATen's ``silu`` then ``mul``
+    bit for bit, and in fp32 the fp64 product to a few ulps."""
+    g = torch.Generator().manual_seed(seed)
+    if merged:
+        y = torch.randn(1, rows, 2 * inter, generator=g) * 6
+        gate, up = y[..., :inter], y[..., inter:]
+    else:
+        gate, up = torch.randn(rows, inter, generator=g) * 6, torch.randn(rows, inter, generator=g)
+    gate, up = gate.to(dtype), up.to(dtype)
+    got = native_ops().silu_and_mul(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
+    if merged or dtype != torch.float32:
+        # a contiguous fp32 pair is one flat run for ATen: its tail (scalar exp) falls elsewhere
+        assert torch.equal(got, F.silu(gate) * up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), _silu_and_mul64(gate, up), rtol=4e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 8)),
+     "silu_and_mul: gate, up: expected one dtype of float32, bfloat16, float16, got BFloat16, Float"),
+    ((torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)), "got Double, Double"),
+    ((torch.randn(2, 8), torch.randn(2, 7)), r"silu_and_mul: gate \[2, 8\], up \[2, 7\]: expected one shape"),
+    ((torch.randn(2, 8), torch.randn(8)), r"gate \[2, 8\], up \[8\]: expected one shape \[\.\.\., I\]"),
+])
+def test_native_silu_and_mul_refuses_what_it_does_not_compute(args, message):
+    with pytest.raises(ValueError, match=message):
+        native_ops().silu_and_mul(*args)
+
+
+class _Mlps(torch.nn.Module):
+    """A merged gated MLP (SiLU first, as Llama; ``up * silu(gate)``, as Phi-3), and products the
+    pass must leave alone: a SiLU with a second user, a broadcast ``up``, GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate_up = torch.nn.Linear(16, 80, bias=False)
+        self.down = torch.nn.Linear(40, 16, bias=False)
+        self.scale = torch.nn.Parameter(torch.rand(40))
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(40, dim=-1)
+        llama = self.down(F.silu(gate) * up)
+        phi3 = self.down(up * F.silu(gate))
+        shared = F.silu(up)
+        kept = shared * gate + shared
+        broadcast = F.silu(gate) * self.scale
+        gelu = F.gelu(gate) * up
+        return llama, phi3, kept, broadcast, gelu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_products_compute_what_the_graph_did(dtype):
+    x = torch.randn(3, 5, 16).to(dtype)
+    gm = torch.export.export(_Mlps().to(dtype), (x,)).module()
+    strip_export_checks(gm)
+    expected = gm(x)
+    assert fuse_silu_and_mul(gm) == 2
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(native_ops().silu_and_mul.default) == 2
+    assert targets.count(torch.ops.aten.silu.default) == 2  # the shared one, the broadcast one
+    for got, want in zip(gm(x), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+# family: silu(gate) * up fused in the 2-layer models (one a layer); Gemma's MLPs use GELU (tanh),
+# GPT-NeoX's are not gated.
+FUSED = {"llama": 2, "qwen3": 2, "mistral": 2, "phi3": 2, "gemma": 0, "gpt_neox": 0}
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_activation_steps_generate_the_unmodified_models_tokens(family):
+    config_cls, config = (T.LlamaConfig, _BASE) if family == "llama" else SERVED[family][:2]
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
+    reference = snapshot(model)
+    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
+    assert f"{FUSED[family]} silu(gate) * up fused" in llm.report.notes[-1]
+    prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=7)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"
