@@ -7,8 +7,10 @@
 // Each value is computed and rounded as ATen's unfused ops do on this CPU (silu_kernel and mul in
 // aten/src/ATen/native/cpu): silu(x) = x / (1 + exp(-x)) in fp32 (Vectorized<float>::exp, SLEEF's
 // u10; the last `dim % 32` values of a row with std::exp, as ATen's loops treat a tail), rounded to
-// the dtype, then multiplied by `up` in fp32 and rounded again: a bf16 step's values are the
-// graph's. Chosen by lowering/reference/cpu_activation.py, which checks the lowered step against
+// the dtype, then multiplied by `up` in fp32 and rounded again: a bf16 / fp16 step's values are the
+// graph's bit for bit. In fp32 a value may differ from ATen's in the last bit where ATen's scalar
+// tails fall elsewhere (the end of each thread's share of a contiguous run, which can split a row):
+// std::exp and SLEEF's exp differ by up to an ulp there. Chosen by lowering/reference/cpu_activation.py, which checks the lowered step against
 // the graph.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

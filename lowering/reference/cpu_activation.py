@@ -7,9 +7,12 @@ kernels with a ``silu(gate)`` temporary between them, each a pass over ``[T, I]`
 dispatch. :func:`fuse_silu_and_mul` replaces each ``mul(silu(gate), up)`` (either order) on two
 tensors of one shape and dtype by ``torch.ops.pagedpack_cpu.silu_and_mul(gate, up)``
 (``kernels/csrc/silu_and_mul_cpu.cpp``, vLLM's ``silu_and_mul`` on the two halves), which rounds
-where ATen's two ops round: the step's values are the graph's bit for bit (but for the exp of a
-row's last ``I % 32`` values, which both compute with a scalar exp). Other activations (GELU,
-Gemma's ``gelu_pytorch_tanh``) are left alone. The reference target's CPU lowering
+where ATen's two ops round: a bf16 / fp16 step's values are the graph's bit for bit; in fp32 a
+value may move by an ulp where ATen computes its exp with the scalar function and the kernel with
+the vector one (the tails of ATen's per-thread shares). A product laid out other than row-major
+(transposed operands: ATen's ``mul`` keeps their layout, the kernel writes rows) is left alone, as
+are other activations (GELU,
+Gemma's ``gelu_pytorch_tanh``). The reference target's CPU lowering
 (:mod:`pagedpack.lowering.reference.cpu`) applies this before it chunks the MLPs and checks the
 lowered step against the graph. Measurements: ``docs/cpu-kernels.md``.
 """
@@ -43,7 +46,8 @@ def fuse_silu_and_mul(graph_module: torch.fx.GraphModule) -> int:
 def _match(mul: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """``(gate, up)`` if ``mul`` is ``silu(gate) * up`` or ``up * silu(gate)``, ``silu`` used by
     ``mul`` alone, the two operands and the product of one shape and of one dtype of
-    :data:`_DTYPES` (no broadcast, no type promotion), else None."""
+    :data:`_DTYPES` (no broadcast, no type promotion), the product row-major (as the kernel writes
+    it), else None."""
     if mul.op != "call_function" or mul.target is not aten.mul.Tensor or len(mul.args) != 2 or mul.kwargs:
         return None
     for silu, up in (mul.args, mul.args[::-1]):
@@ -55,7 +59,8 @@ def _match(mul: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
         if not all(isinstance(v, torch.Tensor) for v in values):
             return None
         product = values[0]
-        if product.dtype in _DTYPES and all(v.dtype == product.dtype and v.shape == product.shape for v in values):
+        if (product.dtype in _DTYPES and product.is_contiguous()
+                and all(v.dtype == product.dtype and v.shape == product.shape for v in values)):
             return gate, up
         return None
     return None
