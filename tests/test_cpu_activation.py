@@ -5,17 +5,14 @@ which are left alone, and greedy tokens equal to the unmodified model's across t
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_activation import fuse_silu_and_mul
 from pagedpack.passes.cleanup import strip_export_checks
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
-from test_families import _BASE, SERVED
+from test_families import assert_cpu_lowering_keeps_greedy_tokens
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
 
@@ -107,13 +104,4 @@ FUSED = {"llama": 2, "qwen3": 2, "mistral": 2, "phi3": 2, "gemma": 0, "gpt_neox"
 
 @pytest.mark.parametrize("family", FUSED)
 def test_fused_activation_steps_generate_the_unmodified_models_tokens(family):
-    config_cls, config = (T.LlamaConfig, _BASE) if family == "llama" else SERVED[family][:2]
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
-    reference = snapshot(model)
-    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
-    assert f"{FUSED[family]} silu(gate) * up fused" in llm.report.notes[-1]
-    prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=7)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"
+    assert_cpu_lowering_keeps_greedy_tokens(family, f"{FUSED[family]} silu(gate) * up fused", seed=7)

@@ -4,17 +4,14 @@ alone, conversions that convert nothing dropped, and greedy tokens equal to the 
 across the families' norms."""
 import pytest
 import torch
-import transformers as T
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_norm import fuse_rms_norms
 from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
-from test_families import _BASE, SERVED
+from test_families import assert_cpu_lowering_keeps_greedy_tokens
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
 
@@ -170,14 +167,6 @@ NORMS = {"llama": (5, 4), "qwen3": (9, 4), "mistral": (5, 4), "phi3": (5, 4), "g
 
 @pytest.mark.parametrize("family", NORMS)
 def test_fused_norm_steps_generate_the_unmodified_models_tokens(family):
-    config_cls, config = (T.LlamaConfig, _BASE) if family == "llama" else SERVED[family][:2]
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
-    reference = snapshot(model)
-    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
     norms, fused = NORMS[family]
-    assert f"{norms} RMSNorms as native kernels ({fused} with their residual add)" in llm.report.notes[-1]
-    prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=7)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"
+    note = f"{norms} RMSNorms as native kernels ({fused} with their residual add)"
+    assert_cpu_lowering_keeps_greedy_tokens(family, note, seed=7)

@@ -5,15 +5,12 @@ three-kernel fallback, which forms are fused and which are left alone, and greed
 the unmodified model's across the families' rotary forms."""
 import pytest
 import torch
-import transformers as T
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from pagedpack import LLM, SamplingParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference import cpu_rotary
 
-from conftest import MIXED_PROMPT_LENS, hf_greedy, random_prompts, snapshot
-from test_families import SERVED
+from test_families import assert_cpu_lowering_keeps_greedy_tokens
 
 
 class _Rotary(torch.nn.Module):
@@ -126,13 +123,4 @@ FUSED = {"qwen3": 4, "gemma": 4, "phi3": 4, "phi": 4, "gpt_neox": 4, "cohere": 0
 
 @pytest.mark.parametrize("family", FUSED)
 def test_fused_rotary_steps_generate_the_unmodified_models_tokens(family):
-    config_cls, config, _, _ = SERVED[family]
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
-    reference = snapshot(model)
-    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
-    assert f"{FUSED[family]} rotary embeddings fused" in llm.report.notes[-1]
-    prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=6)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"
+    assert_cpu_lowering_keeps_greedy_tokens(family, f"{FUSED[family]} rotary embeddings fused", seed=6)

@@ -160,6 +160,22 @@ def test_llama4_s_onnx_target_and_pt2_export_are_refused_naming_why(tmp_path):
         LLM(model, num_blocks=4, keep_source_model=True).export(tmp_path / "m.pt2")
 
 
+
+def assert_cpu_lowering_keeps_greedy_tokens(family: str, note: str, *, seed: int) -> None:
+    """``family``'s 2-layer model (``llama``: the base Llama config), random weights: the CPU lowering's
+    note says ``note``, and greedy tokens of 8 prompts of mixed lengths (``seed``) served with small
+    chunks equal the unmodified model's."""
+    config_cls, config = (T.LlamaConfig, _BASE) if family == "llama" else SERVED[family][:2]
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
+    reference = snapshot(model)
+    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=96)
+    assert note in llm.report.notes[-1]
+    prompts = random_prompts(MIXED_PROMPT_LENS[:8], vocab=200, seed=seed)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 4), f"prompt length {len(prompt)}"
+
 _SERVE_SCRIPT = """
 import json, sys
 from pagedpack import LLM, SamplingParams
