@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import os
 
+import numpy as np
 import torch
 
 _STEP_CHECKED = contextvars.ContextVar("pagedpack_step_checked", default=False)
@@ -40,33 +41,40 @@ def checked_step():
         _STEP_CHECKED.reset(token)
 
 
-def check_cu_seqlens_q(cu_seqlens_q: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _host_int64(values: torch.Tensor) -> np.ndarray:
+    """``values`` as an int64 NumPy array on the host (the checks run on a few hundred values: NumPy
+    takes about a microsecond an op where a torch op takes several)."""
+    return values.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def check_cu_seqlens_q(cu_seqlens_q: torch.Tensor, num_tokens: int) -> np.ndarray:
     """``cu_seqlens_q`` must start at 0, never decrease, and end at ``num_tokens``.
 
-    Returns the per-sequence query lengths ``q_lens`` (int64 ``[B]``, on the CPU).
+    Returns the per-sequence query lengths ``q_lens`` (int64 ``[B]``, a NumPy array).
     """
-    cu = cu_seqlens_q.detach().to("cpu", torch.int64)
-    if cu.numel() == 0 or int(cu[0]) != 0:
+    cu = _host_int64(cu_seqlens_q)
+    if cu.size == 0 or cu[0] != 0:
         raise ValueError(f"cu_seqlens_q: expected cu_seqlens_q[0] == 0, got {cu.tolist()[:8]}")
-    q_lens = cu[1:] - cu[:-1]
-    if bool((q_lens < 0).any()):
-        b = int(torch.nonzero(q_lens < 0)[0])
+    q_lens = np.diff(cu)
+    if (q_lens < 0).any():
+        b = int(np.flatnonzero(q_lens < 0)[0])
         raise ValueError(
             f"cu_seqlens_q: expected a non-decreasing sequence, got cu_seqlens_q[{b}]={int(cu[b])} "
             f"> cu_seqlens_q[{b + 1}]={int(cu[b + 1])}"
         )
-    if int(cu[-1]) != num_tokens:
+    if cu[-1] != num_tokens:
         raise ValueError(
             f"cu_seqlens_q: expected the last entry to equal num_tokens={num_tokens}, got {int(cu[-1])}"
         )
     return q_lens
 
 
-def check_seq_lens(seq_lens: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor:
-    """``seq_lens[b] >= q_lens[b]``: the KV of this step's tokens is part of ``seq_lens``."""
-    kv = seq_lens.detach().to("cpu", torch.int64)
-    bad = torch.nonzero(kv < q_lens)
-    if bad.numel():
+def check_seq_lens(seq_lens: torch.Tensor, q_lens: np.ndarray) -> np.ndarray:
+    """``seq_lens[b] >= q_lens[b]``: the KV of this step's tokens is part of ``seq_lens``. Returns
+    ``seq_lens`` as an int64 NumPy array."""
+    kv = _host_int64(seq_lens)
+    bad = np.flatnonzero(kv < q_lens)
+    if bad.size:
         b = int(bad[0])
         raise ValueError(
             f"seq_lens: expected seq_lens[{b}] >= q_len={int(q_lens[b])} (the KV length includes this "
@@ -76,26 +84,26 @@ def check_seq_lens(seq_lens: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor
 
 
 def check_block_table(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+    block_table: torch.Tensor, seq_lens: torch.Tensor | np.ndarray, num_blocks: int, block_size: int
 ) -> None:
     """Every block a sequence reads is a valid id, and each row is wide enough for its length."""
-    bt = block_table.detach().to("cpu", torch.int64)
-    kv = seq_lens.detach().to("cpu", torch.int64)
+    bt = _host_int64(block_table)
+    kv = seq_lens if isinstance(seq_lens, np.ndarray) else _host_int64(seq_lens)
     needed = (kv + block_size - 1) // block_size
-    if bt.shape[0] != kv.shape[0]:
+    if bt.ndim != 2 or bt.shape[0] != kv.shape[0]:
         raise ValueError(
             f"block_table: expected {kv.shape[0]} rows (one per sequence), got shape {tuple(bt.shape)}"
         )
-    too_narrow = torch.nonzero(needed > bt.shape[1])
-    if too_narrow.numel():
+    too_narrow = np.flatnonzero(needed > bt.shape[1])
+    if too_narrow.size:
         b = int(too_narrow[0])
         raise ValueError(
             f"block_table: expected at least {int(needed[b])} columns for seq_lens[{b}]={int(kv[b])} "
             f"with block_size={block_size}, got {bt.shape[1]}"
         )
-    used = torch.arange(bt.shape[1]) < needed[:, None]  # the columns each sequence reads
-    bad = torch.nonzero(used & ((bt < 0) | (bt >= num_blocks)))
-    if bad.numel():
+    used = np.arange(bt.shape[1]) < needed[:, None]  # the columns each sequence reads
+    bad = np.argwhere(used & ((bt < 0) | (bt >= num_blocks)))
+    if bad.size:
         b, j = bad[0].tolist()
         raise ValueError(
             f"block_table: expected block ids in [0, {num_blocks}), got block_table[{b}, {j}]={int(bt[b, j])}"
@@ -104,10 +112,10 @@ def check_block_table(
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """Slots are ``-1`` (skip) or inside the pool ``[0, num_blocks * block_size)``."""
-    slots = slot_mapping.detach().to("cpu", torch.int64)
+    slots = _host_int64(slot_mapping)
     num_slots = num_blocks * block_size
-    bad = torch.nonzero((slots < -1) | (slots >= num_slots))
-    if bad.numel():
+    bad = np.flatnonzero((slots < -1) | (slots >= num_slots))
+    if bad.size:
         t = int(bad[0])
         raise ValueError(
             f"slot_mapping: expected -1 or a slot in [0, {num_slots}) (num_blocks={num_blocks} x "
