@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 
 def call_arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -31,3 +32,23 @@ def finish_rewrite(graph_module: torch.fx.GraphModule, count: int) -> int:
         graph_module.recompile()
     return count
 
+
+
+def set_fake_value(node: torch.fx.Node) -> None:
+    """``node.meta["val"]``: its op run on its arguments' fake values (a view's shape and strides,
+    symbolic sizes kept), as export records them; nothing where an argument has none."""
+    values = []
+    for arg in node.args:
+        if isinstance(arg, torch.fx.Node):
+            if "val" not in arg.meta:
+                return
+            arg = arg.meta["val"]
+        values.append(arg)
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return
+    try:
+        with mode:
+            node.meta["val"] = node.target(*values, **node.kwargs)
+    except Exception:  # noqa: BLE001 -- a value the op refuses fake: the node just has none, as before
+        node.meta.pop("val", None)

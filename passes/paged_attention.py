@@ -15,11 +15,13 @@ parameters (ALiBi slopes) become buffers of the graph module, read with ``get_at
 from __future__ import annotations
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import KVCacheSpec
 from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
+from pagedpack.passes.graph_edit import set_fake_value
 from pagedpack.passes.manager import PassContext, SiteRewritePass
 
 
@@ -38,9 +40,17 @@ def params_kwargs(graph: torch.fx.Graph, site: AttentionSite) -> dict:
 
 def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node, value_cache: Node,
                  metadata: dict[str, Node]) -> Node:
-    """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node."""
+    """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node. The views it adds
+    and the attention output carry fake values (``meta["val"]``) as export's nodes do, so that the
+    CPU lowering reads the fresh graph as it reads a loaded ``.pt2``."""
+
+    def call(op, args):
+        node = graph.call_function(op, args)
+        set_fake_value(node)
+        return node
+
     with graph.inserting_before(site.output):
-        query, key, value = (to_tokens_first(n, site.layout, graph.call_function)
+        query, key, value = (to_tokens_first(n, site.layout, call)
                              for n in (site.query, site.key_source, site.value_source))
         graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
                             (key, value, key_cache, value_cache, metadata["slot_mapping"]))
@@ -49,7 +59,12 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
             (query, key_cache, value_cache, metadata["block_table"], metadata["cu_seqlens_q"], metadata["seq_lens"]),
             params_kwargs(graph, site),  # scale and the per-call parameters, by name
         )
-        out = from_tokens_first(attention, site.layout, graph.call_function)
+        mode = detect_fake_mode([query.meta["val"]]) if "val" in query.meta and "val" in value.meta else None
+        if mode is not None:  # [T, H, Dv]
+            with mode:
+                attention.meta["val"] = query.meta["val"].new_empty((*query.meta["val"].shape[:-1],
+                                                                     value.meta["val"].shape[-1]))
+        out = from_tokens_first(attention, site.layout, call)
     site.output.replace_all_uses_with(out)
     return attention
 

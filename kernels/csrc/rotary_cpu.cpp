@@ -9,7 +9,17 @@
 // (a [1, H, T, D] view of a [T, H * D] projection gives a tensor whose [T, H, D] view is
 // contiguous, as the attention ops want it). Chosen by lowering/reference/cpu_rotary.py, which
 // checks the lowered step against the graph.
+//
+// pagedpack_cpu::rope_qkv_and_cache takes an attention layer's merged QKV projection output
+// `[T, N]` (or `[1, T, N]`; columns [q_offset, + H*D) are q, [k_offset, + Hkv*D) k, [v_offset,
+// + Hkv*D) v, head after head), rotates q and k as rotate_half_rope does (same roundings), writes k
+// and v into the paged caches as pagedpack_cpu::reshape_and_cache does (the same kernel, so every
+// cache dtype it takes), and returns q rotated, `[T, H, D]` contiguous (the layout paged_attention
+// reads). One call instead of the graph's ~20 per layer (the QKV slices, views and transposes, two
+// rotary calls, the cache write): chosen by lowering/reference/cpu_qkv.py, which checks that the
+// graph's views select exactly these columns.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -20,6 +30,7 @@
 #include <numeric>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -123,6 +134,14 @@ void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   });
 }
 
+// out = x rotated (x, cos, sin, out of one shape; cos and sin may be expanded views).
+void rope_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const auto dtype = x.scalar_type();
+  if (dtype == at::kFloat) rope_rows<float>(x, cos, sin, out);
+  else if (dtype == at::kBFloat16) rope_rows<at::BFloat16>(x, cos, sin, out);
+  else rope_rows<at::Half>(x, cos, sin, out);
+}
+
 at::Tensor rotate_half_rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
@@ -135,20 +154,62 @@ at::Tensor rotate_half_rope_cpu(const at::Tensor& x, const at::Tensor& cos, cons
                         at::is_expandable_to(sin.sizes(), x.sizes()),
                     "rotate_half_rope: cos ", cos.sizes(), ", sin ", sin.sizes(), ": expected shapes that broadcast to x's ",
                     x.sizes());
-  const auto c = cos.expand(x.sizes()), s = sin.expand(x.sizes());
   auto out = empty_in_layout_of(x);
-  if (dtype == at::kFloat) rope_rows<float>(x, c, s, out);
-  else if (dtype == at::kBFloat16) rope_rows<at::BFloat16>(x, c, s, out);
-  else rope_rows<at::Half>(x, c, s, out);
+  rope_into(x, cos.expand(x.sizes()), sin.expand(x.sizes()), out);
   return out;
+}
+
+at::Tensor rope_qkv_and_cache_cpu(const at::Tensor& qkv, int64_t q_offset, int64_t k_offset, int64_t v_offset,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& cos,
+                                  const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
+                                  const at::Tensor& slot_mapping) {
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                        cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+                    "rope_qkv_and_cache: qkv, cos, sin: expected one dtype of float32, bfloat16, float16, got ", dtype,
+                    ", ", cos.scalar_type(), ", ", sin.scalar_type());
+  TORCH_CHECK_VALUE(num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 2 && head_dim % 2 == 0,
+                    "rope_qkv_and_cache: num_heads, num_kv_heads, head_dim: expected positive counts and an even "
+                    "head_dim, got ", num_heads, ", ", num_kv_heads, ", ", head_dim);
+  TORCH_CHECK_VALUE(qkv.dim() >= 1 && qkv.stride(-1) == 1, "rope_qkv_and_cache: qkv ", qkv.sizes(),
+                    ": expected a tensor with a contiguous last dimension");
+  const int64_t width = qkv.size(-1), tokens = slot_mapping.size(0);
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && qkv.numel() == tokens * width, "rope_qkv_and_cache: qkv ",
+                    qkv.sizes(), ": expected ", tokens, " rows (one per slot_mapping entry)");
+  const std::pair<int64_t, int64_t> columns[] = {{q_offset, num_heads}, {k_offset, num_kv_heads}, {v_offset, num_kv_heads}};
+  for (const auto& [offset, heads] : columns)
+    TORCH_CHECK_VALUE(offset >= 0 && offset + heads * head_dim <= width, "rope_qkv_and_cache: offset ", offset,
+                      ": expected ", heads, " heads of ", head_dim, " columns inside qkv's ", width);
+  TORCH_CHECK_VALUE(cos.numel() == tokens * head_dim && sin.numel() == tokens * head_dim, "rope_qkv_and_cache: cos ",
+                    cos.sizes(), ", sin ", sin.sizes(), ": expected ", tokens, " x ", head_dim, " values each");
+  const auto rows = qkv.reshape({tokens, width});
+  const auto heads_of = [&](int64_t offset, int64_t heads) {
+    return rows.narrow(1, offset, heads * head_dim).view({tokens, heads, head_dim});
+  };
+  const auto c = cos.reshape({tokens, 1, head_dim}), s = sin.reshape({tokens, 1, head_dim});
+  auto query = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  auto key = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
+  rope_into(heads_of(q_offset, num_heads), c.expand(query.sizes()), s.expand(query.sizes()), query);
+  rope_into(heads_of(k_offset, num_kv_heads), c.expand(key.sizes()), s.expand(key.sizes()), key);
+  static const auto reshape_and_cache =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagedpack_cpu::reshape_and_cache", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>();
+  reshape_and_cache.call(key, heads_of(v_offset, num_kv_heads), key_cache, value_cache, slot_mapping);
+  return query;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedpack_cpu, m) {
   m.def("rotate_half_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def(
+      "rope_qkv_and_cache(Tensor qkv, int q_offset, int k_offset, int v_offset, int num_heads, int num_kv_heads, "
+      "int head_dim, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
   m.impl("rotate_half_rope", &rotate_half_rope_cpu);
+  m.impl("rope_qkv_and_cache", &rope_qkv_and_cache_cpu);
 }

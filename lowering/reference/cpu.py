@@ -14,6 +14,10 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
   (:func:`pagedpack.lowering.reference.cpu_norm.fuse_rms_norms`);
 * drops export's guards and asserts and the dtype conversions that convert nothing (an fp32
   model's norms cast to fp32 and back): each was a dispatch a call;
+* splits each attention layer's merged QKV output, applies its rotary embedding and writes its
+  cache in one native call (:func:`pagedpack.lowering.reference.cpu_qkv.fuse_qkv_rope_cache`),
+  and replaces each chain of views that only regroups dimensions by one ``reshape``
+  (:func:`pagedpack.passes.view_chains.collapse_view_chains`);
 * calls the native kernels ``torch.ops.pagedpack_cpu.{reshape_and_cache, paged_attention}``
   (:mod:`pagedpack.kernels.native`) directly instead of the ``pagedpack::`` ops that dispatch to
   them, which saves each call the custom op's Python layer (argument checks, mutation
@@ -44,11 +48,13 @@ from pagedpack.lowering.reference.cpu_linear import available as onednn_availabl
 from pagedpack.lowering.reference.cpu_linear import prepack_linears
 from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
 from pagedpack.lowering.reference.cpu_norm import fuse_rms_norms
+from pagedpack.lowering.reference.cpu_qkv import fuse_qkv_rope_cache
 from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
 from pagedpack.metadata import example_metadata
 from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
 from pagedpack.passes.tensor_parallel import local_graph
+from pagedpack.passes.view_chains import collapse_view_chains
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 # A bf16 / fp16 step's logits move by several of the dtype's rounding steps whenever a GEMM's row
@@ -106,13 +112,16 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     norms, fused_adds = fuse_rms_norms(lowered)
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
     kernels = use_native_kernels(lowered)
-    if not any((linears, activations, mlps, rotary, norms, kernels)):
+    qkv = fuse_qkv_rope_cache(lowered)  # on the native rotary and cache-write calls
+    views = collapse_view_chains(lowered)
+    if not any((linears, activations, mlps, rotary, norms, kernels, qkv, views)):
         return gm, None
     done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, {activations} silu(gate) * up fused, "
             f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings fused, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
-            f"{kernels} attention/cache ops as native kernel calls, {conversions} conversions that convert nothing "
-            "dropped")
+            f"{kernels} attention/cache ops as native kernel calls, {qkv} QKV splits with their rotary embedding and "
+            f"cache write in one call, {views} view chains as one reshape, {conversions} conversions that convert "
+            "nothing dropped")
     reason = _check(gm, lowered, kv_cache_specs, max_model_len)
     if reason:
         return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"
