@@ -91,6 +91,7 @@ def _parse(info: dict, entry: Path, stamp: tuple) -> CompiledStep | None:
         if info.get("error") is not None or not (entry / "step.pt2").is_file():
             return None
         report = PassReport.from_dict(info["report"])  # JSON data: a record is never unpickled
+        report.notes.insert(0, f"pass times: those of the capture that built the compile-cache entry {entry.name}")
         weights = info["source_weight_bytes"]
         if type(weights) is not int:
             return None
