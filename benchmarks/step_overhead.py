@@ -4,8 +4,11 @@
 32 are timed through ``LLMEngine.step`` (scheduling, metadata, the step program, sampling), once
 plainly and once under ``torch.profiler`` to sum the self time of the matrix-multiply ops.
 ``fixed_overhead_ms`` = median step time - GEMM time per step (profiler overhead excluded by
-taking the step time from the unprofiled run). Default model: the built-in tiny one. Prints one
-JSON object with the top ops by self time. Run: ``python benchmarks/step_overhead.py [--model M]``.
+taking the step time from the unprofiled run); ``outside_kernels_ms`` also subtracts the native
+kernels' self time (attention, cache writes, norms, rotary, activation: ``pagedpack_cpu::`` /
+``pagedpack::`` ops), leaving metadata, scheduling, sampling, output processing and the step
+program's Python. Default model: the built-in tiny one. Prints one JSON object with the top ops by
+self time. Run: ``python benchmarks/step_overhead.py [--model M]``.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from common import load_1min
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
             "mkl::_mkl_linear")
+NATIVE_PREFIXES = ("pagedpack_cpu::", "pagedpack::")
 
 
 def main() -> None:
@@ -54,11 +58,13 @@ def main() -> None:
             engine.step()
     events = prof.key_averages()
     gemm_ms = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / 1e3 / args.steps
+    native_ms = sum(e.self_cpu_time_total for e in events if e.key.startswith(NATIVE_PREFIXES)) / 1e3 / args.steps
     step_ms = statistics.median(times) * 1e3
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     print(json.dumps({
         "model": args.model, "num_seqs": args.num_seqs, "context_len": args.prompt_len,
         "step_ms": round(step_ms, 3), "gemm_ms": round(gemm_ms, 3), "fixed_overhead_ms": round(step_ms - gemm_ms, 3),
+        "native_kernels_ms": round(native_ms, 3), "outside_kernels_ms": round(step_ms - gemm_ms - native_ms, 3),
         "top_self_ms_per_step": {e.key: round(e.self_cpu_time_total / 1e3 / args.steps, 3) for e in top},
         "kernels": status(), "threads": torch.get_num_threads(), "load_1min": load,
     }, indent=1))
