@@ -52,3 +52,13 @@ def set_fake_value(node: torch.fx.Node) -> None:
             node.meta["val"] = node.target(*values, **node.kwargs)
     except Exception:  # noqa: BLE001 -- a value the op refuses fake: the node just has none, as before
         node.meta.pop("val", None)
+
+
+def set_fake_empty(node: torch.fx.Node, like: torch.fx.Node, shape) -> None:
+    """``node.meta["val"]``: a fake tensor of ``shape`` (sizes may be ``like``'s symbolic ones) with
+    the dtype and device of ``like``'s fake value; nothing where ``like`` has none."""
+    value = like.meta.get("val")
+    mode = detect_fake_mode([value]) if isinstance(value, torch.Tensor) else None
+    if mode is not None:
+        with mode:
+            node.meta["val"] = value.new_empty(tuple(shape))

@@ -15,13 +15,12 @@ parameters (ALiBi slopes) become buffers of the graph module, read with ``get_at
 from __future__ import annotations
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.contract import KVCacheSpec
 from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
-from pagedpack.passes.graph_edit import set_fake_value
+from pagedpack.passes.graph_edit import set_fake_empty, set_fake_value
 from pagedpack.passes.manager import PassContext, SiteRewritePass
 
 
@@ -59,11 +58,8 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
             (query, key_cache, value_cache, metadata["block_table"], metadata["cu_seqlens_q"], metadata["seq_lens"]),
             params_kwargs(graph, site),  # scale and the per-call parameters, by name
         )
-        mode = detect_fake_mode([query.meta["val"]]) if "val" in query.meta and "val" in value.meta else None
-        if mode is not None:  # [T, H, Dv]
-            with mode:
-                attention.meta["val"] = query.meta["val"].new_empty((*query.meta["val"].shape[:-1],
-                                                                     value.meta["val"].shape[-1]))
+        if "val" in query.meta and "val" in value.meta:  # [T, H, Dv]
+            set_fake_empty(attention, query, (*query.meta["val"].shape[:-1], value.meta["val"].shape[-1]))
         out = from_tokens_first(attention, site.layout, call)
     site.output.replace_all_uses_with(out)
     return attention

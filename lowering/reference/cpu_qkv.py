@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 from pagedpack.kernels.native import native_ops
-from pagedpack.passes.graph_edit import finish_rewrite
+from pagedpack.passes.graph_edit import finish_rewrite, set_fake_empty
 from pagedpack.passes.view_chains import evaluate_views, index_tensor, view_source
 
 aten = torch.ops.aten
@@ -46,9 +45,9 @@ def fuse_qkv_rope_cache(graph_module: torch.fx.GraphModule) -> int:
                 attention, args = found
                 with graph_module.graph.inserting_before(node):
                     query = graph_module.graph.call_function(native.rope_qkv_and_cache.default, args)
-                _set_value(query, args)
-                if "val" not in attention.meta and "val" in query.meta:  # a fresh rewrite's node has none
-                    attention.meta["val"] = query.meta["val"]  # [T, H, D]: the views after it can be read
+                qkv, num_heads, head_dim = args[0], args[4], args[6]
+                value = qkv.meta["val"]
+                set_fake_empty(query, qkv, (value.numel() // value.shape[-1], num_heads, head_dim))
                 attention.replace_input_with(attention.args[0], query)
                 graph_module.graph.erase_node(node)
                 fused += 1
@@ -98,16 +97,6 @@ def _match(cache_write: torch.fx.Node, rope, attention_op) -> tuple[torch.fx.Nod
     cos, sin = (_without_unsqueezes(t) for t in (cos, sin))
     return attention, (qkv, q_offset, k_offset, v_offset, num_heads, num_kv_heads, head_dim, cos, sin,
                        key_cache, value_cache, slot_mapping)
-
-
-def _set_value(query: torch.fx.Node, args: tuple) -> None:
-    """``query.meta["val"]``: a fake ``[T, H, D]`` tensor (T as the QKV output's, symbolic)."""
-    qkv, _, _, _, num_heads, _, head_dim = args[:7]
-    value = qkv.meta["val"]
-    mode = detect_fake_mode([value])
-    if mode is not None:
-        with mode:
-            query.meta["val"] = value.new_empty((value.numel() // value.shape[-1], num_heads, head_dim))
 
 
 def _through_rotary(rotary: torch.fx.Node, out: torch.fx.Node, qkv: torch.fx.Node,
