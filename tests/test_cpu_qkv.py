@@ -68,6 +68,34 @@ def test_rope_qkv_and_cache_rotates_q_and_k_and_writes_k_and_v(tokens, kv_heads,
                                    dtype == torch.float32 else 0)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                                (torch.bfloat16, torch.int8), (torch.float16, torch.float8_e4m3fn)])
+def test_another_cache_dtype_is_written_as_reshape_and_cache_writes_it(dtype, cache_dtype):
+    """A cache of another dtype than qkv's (converted, or quantized with its scale) holds what
+    ``reshape_and_cache`` writes for transformers' rotated k and for v, byte for byte (bf16 / fp16
+    activations: the rotation itself is exact there)."""
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    angles = torch.randn(tokens, head_dim, generator=g) * 10
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([5, -1, 0, 9, 3, 14, 2])
+    scaled = cache_dtype in (torch.int8, torch.float8_e4m3fn)
+    shape = (4, BLOCK_SIZE, kv_heads, head_dim + (4 if scaled else 0))
+    got = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2)]
+    want = [torch.zeros(shape, dtype=cache_dtype) for _ in range(2)]
+    query = native_ops().rope_qkv_and_cache(qkv, 0, heads * head_dim, (heads + kv_heads) * head_dim, heads,
+                                            kv_heads, head_dim, cos, sin, *got, slots)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (x.reshape(tokens, -1, head_dim).transpose(0, 1)[None] for x in (q, k, v))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    native_ops().reshape_and_cache(want_k[0].transpose(0, 1), v[0].transpose(0, 1), *want, slots)
+    assert torch.equal(query, want_q[0].transpose(0, 1))
+    for cache, expected in zip(got, want):
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 def _call(qkv=None, offsets=(0, 32, 48), heads=(2, 1, 16), cos=None, slots=None, dtype=torch.float32):
     qkv = torch.randn(3, 64, dtype=dtype) if qkv is None else qkv
     cos = torch.randn(3, 16, dtype=dtype) if cos is None else cos
@@ -87,6 +115,7 @@ def _call(qkv=None, offsets=(0, 32, 48), heads=(2, 1, 16), cos=None, slots=None,
     (dict(slots=torch.tensor([0, 1])), "expected 2 rows"),
     (dict(cos=torch.randn(2, 16)), "cos"),
     (dict(slots=torch.tensor([0, 1, 99])), "slot_mapping"),
+    (dict(slots=torch.tensor([0, -2, 1], dtype=torch.int32)), "slot_mapping"),  # through reshape_and_cache
 ])
 def test_rope_qkv_and_cache_refusals_name_the_argument(change, names):
     with pytest.raises(ValueError, match=names):

@@ -13,11 +13,13 @@
 // pagedpack_cpu::rope_qkv_and_cache takes an attention layer's merged QKV projection output
 // `[T, N]` (or `[1, T, N]`; columns [q_offset, + H*D) are q, [k_offset, + Hkv*D) k, [v_offset,
 // + Hkv*D) v, head after head), rotates q and k as rotate_half_rope does (same roundings), writes k
-// and v into the paged caches as pagedpack_cpu::reshape_and_cache does (the same kernel, so every
-// cache dtype it takes), and returns q rotated, `[T, H, D]` contiguous (the layout paged_attention
+// and v into the paged caches, and returns q rotated, `[T, H, D]` contiguous (the layout paged_attention
 // reads). One call instead of the graph's ~20 per layer (the QKV slices, views and transposes, two
 // rotary calls, the cache write): chosen by lowering/reference/cpu_qkv.py, which checks that the
-// graph's views select exactly these columns.
+// graph's views select exactly these columns. Caches of qkv's dtype take the rotated k and the v
+// rows straight from the token's pass (one pass, no temporaries); any other cache dtype (scaled
+// int8 / fp8, another float) goes through pagedpack_cpu::reshape_and_cache, which converts or
+// quantizes as it does for the graph's own cache write.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
@@ -159,6 +161,64 @@ at::Tensor rotate_half_rope_cpu(const at::Tensor& x, const at::Tensor& cos, cons
   return out;
 }
 
+// Whether rope_qkv_and_cache can write the rotated k and the v rows straight into the caches:
+// caches of qkv's dtype (unscaled), [num_blocks, block_size, num_kv_heads, head_dim] with a
+// contiguous head, contiguous cos / sin and int64 slots. Checked otherwise by reshape_and_cache.
+bool writes_rows_directly(const at::Tensor& rows, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const at::Tensor& slot_mapping) {
+  for (const auto& cache : {key_cache, value_cache})
+    if (cache.scalar_type() != rows.scalar_type() || cache.dim() != 4 || cache.size(2) != num_kv_heads ||
+        cache.size(3) != head_dim || cache.stride(3) != 1 || cache.size(1) < 1)
+      return false;
+  return key_cache.sizes().slice(0, 2) == value_cache.sizes().slice(0, 2) && cos.is_contiguous() &&
+         sin.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+         rows.stride(1) == 1;
+}
+
+// The direct path: token by token, q's heads rotated into `query` [T, H, D], k's rotated into the
+// key cache row of the token's slot and v's copied into the value cache row (a slot of -1: q only).
+// `offsets` are q's, k's and v's first columns in `rows` [T, N]. Slots are checked first, as
+// reshape_and_cache checks them.
+template <typename T>
+void rope_qkv_rows(const at::Tensor& rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   std::array<int64_t, 3> offsets, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
+                   at::Tensor& value_cache, const at::Tensor& slot_mapping, at::Tensor& query) {
+  const int64_t tokens = rows.size(0), block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(slots[t] >= -1 && slots[t] < num_slots, "rope_qkv_and_cache: slot_mapping: expected -1 or a "
+                      "slot in [0, ", num_slots, ") (num_blocks=", key_cache.size(0), " x block_size=", block_size,
+                      "), got slot_mapping[", t, "]=", slots[t]);
+  const T* x = rows.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* q = query.data_ptr<T>();
+  T* kc = key_cache.data_ptr<T>();
+  T* vc = value_cache.data_ptr<T>();
+  const int64_t row_stride = rows.stride(0), half = head_dim / 2;
+  const auto ks = key_cache.strides(), vs = value_cache.strides();
+  const int64_t grain = std::max<int64_t>(1, (kGrainRows * 64) / std::max<int64_t>(rows.size(1), 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const T* row = x + t * row_stride;
+      const T* c = cp + t * head_dim;
+      const T* s = sp + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate_row<T>(row + offsets[0] + h * head_dim, c, s, q + (t * num_heads + h) * head_dim, half, 1, 1, 1, 1);
+      if (slots[t] < 0) continue;
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      T* k_row = kc + block * ks[0] + offset * ks[1];
+      T* v_row = vc + block * vs[0] + offset * vs[1];
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotate_row<T>(row + offsets[1] + h * head_dim, c, s, k_row + h * ks[2], half, 1, 1, 1, 1);
+        const T* v = row + offsets[2] + h * head_dim;
+        std::copy(v, v + head_dim, v_row + h * vs[2]);
+      }
+    }
+  });
+}
+
 at::Tensor rope_qkv_and_cache_cpu(const at::Tensor& qkv, int64_t q_offset, int64_t k_offset, int64_t v_offset,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& cos,
                                   const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
@@ -183,6 +243,15 @@ at::Tensor rope_qkv_and_cache_cpu(const at::Tensor& qkv, int64_t q_offset, int64
   TORCH_CHECK_VALUE(cos.numel() == tokens * head_dim && sin.numel() == tokens * head_dim, "rope_qkv_and_cache: cos ",
                     cos.sizes(), ", sin ", sin.sizes(), ": expected ", tokens, " x ", head_dim, " values each");
   const auto rows = qkv.reshape({tokens, width});
+  if (writes_rows_directly(rows, num_kv_heads, head_dim, cos, sin, key_cache, value_cache, slot_mapping)) {
+    auto query = at::empty({tokens, num_heads, head_dim}, qkv.options());
+    if (dtype == at::kFloat) rope_qkv_rows<float>(rows, num_heads, num_kv_heads, head_dim, {q_offset, k_offset, v_offset}, cos, sin, key_cache, value_cache, slot_mapping, query);
+    else if (dtype == at::kBFloat16) rope_qkv_rows<at::BFloat16>(rows, num_heads, num_kv_heads, head_dim, {q_offset, k_offset, v_offset}, cos, sin, key_cache, value_cache, slot_mapping, query);
+    else rope_qkv_rows<at::Half>(rows, num_heads, num_kv_heads, head_dim, {q_offset, k_offset, v_offset}, cos, sin, key_cache, value_cache, slot_mapping, query);
+    return query;
+  }
+  // Any other cache (a scaled or other dtype, an unusual layout, a bad shape): rotate into
+  // temporaries, and reshape_and_cache converts, quantizes or refuses.
   const auto heads_of = [&](int64_t offset, int64_t heads) {
     return rows.narrow(1, offset, heads * head_dim).view({tokens, heads, head_dim});
   };
