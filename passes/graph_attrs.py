@@ -57,6 +57,29 @@ def drop_unused_attrs(gm: torch.fx.GraphModule) -> int:
     return len(unused)
 
 
+def hoist_attrs(gm: torch.fx.GraphModule) -> int:
+    """Make every tensor a ``get_attr`` node of ``gm`` reads from a submodule an attribute of ``gm``
+    itself (the same parameter or buffer object, under a fresh name), so that the generated code reads
+    it with one attribute lookup instead of one a path component (``self.model.model.layers`` ...,
+    a Python ``Module.__getattr__`` call each, every step); returns how many nodes now read one. The
+    paths they came from stay until :func:`drop_unused_attrs` deletes them."""
+    hoisted = 0
+    for node in gm.graph.nodes:
+        value = attr_tensor(gm, node) if node.op == "get_attr" and "." in node.target else None
+        if value is None:
+            continue
+        name = fresh_attr_name(gm, node.target.replace(".", "_"))
+        if isinstance(value, torch.nn.Parameter):
+            gm.register_parameter(name, value)
+        else:
+            gm.register_buffer(name, value)
+        node.target = name
+        hoisted += 1
+    if hoisted:
+        gm.recompile()
+    return hoisted
+
+
 def own_attrs(gm: torch.fx.GraphModule) -> None:
     """Give every strided tensor ``gm`` (or a graph module inside it) reads with ``get_attr``
     storage of its own (a copy, without grad; one per tensor shared under several names, while

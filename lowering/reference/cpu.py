@@ -12,6 +12,7 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
   (:func:`pagedpack.lowering.reference.cpu_rotary.fuse_rotary`);
 * computes each RMSNorm, and the residual add before it, in one native kernel
   (:func:`pagedpack.lowering.reference.cpu_norm.fuse_rms_norms`);
+* reads every weight with one attribute lookup (:func:`pagedpack.passes.graph_attrs.hoist_attrs`);
 * drops export's guards and asserts and the dtype conversions that convert nothing (an fp32
   model's norms cast to fp32 and back): each was a dispatch a call;
 * splits each attention layer's merged QKV output, applies its rotary embedding and writes its
@@ -52,7 +53,7 @@ from pagedpack.lowering.reference.cpu_qkv import fuse_qkv_rope_cache
 from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
 from pagedpack.metadata import example_metadata
 from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
-from pagedpack.passes.graph_attrs import drop_unused_attrs, vocab_size
+from pagedpack.passes.graph_attrs import drop_unused_attrs, hoist_attrs, vocab_size
 from pagedpack.passes.tensor_parallel import local_graph
 from pagedpack.passes.view_chains import collapse_view_chains
 
@@ -110,7 +111,8 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     mlps = chunk_mlps(lowered, CHUNK_ROWS)
     rotary = fuse_rotary(lowered)
     norms, fused_adds = fuse_rms_norms(lowered)
-    drop_unused_attrs(lowered)  # the plain weights the packed ones replaced
+    hoist_attrs(lowered)  # one attribute lookup a weight, not one a path component
+    drop_unused_attrs(lowered)  # the plain weights the packed ones replaced, the paths hoisted from
     kernels = use_native_kernels(lowered)
     qkv = fuse_qkv_rope_cache(lowered)  # on the native rotary and cache-write calls
     views = collapse_view_chains(lowered)
