@@ -1,7 +1,8 @@
 """Value checks on paged/packed attention metadata.
 
-The batch builder always runs them; the ops run them when ``PAGEDPACK_VALIDATE=1`` (they need
-the metadata's values, i.e. a device sync, so they stay off the hot path by default).
+The batch builder always checks its block table (its other fields hold by construction); the ops
+run them all when ``PAGEDPACK_VALIDATE=1`` (they need the metadata's values, i.e. a device sync,
+so they stay off the hot path by default).
 Every failure is a ``ValueError`` naming the argument, what was expected and what came.
 
 Inside :func:`checked_step` (the runner's step, whose metadata the batch builder checked once and

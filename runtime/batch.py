@@ -1,5 +1,5 @@
 """The step metadata of the scheduler's requests: :func:`pagedpack.metadata.paged_metadata` fed
-from ``ScheduledRequest``s, checked with ``kernels.validation``."""
+from ``ScheduledRequest``s, its block table checked with ``kernels.validation``."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import torch
 
-from pagedpack.kernels.validation import check_paged_metadata
+from pagedpack.kernels.validation import check_block_table
 from pagedpack.metadata import StepMetadata, paged_metadata
 from pagedpack.runtime.scheduler import ScheduledRequest
 
@@ -28,9 +28,11 @@ def build_batch(
     ``logits_indices``: each sequence's last row, then ``extra_logits_rows`` (packed rows in
     ``[0, T)``: the prompt rows of :func:`pagedpack.runtime.prompt_logprobs.prompt_rows`).
 
-    Built on the CPU, checked with ``check_paged_metadata`` (``ValueError`` naming the bad
-    field, e.g. ``block_table`` when a request's ``block_ids`` do not cover its tokens), then
-    moved to ``device``. Padding of the block table is block 0.
+    Built on the CPU, checked with ``check_block_table`` (``ValueError`` naming ``block_table`` when a
+    request's ``block_ids`` do not cover its tokens or name a block outside the pool), then moved to
+    ``device``. The other fields hold by construction: ``ScheduledRequest`` keeps every chunk within
+    ``1 ..`` the tokens left, so ``cu_seqlens_q`` rises and ``seq_lens`` covers the chunk, and each
+    slot is an in-pool block's row. Padding of the block table is block 0.
     """
     requests = [s.request for s in scheduled]
     q_lens = [s.num_new_tokens for s in scheduled]
@@ -41,15 +43,7 @@ def build_batch(
     # Missing blocks are -1 while checking, so a request whose block_ids are too short fails the check.
     metadata = paged_metadata(q_lens, starts, [r.block_ids for r in requests], block_size=block_size,
                               input_ids=input_ids, pad_block=-1)
-    check_paged_metadata(
-        num_tokens=metadata.num_tokens,
-        cu_seqlens_q=metadata.cu_seqlens_q,
-        seq_lens=metadata.seq_lens,
-        block_table=metadata.block_table,
-        slot_mapping=metadata.slot_mapping,
-        num_blocks=num_blocks,
-        block_size=block_size,
-    )
+    check_block_table(metadata.block_table, metadata.seq_lens, num_blocks, block_size)
     metadata.block_table.clamp_(min=0)
     if extra_logits_rows:
         extra = torch.tensor(extra_logits_rows, dtype=torch.int64)

@@ -37,7 +37,9 @@ class IncrementalDetokenizer:
         self.token_ids += token_ids
         with self._lock:
             if self._stream is not None:
-                delta = "".join(filter(None, (self._stream.step(self._core, t) for t in token_ids)))
+                delta = ""
+                for token_id in token_ids:  # a step pushes one token: no generator, no join
+                    delta += self._stream.step(self._core, token_id) or ""
             else:
                 stable = self._decode().rstrip(_REPLACEMENT)
                 delta = stable[len(self.text):] if stable.startswith(self.text) else ""

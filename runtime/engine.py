@@ -35,8 +35,12 @@ class EngineStats:
     num_batched_tokens: int = 0
     num_prompt_tokens_computed: int = 0  # tokens at positions < the prompt length (recomputes too)
     num_preemptions: int = 0
-    # Distinct batch compositions seen: each step's tuple of per-sequence query lengths.
+    # The first MAX_COMPOSITIONS distinct batch compositions seen (each step's tuple of per-sequence
+    # query lengths): bounded, so that a long-running server's memory does not grow with them.
     compositions: set = field(default_factory=set)
+
+
+MAX_COMPOSITIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -216,8 +220,10 @@ class LLMEngine:
             logits = logits[:len(output.scheduled)]
         rows, to_sample = [], []
         for i, s in enumerate(output.scheduled):
-            rows += [i] * len(s.sample_requests)
-            to_sample += s.sample_requests
+            takers = s.sample_requests
+            if takers:
+                rows += [i] * len(takers)
+                to_sample += takers
         tokens = []
         if rows:
             sample = self.sampler.sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
@@ -231,12 +237,12 @@ class LLMEngine:
             max(0, min(s.request.num_computed_tokens + s.num_new_tokens, s.request.num_prompt_tokens)
                 - s.request.num_computed_tokens) for s in output.scheduled)
         self.stats.num_preemptions += len(output.preempted)
-        self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
+        if len(self.stats.compositions) < MAX_COMPOSITIONS:
+            self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
         sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
         finished = self.scheduler.update_from_output(output, sampled)
-        sampled_ids = {r.request_id for r in to_sample}
         outputs, stopped = self.output_processor.process(
-            [*to_sample, *(r for r in finished if r.request_id not in sampled_ids)])
+            [*to_sample, *(r for r in finished if r.request_id not in sampled)])
         if stopped:  # by a stop string in the text
             self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
         for observe in self.step_observers:

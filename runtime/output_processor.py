@@ -30,13 +30,18 @@ from pagedpack.runtime.request import Request
 @dataclass
 class _Completion(CompletionOutput):
     """A completion's state: its ``text`` (cut at a stop string), finish and stop reasons, and how
-    many output tokens and characters were handed out (``token_ids`` stay the request's own)."""
+    many output tokens and characters were handed out (``token_ids`` stay the request's own);
+    ``held``: the characters held back while it runs, ``len(longest stop string) - 1``."""
 
     detokenizer: IncrementalDetokenizer | None = None
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     num_tokens: int = 0
     num_chars: int = 0
+    held: int = 0
+
+    def __post_init__(self) -> None:
+        self.held = max((len(s) for s in self.stop), default=1) - 1
 
 
 @dataclass
@@ -115,14 +120,16 @@ class OutputProcessor:
     def _advance(self, completion: _Completion, request: Request) -> bool:
         """Take ``request``'s new tokens into ``completion``; True if a stop string finished it."""
         new = request.output_token_ids[completion.num_tokens:]
-        if completion.detokenizer is not None:
-            searched = max(0, len(completion.text) - max((len(s) for s in completion.stop), default=1) + 1)
-            completion.detokenizer.push(new)
+        detokenizer = completion.detokenizer
+        if detokenizer is not None:
+            searched = max(0, len(completion.text) - completion.held)
+            detokenizer.push(new)
             if request.is_finished:
-                completion.detokenizer.finish()
-            completion.text = completion.detokenizer.text
-            early = request.num_output_tokens < request.sampling_params.min_tokens  # stop strings wait
-            hit = None if early else _find_stop(completion.text, completion.stop, searched)
+                detokenizer.finish()
+            completion.text = detokenizer.text
+            # stop strings wait for min_tokens
+            hit = _find_stop(completion.text, completion.stop, searched) if completion.stop and \
+                request.num_output_tokens >= request.sampling_params.min_tokens else None
             if hit is not None:
                 at, stop = hit
                 completion.text = completion.text[:at + len(stop) if completion.include_stop else at]
@@ -138,7 +145,7 @@ class OutputProcessor:
     def _delta(self, completion: _Completion, request: Request) -> CompletionOutput:
         token_ids = request.output_token_ids[completion.num_tokens:]
         completion.num_tokens = request.num_output_tokens
-        held = 0 if completion.finished else max((len(s) for s in completion.stop), default=1) - 1
+        held = 0 if completion.finished else completion.held
         end = max(completion.num_chars, len(completion.text) - held)
         text = completion.text[completion.num_chars:end]
         completion.num_chars = end
@@ -148,7 +155,7 @@ class OutputProcessor:
                         zip(token_ids, request.output_logprobs[len(request.output_logprobs) - len(token_ids):])]
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
                 entry[token].logprob for token, entry in zip(token_ids, logprobs))
-        return CompletionOutput(completion.index, text, list(token_ids), completion.finish_reason,
+        return CompletionOutput(completion.index, text, token_ids, completion.finish_reason,
                                 completion.stop_reason, logprobs, completion.cumulative_logprob)
 
     def _logprobs(self, token: int, entry: tuple) -> dict[int, Logprob]:

@@ -10,7 +10,10 @@ from pagedpack.inputs import check_cache_salt
 from pagedpack.runtime.sampling import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class RequestStatus(enum.IntEnum):
+    """A request's life cycle; the finished statuses come last (vLLM's ordering), so that
+    ``is_finished`` is one integer comparison (it runs for every request in every step)."""
+
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -20,7 +23,7 @@ class RequestStatus(enum.Enum):
 
     def is_finished(self) -> bool:
         """``status.is_finished()`` or, as in vLLM, ``RequestStatus.is_finished(status)``."""
-        return self in _FINISH_REASONS
+        return self >= RequestStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
@@ -111,7 +114,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished()
+        return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output(self, token_id: int, max_model_len: int) -> bool:
         """Append a generated token; finish the request if a stop condition holds.
