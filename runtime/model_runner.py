@@ -28,17 +28,18 @@ class ModelRunner:
     :meth:`commit_kv_memory`). An in-place program writes them during the step; a functional one
     (ONNX) returns ``(logits, *updated caches)``, which replace them.
 
-    On the CPU, a step of at least :data:`TRIM_AFTER_TOKENS` tokens hands the heap pages its
-    activations freed back to the OS (``malloc_trim``): glibc keeps them, and the small allocations
-    of the decode steps that follow scatter over them, so the next long step could not reuse them
-    and the heap grew. W1 served from its ``.pt2``: peak RSS 583-604 -> 560-575 MiB, time +2 %
-    (``docs/cpu-kernels.md``).
+    On the CPU, the first step of fewer than :data:`TRIM_AFTER_TOKENS` tokens after longer ones hands
+    the heap pages their activations freed back to the OS (``malloc_trim``) before it runs: glibc
+    keeps them, and the small allocations of the decode steps that follow would scatter over them, so
+    the next long step could not reuse them and the heap grew. Long steps in a row reuse each other's
+    pages untrimmed (W1: half its page faults gone, peak RSS the same; ``docs/cpu-kernels.md``).
     """
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None, workers=None):
         self.program, self.cpu_threads, self.workers = program, cpu_threads, workers
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
+        self._trim_due = False  # the last step was a long one: trim before the next short one
         self.kv_caches: list[torch.Tensor] = []
         allocated = num_blocks + getattr(program, "padding_blocks", 0)
         for spec in program.kv_cache_specs:
@@ -53,6 +54,11 @@ class ModelRunner:
         """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
         sequence, its last token, then any prompt rows)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
+        if is_cpu(self.device):
+            long_step = batch.num_tokens >= TRIM_AFTER_TOKENS
+            if self._trim_due and not long_step:
+                trim_heap()
+            self._trim_due = long_step
         if self.workers is not None:
             self.workers.step(batch)
         if self.cpu_threads is not None:
@@ -66,8 +72,6 @@ class ModelRunner:
                 raise self.workers.failure(err) from err
         if self.program.functional:
             out, *self.kv_caches = out
-        if batch.num_tokens >= TRIM_AFTER_TOKENS and is_cpu(self.device):
-            trim_heap()
         return out
 
     @torch.inference_mode()

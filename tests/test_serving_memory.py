@@ -199,16 +199,20 @@ def test_onednn_primitive_caches_are_capped_unless_the_environment_says(preset):
 
 
 def test_the_runner_trims_the_heap_after_long_steps_only(monkeypatch):
-    """The heap pages a long step's activations freed go back to the OS before decode steps
-    scatter small allocations over them (``ModelRunner``); decode steps do not pay for a trim."""
+    """The heap pages long steps' activations freed go back to the OS before decode steps scatter
+    small allocations over them (``ModelRunner``): once, before the first short step after them;
+    long steps in a row reuse each other's pages, and decode steps after it do not pay for a trim."""
     from pagedpack.runtime import model_runner
 
-    llm = LLM("tiny", num_blocks=64, max_num_batched_tokens=512)
-    trims = []
-    monkeypatch.setattr(model_runner, "trim_heap", lambda: trims.append(True))
-    long_prompt = [7] * model_runner.TRIM_AFTER_TOKENS
-    llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # 1 + 3 steps
-    assert len(trims) == 1
+    llm = LLM("tiny", num_blocks=64, max_num_batched_tokens=model_runner.TRIM_AFTER_TOKENS)
+    trims, steps = [], []
+    monkeypatch.setattr(model_runner, "trim_heap", lambda: trims.append(len(steps)))
+    run = llm.llm_engine.runner.execute
+    monkeypatch.setattr(llm.llm_engine.runner, "execute", lambda batch: steps.append(batch.num_tokens) or run(batch))
+    long_prompt = [7] * (2 * model_runner.TRIM_AFTER_TOKENS)
+    llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # 2 + 3 steps
+    assert steps == [model_runner.TRIM_AFTER_TOKENS] * 2 + [1] * 3
+    assert trims == [3]  # while the first decode step starts
     llm.generate([[7] * 10], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert len(trims) == 1
 
