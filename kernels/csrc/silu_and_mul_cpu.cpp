@@ -1,4 +1,5 @@
-// CPU kernel of pagedpack_cpu::silu_and_mul(gate, up) = silu(gate) * up (fp32, bf16, fp16).
+// CPU kernels of pagedpack_cpu::silu_and_mul(gate, up) = silu(gate) * up and
+// pagedpack_cpu::gelu_tanh_and_mul(gate, up) = gelu(gate, approximate="tanh") * up (fp32, bf16, fp16).
 //
 // Semantics: a gated MLP's activation (transformers' LlamaMLP, `act_fn(gate_proj(x)) * up_proj(x)`
 // with SiLU; vLLM's silu_and_mul, which takes the two as one `[..., 2I]` tensor: here `gate` and `up`
@@ -10,12 +11,16 @@
 // the dtype, then multiplied by `up` in fp32 and rounded again: a bf16 / fp16 step's values are the
 // graph's bit for bit. In fp32 a value may differ from ATen's in the last bit where ATen's scalar
 // tails fall elsewhere (the end of each thread's share of a contiguous run, which can split a row):
-// std::exp and SLEEF's exp differ by up to an ulp there. Chosen by lowering/reference/cpu_activation.py, which checks the lowered step against
-// the graph.
+// std::exp and SLEEF's exp differ by up to an ulp there. gelu_tanh_and_mul is the same loop with
+// Gemma's activation (gelu_pytorch_tanh; vLLM's gelu_tanh_and_mul), computed by ATen's own helpers
+// (ATen/native/cpu/Gelu.h: the vector form on whole vectors, the scalar one on a row's tail, as
+// ATen's gelu kernel applies them). Chosen by lowering/reference/cpu_activation.py, which checks the
+// lowered step against the graph.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/cpu/Gelu.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -29,7 +34,16 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kStep = 2 * Vec::size();     // values per iteration: one Vectorized<bf16 / fp16>
 constexpr int64_t kGrainElements = 1 << 15;  // rows per thread: at least this many values
 
-inline Vec silu(const Vec& x) { return x / (Vec(1.f) + x.neg().exp()); }
+// An activation: `vec` on Vec::size() floats, `scalar` on one (a row's tail).
+struct Silu {
+  static Vec vec(const Vec& x) { return x / (Vec(1.f) + x.neg().exp()); }
+  static float scalar(float x) { return x / (1.f + std::exp(-x)); }
+};
+
+struct GeluTanh {
+  static Vec vec(const Vec& x) { return at::native::vectorized_gelu_approximated_with_tanh<float>(x); }
+  static float scalar(float x) { return at::native::scalar_gelu_approximated_with_tanh<float>(x); }
+};
 
 // The pair of float vectors holding p[0, kStep).
 template <typename T>
@@ -52,10 +66,10 @@ inline void store_floats(const Vec& a, const Vec& b, T* p) {
   }
 }
 
-// out[r, :] = T(float(T(silu(gate[r, :]))) * float(up[r, :])) for `rows` rows of `dim` values;
+// out[r, :] = T(float(T(act(gate[r, :]))) * float(up[r, :])) for `rows` rows of `dim` values;
 // gate and up rows `gate_stride` / `up_stride` values apart, out's contiguous.
-template <typename T>
-void silu_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t dim, int64_t gate_stride,
+template <typename Act, typename T>
+void act_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t dim, int64_t gate_stride,
                        int64_t up_stride) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(dim, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
@@ -66,15 +80,14 @@ void silu_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t
       for (; d + kStep <= dim; d += kStep) {
         auto [g0, g1] = load_floats(g + d);
         auto [u0, u1] = load_floats(u + d);
-        Vec s0 = silu(g0), s1 = silu(g1);
-        if constexpr (!std::is_same_v<T, float>) {  // silu's output rounded to T, as ATen's op stores it
+        Vec s0 = Act::vec(g0), s1 = Act::vec(g1);
+        if constexpr (!std::is_same_v<T, float>) {  // the activation rounded to T, as ATen's op stores it
           std::tie(s0, s1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(s0, s1));
         }
         store_floats(s0 * u0, s1 * u1, o + d);
       }
       for (; d < dim; ++d) {
-        const float x = static_cast<float>(g[d]);
-        const T s = static_cast<T>(x / (1.f + std::exp(-x)));
+        const T s = static_cast<T>(Act::scalar(static_cast<float>(g[d])));
         o[d] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[d]));
       }
     }
@@ -88,21 +101,22 @@ at::Tensor as_rows(const at::Tensor& t) {
   return rows.stride(1) == 1 || dim <= 1 ? rows : rows.contiguous();
 }
 
-at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+template <typename Act>
+at::Tensor act_and_mul_cpu(const char* name, const at::Tensor& gate, const at::Tensor& up) {
   const auto dtype = gate.scalar_type();
   TORCH_CHECK_VALUE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                         up.scalar_type() == dtype,
-                    "silu_and_mul: gate, up: expected one dtype of float32, bfloat16, float16, got ", dtype, ", ",
+                    name, ": gate, up: expected one dtype of float32, bfloat16, float16, got ", dtype, ", ",
                     up.scalar_type());
-  TORCH_CHECK_VALUE(gate.dim() >= 1 && gate.sizes() == up.sizes(), "silu_and_mul: gate ", gate.sizes(), ", up ",
+  TORCH_CHECK_VALUE(gate.dim() >= 1 && gate.sizes() == up.sizes(), name, ": gate ", gate.sizes(), ", up ",
                     up.sizes(), ": expected one shape [..., I]");
   auto out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const auto g = as_rows(gate), u = as_rows(up);
   auto run = [&](auto type_tag) {
     using T = decltype(type_tag);
-    silu_and_mul_rows<T>(g.data_ptr<T>(), u.data_ptr<T>(), out.data_ptr<T>(), g.size(0), g.size(1), g.stride(0),
-                         u.stride(0));
+    act_and_mul_rows<Act, T>(g.data_ptr<T>(), u.data_ptr<T>(), out.data_ptr<T>(), g.size(0), g.size(1), g.stride(0),
+                             u.stride(0));
   };
   if (dtype == at::kFloat) {
     run(float{});
@@ -114,12 +128,22 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+at::Tensor silu_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return act_and_mul_cpu<Silu>("silu_and_mul", gate, up);
+}
+
+at::Tensor gelu_tanh_and_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
+  return act_and_mul_cpu<GeluTanh>("gelu_tanh_and_mul", gate, up);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedpack_cpu, m) {
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedpack_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul_cpu);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul_cpu);
 }

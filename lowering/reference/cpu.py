@@ -4,8 +4,8 @@ On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the 
 
 * runs fp32 and bf16 linears as oneDNN GEMMs on weights prepacked once
   (:func:`pagedpack.lowering.reference.cpu_linear.prepack_linears`);
-* computes each gated MLP's ``silu(gate) * up`` in one native kernel
-  (:func:`pagedpack.lowering.reference.cpu_activation.fuse_silu_and_mul`);
+* computes each gated MLP's ``silu(gate) * up`` or ``gelu_tanh(gate) * up`` in one native kernel
+  (:func:`pagedpack.lowering.reference.cpu_activation.fuse_gated_activations`);
 * runs each MLP a few hundred token rows at a time, which bounds a long prefill step's
   activation memory (:func:`pagedpack.lowering.reference.cpu_mlp.chunk_mlps`);
 * applies each rotate-half rotary embedding in one native kernel, without temporaries
@@ -44,7 +44,7 @@ import torch.fx
 
 from pagedpack.devices import is_cpu
 from pagedpack.kernels.native import native_ops
-from pagedpack.lowering.reference.cpu_activation import fuse_silu_and_mul
+from pagedpack.lowering.reference.cpu_activation import fuse_gated_activations
 from pagedpack.lowering.reference.cpu_linear import available as onednn_available
 from pagedpack.lowering.reference.cpu_linear import prepack_linears
 from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
@@ -107,7 +107,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     strip_export_checks(lowered)  # a loaded .pt2's guards and asserts: the runner builds the inputs
     conversions = drop_noop_conversions(lowered)
     linears = prepack_linears(lowered) if onednn_available(device) else 0
-    activations = fuse_silu_and_mul(lowered)  # before the chunking: the fused call joins the MLP's region
+    activations = fuse_gated_activations(lowered)  # before the chunking: the fused call joins the MLP's region
     mlps = chunk_mlps(lowered, CHUNK_ROWS)
     rotary = fuse_rotary(lowered)
     norms, fused_adds = fuse_rms_norms(lowered)
@@ -118,8 +118,9 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     views = collapse_view_chains(lowered)
     if not any((linears, activations, mlps, rotary, norms, kernels, qkv, views)):
         return gm, None
-    done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, {activations} silu(gate) * up fused, "
-            f"{mlps} MLPs run {CHUNK_ROWS} token rows at a time, {rotary} rotary embeddings fused, "
+    done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, "
+            f"{activations} silu / gelu_tanh(gate) * up fused, {mlps} MLPs run {CHUNK_ROWS} token rows at a time, "
+            f"{rotary} rotary embeddings fused, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
             f"{kernels} attention/cache ops as native kernel calls, {qkv} QKV splits with their rotary embedding and "
             f"cache write in one call, {views} view chains as one reshape, {conversions} conversions that convert "

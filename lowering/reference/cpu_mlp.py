@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from pagedpack.kernels.native import native_ops
+from pagedpack.lowering.reference.cpu_activation import gated_activation_kernels
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
 from pagedpack.passes.graph_edit import call_arg, finish_rewrite, replace_with_call
 
@@ -43,10 +44,10 @@ ROW_LOCAL = LINEARS | _ELEMENTWISE | _LAST_DIM | {operator.getitem}
 
 
 def _row_local_targets() -> frozenset:
-    """:data:`ROW_LOCAL` and, with the native kernels, their elementwise ``silu_and_mul``
-    (:mod:`pagedpack.lowering.reference.cpu_activation`)."""
+    """:data:`ROW_LOCAL` and, with the native kernels, their elementwise ``silu_and_mul`` and
+    ``gelu_tanh_and_mul`` (:mod:`pagedpack.lowering.reference.cpu_activation`)."""
     native = native_ops()
-    return ROW_LOCAL if native is None else ROW_LOCAL | {native.silu_and_mul.default}
+    return ROW_LOCAL if native is None else ROW_LOCAL | set(gated_activation_kernels(native))
 
 
 class RowChunked(torch.nn.Module):
