@@ -38,7 +38,7 @@ class _Completion(CompletionOutput):
     include_stop: bool = False
     num_tokens: int = 0
     num_chars: int = 0
-    held: int = 0
+    held: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.held = max((len(s) for s in self.stop), default=1) - 1

@@ -114,7 +114,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
+        return self.status.is_finished()
 
     def append_output(self, token_id: int, max_model_len: int) -> bool:
         """Append a generated token; finish the request if a stop condition holds.

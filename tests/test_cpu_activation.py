@@ -18,27 +18,37 @@ from test_families import assert_cpu_lowering_keeps_greedy_tokens
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
 
 
-def _silu_and_mul64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g = gate.double()
-    return g / (1 + torch.exp(-g)) * up.double()
+# the cases of :func:`_gate_up`: any row count and width (rows of whole vectors and ragged tails)
+_GATE_UP = dict(rows=st.integers(0, 40), inter=st.integers(1, 100), merged=st.booleans(),
+                dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31))
 
 
-@settings(max_examples=30, deadline=None)
-@given(rows=st.integers(0, 40), inter=st.integers(1, 100), merged=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31))
-def test_native_silu_and_mul_is_atens_two_ops(rows, inter, merged, dtype, seed):
-    """The halves of a merged gate/up output (views with a row stride) or two tensors of their own,
-    any row count and width (rows of whole vectors and ragged tails): ATen's ``silu`` then ``mul``
-    bit for bit, and in fp32 the fp64 product to a few ulps. (Under ATen's parallel threshold, so
-    that its scalar tails are the rows' own: past it, each thread's share ends in one, which may
-    move an fp32 value by an ulp.)"""
+def _gate_up(rows: int, inter: int, merged: bool, dtype: torch.dtype, seed: int):
+    """``(gate, up)`` ``[rows, inter]``: the halves of a merged gate/up output (views with a row
+    stride) or two tensors of their own; gate values wide enough to reach both tails of the activation."""
     g = torch.Generator().manual_seed(seed)
     if merged:
         y = torch.randn(1, rows, 2 * inter, generator=g) * 6
         gate, up = y[..., :inter], y[..., inter:]
     else:
         gate, up = torch.randn(rows, inter, generator=g) * 6, torch.randn(rows, inter, generator=g)
-    gate, up = gate.to(dtype), up.to(dtype)
+    return gate.to(dtype), up.to(dtype)
+
+
+def _silu_and_mul64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g = gate.double()
+    return g / (1 + torch.exp(-g)) * up.double()
+
+
+@settings(max_examples=30, deadline=None)
+@given(**_GATE_UP)
+def test_native_silu_and_mul_is_atens_two_ops(rows, inter, merged, dtype, seed):
+    """The halves of a merged gate/up output (views with a row stride) or two tensors of their own,
+    any row count and width (rows of whole vectors and ragged tails): ATen's ``silu`` then ``mul``
+    bit for bit, and in fp32 the fp64 product to a few ulps. (Under ATen's parallel threshold, so
+    that its scalar tails are the rows' own: past it, each thread's share ends in one, which may
+    move an fp32 value by an ulp.)"""
+    gate, up = _gate_up(rows, inter, merged, dtype, seed)
     got = native_ops().silu_and_mul(gate, up)
     assert got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
     if merged or dtype != torch.float32:
@@ -54,20 +64,13 @@ def _gelu_tanh_and_mul64(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(0, 40), inter=st.integers(1, 100), merged=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31))
+@given(**_GATE_UP)
 def test_native_gelu_tanh_and_mul_is_atens_two_ops(rows, inter, merged, dtype, seed):
     """Gemma's ``gelu(gate, approximate="tanh") * up``: ATen's two ops to within their own variation
     (ATen's result moves with the layout where ``1 + tanh`` cancels: a very negative gate gives a
     product of about 1e-7 or of 0, whichever tanh the element met), and the fp64 product to a few of
     the dtype's steps and fp32's own cancellation there."""
-    g = torch.Generator().manual_seed(seed)
-    if merged:
-        y = torch.randn(1, rows, 2 * inter, generator=g) * 6
-        gate, up = y[..., :inter], y[..., inter:]
-    else:
-        gate, up = torch.randn(rows, inter, generator=g) * 6, torch.randn(rows, inter, generator=g)
-    gate, up = gate.to(dtype), up.to(dtype)
+    gate, up = _gate_up(rows, inter, merged, dtype, seed)
     got = native_ops().gelu_tanh_and_mul(gate, up)
     assert got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
     step = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
