@@ -25,7 +25,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from pagedpack.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
 from pagedpack.devices import is_cpu
@@ -332,7 +331,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, c
         kv_lens = torch.tensor([kv_len], device=q.device)
         out = explicit_attention(q4, k4, v4, query_pos, kv_lens, params, causal)
     elif not causal or kv_len >= q_len:
-        mask = causal_lower_right(q_len, kv_len) if causal and kv_len > q_len else None
+        # bottom-right causal as a boolean mask (what torch.nn.attention.bias.causal_lower_right
+        # materializes on the CPU; that module imports torch._dynamo, ~70 MiB in every process)
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len) \
+            if causal and kv_len > q_len else None
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal and kv_len == q_len,
                                              scale=scale, enable_gqa=True)
     else:  # degenerate (seq_lens < q_len): the first rows see no key at all

@@ -13,7 +13,7 @@ namespace pagedpack_cpu {
 // dtype and shape on first use).
 bool flash_prefill_supported(at::ScalarType dtype, int64_t head_dim, int64_t head_dim_v);
 
-// out[t, h, :] (fp32 [T, H, Dv]) for the rows of sequences `seqs`: softmax(scale * q k^T) v over
+// out[t, h, :] ([T, H, Dv], the query's dtype) for the rows of sequences `seqs`: softmax(scale * q k^T) v over
 // the sequence's keys, causal aligned bottom-right (row i of q_len sees keys <= kv_len - q_len + i).
 // query: bf16 or fp32 [T, H, D] contiguous; caches: the query's dtype, [num_blocks, block_size,
 // Hkv, D|Dv], last dim contiguous. Metadata already checked (check_metadata); every seq has

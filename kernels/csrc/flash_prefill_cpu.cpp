@@ -229,7 +229,7 @@ void flash_prefill(const Meta& m, const std::vector<int64_t>& seqs, const at::Te
   std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
   std::atomic<size_t> next{0};
   const T* q = query.data_ptr<T>();
-  float* o = out.data_ptr<float>();
+  T* o = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -265,8 +265,9 @@ void flash_prefill(const Meta& m, const std::vector<int64_t>& seqs, const at::Te
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.f / row_sum[i];  // > 0: every row sees key 0
-        float* dst = o + ((m.cu[b] + it.r0 + i) * num_heads + it.h) * dv;
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, dst, acc.data() + i * dv, dv);
+        float* row = acc.data() + i * dv;
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, row, row, dv);
+        at::vec::convert(row, o + ((m.cu[b] + it.r0 + i) * num_heads + it.h) * dv, dv);
       }
     }
     at::native::cpublas::brgemm_release(kVnni<T>);

@@ -278,6 +278,22 @@ inline void prefetch_row(const T* row, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(bytes + i, 0, 1);
 }
 
+// Query vector (token t, head h) of a contiguous query [T, H, D] of an activation dtype, times
+// scale, into dst as fp32 (the kernels' compute dtype; no whole-query copy).
+void load_query(const at::Tensor& query, int64_t t, int64_t h, float scale, float* dst) {
+  const int64_t d = query.size(2), offset = (t * query.size(1) + h) * d;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "load_query", [&] {
+    const scalar_t* src = query.const_data_ptr<scalar_t>() + offset;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * scale;
+  });
+}
+
+// n fp32 values into out's elements [offset, offset + n), rounded once to out's dtype.
+void store_row(const float* src, at::Tensor& out, int64_t offset, int64_t n) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "store_row",
+                                  [&] { at::vec::convert(src, out.data_ptr<scalar_t>() + offset, n); });
+}
+
 void check_metadata(const Meta& m, int64_t num_tokens) {
   TORCH_CHECK_VALUE(m.cu[0] == 0, "paged_attention: cu_seqlens_q: expected cu_seqlens_q[0] == 0, got ", m.cu[0]);
   for (int64_t b = 0; b < m.num_seqs; ++b) {
@@ -317,12 +333,10 @@ void attend_item(const Item& it, const Meta& meta, const Params& p, const at::Te
 
   std::vector<float> q(nvec * d), s(Row<D>::kTile * kKvChunk);  // s: [tile's query vector][chunk token]
   std::vector<const T*> kp(nkv * kKvChunk), vp(nkv * kKvChunk);  // [KV head of the item][chunk token]
-  const float* qf = query.data_ptr<float>();  // query is fp32 contiguous [T, H, D] (converted by the caller)
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t i = 0; i < heads; ++i) {
       const int64_t h = it.g0 * group + i, v = r * heads + i;
-      const float* src = qf + ((meta.cu[it.b] + it.r0 + r) * query.size(1) + h) * d;
-      for (int64_t e = 0; e < d; ++e) q[v * d + e] = src[e] * static_cast<float>(p.scale);
+      load_query(query, meta.cu[it.b] + it.r0 + r, h, static_cast<float>(p.scale), q.data() + v * d);
       float* st = state + v * width;
       st[0] = kNegInf;
       st[1] = 0.f;
@@ -414,7 +428,7 @@ void sdpa_sequence(const Meta& m, int64_t b, const at::Tensor& query, const at::
   auto ids = at::from_blob(const_cast<int32_t*>(m.table + b * m.table_stride), {nblk}, at::kInt).to(at::kLong);
   auto k = key_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
   auto v = value_cache.index_select(0, ids).flatten(0, 1).narrow(0, 0, kv_len).transpose(0, 1).unsqueeze(0);
-  auto q = query.narrow(0, start, q_len).transpose(0, 1).unsqueeze(0);  // already fp32
+  auto q = query.narrow(0, start, q_len).to(at::kFloat).transpose(0, 1).unsqueeze(0);
   std::optional<at::Tensor> mask;
   if (kv_len > q_len) {  // bottom-right causal: row i sees keys <= kv_len - q_len + i
     auto rows = at::arange(q_len, at::kLong).unsqueeze(1) + (kv_len - q_len);
@@ -455,7 +469,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                     query_in.scalar_type());
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_attention: key_cache/value_cache: expected a contiguous last dimension");
-  const auto query = query_in.to(at::kFloat).contiguous();
+  const auto query = query_in.contiguous();
   const int64_t num_tokens = query.size(0), num_heads = query.size(1);
   const int64_t num_kv_heads = key_cache.size(2), dv = head_size(value_cache);
   const int64_t group = num_heads / num_kv_heads;
@@ -486,7 +500,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
                  alibi.defined() ? alibi.data_ptr<float>() : nullptr, sink.defined() ? sink.data_ptr<float>() : nullptr};
   const bool plain = !p.window && !p.chunk && !p.soft_cap && !p.alibi && !p.sinks;
 
-  auto out = at::zeros({num_tokens, num_heads, dv}, query.options());
+  // Every row is written below, by the merge of its items or by the prefill path.
+  auto out = at::empty({num_tokens, num_heads, dv}, query.options());
   std::vector<int64_t> prefill_seqs;
   std::vector<std::array<int64_t, 3>> tiles;  // (b, r0, r1)
   for (int64_t b = 0; b < meta.num_seqs; ++b) {
@@ -563,8 +578,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
       else run(std::integral_constant<int64_t, 0>{});
     }), AT_EXPAND(AT_FLOATING_TYPES), at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn, at::kFloat8_e5m2);
     // Merge the splits of each (b, g0, r0) run (consecutive items) and normalise.
-    float* o = out.data_ptr<float>();
     const int64_t width = 2 + dv;
+    std::vector<float> row_out(dv);
     for (size_t i = 0; i < items.size();) {
       size_t j = i + 1;
       while (j < items.size() && items[j].b == items[i].b && items[j].g0 == items[i].g0 && items[j].r0 == items[i].r0) ++j;
@@ -575,7 +590,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
         float m = p.sinks ? p.sinks[h] : kNegInf;
         for (size_t k = i; k < j; ++k) m = std::max(m, state[offset[k] + v * width]);
         float l = p.sinks ? std::exp(p.sinks[h] - m) : 0.f;
-        float* dst = o + (row * num_heads + h) * dv;
+        float* dst = row_out.data();
+        std::fill(dst, dst + dv, 0.f);  // a row that sees no key (l == 0): zeros
         for (size_t k = i; k < j; ++k) {
           const float* st = state.data() + offset[k] + v * width;
           if (st[1] == 0.f) continue;
@@ -584,18 +600,19 @@ at::Tensor paged_attention_cpu(const at::Tensor& query_in, const at::Tensor& key
           axpy(w, st + 2, dst, dv);
         }
         if (l > 0.f) scale_row(1.f / l, dst, dv);
+        store_row(dst, out, (row * num_heads + h) * dv, dv);
       }
       i = j;
     }
   }
-  const auto dtype = query_in.scalar_type();
+  const auto dtype = query.scalar_type();
   if (!prefill_seqs.empty() && key_cache.scalar_type() == dtype && scale > 0 &&
       pagedpack_cpu::flash_prefill_supported(dtype, query.size(2), dv)) {
-    pagedpack_cpu::flash_prefill(meta, prefill_seqs, query_in.contiguous(), key_cache, value_cache, scale, out);
+    pagedpack_cpu::flash_prefill(meta, prefill_seqs, query, key_cache, value_cache, scale, out);
   } else {
     for (int64_t b : prefill_seqs) sdpa_sequence(meta, b, query, key_cache, value_cache, scale, out);
   }
-  return out.to(query_in.scalar_type());
+  return out;
 }
 
 // Quantize `n` values of `src` into `dst` with their scale after them (kernels/kv_quant.py:
