@@ -135,6 +135,33 @@ def test_low_precision_caches_are_the_fp32_result_rounded(dtype, monkeypatch):
     assert_rounded_close(reference, exact)
 
 
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), [
+    (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.float64, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_the_output_has_the_query_dtype_whatever_the_cache(query_dtype, cache_dtype, threads, monkeypatch):
+    """The query is read and the output written in the query's own dtype (no fp32 copy of either):
+    the decode items, a 40-row prefill (flash where query and caches share bf16 or fp32, else SDPA
+    over the copied K/V) and a row that sees no key (zeros) each give the fp32 result on the query's
+    values, rounded once to the query's dtype."""
+    monkeypatch.delenv("PAGEDPACK_VALIDATE", raising=False)  # the checks refuse seq_lens < q_len
+    seqs = [(70, 1), (0, 40), (9, 3)]
+    batch, write, full_kv = make_step(seqs, dtype=cache_dtype, head_dim=64, g=torch.Generator().manual_seed(2))
+    ops.reshape_and_cache(write["key"], write["value"], batch["key_cache"], batch["value_cache"], write["slot_mapping"])
+    batch["query"] = batch["query"].to(query_dtype)
+    batch["seq_lens"] = batch["seq_lens"].clone()
+    batch["seq_lens"][2] = 2  # sequence 2's 3 rows over 2 keys: its first row sees none
+    out = ops.paged_attention(**batch)
+    assert out.dtype == query_dtype and out.shape == batch["query"].shape
+    cu, q = batch["cu_seqlens_q"].tolist(), batch["query"]
+    exact = torch.cat([reference_attention(q[cu[b]:cu[b + 1]], k[:n], v[:n], batch["scale"], torch.float64)
+                       for b, ((k, v), n) in enumerate(zip(full_kv, batch["seq_lens"].tolist()))])
+    exact[cu[2]] = 0.0  # reference_attention's row with no key is NaN; the kernels' is zeros
+    if query_dtype in (torch.bfloat16, torch.float16):
+        assert_rounded_close(out, exact)
+    else:  # fp32 compute on the query's values: fp32's own error, in a float64 output too
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 20)), min_size=1, max_size=6),
        head_dim=st.sampled_from([64, 80, 128, 256]), ratio=st.sampled_from([1, 3, 4]),
