@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedpack.kernels import native
@@ -184,6 +184,7 @@ def test_bf16_decode_and_short_chunks(seqs, head_dim, ratio, block_size, seed):
 @given(seqs=st.lists(st.tuples(st.integers(0, 300), st.integers(32, 300)), min_size=1, max_size=3),
        head_dim=st.sampled_from([64, 80, 128]), ratio=st.sampled_from([1, 3]), block_size=st.sampled_from([1, 16]),
        seed=st.integers(0, 2**31))
+@example(seqs=[(90, 64)], head_dim=64, ratio=1, block_size=16, seed=0)  # a diagonal tile sees none of its block
 def test_bf16_prefill(seqs, head_dim, ratio, block_size, seed, threads):
     """bf16 runs of >= 32 query rows (the flash path: BRGEMM tiles), fresh and chunked (a cached
     past), any GQA ratio, head dims with and without a register kernel: the fp32 explicit-mask
