@@ -331,18 +331,21 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, c
         kv_lens = torch.tensor([kv_len], device=q.device)
         out = explicit_attention(q4, k4, v4, query_pos, kv_lens, params, causal)
     elif not causal or kv_len >= q_len:
-        # bottom-right causal as a boolean mask (what torch.nn.attention.bias.causal_lower_right
-        # materializes on the CPU; that module imports torch._dynamo, ~70 MiB in every process)
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len) \
-            if causal and kv_len > q_len else None
+        mask = _bottom_right_causal(q_len, kv_len, q.device) if causal and kv_len > q_len else None
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal and kv_len == q_len,
                                              scale=scale, enable_gqa=True)
     else:  # degenerate (seq_lens < q_len): the first rows see no key at all
         n_rep = q.shape[1] // k.shape[1]
-        rows = torch.arange(q_len, device=q.device)[:, None]
-        visible = torch.arange(kv_len, device=q.device) <= rows + (kv_len - q_len)
-        out = _attend(q4, k4.repeat_interleave(n_rep, 1), v4.repeat_interleave(n_rep, 1), visible, scale)
+        out = _attend(q4, k4.repeat_interleave(n_rep, 1), v4.repeat_interleave(n_rep, 1),
+                      _bottom_right_causal(q_len, kv_len, q.device), scale)
     return out[0].transpose(0, 1)
+
+
+def _bottom_right_causal(q_len: int, kv_len: int, device) -> Tensor:
+    """``[q_len, kv_len]`` bool: row ``i`` sees keys ``0 .. kv_len - q_len + i`` (none where that is
+    negative). What ``torch.nn.attention.bias.causal_lower_right`` materializes on the CPU, without
+    importing that module (it imports ``torch._dynamo``, ~70 MiB in every process)."""
+    return torch.arange(kv_len, device=device) <= torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
