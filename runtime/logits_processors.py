@@ -9,8 +9,9 @@
 - ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p`` (over output tokens): ``l - f * count - p``
   for a token the output holds ``count >= 1`` times.
 
-Each is one tensor operation over the rows that use it (token counts by ``scatter_add`` over the
-padded token lists), never a Python loop over the vocabulary.
+Each is one tensor operation over the rows that use it, never a loop over the vocabulary: the
+penalties touch only each request's distinct seen tokens (``unique`` over ``(row, token)`` keys), so
+a row costs what its prompt and output hold, not the vocabulary's size.
 """
 from __future__ import annotations
 
@@ -53,26 +54,28 @@ def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tenso
     return logits
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """``[len(token_lists), vocab]`` float32: how often each token id occurs in each list."""
-    width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)  # column ``vocab``: padding
-    if width:
-        padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
-        for i, tokens in enumerate(token_lists):
-            padded[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64).clamp(max=vocab)
-        counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
-
-
 def _penalise(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The penalties of ``requests`` on their rows of ``logits`` (float32 ``[n, V]``, changed in place),
+    touching only the tokens each request has seen: ``O(prompt + output tokens)``, not ``O(V)``."""
     vocab, device = logits.shape[-1], logits.device
     params = [r.sampling_params for r in requests]
-    output = _token_counts([r.output_token_ids for r in requests], vocab, device)
-    prompt = _token_counts([r.prompt_token_ids for r in requests], vocab, device)
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    seen = (output > 0) | (prompt > 0)
-    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    return logits - frequency * output - presence * (output > 0)
+    seen_rows, seen_cols = _pairs([[*r.prompt_token_ids, *r.output_token_ids] for r in requests], vocab, device)
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[seen_rows]
+    values = logits[seen_rows, seen_cols]
+    logits[seen_rows, seen_cols] = torch.where(values > 0, values / repetition, values * repetition)
+    out_rows, out_cols, counts = _pairs([r.output_token_ids for r in requests], vocab, device, counts=True)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[out_rows]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[out_rows]
+    logits[out_rows, out_cols] -= frequency * counts + presence
+    return logits
+
+
+def _pairs(token_lists: list[list[int]], vocab: int, device, *, counts: bool = False):
+    """``(rows, cols[, counts])``: each distinct ``(i, token)`` of ``token_lists[i]`` with ``token <
+    vocab`` once (and how often it occurs), as int64 (float32 counts) tensors on ``device``."""
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64)
+    keys = (rows * vocab + tokens)[tokens < vocab].unique(return_counts=counts)
+    keys, found = keys if counts else (keys, None)
+    rows, cols = (keys // vocab).to(device), (keys % vocab).to(device)
+    return (rows, cols, found.to(device=device, dtype=torch.float32)) if counts else (rows, cols)

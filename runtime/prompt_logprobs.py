@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedpack.runtime.sampling import token_logprobs
+from pagedpack.runtime.sampling_ops import token_logprobs
 
 if TYPE_CHECKING:
     from pagedpack.runtime.request import Request
@@ -62,7 +62,7 @@ def take_prompt_logprobs(logits: torch.Tensor, spans: list[PromptRows]) -> None:
     """Append to each span's ``request.prompt_logprobs`` the entries of its positions, from
     ``logits`` (float ``[sum of the spans' lengths, V]``, the prompt rows in span order): per
     position ``p``, ``(logprob of prompt token p + 1, its rank, [(token id, logprob)] of the top k)``
-    as :func:`~pagedpack.runtime.sampling.token_logprobs` gives them."""
+    as :func:`~pagedpack.runtime.sampling_ops.token_logprobs` gives them."""
     if not spans:
         return
     tokens = torch.tensor([s.request.prompt_token_ids[p + 1] for s in spans for p in s.positions],

@@ -1,11 +1,11 @@
 """Sampling parameters and the sampler that turns one step's logits into next tokens.
 
-Semantics follow vLLM: ``temperature == 0`` is greedy (argmax), otherwise logits are divided
-by the temperature, restricted by top-k and then top-p (nucleus), and a token is drawn. The
-division is in float64 and the tokens are ranked by the logits before it, so no finite
-temperature overflows (fp32 made ``1e39`` infinite and every logit 0) or reorders tokens.
-A request with a ``seed`` draws from its own ``torch.Generator`` so its tokens do not depend on
-which other requests share the batch.
+Semantics follow vLLM: ``temperature == 0`` is greedy (argmax), otherwise the probabilities are
+the softmax of ``logits / temperature``, restricted by min-p, top-k and then top-p (nucleus), and a
+token is drawn (:mod:`pagedpack.runtime.sampling_ops`: exact ties, what each row costs). A
+request with a ``seed`` draws from its own ``torch.Generator`` so its tokens do not depend on
+which other requests share the batch. A request whose logits leave no token to draw fails alone
+(``SamplerOutput.errors``); the step's other rows take their tokens.
 """
 from __future__ import annotations
 
@@ -16,6 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedpack.runtime.logits_processors import process_logits
+from pagedpack.runtime.sampling_ops import (
+    apply_min_p,
+    first_max,
+    inverse_cdf,
+    probabilities,
+    token_logprobs,
+    top_k_top_p_candidates,
+)
 
 if TYPE_CHECKING:
     from pagedpack.runtime.request import Request
@@ -27,6 +35,12 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FLOAT32 = torch.finfo(torch.float32)
+# the logits are divided by repetition_penalty in float32: a value float32 rounds to 0 or infinity
+# would make a logit infinite or NaN
+REPETITION_PENALTY_RANGE = (_FLOAT32.tiny, _FLOAT32.max)
 
 
 def _is_real(value: object) -> bool:
@@ -123,8 +137,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}: expected a number in [-2, 2], got {getattr(self, name)!r}")
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_real(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty: expected a number in [{low:.4g}, {high:.4g}] (float32's normal "
+                             f"range: the logits are divided by it), got {self.repetition_penalty!r}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p: expected a number in [0, 1], got {self.min_p!r}")
         bias = {} if self.logit_bias is None else self.logit_bias
@@ -166,77 +182,28 @@ def normalize_sampling_params(sampling_params, num_prompts: int) -> list[Samplin
     raise ValueError(f"sampling_params: expected a SamplingParams or a list of them, got {sampling_params!r:.80}")
 
 
-def apply_min_p(logits: torch.Tensor, min_p: list[float], temperature: torch.Tensor) -> torch.Tensor:
-    """Mask (to ``-inf``) each row's tokens whose probability at ``temperature`` is below ``min_p``
-    times the row's largest: ``(logit - max) / temperature < log(min_p)``. ``logits`` ``[N, V]``."""
-    if not any(min_p):
-        return logits
-    log_min_p = torch.tensor(min_p, dtype=torch.float64, device=logits.device).log()
-    scaled = (logits.double() - logits.double().amax(dim=-1, keepdim=True)) / temperature.double()[:, None]
-    return logits.masked_fill(scaled < log_min_p[:, None], -math.inf)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]) -> list:
-    """Per row with ``wanted[i]`` not None: ``(logprob of tokens[i], its rank (1 = most likely),
-    [(token id, logprob)] of the top ``wanted[i]``)``, from ``log_softmax`` of ``logits`` in float32."""
-    rows = [i for i, k in enumerate(wanted) if k is not None]
-    out = [None] * len(wanted)
-    if not rows:
-        return out
-    logprobs = logits[rows].float().log_softmax(dim=-1)
-    chosen = logprobs.gather(-1, tokens[rows, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top = logprobs.topk(max(wanted[i] for i in rows), dim=-1)
-    for j, i in enumerate(rows):
-        k = wanted[i]
-        top_k = list(zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist()))
-        out[i] = (float(chosen[j, 0]), int(ranks[j]), top_k)
-    return out
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      temperature: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask (to ``-inf``) every token outside each row's top-k and then top-p set, and divide by
-    ``temperature``.
-
-    logits: float ``[N, V]``; top_k: int64 ``[N]`` (``<= 0`` disables); top_p: fp32 ``[N]``;
-    temperature: ``[N]`` (> 0; None: 1). Tokens are ranked by ``logits`` (ties by token id); top-p
-    keeps the smallest set of most likely tokens whose probability (after top-k, at the
-    temperature) sums to at least ``top_p``; the most likely token is always kept. Returns the
-    masked ``logits / temperature``: float64 with a temperature, else ``logits``' dtype.
-    """
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    if temperature is not None:
-        logits, sorted_logits = (t.double() / temperature.double()[:, None] for t in (logits, sorted_logits))
-    rank = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    drop = rank[None, :] >= k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    probs = sorted_logits.softmax(dim=-1) if temperature is not None else sorted_logits.float().softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    drop_in_vocab_order = torch.empty_like(drop).scatter_(-1, order, drop)
-    return logits.masked_fill(drop_in_vocab_order, -math.inf)
-
-
 @dataclass
 class SamplerOutput:
     """One step's sample: ``token_ids`` (one per row) and, per row, None or the sampled token's
-    ``(logprob, rank)`` with the top-``logprobs`` ``[(token id, logprob), ...]`` (``logprobs``)."""
+    ``(logprob, rank)`` with the top-``logprobs`` ``[(token id, logprob), ...]`` (``logprobs``);
+    ``errors``: the rows that could take no token (row -> why; their ``token_ids`` entry is meaningless)."""
 
     token_ids: list[int]
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
     """``Sampler()(logits [N, V], requests) -> list[int]``: one next token per row
-    (:meth:`sample` also returns log-probabilities).
+    (:meth:`sample` also returns log-probabilities and the rows that failed).
 
     Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Penalties, bias and
-    ``min_tokens`` (:mod:`pagedpack.runtime.logits_processors`) apply first; greedy rows then take
-    the argmax, the others are sampled as described in the module docstring. Seeded requests get
-    ``request.generator`` (created on first use, on the logits' device).
+    ``min_tokens`` (:mod:`pagedpack.runtime.logits_processors`) apply first; a row whose maximum
+    is then not finite (NaN, ``+inf``, or every token masked) fails alone, named in
+    ``SamplerOutput.errors``. Greedy rows take the argmax (the lowest id among tied maxima); the
+    others are drawn as :mod:`pagedpack.runtime.sampling_ops` describes. Seeded requests draw from
+    ``request.generator`` (created on first use, on the logits' device), the others from torch's
+    global generator.
     """
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -249,34 +216,65 @@ class Sampler:
                 f"got {tuple(logits.shape)}"
             )
         raw = logits
-        logits = process_logits(logits, requests)
-        # fp32 (an exact conversion, the same first-max index): ATen's CPU argmax over bf16 rows took 3x the
+        # fp32 (exact from bf16 / fp16, the same first-max index): ATen's CPU max over bf16 rows took 3x the
         # conversion plus fp32's (1.12 vs 0.35 ms for 12 x 49,152)
-        tokens = logits.float().argmax(dim=-1)
+        logits = process_logits(logits, requests).float()
+        row_max, tokens = first_max(logits)
+        errors = {} if bool(torch.isfinite(row_max).all()) else {
+            i: _no_token(requests[i], float(row_max[i])) for i in (~torch.isfinite(row_max)).nonzero()[:, 0].tolist()}
         params = [r.sampling_params for r in requests]
-        rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        rows = [i for i, p in enumerate(params) if not p.is_greedy and i not in errors]
         if rows:
-            device = logits.device
-            temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float64, device=device)
-            top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
-            top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-            chosen = apply_min_p(logits[rows], [params[i].min_p for i in rows], temperature)
-            probs = apply_top_k_top_p(chosen, top_k, top_p, temperature).softmax(dim=-1).float()
-            tokens[rows] = self._draw(probs, [requests[i] for i in rows])
-        return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, [p.logprobs for p in params]))
+            whole = len(rows) == len(requests)
+            tokens[rows] = _draw(logits if whole else logits[rows], row_max if whole else row_max[rows],
+                                 [requests[i] for i in rows])
+        wanted = [None if i in errors else p.logprobs for i, p in enumerate(params)]
+        return SamplerOutput(tokens.tolist(), token_logprobs(raw, tokens, wanted), errors)
 
-    @staticmethod
-    def _draw(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """One token per row of ``probs`` (fp32 ``[n, V]``); seeded rows use their own generator."""
-        drawn = torch.empty(len(requests), dtype=torch.int64, device=probs.device)
-        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
-        if unseeded:
-            drawn[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(-1)
-        for i, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is None:
-                continue
+
+def _draw(logits: torch.Tensor, row_max: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token per row of ``logits`` (float32 ``[n, V]``, ``row_max`` its rows' finite maxima):
+    min-p, then top-k / top-p candidates where a row has them, then the inverse-CDF draw."""
+    params = [r.sampling_params for r in requests]
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device)
+    logits = apply_min_p(logits, [p.min_p for p in params], temperature)
+    uniform = _uniforms(requests, device)
+    narrowed = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if not narrowed:
+        return inverse_cdf(probabilities(logits, row_max, temperature), uniform)
+    drawn = torch.empty(len(requests), dtype=torch.int64, device=device)
+    full = [j for j in range(len(requests)) if j not in set(narrowed)]
+    if full:
+        drawn[full] = inverse_cdf(probabilities(logits[full], row_max[full], temperature[full]), uniform[full])
+    top_k = torch.tensor([params[j].top_k for j in narrowed], dtype=torch.int64, device=device)
+    top_p = torch.tensor([params[j].top_p for j in narrowed], dtype=torch.float64, device=device)
+    whole = len(narrowed) == len(requests)
+    ids, weights, _ = top_k_top_p_candidates(logits if whole else logits[narrowed],
+                                             row_max if whole else row_max[narrowed], top_k, top_p,
+                                             temperature if whole else temperature[narrowed])
+    drawn[narrowed] = ids.gather(-1, inverse_cdf(weights, uniform[narrowed])[:, None])[:, 0]
+    return drawn
+
+
+def _uniforms(requests: list[Request], device) -> torch.Tensor:
+    """float64 ``[n]`` in ``[0, 1)``: one number per request, a seeded one's from its own generator."""
+    uniform = torch.rand(len(requests), dtype=torch.float64, device=device)
+    for j, request in enumerate(requests):
+        seed = request.sampling_params.seed
+        if seed is not None:
             if request.generator is None:
-                request.generator = torch.Generator(device=probs.device).manual_seed(seed)
-            drawn[i] = torch.multinomial(probs[i], 1, generator=request.generator)[0]
-        return drawn
+                request.generator = torch.Generator(device=device).manual_seed(seed)
+            uniform[j] = torch.rand(1, dtype=torch.float64, device=device, generator=request.generator)[0]
+    return uniform
+
+
+def _no_token(request: Request, row_max: float) -> str:
+    """Why ``request``'s row can take no token (its logits' maximum ``row_max`` is not finite)."""
+    p = request.sampling_params
+    if row_max == -math.inf:
+        why = (f"every token is masked: until min_tokens={p.min_tokens} its stop_token_ids and EOS are banned, "
+               "and they cover the vocabulary") if p.min_tokens else "every logit is -inf"
+    else:
+        why = f"the largest of its logits is {row_max} after the model, logit_bias and penalties"
+    return f"sampling: request {request.request_id!r} can take no token ({why})"

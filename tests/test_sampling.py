@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pagedpack.runtime.request import Request
-from pagedpack.runtime.sampling import Sampler, SamplingParams, apply_top_k_top_p
+from pagedpack.runtime.sampling import Sampler, SamplingParams
+from pagedpack.runtime.sampling_ops import apply_top_k_top_p, first_max, inverse_cdf
 
 
 def make_request(request_id: str = "r", **params) -> Request:
@@ -217,3 +218,86 @@ def test_masked_vocab_is_never_sampled():
 def test_logits_shape_must_match_requests():
     with pytest.raises(ValueError, match=r"logits: expected shape \[2, vocab\]"):
         Sampler()(torch.zeros(3, 5), [make_request("a"), make_request("b")])
+
+
+# --- the candidates' exact ranking on large vocabularies, and the draw ---------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.integers(300, 1500), st.sampled_from([0.5, 0.25, 1 / 64]))
+def test_candidates_keep_the_ranking_s_tokens_among_heavy_ties(data, vocab, step):
+    """Logits on a coarse grid (bf16 logits tie this way): a top-k or nucleus cut often falls inside
+    a run of equal values that reaches past the candidates ``torch.topk`` gave; the kept tokens are
+    still the ranking's first (ties by id). Top-p alone may need more than TOP_P_GUESS candidates."""
+    rows = data.draw(st.lists(st.tuples(st.integers(-1, vocab + 5), st.sampled_from([0.05, 0.5, 0.9, 0.99, 1.0]),
+                                        st.integers(0, 2**31)), min_size=1, max_size=4))
+    logits = torch.stack([(torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 2 / step).round() * step
+                          for _, _, seed in rows])
+    expected = [reference_kept(logits[b].tolist(), k, p) for b, (k, p, _) in enumerate(rows)]
+    assume(None not in expected)
+    masked = apply_top_k_top_p(logits, torch.tensor([k for k, _, _ in rows]), torch.tensor([p for _, p, _ in rows]))
+    for b in range(len(rows)):
+        assert {v for v in range(vocab) if masked[b, v] != -math.inf} == expected[b]
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 3000, 49152])
+def test_inverse_cdf_draws_each_token_with_its_probability(vocab):
+    """Frequencies over 40,000 draws against the weights (zeros never drawn, block edges included)."""
+    weights = torch.rand(1, vocab, generator=torch.Generator().manual_seed(vocab)) ** 4
+    support = torch.tensor([0, vocab // 3, vocab // 2, vocab - 1])[: min(4, vocab)]
+    row = torch.zeros(vocab)
+    row[support] = weights[0, support]
+    if vocab > 1024:
+        row[1023] = row[1024] = 0.3  # the two sides of a block edge
+        support = torch.cat([support, torch.tensor([1023, 1024])])
+    n = 40000
+    drawn = inverse_cdf(row.expand(n, vocab), torch.rand(n, dtype=torch.float64,
+                                                         generator=torch.Generator().manual_seed(1)))
+    counts = torch.bincount(drawn, minlength=vocab).double()
+    assert counts[row == 0].sum() == 0
+    expected = row.double() / row.double().sum() * n
+    assert torch.all((counts[support] - expected[support]).abs() <= 5 * expected[support].sqrt() + 1)
+
+
+def test_inverse_cdf_at_the_edges_of_the_uniform_range():
+    """u = 0 takes the first token with weight; u just below 1 the last one (never a zero past it)."""
+    row = torch.tensor([[0.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0]])
+    low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(row, low).tolist() == [2] and inverse_cdf(row, high).tolist() == [4]
+
+
+def test_a_row_with_no_finite_maximum_fails_alone():
+    """NaN, +inf, or every token masked: that row's request is named in errors; the others sample."""
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    logits[1, 3] = math.nan
+    logits[2, 7] = math.inf
+    logits[3] = -math.inf
+    requests = [make_request(str(i), temperature=t) for i, t in enumerate([0.0, 1.0, 0.0, 1.0, 1.0])]
+    out = Sampler().sample(logits, requests)
+    assert set(out.errors) == {1, 2, 3}
+    assert "request '1' can take no token" in out.errors[1] and "inf" in out.errors[2]
+    assert "every logit is -inf" in out.errors[3]
+    assert out.token_ids[0] == int(logits[0].argmax()) and 0 <= out.token_ids[4] < 32
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
+    """top_p 1e-46 became 0 in float32 and masked every token (issue 51): the first token always stays."""
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(2))
+    out = Sampler().sample(logits, [make_request(str(i), top_p=top_p) for i in range(64)])
+    assert out.errors == {} and out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 1023, 1024, 1025, 3000, 49152])
+def test_first_max_is_torch_max_with_the_lowest_index_among_ties(vocab):
+    """Coarse values tie often (bf16 logits); a row of -inf, and one with NaN, as torch.max gives them."""
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab)) * 2).round()
+    logits[1] = -math.inf
+    logits[2, vocab // 2] = math.nan
+    logits[3, -1] = 1e30  # the maximum in the last, partial block
+    values, indices = first_max(logits)
+    expected_values, expected_indices = logits.max(dim=-1)
+    rows = [0, 1, 3, 4, 5]
+    assert torch.equal(values[rows], expected_values[rows]) and values[2].isnan()
+    assert indices[rows].tolist() == expected_indices[rows].tolist() == [
+        int((logits[r] == logits[r].max()).nonzero()[0]) for r in rows]

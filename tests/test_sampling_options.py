@@ -13,7 +13,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.logits_processors import process_logits
 from pagedpack.runtime.request import Request
-from pagedpack.runtime.sampling import apply_min_p
+from pagedpack.runtime.sampling_ops import apply_min_p
 
 from conftest import hf_last_logits, random_prompts, snapshot
 
@@ -158,7 +158,11 @@ def test_logit_bias_forces_a_token(llm):
 @pytest.mark.parametrize("field, value, message", [
     ("presence_penalty", 2.5, r"presence_penalty: expected a number in \[-2, 2\], got 2.5"),
     ("frequency_penalty", float("nan"), r"frequency_penalty: expected a number in \[-2, 2\]"),
-    ("repetition_penalty", 0, r"repetition_penalty: expected a finite number > 0, got 0"),
+    ("repetition_penalty", 0, r"repetition_penalty: expected a number in \[1.175e-38, 3.403e\+38\] .*, got 0"),
+    # float32 rounds it to 0: dividing a logit by it gave inf, and NaN probabilities (issue 51)
+    ("repetition_penalty", 1e-40, r"repetition_penalty: expected a number in \[1.175e-38, 3.403e\+38\] "
+                                  r"\(float32's normal range: the logits are divided by it\), got 1e-40"),
+    ("repetition_penalty", 1e39, r"repetition_penalty: expected .*got 1e\+39"),
     ("min_p", 1.5, r"min_p: expected a number in \[0, 1\], got 1.5"),
     ("min_tokens", 20, r"min_tokens: expected an int in \[0, max_tokens=16\], got 20"),
     ("logit_bias", {1: 500}, r"logit_bias: expected a dict of token ids >= 0 to biases in \[-100, 100\]"),
