@@ -88,6 +88,8 @@ class AsyncLLM:
                     finished = True
                     raise out
                 finished = out.finished
+                if not finished:
+                    self.llm._loop.taken(request_id, out)
                 yield out
         finally:
             if not finished:

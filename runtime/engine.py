@@ -10,6 +10,7 @@ The engine is not thread-safe: one thread drives it (:mod:`pagedpack.runtime.eng
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -23,8 +24,15 @@ from pagedpack.runtime.output_processor import OutputProcessor
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
 from pagedpack.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from pagedpack.runtime.request import Request, RequestStatus, make_request
-from pagedpack.runtime.sampling import Sampler, SamplingParams
-from pagedpack.runtime.scheduler import Scheduler
+from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
+from pagedpack.runtime.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("pagedpack.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step again (a tensor-parallel rank is gone, or the thread driving it for good
+    has died): no request runs again."""
 
 
 @dataclass
@@ -92,6 +100,15 @@ class RequestRejected(ValueError):
                              error=str(self))
 
 
+def _bans_every_token(request: Request, vocab: int) -> bool:
+    """``min_tokens`` bans ``request``'s stop tokens and EOS; do they cover ``range(vocab)``?"""
+    params = request.sampling_params
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos and request.eos_token_id is not None:
+        banned.add(request.eos_token_id)
+    return len(banned) >= vocab and banned.issuperset(range(vocab))
+
+
 class LLMEngine:
     """Drives requests to completion with continuous batching over one step program.
 
@@ -147,6 +164,9 @@ class LLMEngine:
         if vocab is not None and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: expected token ids in [0, vocab_size={vocab}), got "
                              f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
+        if vocab is not None and request.sampling_params.min_tokens and _bans_every_token(request, vocab):
+            raise ValueError(f"min_tokens: no token could be sampled before min_tokens={params.min_tokens}: "
+                             f"stop_token_ids and EOS, banned until then, cover all {vocab} tokens of the vocabulary")
         for name in ("logprobs", "prompt_logprobs"):
             if vocab is not None and (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name}: expected at most vocab_size={vocab} tokens, got {getattr(params, name)}")
@@ -179,7 +199,17 @@ class LLMEngine:
         self.scheduler.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
+    def pause_request(self, request_id: str) -> None:
+        """Stop scheduling ``request_id``'s completions, freeing their KV blocks, until
+        :meth:`resume_request` (its reader takes no output: :mod:`pagedpack.runtime.flow_control`)."""
+        self.scheduler.pause_requests(self.output_processor.child_ids(request_id))
+
+    def resume_request(self, request_id: str) -> None:
+        """Schedule ``request_id``'s paused completions again (their K/V is recomputed)."""
+        self.scheduler.resume_requests(self.output_processor.child_ids(request_id))
+
     def has_unfinished(self) -> bool:
+        """Requests to schedule (paused ones are not)."""
         return self.scheduler.has_unfinished()
 
     def check_health(self) -> None:
@@ -205,16 +235,27 @@ class LLMEngine:
             kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks)
 
     def step(self) -> list[RequestOutput]:
-        """One scheduled step; returns a delta for every request that advanced or finished in it."""
+        """One scheduled step; returns a delta for every request that advanced or finished in it.
+
+        A failure is its requests' alone: a row the sampler cannot draw from, or an exception while
+        sampling or making one request's output, fails that request (``finish_reason="error"``, its
+        ``error`` says why); an exception running the step (the model call) fails the requests it
+        computed, and the others run on. :class:`EngineDeadError` is raised: nothing runs again."""
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []
-        if output.blocks_to_copy:
-            self.runner.copy_blocks(output.blocks_to_copy)
-        spans, prompt_logits_rows = prompt_rows(output.scheduled)
-        batch = build_batch(output.scheduled, block_size=self.runner.block_size, num_blocks=self.runner.num_blocks,
-                            device=self.runner.device, extra_logits_rows=prompt_logits_rows)
-        logits = self.runner.execute(batch)
+        try:
+            if output.blocks_to_copy:
+                self.runner.copy_blocks(output.blocks_to_copy)
+            spans, prompt_logits_rows = prompt_rows(output.scheduled)
+            batch = build_batch(output.scheduled, block_size=self.runner.block_size,
+                                num_blocks=self.runner.num_blocks, device=self.runner.device,
+                                extra_logits_rows=prompt_logits_rows)
+            logits = self.runner.execute(batch)
+        except EngineDeadError:
+            raise
+        except Exception as err:  # noqa: BLE001 -- not one request's: the step's requests fail, the others run on
+            return self._fail_step(output, err)
         if spans:  # the prompt rows follow the B last rows
             take_prompt_logprobs(logits[len(output.scheduled):], spans)
             logits = logits[:len(output.scheduled)]
@@ -224,13 +265,64 @@ class LLMEngine:
             if takers:
                 rows += [i] * len(takers)
                 to_sample += takers
-        tokens = []
+        sampled, failed = {}, {}
         if rows:
-            sample = self.sampler.sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
-            tokens = sample.token_ids
-            for request, logprobs in zip(to_sample, sample.logprobs):
+            sample = self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
+            failed = {to_sample[i].request_id: why for i, why in sample.errors.items()}
+            for request, token, logprobs in zip(to_sample, sample.token_ids, sample.logprobs):
+                if request.request_id in failed:
+                    continue
+                sampled[request.request_id] = token
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
+        self._count(output)
+        finished = self.scheduler.update_from_output(output, sampled, failed)
+        outputs, stopped, broken = self.output_processor.process(
+            [*to_sample, *(r for r in finished if r.request_id not in sampled and r.request_id not in failed)])
+        if stopped:  # by a stop string in the text
+            self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
+        if broken:  # their output failed: already handed out as errors
+            self.scheduler.finish_requests([r.request_id for r in broken], RequestStatus.FINISHED_ERROR)
+        for observe in self.step_observers:
+            observe(self)
+        return outputs
+
+    def _sample(self, logits, requests: list[Request]) -> SamplerOutput:
+        """The sampler's output for ``requests``; if it raises, each row is sampled alone and a row
+        that raises again fails its request only."""
+        try:
+            return self.sampler.sample(logits, requests)
+        except Exception:  # noqa: BLE001 -- find the row it came from
+            log.exception("sampling %d rows failed; sampling them one by one", len(requests))
+        whole = SamplerOutput([0] * len(requests), [None] * len(requests))
+        for i, request in enumerate(requests):
+            try:
+                alone = self.sampler.sample(logits[i:i + 1], [request])
+            except Exception as err:  # noqa: BLE001 -- this request's alone
+                log.exception("sampling request %r failed", request.request_id)
+                whole.errors[i] = f"sampling: request {request.request_id!r} failed ({type(err).__name__})"
+                continue
+            whole.token_ids[i], whole.logprobs[i] = alone.token_ids[0], alone.logprobs[0]
+            if alone.errors:
+                whole.errors[i] = alone.errors[0]
+        return whole
+
+    def _fail_step(self, output: SchedulerOutput, err: Exception) -> list[RequestOutput]:
+        """The step of ``output`` raised before its logits: its requests (and their parallel samples
+        not started) finish with ``"error"``, the blocks it named for the prefix cache are uncached
+        (their K/V may be partly written) and the copies it held are released."""
+        log.error("a step of %d requests failed; they finish with an error, the others run on",
+                  len(output.scheduled), exc_info=err)
+        requests = [s.request for s in output.scheduled]
+        forks = [f for r in requests for f in r.forks]
+        self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
+        self.scheduler.kv_cache_manager.reset()
+        why = f"the step computing this request failed ({type(err).__name__}; the engine's log has the traceback)"
+        for request in [*requests, *forks]:
+            request.fail(why)
+        return self.output_processor.process([*requests, *forks])[0]
+
+    def _count(self, output: SchedulerOutput) -> None:
         self.stats.num_steps += 1
         self.stats.num_batched_tokens += output.num_batched_tokens
         self.stats.num_prompt_tokens_computed += sum(
@@ -239,12 +331,3 @@ class LLMEngine:
         self.stats.num_preemptions += len(output.preempted)
         if len(self.stats.compositions) < MAX_COMPOSITIONS:
             self.stats.compositions.add(tuple(s.num_new_tokens for s in output.scheduled))
-        sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
-        finished = self.scheduler.update_from_output(output, sampled)
-        outputs, stopped = self.output_processor.process(
-            [*to_sample, *(r for r in finished if r.request_id not in sampled)])
-        if stopped:  # by a stop string in the text
-            self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
-        for observe in self.step_observers:
-            observe(self)
-        return outputs

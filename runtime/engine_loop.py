@@ -27,7 +27,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Callable
 
-from pagedpack.runtime.engine import LLMEngine
+from pagedpack.runtime.engine import EngineDeadError, LLMEngine
+from pagedpack.runtime.flow_control import FlowControl, OutputFlows
 from pagedpack.runtime.memory import trim_heap
 from pagedpack.runtime.outputs import RequestOutput
 from pagedpack.runtime.sampling import SamplingParams
@@ -36,22 +37,23 @@ Sink = Callable[[RequestOutput | BaseException], None]
 _TAKE_OVER_S = 0.02  # a waiting caller steps itself when no delta came for this long (its driver left)
 
 
-class EngineDeadError(RuntimeError):
-    """The thread driving the engine for good (:meth:`EngineLoop.serve_forever`) has died: no request runs again."""
-
-
 class EngineLoop:
-    """``add_request(request_id, prompt, params, sink)`` / ``abort_request(request_id)`` from any thread."""
+    """``add_request(request_id, prompt, params, sink)`` / ``abort_request(request_id)`` from any
+    thread; a reader reports each delta it takes with :meth:`taken` (backpressure, ``flow_control``:
+    :mod:`pagedpack.runtime.flow_control`)."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, flow_control: FlowControl = FlowControl()):
         self.engine = engine
-        self._lock = threading.Lock()  # guards the queues, the sinks and the thread
+        self._lock = threading.Lock()  # guards the queues, the sinks, the flows and the thread
         self._drive = threading.Lock()  # held for one step by whoever drives
         self._adds: deque = deque()
         self._aborts: deque[str] = deque()
+        self._resumes: deque[str] = deque()
+        self._flows = OutputFlows(flow_control)
         self._sinks: dict[str, Sink] = {}
         self._thread: threading.Thread | None = None
         self._wakeup: threading.Event | None = None  # set while serve_forever drives
+        self._kick = threading.Event()  # wakes the background thread (_run) waiting for a stalled request
         self.error: BaseException | None = None  # why serve_forever's driving ended, if it failed
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None, sink: Sink, *,
@@ -78,6 +80,29 @@ class EngineLoop:
                 self._aborts.append(request_id)
                 self._wake()
 
+    def taken(self, request_id: str, delta: RequestOutput, *, wake: bool = True) -> None:
+        """The reader of ``request_id`` took ``delta`` from its sink's queue: a request paused for
+        its unread output is resumed once enough is taken (``wake``: a thread of the loop's steps it)."""
+        with self._lock:
+            if self._flows.taken(request_id, delta.num_tokens):
+                self._resumes.append(request_id)
+                if wake:
+                    self._wake()
+
+    @property
+    def flow_control(self) -> FlowControl:
+        return self._flows.control
+
+    @flow_control.setter
+    def flow_control(self, control: FlowControl) -> None:
+        with self._lock:
+            self._flows.control = control
+
+    @property
+    def num_paused(self) -> int:
+        """Requests paused because their readers take no output."""
+        return self._flows.num_paused
+
     def stream(self, made: dict) -> Iterator[RequestOutput]:
         """Add the requests ``made`` (request id -> what ``engine.make_request`` returned) and yield
         their deltas in arrival order until each has finished, stepping the engine in this thread
@@ -102,6 +127,8 @@ class EngineLoop:
                     raise delta
                 if delta.finished:
                     live.discard(delta.request_id)
+                else:
+                    self.taken(delta.request_id, delta, wake=False)
                 yield delta
         finally:
             if live:  # closed early, interrupted, or the step failed: abort now, freeing the blocks
@@ -110,6 +137,7 @@ class EngineLoop:
                         self._adds = deque(a for a in self._adds if a[0] not in live)
                         for request_id in live:
                             self._sinks.pop(request_id, None)
+                            self._flows.ended(request_id)
                     for request_id in live:
                         self.engine.abort_request(request_id)
 
@@ -162,13 +190,23 @@ class EngineLoop:
         elif self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pagedpack-engine", daemon=True)
             self._thread.start()
+        else:
+            self._kick.set()
 
     def _run(self) -> None:
+        """The background driver: steps while there is work; with only paused requests left it waits
+        to abort the first that stalls (woken earlier by new work), and ends when nothing is left."""
         while True:
             with self._lock:
-                if not (self._adds or self._aborts or self.engine.has_unfinished()):
-                    self._thread = None
-                    return
+                self._kick.clear()
+                stall_in = None
+                if not (self._adds or self._aborts or self._resumes or self.engine.has_unfinished()):
+                    stall_in = self._flows.until_stalled()
+                    if stall_in is None:
+                        self._thread = None
+                        return
+            if stall_in is not None:
+                self._kick.wait(stall_in)
             self._step(blocking=True)
 
     def _step(self, *, blocking: bool) -> bool:
@@ -178,10 +216,14 @@ class EngineLoop:
             return False
         try:
             with self._lock:
-                adds, aborts = list(self._adds), list(self._aborts)
+                adds, aborts, resumes = list(self._adds), list(self._aborts), list(self._resumes)
+                aborts += self._flows.stalled()
                 self._adds.clear()
                 self._aborts.clear()
+                self._resumes.clear()
             engine = self.engine
+            for request_id in resumes:
+                engine.resume_request(request_id)
             for request_id, made in adds:
                 try:
                     engine.add_request(request_id, None, made=made)
@@ -192,7 +234,7 @@ class EngineLoop:
                 if out is not None:
                     self._deliver(request_id, out, final=True)
             if not engine.has_unfinished():
-                return bool(adds or aborts)
+                return bool(adds or aborts or resumes)
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 -- the step's own error goes to every caller it stopped
@@ -216,7 +258,15 @@ class EngineLoop:
         self.engine.scheduler.abort_all()
 
     def _deliver(self, request_id: str, out, *, final: bool) -> None:
+        """Hand ``out`` to the request's sink (as the driver); pause the request if its reader lags."""
+        pause = False
         with self._lock:
             sink = self._sinks.pop(request_id, None) if final else self._sinks.get(request_id)
+            if final:
+                self._flows.ended(request_id)
+            elif sink is not None:
+                pause = self._flows.delivered(request_id, out.num_tokens)
+        if pause:
+            self.engine.pause_request(request_id)
         if sink is not None:
             sink(out)

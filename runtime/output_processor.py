@@ -19,12 +19,15 @@ hands out none.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 from pagedpack.runtime.detokenizer import IncrementalDetokenizer
 from pagedpack.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedpack.runtime.request import Request
+
+log = logging.getLogger("pagedpack.engine")
 
 
 @dataclass
@@ -85,12 +88,14 @@ class OutputProcessor:
         state = self._states.get(request_id)
         return [] if state is None else [i for i, c in state.completions.items() if not c.finished]
 
-    def process(self, requests: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
-        """``(outputs, stopped)``: one delta per request among ``requests`` (each advanced or
-        finished this step), and those a stop string finished, still to finish in the scheduler."""
+    def process(self, requests: list[Request]) -> tuple[list[RequestOutput], list[Request], list[Request]]:
+        """``(outputs, stopped, failed)``: one delta per request among ``requests`` (each advanced or
+        finished this step); those a stop string finished, and those whose output could not be made
+        (an exception detokenizing or matching stop strings: their delta ends them with ``"error"``),
+        both still to finish in the scheduler."""
         moved: dict[str, list[CompletionOutput]] = {}
         errors: dict[str, str] = {}
-        stopped = []
+        stopped, failed = [], []
         for request in requests:
             state = self._by_child.get(request.request_id)
             if state is None:
@@ -98,12 +103,21 @@ class OutputProcessor:
             completion = state.completions[request.request_id]
             if completion.finished:
                 continue
-            if self._advance(completion, request):
-                stopped.append(request)
+            try:
+                if self._advance(completion, request):
+                    stopped.append(request)
+                delta = self._delta(completion, request)
+            except Exception as err:  # noqa: BLE001 -- this request's output alone
+                log.exception("the output of request %r failed", request.request_id)
+                request.fail(f"output: request {request.request_id!r}'s text could not be made ({type(err).__name__})")
+                completion.finish_reason = "error"
+                delta = CompletionOutput(completion.index, "", [], "error")
+                failed.append(request)
             if request.error:
                 errors[state.request_id] = request.error
-            moved.setdefault(state.request_id, []).append(self._delta(completion, request))
-        return [self._output(self._states[rid], deltas, errors.get(rid)) for rid, deltas in moved.items()], stopped
+            moved.setdefault(state.request_id, []).append(delta)
+        outputs = [self._output(self._states[rid], deltas, errors.get(rid)) for rid, deltas in moved.items()]
+        return outputs, [r for r in stopped if r not in failed], failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The final delta of an aborted request (its unfinished completions end with ``"abort"``)."""

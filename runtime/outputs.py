@@ -57,6 +57,11 @@ class RequestOutput:
     finished: bool = True
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
+    @property
+    def num_tokens(self) -> int:
+        """Generated token ids over its completions (in a delta: the new ones)."""
+        return sum(len(c.token_ids) for c in self.outputs)
+
 
 def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     """``whole`` with ``delta`` appended (a new output for the first delta), completions by index."""

@@ -100,6 +100,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.paused: dict[str, Request] = {}  # taken out of scheduling by pause_requests, holding no blocks
 
     @property
     def num_running(self) -> int:
@@ -110,6 +111,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
+        """Requests to schedule (paused ones are not)."""
         return bool(self.waiting or self.running)
 
     def check_request(self, request: Request) -> None:
@@ -183,20 +185,21 @@ class Scheduler:
         return 0
 
     def abort_all(self) -> list[Request]:
-        """Drop every queued and running request (freeing their blocks); returns them."""
-        aborted = [*self.running, *self.waiting]
+        """Drop every queued, running and paused request (freeing their blocks); returns them."""
+        aborted = [*self.running, *self.waiting, *self.paused.values()]
         for request in self.running:
             self.kv_cache_manager.free(request)
         self.kv_cache_manager.reset()
-        self.running, self.waiting = [], deque()
+        self.running, self.waiting, self.paused = [], deque(), {}
         return aborted
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
-        """Finish the queued or running requests of ``request_ids`` with ``status`` (an abort, a
-        stop string found in the text) and free their blocks at once (prefix-cache blocks go back
+        """Finish the queued, running or paused requests of ``request_ids`` with ``status`` (an abort,
+        a stop string found in the text) and free their blocks at once (prefix-cache blocks go back
         to the LRU); their parallel samples not yet started go with them. Returns them."""
         ids = set(request_ids)
         done = [r for r in [*self.running, *self.waiting] if r.request_id in ids]
+        done += [self.paused.pop(i) for i in ids & self.paused.keys()]
         for request in done:
             self.kv_cache_manager.free(request)
             request.finish(status)
@@ -206,6 +209,26 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
         return done
 
+    def pause_requests(self, request_ids) -> None:
+        """Take the running or queued requests of ``request_ids`` out of scheduling (their reader takes
+        no output: :mod:`pagedpack.runtime.flow_control`) until :meth:`resume_requests`: a running
+        one's blocks are freed as a preemption frees them, its K/V recomputed once resumed."""
+        ids = set(request_ids)
+        for request in [r for r in [*self.running, *self.waiting] if r.request_id in ids]:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.paused[request.request_id] = request
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+
+    def resume_requests(self, request_ids) -> None:
+        """Queue the paused requests of ``request_ids`` again, last in line (as new arrivals)."""
+        for request_id in request_ids:
+            request = self.paused.pop(request_id, None)
+            if request is not None:
+                self.waiting.append(request)
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style eviction: drop its KV and queue it first among the waiting."""
         self.kv_cache_manager.free(request)
@@ -214,19 +237,22 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+                           failed: dict[str, str] | None = None) -> list[Request]:
         """Record a computed step: advance ``num_computed_tokens``, append sampled tokens.
 
-        ``sampled_token_ids`` maps ``request_id`` to the new token for exactly the scheduled
-        requests whose ``needs_sample`` is true (``ValueError`` otherwise; nothing changes then).
-        Finished requests leave ``running`` and free their blocks; they are returned.
+        ``sampled_token_ids`` maps ``request_id`` to the new token, and ``failed`` to why it could
+        take none (the sampler's error; it finishes with ``"error"``), for exactly the scheduled
+        requests whose ``needs_sample`` is true, together (``ValueError`` otherwise; nothing changes
+        then). Finished requests leave ``running`` and free their blocks; they are returned.
         """
+        failed = failed or {}
         sampled = [s for s in output.scheduled if s.needs_sample]
         expected = {r.request_id for s in sampled for r in s.sample_requests}
-        if expected != sampled_token_ids.keys():
+        if expected != sampled_token_ids.keys() | failed.keys() or sampled_token_ids.keys() & failed.keys():
             raise ValueError(
-                f"sampled_token_ids: expected tokens for exactly {sorted(expected)}, "
-                f"got {sorted(sampled_token_ids)}"
+                f"sampled_token_ids, failed: expected tokens or errors for exactly {sorted(expected)}, "
+                f"got tokens for {sorted(sampled_token_ids)}, errors for {sorted(failed)}"
             )
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -234,25 +260,33 @@ class Scheduler:
         finished = []
         for s in sampled:
             request, forks = s.request, s.request.forks
-            if request.append_output(sampled_token_ids[request.request_id], self.max_model_len):
+            if request.request_id in failed:
+                request.fail(failed[request.request_id])
+                finished.append(request)
+            elif request.append_output(sampled_token_ids[request.request_id], self.max_model_len):
                 finished.append(request)
             if forks:
                 request.forks = []
-                finished += self._fork(request, forks, [sampled_token_ids[f.request_id] for f in forks])
+                finished += self._fork(request, forks, [sampled_token_ids.get(f.request_id) for f in forks], failed)
         if finished:
             for request in finished:
                 self.kv_cache_manager.free(request)
             self.running = [r for r in self.running if not r.is_finished]
         return finished
 
-    def _fork(self, parent: Request, forks: list[Request], tokens: list[int]) -> list[Request]:
+    def _fork(self, parent: Request, forks: list[Request], tokens: list[int | None],
+              failed: dict[str, str]) -> list[Request]:
         """Start parallel samples off ``parent``'s computed prompt: each shares its full blocks,
-        gets a copy of its partial last block, and takes its own first token. One that finds no
-        room (``max_num_seqs``, a free block) waits first in line, as if preempted. Returns those
-        finished by their first token."""
+        gets a copy of its partial last block, and takes its own first token (None: it failed, as
+        ``failed`` says). One that finds no room (``max_num_seqs``, a free block) waits first in
+        line, as if preempted. Returns those finished by their first token."""
         finished, queued = [], []
         at = self.running.index(parent) + 1 if parent in self.running else len(self.running)
         for fork, token in zip(forks, tokens):
+            if token is None:
+                fork.fail(failed[fork.request_id])
+                finished.append(fork)
+                continue
             fork.num_computed_tokens = parent.num_computed_tokens
             fork.status = RequestStatus.RUNNING
             if fork.append_output(token, self.max_model_len):

@@ -278,14 +278,29 @@ def test_async_requests_stream_and_a_cancelled_one_frees_its_blocks(llm, solo):
     assert llm.get_stats().kv_blocks_used == 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm, solo, monkeypatch):
+def test_a_failing_step_fails_its_own_requests_and_the_others_run_on(llm, solo, monkeypatch):
+    """The step's model call raises (no row to blame): the requests it computed finish with "error",
+    the one it did not compute runs on to the unmodified model's tokens, and the prefix blocks that
+    step named are uncached (their K/V were never written: the same prompts later get their tokens)."""
     runner = llm.llm_engine.runner
-    real = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
-    with pytest.raises(RuntimeError, match="device lost"):
-        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+    real, calls = runner.execute, []
+
+    def fail_first(batch):
+        calls.append(batch)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(batch)
+
+    monkeypatch.setattr(runner, "execute", fail_first)
+    assert llm.reset_prefix_cache()  # earlier tests' cached prompts would change what the first step computes
+    # a budget of 24 tokens: the first step computes prompt 1 (17 tokens) and 7 of prompt 2; prompt 5 waits
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in (1, 2, 5)], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length"]
+    assert outs[0].error.startswith("the step computing this request failed (RuntimeError")
+    assert outs[2].error is None and outs[2].outputs[0].token_ids == solo[5]
     monkeypatch.setattr(runner, "execute", real)
-    assert llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == solo[1]
+    again = llm.generate([{"prompt_token_ids": PROMPTS[i]} for i in (1, 2)], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [solo[1], solo[2]]
     assert llm.get_stats().kv_blocks_used == 0
 
 

@@ -316,9 +316,10 @@ def test_update_rejects_wrong_sampled_tokens_and_changes_nothing():
     scheduler.add_request(a)
     scheduler.add_request(b)
     out = scheduler.schedule()
-    for wrong in ({}, {"a": 1, "b": 2}):
-        with pytest.raises(ValueError, match=r"sampled_token_ids: expected tokens for exactly \['a'\]"):
-            scheduler.update_from_output(out, wrong)
+    for wrong, failed in (({}, {}), ({"a": 1, "b": 2}, {}), ({"a": 1}, {"a": "both"}), ({}, {"b": "x"})):
+        with pytest.raises(ValueError, match=r"sampled_token_ids, failed: expected tokens or errors for exactly "
+                                             r"\['a'\]"):
+            scheduler.update_from_output(out, wrong, failed)
     assert (a.num_computed_tokens, b.num_computed_tokens, a.output_token_ids) == (0, 0, [])
     assert scheduler.update_from_output(out, model(out)) == []
     assert (a.num_computed_tokens, b.num_computed_tokens, a.num_output_tokens) == (2, 2, 1)

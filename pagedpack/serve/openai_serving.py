@@ -260,21 +260,22 @@ def _checked(make):
 
 async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """``(prompt index, delta)`` from every stream as they come; closing this cancels the readers
-    (each stream's own ``finally`` then aborts its request)."""
+    (each stream's own ``finally`` then aborts its request). A reader waits while the queue holds a
+    delta of every stream: a client that stops reading stops taking them (backpressure)."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as stream:
             async for delta in stream:
                 yield 0, delta
         return
-    arrived: asyncio.Queue = asyncio.Queue()
+    arrived: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def read(i, stream):
         try:
             async for delta in stream:
-                arrived.put_nowait((i, delta))
-            arrived.put_nowait((i, None))
+                await arrived.put((i, delta))
+            await arrived.put((i, None))
         except Exception as err:  # noqa: BLE001 -- handed to the reader
-            arrived.put_nowait((i, err))
+            await arrived.put((i, err))
 
     readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
     try:
