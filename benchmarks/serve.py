@@ -1,22 +1,30 @@
 """Serving benchmark: ``pagedpack serve`` and, given a vLLM CPU venv, ``vllm serve`` on the same model
-with the same request schedule (:mod:`serve_load`), one server at a time on this machine.
+with the same requests, one server at a time on this machine, driven by one client.
 
-For each engine: start its server (prefix caching off on both: the schedule repeats its prompt
-texts; a 2 GiB KV pool each: ``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``), send one warm-up
-request, then for each ``--rates`` value ``--num`` requests (Poisson arrivals, ``inf``: all at once)
-with W1's prompt lengths cut from English text and 32-128 greedy output tokens each (eos ignored), a
-fixed seed. Prints one JSON object: per engine and rate the request throughput, output tokens/s,
-TTFT and inter-token latency p50/p99 (ms), and per rate pagedpack's ratios to vLLM (throughput:
-higher is better for pagedpack; latency: lower is). Start at a 1-minute load below 0.8 (reported as
-``load_1min``); the client shares the cores. ``--repeats N`` runs the engines N times, alternating
-which goes first, and reports each figure's median over the N runs (and every run's value): on
-this machine kind one run's TTFT p50 moved by up to a third from one invocation to the next.
+For each engine: start its server (prefix caching off on both: the schedules repeat prompt texts; a
+2 GiB KV pool each: ``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``), send one warm-up request,
+then, for each sampling setting of ``--sampling`` (``greedy``, ``t1``: temperature 1.0, the OpenAI
+default, ``t0.7_p0.9``) and each load point, ``--num`` requests. Load points: ``--rates`` (Poisson
+arrivals, requests/s; ``inf``: all at once) and ``--concurrency`` (all at once, at most C in flight:
+saturation). Workloads: ``w1`` (:mod:`serve_load`: W1's prompt lengths cut from English text, 32-128
+output tokens) or ``random`` (vLLM's ``random`` dataset: 256 random prompt tokens, 64 output tokens,
+``--input-len`` / ``--output-len``); eos ignored, a fixed seed.
 
-vLLM's server is started as a module (``../shared/bench/SETUP.md`` §6: the wheel's ``vllm`` script
-fails) with Intel OpenMP preloaded and no reserved core, its best configuration on 2 cores.
+Clients: ``--client ours`` (:mod:`serve_load`, streamed completions) or ``--client vllm``: vLLM's own
+``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name random`` from the vLLM
+venv (``../shared/bench/vllm_cli.py``, SETUP.md section 7), the random workload only. Prints one JSON
+object: per engine, sampling and point the request throughput, output tokens/s, TTFT and inter-token
+latency p50/p99 (ms), and pagedpack's ratios to vLLM (throughput: higher is better for pagedpack;
+latency: lower is). Start at a 1-minute load below 0.8 (reported as ``load_1min``); the client shares
+the cores. ``--repeats N`` runs the engines N times, alternating which goes first, and reports each
+figure's median over the N runs (and every run's value).
+
+vLLM's server is started as a module (``../shared/bench/SETUP.md`` section 6: the wheel's ``vllm``
+script fails) with Intel OpenMP preloaded and no reserved core, its best configuration on 2 cores.
 
 ``python benchmarks/serve.py [--model smollm2-135m] [--dtype float32] [--rates 0.5,1,2,inf]
-  [--vllm-venv /tmp/peers/vllm] [--repeats 1]``
+  [--concurrency 1,4,16,64] [--sampling greedy,t1] [--workload random] [--client vllm]
+  [--vllm-venv PEERS/vllm] [--repeats 1]``
 """
 from __future__ import annotations
 
@@ -26,15 +34,18 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
 from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
 
 from common import cpu_model, load_1min
-from serve_load import run, schedule
+from serve_load import random_schedule, run, schedule
 
 KV_CACHE_GIB = 2  # the KV pool of each server: equal, so that both hold as many requests at once
+SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}, "t0.7_p0.9": {"temperature": 0.7, "top_p": 0.9}}
+BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench"
 
 
 def _model_dir(model: str) -> str:
@@ -67,30 +78,82 @@ def _vllm(model_dir: str, args):
     return command, env
 
 
+def _points(args) -> list[tuple[str, float, int | None]]:
+    """``(label, rate, max concurrency)`` of every load point."""
+    rates = [(f"rate={r}", float(r), None) for r in args.rates.split(",") if r]
+    return rates + [(f"concurrency={c}", float("inf"), int(c)) for c in args.concurrency.split(",") if c]
+
+
+def _vllm_client(url: str, model_dir: str, rate: float, concurrency: int | None, sampling: dict, args) -> dict:
+    """One run of vLLM's ``bench serve`` client (the random workload) against ``url``, as :func:`serve_load.run`'s
+    figures."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [str(Path(args.vllm_venv) / "bin" / "python"), str(args.bench_dir / "vllm_cli.py"), "bench", "serve",
+                   "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "bench",
+                   "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                   "--random-output-len", str(args.output_len), "--num-prompts", str(args.num), "--ignore-eos",
+                   "--seed", str(args.seed), "--request-rate", str(rate), "--percentile-metrics", "ttft,itl",
+                   "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", folder,
+                   "--result-filename", "result.json",
+                   *(["--max-concurrency", str(concurrency)] if concurrency else []),
+                   *(x for k, v in sampling.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        result = json.loads((Path(folder) / "result.json").read_text())
+    return {"completed": result["completed"], "failed": result.get("failed", args.num - result["completed"]),
+            "duration_s": round(result["duration"], 2), "request_throughput": round(result["request_throughput"], 3),
+            "output_tokens_per_s": round(result["output_throughput"], 1),
+            **{f"{m}_ms_{q}": round(result[f"{'median' if q == 'p50' else 'p99'}_{m}_ms"], 1)
+               for m in ("ttft", "itl") for q in ("p50", "p99")}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="an alias or a Hugging Face directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rates", default="0.5,1,2,inf", help="requests/s, comma-separated; inf: all at once")
-    parser.add_argument("--num", type=int, default=48, help="requests per rate")
-    parser.add_argument("--min-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", default="", help="max requests in flight, comma-separated (saturation)")
+    parser.add_argument("--sampling", default="greedy", help=f"comma-separated, of {', '.join(SAMPLING)}")
+    parser.add_argument("--workload", default="w1", choices=["w1", "random"])
+    parser.add_argument("--client", default="ours", choices=["ours", "vllm"])
+    parser.add_argument("--num", type=int, default=48, help="requests per point")
+    parser.add_argument("--min-tokens", type=int, default=32, help="w1: the fewest output tokens of a request")
+    parser.add_argument("--max-tokens", type=int, default=128, help="w1: the most output tokens of a request")
+    parser.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="random: output tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-venv", default=None, help="a venv with vllm-cpu (../shared/bench/SETUP.md)")
+    parser.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help="the shared benchmark folder")
     parser.add_argument("--engines", default="pagedpack,vllm", help="which to run, in this order")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every engine, the order alternating; figures are the runs' medians")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats: expected a positive count, got {args.repeats}")
+    samplings = args.sampling.split(",")
+    if unknown := [s for s in samplings if s not in SAMPLING]:
+        parser.error(f"--sampling: expected names of {sorted(SAMPLING)}, got {unknown}")
+    if args.client == "vllm" and (args.workload != "random" or not args.vllm_venv):
+        parser.error("--client vllm: needs --vllm-venv and --workload random (vLLM's random dataset)")
     load = load_1min()
     model_dir = _model_dir(args.model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rates = [float(r) for r in args.rates.split(",")]
-    plans = {rate: schedule(tokenizer, args.num, rate, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                            seed=args.seed) for rate in rates}
+    points = _points(args)
+    plans = {label: schedule(tokenizer, args.num, rate, min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                             seed=args.seed) if args.workload == "w1" else
+             random_schedule(len(tokenizer), args.num, rate, input_len=args.input_len, output_len=args.output_len,
+                             seed=args.seed) for label, rate, _ in points}
+
+    def measure(url: str) -> dict:
+        out = {}
+        for name in samplings:
+            for label, rate, concurrency in points:
+                out[f"{name} {label}"] = _vllm_client(url, model_dir, rate, concurrency, SAMPLING[name], args) \
+                    if args.client == "vllm" else asyncio.run(run(url, "bench", plans[label], concurrency=concurrency,
+                                                                  sampling=SAMPLING[name]))
+        return out
+
     engines = {"pagedpack": _pagedpack}
     if args.vllm_venv:
         engines["vllm"] = _vllm
@@ -101,26 +164,30 @@ def main() -> None:
             command, env = engines[name](model_dir, args)
             with tempfile.TemporaryDirectory() as folder, \
                     RemoteServer(command, log_path=Path(folder) / f"{name}.log", env=env, start_s=600) as server:
-                runs[name].append({str(rate): asyncio.run(run(server.url, "bench", plans[rate])) for rate in rates})
+                runs[name].append(measure(server.url))
             print(json.dumps({name: runs[name][-1], "repeat": repeat}), flush=True)
     results = {name: _medians(done) for name, done in runs.items()}
-    report = {"model": args.model, "dtype": args.dtype, "num": args.num,
-              "output_tokens": [args.min_tokens, args.max_tokens], "repeats": args.repeats, "results": results,
-              "load_1min": load, "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
+    report = {"model": args.model, "dtype": args.dtype, "num": args.num, "workload": args.workload,
+              "client": args.client, "repeats": args.repeats, "results": results, "load_1min": load,
+              "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
+    if args.workload == "w1":
+        report["output_tokens"] = [args.min_tokens, args.max_tokens]
+    else:
+        report["input_len"], report["output_len"] = args.input_len, args.output_len
     if args.repeats > 1:
         report["every_run"] = runs
     if "vllm" in results and "pagedpack" in results:
         report["pagedpack_over_vllm"] = {
-            rate: {key: _ratio(results["pagedpack"][rate][key], results["vllm"][rate][key])
-                   for key in ("output_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p99",
-                               "itl_ms_p50", "itl_ms_p99")}
-            for rate in results["pagedpack"]}
+            point: {key: _ratio(results["pagedpack"][point][key], results["vllm"][point][key])
+                    for key in ("output_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p99",
+                                "itl_ms_p50", "itl_ms_p99")}
+            for point in results["pagedpack"]}
     print(json.dumps(report, indent=2))
 
 
 def _medians(runs: list[dict]) -> dict:
-    """Per rate, each figure's median over ``runs`` (one run: its own figures)."""
-    return {rate: {key: _median([run[rate][key] for run in runs]) for key in runs[0][rate]} for rate in runs[0]}
+    """Per point, each figure's median over ``runs`` (one run: its own figures)."""
+    return {point: {key: _median([run[point][key] for run in runs]) for key in runs[0][point]} for point in runs[0]}
 
 
 def _median(values: list):

@@ -1,11 +1,13 @@
 """One load generator for every OpenAI-compatible server (``pagedpack serve``, ``vllm serve``): the
 schedule of ``../shared/bench/serve_client.py``, with per-request output lengths.
 
-Prompts: W1's lengths (32, 50, 128, 256, 512, 64, 16, 256, repeated) cut as token ids from Python's
-own documentation (``pydoc_data.topics``) through the model's tokenizer and sent as text. Each
-request streams greedy tokens with eos ignored; its ``max_tokens`` is drawn from
-``[min_tokens, max_tokens]``. Arrivals: Poisson at ``rate`` requests/s (``inf``: all at once). Every
-draw comes from one ``random.Random(seed)``, so each server gets the same schedule.
+Prompts (:func:`schedule`): W1's lengths (32, 50, 128, 256, 512, 64, 16, 256, repeated) cut as token
+ids from Python's own documentation (``pydoc_data.topics``) through the model's tokenizer and sent as
+text, each ``max_tokens`` drawn from ``[min_tokens, max_tokens]``; or (:func:`random_schedule`) vLLM's
+``random`` dataset's shape: ``input_len`` random token ids, ``output_len`` tokens each. Each request
+streams tokens with eos ignored, greedy unless ``sampling`` says otherwise. Arrivals: Poisson at
+``rate`` requests/s (``inf``: all at once), at most ``concurrency`` in flight when given. Every draw
+comes from one ``random.Random(seed)``, so each server gets the same schedule.
 
 Measured per request: TTFT (request sent to the first chunk with text) and the gaps between
 chunks with text (inter-token latency), as the shared client measures them.
@@ -25,7 +27,7 @@ LENGTHS = (32, 50, 128, 256, 512, 64, 16, 256)
 
 @dataclass(frozen=True)
 class Scheduled:
-    prompt: str
+    prompt: str | list[int]
     max_tokens: int
     delay_s: float  # after the previous request was sent
 
@@ -43,6 +45,14 @@ def schedule(tokenizer, num: int, rate: float, *, min_tokens: int, max_tokens: i
         delay = 0.0 if rate == float("inf") else rng.expovariate(rate)
         out.append(Scheduled(prompt, rng.randint(min_tokens, max_tokens), delay))
     return out
+
+
+def random_schedule(vocab_size: int, num: int, rate: float, *, input_len: int, output_len: int,
+                    seed: int = 0) -> list[Scheduled]:
+    """``num`` prompts of ``input_len`` random token ids below ``vocab_size``, ``output_len`` tokens each."""
+    rng = random.Random(seed)
+    return [Scheduled([rng.randrange(vocab_size) for _ in range(input_len)], output_len,
+                      0.0 if rate == float("inf") else rng.expovariate(rate)) for _ in range(num)]
 
 
 async def stream_one(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, **extra) -> dict:
@@ -79,8 +89,15 @@ async def stream_one(http: httpx.AsyncClient, model: str, prompt: str, max_token
 
 
 async def run(url: str, model: str, requests: list[Scheduled], *, timeout_s: float = 1800.0,
-              headers: dict | None = None) -> dict:
-    """Send ``requests`` on their schedule; the figures of the run (times in ms)."""
+              headers: dict | None = None, concurrency: int | None = None, sampling: dict | None = None) -> dict:
+    """Send ``requests`` on their schedule (at most ``concurrency`` in flight; ``sampling``: the body's
+    sampling fields, e.g. ``{"temperature": 1.0}``, greedy without); the figures of the run (times in ms)."""
+    gate = asyncio.Semaphore(concurrency or len(requests))
+
+    async def one(r):
+        async with gate:
+            return await stream_one(http, model, r.prompt, r.max_tokens, **(sampling or {}))
+
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as http:
         await stream_one(http, model, requests[0].prompt, 4)  # warm-up
@@ -88,7 +105,7 @@ async def run(url: str, model: str, requests: list[Scheduled], *, timeout_s: flo
         for r in requests:
             if r.delay_s:
                 await asyncio.sleep(r.delay_s)
-            tasks.append(asyncio.create_task(stream_one(http, model, r.prompt, r.max_tokens)))
+            tasks.append(asyncio.create_task(one(r)))
         results = await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - start
     ok = [r for r in results if isinstance(r, dict) and r["ok"]]

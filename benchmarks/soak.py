@@ -10,6 +10,15 @@ peak, at each minute of the soak and at the end (growth = end / after warm-up; a
 soak's own first minute, whose mix of n, cancellations and step sizes the warm-up lacks); running /
 waiting requests and KV usage back to 0 at the end (``/metrics``).
 
+Poison requests (2 %): sampling values at the edge of what validation lets through (issue 51's:
+``top_p`` 1e-46, ``repetition_penalty`` rounded to 0 by float32 or dividing a biased logit to
+infinity, every token a stop token until ``min_tokens``): each must get a 400, its own error, or
+its answer, and no other request may lose its answer. Stalled clients (``--stalled-clients``, at
+the start): a stream of ``n=200, max_tokens=1000, logprobs=20`` whose client reads nothing for
+``--stall-seconds`` and then closes; the server pauses it (backpressure) and aborts it after its
+stall timeout: its RSS growth while held is reported (``stalled_rss_mib``), and the RSS at the end
+must come back within the soak's own growth.
+
 Saturation: ``--saturation-num`` requests all at once (the ``serve_load`` schedule); the soak rate
 is ``--load`` times that request throughput, divided by the soak requests' mean ``n``, unless
 ``--rate`` is given.
@@ -37,6 +46,8 @@ from serve_load import run, schedule, stream_one
 N_CHOICES = (1, 1, 2, 3)  # n of a request, drawn uniformly
 MEAN_N = sum(N_CHOICES) / len(N_CHOICES)
 BAD = ({"temperature": -1}, {"top_p": 0}, {"n": 0}, {"max_tokens": "many"}, {"logprobs": 99})
+POISON = ({"top_p": 1e-46}, {"repetition_penalty": 1e-40}, {"repetition_penalty": 1.2e-38, "logit_bias": {"7": 100}},
+          {"stop_token_ids": list(range(49152)), "min_tokens": 3}, {"temperature": 1e-300, "min_p": 5e-324})
 
 
 def rss_bytes(pid: int) -> int:
@@ -81,6 +92,11 @@ async def one(http: httpx.AsyncClient, i: int, prompt: str, rng: random.Random, 
         ok = response.status_code == 400 and response.json()["error"]["param"]
         tally["bad_refused" if ok else "lost"] += 1
         return
+    if roll > 0.98:  # a poison request: refused, failed alone, or answered (never another's loss)
+        response = await http.post("/v1/completions", json={**body, "stream": False, **rng.choice(POISON)})
+        outcome = {400: "poison_refused", 500: "poison_failed_alone", 200: "poison_served"}.get(response.status_code)
+        tally[outcome or "lost"] = tally.get(outcome or "lost", 0) + 1
+        return
     work = asyncio.ensure_future(_answer(http, body, stream))
     if roll < 0.12:
         await asyncio.sleep(rng.uniform(0.0, 3.0))
@@ -115,6 +131,19 @@ async def _answer(http: httpx.AsyncClient, body: dict, stream: bool):
                                   and all(f == ["length"] for f in r["finish_reasons"].values()))
 
 
+async def stalled_client(port: int, seconds: float) -> None:
+    """A stream of 200 completions of 1,000 tokens with logprobs whose client reads nothing for
+    ``seconds``, then closes."""
+    body = json.dumps({"model": "soak", "prompt": "Once upon a time", "n": 200, "max_tokens": 1000, "logprobs": 20,
+                       "stream": True, "ignore_eos": True}).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    await asyncio.sleep(seconds)
+    writer.close()
+
+
 async def soak(url: str, prompts: list[str], rate: float, num: int, seconds: float, seed: int) -> dict:
     rng = random.Random(seed)
     tally = {"complete": 0, "cancelled": 0, "bad_refused": 0, "lost": 0, "duplicated": 0, "ids": set()}
@@ -142,6 +171,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x saturation)")
     parser.add_argument("--saturation-num", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stalled-clients", type=int, default=1, help="never-reading streams at the start")
+    parser.add_argument("--stall-seconds", type=float, default=60.0, help="how long each holds its stream")
     args = parser.parse_args()
     load = load_1min()
     with tempfile.TemporaryDirectory() as folder, RemoteServer(
@@ -159,6 +190,10 @@ def main() -> None:
         rate = args.rate or args.load * saturation["request_throughput"] / MEAN_N
         watch = RssWatch(server.process.pid)
         after_warmup = watch.reset()
+        stalled = {}
+        if args.stalled_clients:
+            asyncio.run(_stall(server.port, args.stalled_clients, args.stall_seconds))
+            stalled = {"held_peak": watch.peak >> 20, "after_close": rss_bytes(server.process.pid) >> 20}
         prompts = [s.prompt for s in schedule(tokenizer, 64, float("inf"), min_tokens=1, max_tokens=1)]
         tally = asyncio.run(soak(server.url, prompts, rate, args.num, args.minutes * 60, args.seed))
         time.sleep(1.0)
@@ -173,7 +208,14 @@ def main() -> None:
                                   "growth": round(end / after_warmup - 1, 4), "each_minute": minutes,
                                   "growth_after_first_minute": round(end / (minutes[0] << 20) - 1, 4)
                                   if minutes else None},
+                      "stalled_rss_mib": {"clients": args.stalled_clients, "seconds": args.stall_seconds,
+                                          "before": after_warmup >> 20, **stalled},
                       "at_end": idle, "server_traceback": crashed, "load_1min": load}, indent=2))
+
+
+async def _stall(port: int, clients: int, seconds: float) -> None:
+    await asyncio.gather(*(stalled_client(port, seconds) for _ in range(clients)))
+    await asyncio.sleep(2.0)  # the server sees the closes and lets the requests go
 
 
 def _sample(text: str, name: str) -> float:

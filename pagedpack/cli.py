@@ -20,6 +20,7 @@ from pagedpack.lowering.targets import TargetUnavailableError, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
 from pagedpack.program import ProgramBuilder
 from pagedpack.runtime.engine_loop import EngineDeadError
+from pagedpack.runtime.flow_control import MAX_UNSENT_TOKENS, FlowControl
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let a request bring its own chat_template (rendered in transformers' sandbox)")
     srv.add_argument("--max-queue", type=int, default=1024,
                      help="most requests waiting for their first step; more get HTTP 503 with Retry-After")
+    srv.add_argument("--max-unsent-tokens", type=int, default=MAX_UNSENT_TOKENS,
+                     help="a request whose client leaves more of its tokens unread is paused (its KV freed) "
+                          "until the client reads again")
+    srv.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                     help="a request paused this long for an unread stream is aborted")
     srv.add_argument("--metrics-namespace", default="pagedpack", choices=["pagedpack", "vllm"],
                      help="prefix of the /metrics names (vllm: vLLM's names exactly, for its dashboards)")
     srv.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="SECONDS",
@@ -217,12 +223,15 @@ def _serve(args) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    bounds = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None)]
+    bounds = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None),
+              ("--max-unsent-tokens", args.max_unsent_tokens, 1, None)]
     for name, value, low, high in bounds:  # before the model is loaded
         if value < low or (high is not None and value > high):
             raise ValueError(f"{name}: expected an int in [{low}, {high if high is not None else 'inf'}], got {value}")
     if not args.timeout_graceful_shutdown >= 0:  # NaN too
         raise ValueError(f"--timeout-graceful-shutdown: expected seconds >= 0, got {args.timeout_graceful_shutdown}")
+    if not args.stream_stall_timeout > 0:
+        raise ValueError(f"--stream-stall-timeout: expected seconds > 0, got {args.stream_stall_timeout}")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
@@ -234,9 +243,10 @@ def _serve(args) -> int:
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)
     print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
+    flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                                             metrics_namespace=args.metrics_namespace, log_level=args.log_level,
-                                            graceful_s=args.timeout_graceful_shutdown))
+                                            graceful_s=args.timeout_graceful_shutdown, flow_control=flow_control))
 
 
 def _kv_timeline(args):

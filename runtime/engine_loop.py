@@ -15,9 +15,11 @@ which made each small op ~20x and the W1 workload ~1.4x slower when every step r
 its own (measured, 2 cores). A server (``pagedpack serve``) has its main thread, which built the
 model, drive for good (:meth:`EngineLoop.serve_forever`) while the HTTP front runs in another.
 
-A step that raises fails every live request: each sink gets the exception instead of a delta,
-their blocks are freed, and stepping goes on with the requests added later, unless the step
-raised :class:`EngineDeadError` (a tensor-parallel rank is gone): then no request runs again.
+A step fails only its own requests (:meth:`LLMEngine.step`: they end with ``finish_reason="error"``).
+What escapes a step (a bug outside the model call and the per-request work) fails every live request:
+each sink gets the exception instead of a delta, their blocks are freed, and stepping goes on with
+the requests added later, unless it was :class:`EngineDeadError` (a tensor-parallel rank is gone):
+then no request runs again. Backpressure: :mod:`pagedpack.runtime.flow_control`.
 """
 from __future__ import annotations
 

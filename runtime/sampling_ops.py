@@ -9,8 +9,9 @@ overflows and a masked (``-inf``) token has probability 0.
 
 What it costs (the vocabulary ``V`` is 32k-262k, most of a step's rows set neither top-k nor
 top-p): a row without top-k / top-p is never sorted: its softmax is one pass, and the draw reads it
-once more (:func:`inverse_cdf`); a greedy row's argmax is :func:`first_max`. Top-k and top-p rows take ``torch.topk`` candidates
-(``k``, or a guess for top-p alone that grows until it holds the nucleus) and sort only those.
+once more (:func:`inverse_cdf`); a greedy row's argmax is :func:`first_max`. Top-k and top-p rows
+take ``torch.topk`` candidates (``k``, or a guess for top-p alone that grows until it holds the
+nucleus) and sort only those.
 The draw is inverse-CDF sampling with one uniform number per row, from the request's own
 generator when it has a seed: exact for the distribution, and a seeded row draws the same token
 whatever shares its batch.

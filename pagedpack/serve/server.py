@@ -23,6 +23,7 @@ import uvicorn
 
 from pagedpack.async_llm import AsyncLLM
 from pagedpack.llm import LLM
+from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app
 from pagedpack.serve.metrics import ServerMetrics
 from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
@@ -39,7 +40,9 @@ GIL_SWITCH_S = 0.0005
 class ServerOptions:
     """Where to listen and who may call: ``host``, ``port``, ``api_key`` (None: anyone),
     ``metrics_namespace`` (``pagedpack``; ``vllm`` for vLLM's exact metric names),
-    ``graceful_s`` (how long in-flight requests may finish once asked to stop)."""
+    ``graceful_s`` (how long in-flight requests may finish once asked to stop), ``flow_control``
+    (when a request whose client reads nothing is paused, then aborted:
+    :mod:`pagedpack.runtime.flow_control`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -47,6 +50,7 @@ class ServerOptions:
     metrics_namespace: str = "pagedpack"
     graceful_s: float = 5.0
     log_level: str = "info"
+    flow_control: FlowControl = FlowControl(stall_timeout_s=60.0)
 
 
 def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
@@ -55,6 +59,7 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     (e.g. the port is taken) or the engine loop died (the HTTP front then stays up, answering
     503, until stopped)."""
     sys.setswitchinterval(GIL_SWITCH_S)
+    llm._loop.flow_control = options.flow_control
     llm.llm_engine.runner.commit_kv_memory()
     # The model, its graphs and the tokenizer live as long as the process: out of the collector's
     # sight (as vLLM does after start-up), they cost no full collection while serving and none at
