@@ -67,6 +67,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed runs per engine (best is reported)")
     parser.add_argument("--repeat", type=int, default=4, help="--workload random: times the length list repeats")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (outputs checked against the unmodified model); > 0: sampled, unseeded, "
+                             "vLLM too (the transformers baseline is left out)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="every engine's dtype (default: %(default)s)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -88,14 +91,14 @@ def main() -> None:
     llm = LLM(model_dir, block_size=args.block_size, enable_prefix_caching=False, dtype=args.dtype,
               kv_cache_memory=f"{args.kv_cache_gib}GiB")
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True)
     child_peak_mb = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) or None
     load_peak_mb = peak_rss_mb()  # before the reset, which also resets getrusage's ru_maxrss
     reset_peak_rss()
     paged_s, paged_outputs = _timed(lambda: _generate(llm, prompts, params), args.runs)
     peak_mb = peak_rss_mb()
     # the unmodified model only now (LLM let it go after lowering): its weights are not in the peak
-    reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]]
+    reference = [_hf_greedy(llm.model, p, args.max_tokens) for p in prompts[:4]] if not args.temperature else None
     eos = llm.description.eos_token_ids
     engines = {"pagedpack": _row(paged_s, paged_outputs, prompts, reference, args.max_tokens, eos)}
     engines["pagedpack"]["peak_rss_mb"] = peak_mb
@@ -106,14 +109,15 @@ def main() -> None:
         engines["pagedpack_onnxruntime"] = _onnxruntime(llm, prompts, params, reference, args, eos)
     if args.pt2:
         engines["pagedpack_pt2_process"] = _pt2_process(llm, prompts, reference, args, eos)
-    if not args.no_transformers:
+    if not args.no_transformers and not args.temperature:
         hf_s, hf_outputs = _timed(lambda: _padded_generate(llm.model, prompts, args.max_tokens), args.runs)
         engines["transformers_padded"] = _row(hf_s, hf_outputs, prompts, reference, args.max_tokens)
     if args.vllm_python:
         engines["vllm_cpu"] = _vllm(args, model_dir, prompts, reference)
 
     result = {
-        "workload": args.workload, "model": str(args.model or model_dir), "dtype": args.dtype, "requests": len(prompts),
+        "workload": args.workload, "model": str(args.model or model_dir), "dtype": args.dtype,
+        "temperature": args.temperature, "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)), "new_tokens_per_request": args.max_tokens,
         "engines": engines,
         "ratios_to_pagedpack_time": {name: round(row["seconds"] / paged_s, 2)
@@ -144,12 +148,14 @@ def _row(seconds: float, outputs, prompts, reference, max_tokens: int, eos_ids=(
     (``min_new_tokens``, as vllm_cpu.py's ``min_tokens``); pagedpack's ``ignore_eos`` only keeps
     going, so its outputs (``eos_ids`` given) are compared up to their first EOS."""
     assert all(len(o) == max_tokens for o in outputs), [len(o) for o in outputs]
+    row = {"seconds": round(seconds, 3), "generated_tokens_per_s": round(len(prompts) * max_tokens / seconds, 1)}
+    if reference is None:  # sampled: nothing to compare with
+        return row
     same = 0
     for got, ref in zip(outputs, reference):
         stop = next((i for i, t in enumerate(got) if t in eos_ids), len(got))
         same += list(got[:stop]) == ref[:stop]
-    return {"seconds": round(seconds, 3), "generated_tokens_per_s": round(len(prompts) * max_tokens / seconds, 1),
-            "first4_match": f"{same}/4"}
+    return {**row, "first4_match": f"{same}/4"}
 
 
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -183,17 +189,18 @@ def _vllm(args, model_dir: str, prompts, reference) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         prompts_json, ref_json = Path(tmp, "prompts.json"), Path(tmp, "ref.json")
         prompts_json.write_text(json.dumps({"prompts": prompts, "max_new_tokens": args.max_tokens}))
-        ref_json.write_text(json.dumps({"first4": reference}))
+        ref_json.write_text(json.dumps({"first4": reference or []}))
         done = subprocess.run([args.vllm_python, str(args.bench_dir / "vllm_cpu.py"), model_dir, str(prompts_json),
                                "--ref", str(ref_json), "--reserved-cpus", "0", "--runs", str(args.runs),
-                               "--dtype", args.dtype, "--kv-gb", str(args.kv_cache_gib)],
+                               "--dtype", args.dtype, "--kv-gb", str(args.kv_cache_gib),
+                               "--temperature", str(args.temperature)],
                               env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"engine"')]
     if done.returncode or not lines:
         return {"error": (done.stdout + done.stderr).strip()[-2000:]}
     row = json.loads(lines[-1])
     return {"seconds": row["seconds"], "generated_tokens_per_s": row["tokens_per_s"],
-            "first4_match": f"{row['first4_match']}/4",
+            **({"first4_match": f"{row['first4_match']}/4"} if reference else {}),
             # its engine core runs in a second process: the sum over its processes during the runs
             "peak_rss_mb": row["peak_rss_mb_sum_all_procs_during_runs"],
             "version": row["version"], "ld_preload": bool(iomp)}
