@@ -4,6 +4,7 @@ client and raw HTTP. References: the unmodified model's greedy ``generate`` on e
 decoded by the tokenizer; for seeded sampling, the same request served alone."""
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -347,6 +348,56 @@ def test_malformed_bodies_keys_methods_and_a_full_queue(server, client):
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].text is not None
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_stream_options_without_stream_and_union_fields_get_readable_400s(server):
+    url, auth = f"{server.url}/v1", {"Authorization": f"Bearer {KEY}"}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    expected = {  # (route, body) -> message
+        ("completions", json.dumps({"prompt": "x", "stream_options": {"include_usage": True}})):
+            "stream_options: can only be given with stream=true",
+        ("chat/completions", json.dumps({**chat, "stream": False, "stream_options": {}})):
+            "stream_options: can only be given with stream=true",
+        ("completions", json.dumps({"prompt": ["a", [1, 2]]})):
+            "prompt: expected a string, a list of token ids, or a non-empty list of all strings or all token-id "
+            "lists, got ['a', [1, 2]]",
+        ("completions", json.dumps({"prompt": [[1, -2]]})):
+            "prompt.0.1: Input should be greater than or equal to 0, got -2",
+        ("completions", json.dumps({"prompt": ["ok", "\ud800"]})):
+            "prompt.1: expected text encodable as UTF-8 (it holds a lone surrogate), got '\\ud800'",
+        ("completions", json.dumps({"prompt": "x", "stop": ["a", 5]})):
+            "stop: expected a string or a list of strings, got ['a', 5]",
+        ("chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]})):
+            'messages.0.content: expected a string or a list of text parts ({"type": "text", "text": ...}), got 5',
+        ("chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}]}]})):
+            "messages.0.content.0.type: Input should be 'text', got 'image'",
+    }
+    for (route, body), message in expected.items():
+        r = httpx.post(f"{url}/{route}", content=body, headers={**auth, "Content-Type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["message"] == message, (body, error)
+        assert error["param"] == message.split(":")[0].split(".")[0]
+
+
+def test_no_field_s_error_shows_pydantic_s_internal_names(server):
+    """Every field of both bodies (and of a message) given a value of the wrong type: the message
+    names the field in the API's terms, never a union's internal tag (``function-after[...]``)."""
+    from pagedpack.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    wrong = [{"__": 1}]
+    cases = [("completions", {"prompt": "x", name: wrong}) for name in CompletionRequest.model_fields]
+    cases += [("chat/completions", {"messages": [{"role": "user", "content": "hi"}], name: wrong})
+              for name in ChatCompletionRequest.model_fields]
+    cases += [("chat/completions", {"messages": [{"role": "user", "content": "hi", name: wrong}]})
+              for name in ("role", "content", "name")]
+    assert {"prompt", "stop", "messages"} <= {name for _, body in cases for name in body}
+    for route, body in cases:
+        r = httpx.post(f"{server.url}/v1/{route}", json=body, headers=auth, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        said = r.json()["error"]["message"].split(", got ")[0]
+        assert not re.search(r"[\w-]\[|function-|constrained", said), (body, said)
+    assert set(ChatMessage.model_fields) == {"role", "content", "name"}
 
 
 def test_models_version_and_metrics_names(server, client):

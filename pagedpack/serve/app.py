@@ -5,12 +5,13 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`pagedpack
 ``GET /metrics`` (Prometheus text, :mod:`pagedpack.serve.metrics`).
 
 Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
-JSON, a missing, unknown or mistyped field, or a value the engine refuses (the message and
-``param`` name the field); 404 for a model this server does not serve (as OpenAI and vLLM
-answer); 401 without the API key (``--api-key``: ``Authorization: Bearer KEY`` on ``/v1/*``);
-413 for a body over ``max_body_bytes``; 503 with ``Retry-After`` when ``--max-queue`` requests
-already wait; 500 if the engine fails. A client that goes away (a closed stream, a timed-out
-request) aborts its requests: their KV blocks are freed before the next step.
+JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, says the forms it
+takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
+this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
+``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``; 503 with
+``Retry-After`` when ``--max-queue`` requests already wait; 500 if the engine fails. A client that
+goes away (a closed stream, a timed-out request) aborts its requests: their KV blocks are freed
+before the next step.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedpack
 from pagedpack.serve.openai_serving import OpenAIServing, ServingError
-from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest, brief, printable
 
 MAX_BODY_BYTES = 32 * 2**20
 
@@ -124,16 +125,19 @@ def _error(err: ServingError) -> JSONResponse:
 
 
 def _validation_error(err: RequestValidationError) -> ServingError:
-    """400 naming the first bad field (``loc`` after ``"body"``) with pydantic's message."""
+    """400 naming the first bad field (``loc`` after ``"body"``, then a union's ``ctx["at"]``:
+    :mod:`pagedpack.serve.protocol`) with pydantic's message (a ``ValueError``'s own) and what came."""
     first = err.errors()[0]
     loc = [str(part) for part in first.get("loc", ())[1:]]
-    kind = first.get("type", "")
+    kind, ctx = first.get("type", ""), first.get("ctx") or {}
     if kind == "json_invalid":
-        return ServingError(400, f"body: expected JSON ({first.get('ctx', {}).get('error', 'invalid')})")
+        return ServingError(400, f"body: expected JSON ({ctx.get('error', 'invalid')})")
     if not loc:
-        return ServingError(400, f"body: expected a JSON object, got {first.get('input')!r:.80}")
+        return ServingError(400, f"body: expected a JSON object, got {brief(first.get('input'))}")
     field = loc[0]
     if kind == "extra_forbidden":
-        return ServingError(400, f"Unrecognized request argument supplied: {'.'.join(loc)}", param=field)
-    shown = ".".join(loc)
-    return ServingError(400, f"{shown}: {first.get('msg', 'invalid')}, got {first.get('input')!r:.80}", param=field)
+        return ServingError(400, printable(f"Unrecognized request argument supplied: {'.'.join(loc)}"), param=field)
+    shown = ".".join([*loc, ctx["at"]] if ctx.get("at") else loc)
+    message = ctx["error"] if kind == "value_error" and "error" in ctx else first.get("msg", "invalid")
+    got = ctx.get("got") or brief(first.get("input"))
+    return ServingError(400, printable(f"{shown}: {message}, got {got}"), param=field)
