@@ -9,9 +9,10 @@ JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, 
 takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
 this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
 ``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``; 503 with
-``Retry-After`` when ``--max-queue`` requests already wait; 500 if the engine fails. A client that
-goes away (a closed stream, a timed-out request) aborts its requests: their KV blocks are freed
-before the next step.
+``Retry-After`` when ``--max-queue`` requests already wait; 500 if the engine fails on a request,
+or for a bug: a generic message with an error id, the traceback in the log
+(:meth:`~pagedpack.serve.openai_serving.ServingError.internal`). A client that goes away (a closed
+stream, a timed-out request) aborts its requests: their KV blocks are freed before the next step.
 """
 from __future__ import annotations
 
@@ -42,12 +43,17 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     loop, config, created = serving.llm._loop, serving.config, int(time.time())
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):
+    async def guard(request: Request, call_next):
+        """The API key on ``/v1/*``; what no handler answered (a bug) as a 500 with an error id."""
         if api_key is not None and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(ServingError(401, "Unauthorized: expected the header 'Authorization: Bearer <api key>'"))
-        return await call_next(request)
+        try:
+            return await call_next(request)
+        except Exception as err:  # noqa: BLE001 -- a bug, the engine failing: OpenAI's error body, the id logged
+            # (here, not in an exception handler: Starlette re-raises after those, and uvicorn logs it again)
+            return _error(ServingError.internal(err))
 
     @app.exception_handler(ServingError)
     async def serving_error(_, err: ServingError):
@@ -60,10 +66,6 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):  # unknown route, wrong method, a body over the limit
         return _error(ServingError(err.status_code, str(err.detail)))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, err: Exception):  # a bug: still OpenAI's error body
-        return _error(ServingError(500, f"internal error ({type(err).__name__}: {err})"))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -5,12 +5,18 @@ Every prompt is tokenized and checked (and every request added to the engine) be
 byte goes out, so a bad request gets its 400 and never a half-sent stream. Each engine request's
 id is ``<response id>-<prompt index>``; whatever ends a response (finished, client gone, error)
 aborts the engine requests still live, freeing their KV blocks before the next step.
+
+A failure that is no request's fault (a bug, the engine's step failing) answers 500 with a generic
+message and a short error id, its traceback logged (``pagedpack.serve``) with that id; an error the
+engine gives one request (``RequestOutput.error``, written for users) is passed on, as 500 (the
+request had been checked and taken: the server failed to serve it).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +30,8 @@ from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput, merge
 from pagedpack.serve.metrics import ServerMetrics
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("pagedpack.serve")
 
 
 class ServingError(Exception):
@@ -47,6 +55,14 @@ class ServingError(Exception):
         message = str(err)
         field = message.split(":", 1)[0] if ":" in message else None
         return cls(400, message, param=field if field and field.isidentifier() else None)
+
+    @classmethod
+    def internal(cls, err: BaseException) -> "ServingError":
+        """A 500 for a failure that is no request's fault: the client gets an error id, the log
+        (``pagedpack.serve``) the traceback with that id."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("internal error %s", error_id, exc_info=err)
+        return cls(500, f"internal server error (error id {error_id}; the server's log has its details)")
 
 
 @dataclass(frozen=True)
@@ -215,7 +231,7 @@ class OpenAIServing:
                 yield _event({**response.header(chunk=True), "choices": [],
                               "usage": _usage(prompt_tokens, completion_tokens)})
         except Exception as err:  # noqa: BLE001 -- the engine failed mid-stream: say so, then end the stream
-            yield _event(ServingError(500, str(err)).body())
+            yield _event((err if isinstance(err, ServingError) else ServingError.internal(err)).body())
         finally:
             await deltas.aclose()
             self._abort(ids)
