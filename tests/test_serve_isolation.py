@@ -1,16 +1,22 @@
 """``pagedpack serve``'s application in this process (httpx's ASGI transport, the built-in tiny
 model): one request must never fail the others. A failure that is no request's fault answers a
-generic 500 with an error id (the traceback only in the log); an error the engine gives one request
-is passed on."""
+generic 500 with an error id (the traceback only in the log), an error the engine gives one request
+is passed on, rendering and tokenizing run in threads of their own with a bounded queue (503 past
+it), and the rendered text is checked against the context before it is tokenized."""
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import pytest
 
 from pagedpack import LLM
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
+
+# ~1 s of rendering on an idle machine, the content once
+SLOW = "{% for i in range(20000) %}{% for j in range(1000) %}{% if j < 0 %}{% endif %}{% endfor %}{% endfor %}" \
+       "<{{ messages[0]['content'] }}>"
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +108,59 @@ def test_an_error_the_engine_gives_one_request_is_passed_on_as_written(llm, capl
     assert whole.status_code == 500 and whole.json()["error"]["message"] == message
     assert [e if e == "[DONE]" else e["error"]["message"] for e in _events(streamed)] == [message, "[DONE]"]
     assert not caplog.records  # the request's own failure, not the server's: nothing to trace
+
+
+def test_the_rendered_text_is_checked_before_it_is_tokenized(llm):
+    """A template can multiply what the messages hold: 100 characters rendered 60 times."""
+    app, _ = _app(llm, chat_template="{% for i in range(60) %}{{ messages[0]['content'] }}{% endfor %}")
+    fits, too_long = "x" * 10, "x" * 100  # 600 and 6000 characters rendered; 4096 fit
+    r, ok = _ask(app, ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]}),
+                 ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": fits}], "max_tokens": 1}))
+    assert r.status_code == 400 and ok.status_code == 200
+    assert r.json()["error"] == {
+        "message": "messages: the chat template renders 6000 characters, more than the 4096 that this model's "
+                   "maximum context length (1024 tokens) can hold",
+        "type": "BadRequestError", "param": "messages", "code": 400}
+
+
+def test_a_request_s_own_template_is_counted_too(llm):
+    app, _ = _app(llm, trust_request_chat_template=True)
+    template = "{# " + "x" * 5000 + " #}{{ messages[0]['content'] }}"
+    (r,) = _ask(app, ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "chat_template": template}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert r.json()["error"]["message"].startswith(f"chat_template: {len(template)} characters, more than the 4096")
+
+
+def test_rendering_runs_off_the_event_loop_in_a_bounded_queue(llm):
+    """While a slow template renders, the event loop answers at once; with one place in the
+    tokenizer's queue, two more chats at that moment get 503 + Retry-After, a later one is taken."""
+    app, _ = _app(llm, chat_template=SLOW, max_tokenize_queue=1)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://server",
+                                     timeout=60) as http:
+            slow = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat))
+            await asyncio.sleep(0.05)  # it renders now
+            start = time.monotonic()
+            health = await http.get("/health")
+            health_s = time.monotonic() - start
+            refused = await asyncio.gather(*(http.post("/v1/chat/completions", json=chat) for _ in range(2)))
+            assert not slow.done()
+            return health, health_s, refused, await slow, await http.post("/v1/chat/completions", json=chat)
+
+    health, health_s, refused, slow, later = asyncio.run(ask())
+    assert health.status_code == 200 and health_s < 0.25, health_s
+    for r in refused:
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert r.json()["error"]["message"] == ("the server is busy: the tokenizer's queue is full "
+                                                "(--max-tokenize-queue 1); retry later")
+    assert slow.status_code == later.status_code == 200, (slow.text, later.text)
+
+
+def test_serve_refuses_a_max_tokenize_queue_under_1(capsys):
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, "serve", "no-such-model-dir", "--max-tokenize-queue", "0")
+    assert code == 2 and "--max-tokenize-queue" in err, err

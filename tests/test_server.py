@@ -350,6 +350,31 @@ def test_malformed_bodies_keys_methods_and_a_full_queue(server, client):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
+def test_chat_length_counts_every_string_that_reaches_the_template(server):
+    """Role, name, an extra field's nested keys and values, content parts, chat_template_kwargs:
+    each counted before rendering (tokenizing 30 such messages of 1 MB took 67 s of CPU before)."""
+    url, auth = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    long, fits = "x" * 5000, "x" * 1000  # the context holds 1024 tokens of at most 4 characters: 4096
+    hi = {"role": "user", "content": "hi"}
+    cases = [([{**hi, "role": long}], None), ([{**hi, "name": long}], None),
+             ([{**hi, "tool_calls": [{"function": {"arguments": {long: 1}}}]}], None),
+             ([{**hi, "content": [{"type": "text", "text": fits}] * 5}], None),
+             ([{**hi, "extra": [fits] * 5}], None), ([{**hi, "extra": [0] * 5000}], None),  # a number: 1 at least
+             ([{**hi, "role": fits}] * 5, None), ([hi], {"notes": {"a": [long]}})]
+    for messages, kwargs in cases:
+        r = httpx.post(url, json={"messages": messages, "chat_template_kwargs": kwargs}, headers=auth, timeout=30)
+        param = "messages" if kwargs is None else "chat_template_kwargs"
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == param, error
+        counted = int(re.fullmatch(rf"{param}: at least (\d+) characters in its strings, more than the 4096 that "
+                                   r"this model's maximum context length \(1024 tokens\) can hold",
+                                   error["message"])[1])
+        assert 4096 < counted <= 5100, error["message"]  # counting stops once past the limit
+    fine = {"messages": [{**hi, "role": "user", "name": fits, "extra": {"k": [fits]}}], "max_tokens": 2}
+    assert httpx.post(url, json=fine, headers=auth, timeout=30).status_code == 200
+
+
 def test_stream_options_without_stream_and_union_fields_get_readable_400s(server):
     url, auth = f"{server.url}/v1", {"Authorization": f"Bearer {KEY}"}
     chat = {"messages": [{"role": "user", "content": "hi"}]}

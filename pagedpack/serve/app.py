@@ -9,8 +9,9 @@ JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, 
 takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
 this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
 ``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``; 503 with
-``Retry-After`` when ``--max-queue`` requests already wait; 500 if the engine fails on a request,
-or for a bug: a generic message with an error id, the traceback in the log
+``Retry-After`` when ``--max-queue`` requests already wait for their first step or
+``--max-tokenize-queue`` for the tokenizer; 500 if the engine fails on a request, or for a bug: a
+generic message with an error id, the traceback in the log
 (:meth:`~pagedpack.serve.openai_serving.ServingError.internal`). A client that goes away (a closed
 stream, a timed-out request) aborts its requests: their KV blocks are freed before the next step.
 """
