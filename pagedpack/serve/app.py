@@ -8,8 +8,11 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 40
 JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, says the forms it
 takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
 this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
-``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``; 503 with
-``Retry-After`` when ``--max-queue`` requests already wait for their first step or
+``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``, or a chat body
+over what its fields could use
+(:attr:`~pagedpack.serve.openai_serving.OpenAIServing.max_chat_body_bytes`), declared or
+streamed: refused before it is read and parsed, the connection then closed (not read to its end);
+503 with ``Retry-After`` when ``--max-queue`` requests already wait for their first step or
 ``--max-tokenize-queue`` for the tokenizer; 500 if the engine fails on a request, or for a bug: a
 generic message with an error id, the traceback in the log
 (:meth:`~pagedpack.serve.openai_serving.ServingError.internal`). A client that goes away (a closed
@@ -28,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 import pagedpack
 from pagedpack.serve.openai_serving import OpenAIServing, ServingError
@@ -39,8 +43,8 @@ MAX_BODY_BYTES = 32 * 2**20
 def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The application over ``serving`` (its engine, configuration and metrics)."""
     # max_body_size: Starlette's limit, on declared and streamed (chunked) bodies alike -> 413
-    app = FastAPI(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None,
-                  max_body_size=max_body_bytes)
+    app = _App(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None,
+               max_body_size=max_body_bytes)
     loop, config, created = serving.llm._loop, serving.config, int(time.time())
 
     @app.middleware("http")
@@ -65,14 +69,18 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
         return _error(_validation_error(err))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, err: StarletteHTTPException):  # unknown route, wrong method, a body over the limit
+    async def http_error(request: Request, err: StarletteHTTPException):  # unknown route, wrong method, a body
+        if err.status_code == 413:  # over the limit: the app's, or the chat route's
+            limit = request.scope.get(MAX_BODY_SIZE_SCOPE_KEY, max_body_bytes)
+            return _error(ServingError(413, f"body: more than the {limit} bytes a request to {request.url.path} "
+                                            "may have"))
         return _error(ServingError(err.status_code, str(err.detail)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _answer(request, serving.completions(body))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", max_body_size=min(max_body_bytes, serving.max_chat_body_bytes))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _answer(request, serving.chat(body))
 
@@ -94,6 +102,24 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
         return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _App(FastAPI):
+    """FastAPI whose 413 (a body over the limit) closes the connection: uvicorn would otherwise read
+    the rest of the body to keep the connection, 30 MB costing the event loop ~40 ms."""
+
+    def build_middleware_stack(self):
+        inner = super().build_middleware_stack()
+
+        async def app(scope, receive, send):
+            async def closing(message):
+                if message["type"] == "http.response.start" and message["status"] == 413:
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                await send(message)
+
+            await inner(scope, receive, closing if scope["type"] == "http" else send)
+
+        return app
 
 
 async def _answer(request: Request, work):

@@ -104,8 +104,13 @@ class OpenAIServing:
         tokenizer = self.llm.tokenizer
         # text longer than this can never fit the context (a token is at most the longest vocabulary
         # entry long): refused before it is tokenized, which could take the CPU for seconds
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
-        self.max_text_chars = self.max_model_len * max(1, longest)
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_text_chars = self.max_model_len * max(1, max(map(len, vocab), default=1))
+        # a chat body larger than this holds more than a request could use: what the template reads
+        # (messages, chat_template_kwargs, chat_template) at 12 bytes of JSON a character (an escaped
+        # surrogate pair), 32 bytes per vocabulary token (logit_bias and stop_token_ids may name each)
+        # and 1 MiB for the rest; refused before it is read (parsing 30 MB holds the event loop ~0.1 s)
+        self.max_chat_body_bytes = 12 * 3 * self.max_text_chars + 32 * len(vocab) + 2**20
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedpack-tokenize")
         self._tokenize_slots = threading.BoundedSemaphore(config.max_tokenize_queue)
 
