@@ -5,6 +5,7 @@ decoded by the tokenizer; for seeded sampling, the same request served alone."""
 import asyncio
 import json
 import re
+import socket
 import statistics
 import threading
 import time
@@ -56,7 +57,16 @@ def server(tmp_path_factory):
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
                       log_path=folder / "server.log") as remote:
         yield remote
-        # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0
+        # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0;
+        # streams whose clients never read (their sends wait) are cancelled by uvicorn, without a traceback
+        generated = "pagedpack:generation_tokens_total{}"
+        counted = [_metrics(remote)[generated]]
+        unread = [_unread_stream(remote.port, {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True,
+                                               "ignore_eos": True, "logprobs": 20}) for _ in range(2)]
+        deadline = time.monotonic() + 30  # until their tokens are no longer taken: their streams wait to send
+        while time.monotonic() < deadline and (counted[-1] < counted[0] + 1280 or counted[-1] != counted[-2]):
+            time.sleep(0.5)
+            counted.append(_metrics(remote)[generated])
         body = {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{remote.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -65,7 +75,24 @@ def server(tmp_path_factory):
             remote.process.terminate()
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2], rest[-3:]
-    assert remote.process.returncode == 0 and "Traceback" not in remote.log, remote.log[-3000:]
+    for sock in unread:
+        sock.close()
+    log = remote.log
+    assert remote.process.returncode == 0 and "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "timeout graceful shutdown exceeded" in log  # a never-read stream was still there to cancel
+
+
+def _unread_stream(port: int, body: dict) -> socket.socket:
+    """A streamed request sent over a socket that is never read (a small receive buffer: the
+    server's sends soon wait); returns once the response has started."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    assert sock.recv(12) == b"HTTP/1.1 200"
+    return sock
 
 
 @pytest.fixture(scope="module")
