@@ -485,6 +485,25 @@ def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server)
     assert statistics.median(during) <= 2 * statistics.median(alone) + 0.010, (sorted(alone), sorted(during))
 
 
+def test_metrics_count_each_of_n_completions_as_vllm_does(server, client):
+    """n = 3: every per-request series counts 3 (vLLM v1's 3 child requests), in agreement."""
+    before = _idle(server)
+    prompt = PROMPTS[1]
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=0,
+                              extra_body={"ignore_eos": True})
+    list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=1,
+                                   stream=True, extra_body={"ignore_eos": True}))
+    after = _idle(server)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["pagedpack:request_success_total{finished_reason=length}"] == 6
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert delta[f"pagedpack:{name}_count{{}}"] == 6, name
+    assert delta["pagedpack:inter_token_latency_seconds_count{}"] == 6 * 4
+    assert delta["pagedpack:request_prompt_tokens_sum{}"] == delta["pagedpack:prompt_tokens_total{}"] == 6 * len(prompt)
+    assert delta["pagedpack:request_generation_tokens_sum{}"] == delta["pagedpack:generation_tokens_total{}"] == 6 * 5
+
+
 def test_stream_options_without_stream_and_union_fields_get_readable_400s(server):
     url, auth = f"{server.url}/v1", {"Authorization": f"Bearer {KEY}"}
     chat = {"messages": [{"role": "user", "content": "hi"}]}
