@@ -504,6 +504,15 @@ def test_metrics_count_each_of_n_completions_as_vllm_does(server, client):
     assert delta["pagedpack:request_generation_tokens_sum{}"] == delta["pagedpack:generation_tokens_total{}"] == 6 * 5
 
 
+def test_openapi_health_metrics_and_version_need_no_key_as_vllm_s(server):
+    """vLLM's key guards ``/v1`` only; the schema holds no key."""
+    for path in ("/openapi.json", "/health", "/metrics", "/version"):
+        r = httpx.get(f"{server.url}{path}", timeout=10)
+        assert r.status_code == 200 and KEY not in r.text, path
+    assert "/v1/chat/completions" in httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
 def test_stream_options_without_stream_and_union_fields_get_readable_400s(server):
     url, auth = f"{server.url}/v1", {"Authorization": f"Bearer {KEY}"}
     chat = {"messages": [{"role": "user", "content": "hi"}]}

@@ -8,8 +8,9 @@ Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 40
 JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, says the forms it
 takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
 this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
-``Authorization: Bearer KEY`` on ``/v1/*``); 413 for a body over ``max_body_bytes``, or a chat body
-over what its fields could use
+``Authorization: Bearer KEY`` on ``/v1/*`` only, as vLLM: ``/openapi.json``, ``/health``,
+``/metrics`` and ``/version`` answer anyone, and the schema holds no key); 413 for a body over
+``max_body_bytes``, or a chat body over what its fields could use
 (:attr:`~pagedpack.serve.openai_serving.OpenAIServing.max_chat_body_bytes`), declared or
 streamed: refused before it is read and parsed, the connection then closed (not read to its end);
 503 with ``Retry-After`` when ``--max-queue`` requests already wait for their first step or
