@@ -58,12 +58,13 @@ def server(tmp_path_factory):
                       log_path=folder / "server.log") as remote:
         yield remote
         # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0;
-        # streams whose clients never read (their sends wait) are cancelled by uvicorn, without a traceback
+        # a stream whose client never reads (~5 MB of logprobs, more than the sockets hold: its sends wait) is
+        # cancelled by uvicorn, without a traceback. It fits the KV pool: the engine finishes it meanwhile.
         generated = "pagedpack:generation_tokens_total{}"
         counted = [_metrics(remote)[generated]]
-        unread = [_unread_stream(remote.port, {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True,
-                                               "ignore_eos": True, "logprobs": 20}) for _ in range(2)]
-        deadline = time.monotonic() + 30  # until their tokens are no longer taken: their streams wait to send
+        unread = _unread_stream(remote.port, {"prompt": "Hello", "max_tokens": 220, "n": 36, "stream": True,
+                                              "ignore_eos": True, "logprobs": 20})
+        deadline = time.monotonic() + 30  # until its tokens are no longer taken: it waits to send
         while time.monotonic() < deadline and (counted[-1] < counted[0] + 1280 or counted[-1] != counted[-2]):
             time.sleep(0.5)
             counted.append(_metrics(remote)[generated])
@@ -75,11 +76,10 @@ def server(tmp_path_factory):
             remote.process.terminate()
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2], rest[-3:]
-    for sock in unread:
-        sock.close()
+    unread.close()
     log = remote.log
     assert remote.process.returncode == 0 and "Traceback" not in log and "CancelledError" not in log, log[-3000:]
-    assert "timeout graceful shutdown exceeded" in log  # a never-read stream was still there to cancel
+    assert "timeout graceful shutdown exceeded" in log  # the never-read stream was still there to cancel
 
 
 def _unread_stream(port: int, body: dict) -> socket.socket:
@@ -413,9 +413,24 @@ bodies = [json.dumps({"messages": [{"role": "user", "content": "hi", **extra}], 
 head = (b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nAuthorization: Bearer " + key
         + b"\\r\\nContent-Type: application/json\\r\\nContent-Length: %d\\r\\n\\r\\n")
 
-def send(body, out):
+def stand_in(conn):  # the least a server can do: read the headers, refuse, close
+    with conn:
+        got, data = b"", b"-"
+        while data and b"\\r\\n\\r\\n" not in got:
+            data = conn.recv(65536)
+            got += data
+        conn.sendall(b"HTTP/1.1 413 Content Too Large\\r\\nContent-Length: 0\\r\\nConnection: close\\r\\n\\r\\n")
+
+def accept(listener):
+    while True:
+        threading.Thread(target=stand_in, args=(listener.accept()[0],), daemon=True).start()
+
+listener = socket.create_server(("127.0.0.1", 0))
+threading.Thread(target=accept, args=(listener,), daemon=True).start()
+
+def send(to, body, out):
     start = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+    with socket.create_connection(("127.0.0.1", to), timeout=60) as sock:
         try:
             sock.sendall(head % len(body) + body)
         except OSError:  # the server answered and closed before the whole body was in
@@ -426,13 +441,14 @@ def send(body, out):
             status = 0
     out.append((status, time.monotonic() - start))
 
-for line in sys.stdin:  # "one": each body alone; "six": six at once
-    out = []
-    if line.strip() == "one":
+for line in sys.stdin:  # "one": each body alone; "six PORT": six at once to the server, or to the stand-in
+    out, (what, *to) = [], line.split()
+    if what == "one":
         for body in bodies:
-            send(body, out)
+            send(port, body, out)
     else:
-        threads = [threading.Thread(target=send, args=(bodies[i % 3], out)) for i in range(6)]
+        to = port if to == ["server"] else listener.getsockname()[1]
+        threads = [threading.Thread(target=send, args=(to, bodies[i % 3], out)) for i in range(6)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -443,11 +459,14 @@ for line in sys.stdin:  # "one": each body alone; "six": six at once
 
 def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server):
     """A chat body of 30 MB in ``role``, ``name`` or an extra field is refused (413 before it is
-    read: the chat route takes no more than its fields could use) in under a second; six at once
-    leave a short completion's median latency within 2x of its median alone, plus 10 ms of a busy
-    2-core machine's noise (parsing them in the event loop, as before, added ~0.1 s each). Rounds
-    alternate, so the machine's other load weighs on both alike; the bodies come from another
-    process, whose sending would otherwise hold this one's GIL."""
+    read: the chat route takes no more than its fields could use) in under a second. Six at once
+    leave a short completion's median latency within 2x of its median while the same six go to a
+    stand-in that only reads their headers and refuses them: on 2 cores, pushing 6 x 30 MB into
+    sockets slows the machine by itself (1.5-2.8x in trials), whatever the server does; where that
+    costs nothing, the bound is 2x of the latency alone. (Parsing them in the event loop, as before
+    the route's limit, added ~0.1 s each; tokenizing one took 52 s.) Rounds alternate, so the
+    machine's other load weighs on all alike; the bodies come from another process, whose sending
+    would otherwise hold this one's GIL."""
     import queue
     import subprocess
     import sys
@@ -457,7 +476,7 @@ def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server)
     answers = queue.Queue()
     threading.Thread(target=lambda: [answers.put(json.loads(line)) for line in sender.stdout], daemon=True).start()
     normal = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    alone, during, refusals = [], [], []
+    alone, stand_in, served, refusals = [], [], [], []
     try:
         def ask(what: str) -> None:
             sender.stdin.write(what + "\n")
@@ -472,17 +491,22 @@ def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server)
                 return time.perf_counter() - start
 
             latency()
-            for _ in range(8):
-                alone += [latency() for _ in range(8)]
-                ask("six")
-                while answers.empty() and len(during) < 1000:
-                    during.append(latency())
-                refusals += answers.get(timeout=120)
+            for _ in range(12):
+                alone += [latency() for _ in range(4)]
+                for to, during in (("stand-in", stand_in), ("server", served)):
+                    ask(f"six {to}")
+                    while answers.empty() and len(during) < 1000:
+                        during.append(latency())
+                    statuses = answers.get(timeout=120)
+                    refusals += statuses if to == "server" else []
+                    assert [status for status, _ in statuses] == [413] * 6, (to, statuses)
     finally:
         sender.stdin.close()
         sender.wait(30)
-    assert [status for status, _ in refusals] == [413] * 51 and max(took for _, took in refusals) < 1.0, refusals
-    assert statistics.median(during) <= 2 * statistics.median(alone) + 0.010, (sorted(alone), sorted(during))
+    assert [status for status, _ in refusals] == [413] * 75 and max(took for _, took in refusals) < 1.0, refusals
+    median = statistics.median
+    assert median(served) <= 2 * max(median(alone), median(stand_in)), (sorted(alone), sorted(stand_in),
+                                                                         sorted(served))
 
 
 def test_metrics_count_each_of_n_completions_as_vllm_does(server, client):
