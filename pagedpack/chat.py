@@ -28,24 +28,30 @@ def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer, conversation: list[dict], *, chat_template: str | None = None,
-           add_generation_prompt: bool = True, continue_final_message: bool = False,
-           chat_template_kwargs: dict | None = None) -> tuple[str, Prompt]:
-    """``(text, prompt)``: the conversation rendered by the chat template (``chat_template`` or the
-    tokenizer's) and its token ids as a :class:`~pagedpack.inputs.Prompt` (the text tokenized
-    without adding special tokens: the template writes them, as ``apply_chat_template`` does).
-    ``ValueError`` for a tokenizer with no template, or a template that fails on the conversation."""
+def render_text(tokenizer, conversation: list[dict], *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: dict | None = None) -> str:
+    """The conversation rendered by the chat template (``chat_template`` or the tokenizer's), as
+    text. ``ValueError`` for a tokenizer with no template, or a template that fails on the
+    conversation."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer and the model has none")
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template= "
                          "(--chat-template) or give raw prompts")
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+        return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,
                                              continue_final_message=continue_final_message,
                                              **(chat_template_kwargs or {}))
     except Exception as err:  # a Jinja error, a template that raises on this conversation
         raise ValueError(f"messages: the chat template does not render this conversation "
                          f"({type(err).__name__}: {err})") from err
+
+
+def render(tokenizer, conversation: list[dict], **options) -> tuple[str, Prompt]:
+    """``(text, prompt)``: :func:`render_text` (``options`` as it takes them) and the text's token
+    ids as a :class:`~pagedpack.inputs.Prompt`, tokenized without adding special tokens (the
+    template writes them, as ``apply_chat_template`` does)."""
+    text = render_text(tokenizer, conversation, **options)
     return text, Prompt(tokenizer(text, add_special_tokens=False).input_ids)

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "until the client reads again")
     srv.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="SECONDS",
                      help="a request paused this long for an unread stream is aborted")
+    srv.add_argument("--max-tokenize-queue", type=int, default=256,
+                     help="most requests being rendered and tokenized or waiting for it; more get HTTP 503 with "
+                          "Retry-After")
     srv.add_argument("--metrics-namespace", default="pagedpack", choices=["pagedpack", "vllm"],
                      help="prefix of the /metrics names (vllm: vLLM's names exactly, for its dashboards)")
     srv.add_argument("--timeout-graceful-shutdown", type=float, default=5.0, metavar="SECONDS",
@@ -224,7 +227,8 @@ def _serve(args) -> int:
     if args.model_tag is not None:
         args.model = args.model_tag
     bounds = [("--port", args.port, 0, 65535), ("--max-queue", args.max_queue, 1, None),
-              ("--max-unsent-tokens", args.max_unsent_tokens, 1, None)]
+              ("--max-unsent-tokens", args.max_unsent_tokens, 1, None),
+              ("--max-tokenize-queue", args.max_tokenize_queue, 1, None)]
     for name, value, low, high in bounds:  # before the model is loaded
         if value < low or (high is not None and value > high):
             raise ValueError(f"{name}: expected an int in [{low}, {high if high is not None else 'inf'}], got {value}")
@@ -240,7 +244,8 @@ def _serve(args) -> int:
     llm = LLM.from_engine_args(engine_args)
     name = args.served_model_name or str(args.model)
     config = ServingConfig(model_name=name, chat_template=template,
-                           trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue)
+                           trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue,
+                           max_tokenize_queue=args.max_tokenize_queue)
     print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)

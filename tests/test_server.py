@@ -4,6 +4,10 @@ client and raw HTTP. References: the unmodified model's greedy ``generate`` on e
 decoded by the tokenizer; for seeded sampling, the same request served alone."""
 import asyncio
 import json
+import re
+import socket
+import statistics
+import threading
 import time
 
 import httpx
@@ -53,7 +57,17 @@ def server(tmp_path_factory):
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
                       log_path=folder / "server.log") as remote:
         yield remote
-        # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0
+        # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0;
+        # a stream whose client never reads (~5 MB of logprobs, more than the sockets hold: its sends wait) is
+        # cancelled by uvicorn, without a traceback. It fits the KV pool: the engine finishes it meanwhile.
+        generated = "pagedpack:generation_tokens_total{}"
+        counted = [_metrics(remote)[generated]]
+        unread = _unread_stream(remote.port, {"prompt": "Hello", "max_tokens": 220, "n": 36, "stream": True,
+                                              "ignore_eos": True, "logprobs": 20})
+        deadline = time.monotonic() + 30  # until its tokens are no longer taken: it waits to send
+        while time.monotonic() < deadline and (counted[-1] < counted[0] + 1280 or counted[-1] != counted[-2]):
+            time.sleep(0.5)
+            counted.append(_metrics(remote)[generated])
         body = {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{remote.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -62,7 +76,23 @@ def server(tmp_path_factory):
             remote.process.terminate()
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2], rest[-3:]
-    assert remote.process.returncode == 0 and "Traceback" not in remote.log, remote.log[-3000:]
+    unread.close()
+    log = remote.log
+    assert remote.process.returncode == 0 and "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "timeout graceful shutdown exceeded" in log  # the never-read stream was still there to cancel
+
+
+def _unread_stream(port: int, body: dict) -> socket.socket:
+    """A streamed request sent over a socket that is never read (a small receive buffer: the
+    server's sends soon wait); returns once the response has started."""
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    assert sock.recv(12) == b"HTTP/1.1 200"
+    return sock
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +379,214 @@ def test_malformed_bodies_keys_methods_and_a_full_queue(server, client):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
+def test_chat_length_counts_every_string_that_reaches_the_template(server):
+    """Role, name, an extra field's nested keys and values, content parts, chat_template_kwargs:
+    each counted before rendering (tokenizing 30 such messages of 1 MB took 67 s of CPU before)."""
+    url, auth = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    long, fits = "x" * 5000, "x" * 1000  # the context holds 1024 tokens of at most 4 characters: 4096
+    hi = {"role": "user", "content": "hi"}
+    cases = [([{**hi, "role": long}], None), ([{**hi, "name": long}], None),
+             ([{**hi, "tool_calls": [{"function": {"arguments": {long: 1}}}]}], None),
+             ([{**hi, "content": [{"type": "text", "text": fits}] * 5}], None),
+             ([{**hi, "extra": [fits] * 5}], None), ([{**hi, "extra": [0] * 5000}], None),  # a number: 1 at least
+             ([{**hi, "role": fits}] * 5, None), ([hi], {"notes": {"a": [long]}})]
+    for messages, kwargs in cases:
+        r = httpx.post(url, json={"messages": messages, "chat_template_kwargs": kwargs}, headers=auth, timeout=30)
+        param = "messages" if kwargs is None else "chat_template_kwargs"
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == param, error
+        counted = int(re.fullmatch(rf"{param}: at least (\d+) characters in its strings, more than the 4096 that "
+                                   r"this model's maximum context length \(1024 tokens\) can hold",
+                                   error["message"])[1])
+        assert 4096 < counted <= 5100, error["message"]  # counting stops once past the limit
+    fine = {"messages": [{**hi, "role": "user", "name": fits, "extra": {"k": [fits]}}], "max_tokens": 2}
+    assert httpx.post(url, json=fine, headers=auth, timeout=30).status_code == 200
+
+
+_SENDER = """
+import json, socket, sys, threading, time
+port, key = int(sys.argv[1]), sys.argv[2].encode()
+filler = "x" * (30 * 2**20)
+bodies = [json.dumps({"messages": [{"role": "user", "content": "hi", **extra}], "max_tokens": 4}).encode()
+          for extra in ({"role": filler}, {"name": filler}, {"tool_calls": [{"function": {"arguments": filler}}]})]
+head = (b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nAuthorization: Bearer " + key
+        + b"\\r\\nContent-Type: application/json\\r\\nContent-Length: %d\\r\\n\\r\\n")
+
+def stand_in(conn):  # the least a server can do: read the headers, refuse, close
+    with conn:
+        got, data = b"", b"-"
+        while data and b"\\r\\n\\r\\n" not in got:
+            data = conn.recv(65536)
+            got += data
+        conn.sendall(b"HTTP/1.1 413 Content Too Large\\r\\nContent-Length: 0\\r\\nConnection: close\\r\\n\\r\\n")
+
+def accept(listener):
+    while True:
+        threading.Thread(target=stand_in, args=(listener.accept()[0],), daemon=True).start()
+
+listener = socket.create_server(("127.0.0.1", 0))
+threading.Thread(target=accept, args=(listener,), daemon=True).start()
+
+def send(to, body, out):
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", to), timeout=60) as sock:
+        try:
+            sock.sendall(head % len(body) + body)
+        except OSError:  # the server answered and closed before the whole body was in
+            pass
+        try:
+            status = int(sock.recv(12)[9:] or 0)
+        except OSError:
+            status = 0
+    out.append((status, time.monotonic() - start))
+
+for line in sys.stdin:  # "one": each body alone; "six PORT": six at once to the server, or to the stand-in
+    out, (what, *to) = [], line.split()
+    if what == "one":
+        for body in bodies:
+            send(port, body, out)
+    else:
+        to = port if to == ["server"] else listener.getsockname()[1]
+        threads = [threading.Thread(target=send, args=(to, bodies[i % 3], out)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    print(json.dumps(out), flush=True)
+"""
+
+
+def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server):
+    """A chat body of 30 MB in ``role``, ``name`` or an extra field is refused (413 before it is
+    read: the chat route takes no more than its fields could use) in under a second. Six at once
+    leave a short completion's median latency within 2x of its median while the same six go to a
+    stand-in that only reads their headers and refuses them: on 2 cores, pushing 6 x 30 MB into
+    sockets slows the machine by itself (1.5-2.8x in trials), whatever the server does; where that
+    costs nothing, the bound is 2x of the latency alone. (Parsing them in the event loop, as before
+    the route's limit, added ~0.1 s each; tokenizing one took 52 s.) Rounds alternate, so the
+    machine's other load weighs on all alike; the bodies come from another process, whose sending
+    would otherwise hold this one's GIL."""
+    import queue
+    import subprocess
+    import sys
+
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(server.port), KEY], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    answers = queue.Queue()
+    threading.Thread(target=lambda: [answers.put(json.loads(line)) for line in sender.stdout], daemon=True).start()
+    normal = {"model": "tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone, stand_in, served, refusals = [], [], [], []
+    try:
+        def ask(what: str) -> None:
+            sender.stdin.write(what + "\n")
+            sender.stdin.flush()
+
+        ask("one")
+        refusals += answers.get(timeout=120)
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            def latency() -> float:
+                start = time.perf_counter()
+                assert http.post("/v1/completions", json=normal).status_code == 200
+                return time.perf_counter() - start
+
+            latency()
+            for _ in range(12):
+                alone += [latency() for _ in range(4)]
+                for to, during in (("stand-in", stand_in), ("server", served)):
+                    ask(f"six {to}")
+                    while answers.empty() and len(during) < 1000:
+                        during.append(latency())
+                    statuses = answers.get(timeout=120)
+                    refusals += statuses if to == "server" else []
+                    assert [status for status, _ in statuses] == [413] * 6, (to, statuses)
+    finally:
+        sender.stdin.close()
+        sender.wait(30)
+    assert [status for status, _ in refusals] == [413] * 75 and max(took for _, took in refusals) < 1.0, refusals
+    median = statistics.median
+    assert median(served) <= 2 * max(median(alone), median(stand_in)), (sorted(alone), sorted(stand_in),
+                                                                         sorted(served))
+
+
+def test_metrics_count_each_of_n_completions_as_vllm_does(server, client):
+    """n = 3: every per-request series counts 3 (vLLM v1's 3 child requests), in agreement."""
+    before = _idle(server)
+    prompt = PROMPTS[1]
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=0,
+                              extra_body={"ignore_eos": True})
+    list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=1,
+                                   stream=True, extra_body={"ignore_eos": True}))
+    after = _idle(server)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta["pagedpack:request_success_total{finished_reason=length}"] == 6
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert delta[f"pagedpack:{name}_count{{}}"] == 6, name
+    assert delta["pagedpack:inter_token_latency_seconds_count{}"] == 6 * 4
+    assert delta["pagedpack:request_prompt_tokens_sum{}"] == delta["pagedpack:prompt_tokens_total{}"] == 6 * len(prompt)
+    assert delta["pagedpack:request_generation_tokens_sum{}"] == delta["pagedpack:generation_tokens_total{}"] == 6 * 5
+
+
+def test_openapi_health_metrics_and_version_need_no_key_as_vllm_s(server):
+    """vLLM's key guards ``/v1`` only; the schema holds no key."""
+    for path in ("/openapi.json", "/health", "/metrics", "/version"):
+        r = httpx.get(f"{server.url}{path}", timeout=10)
+        assert r.status_code == 200 and KEY not in r.text, path
+    assert "/v1/chat/completions" in httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+def test_stream_options_without_stream_and_union_fields_get_readable_400s(server):
+    url, auth = f"{server.url}/v1", {"Authorization": f"Bearer {KEY}"}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    expected = {  # (route, body) -> message
+        ("completions", json.dumps({"prompt": "x", "stream_options": {"include_usage": True}})):
+            "stream_options: can only be given with stream=true",
+        ("chat/completions", json.dumps({**chat, "stream": False, "stream_options": {}})):
+            "stream_options: can only be given with stream=true",
+        ("completions", json.dumps({"prompt": ["a", [1, 2]]})):
+            "prompt: expected a string, a list of token ids, or a non-empty list of all strings or all token-id "
+            "lists, got ['a', [1, 2]]",
+        ("completions", json.dumps({"prompt": [[1, -2]]})):
+            "prompt.0.1: Input should be greater than or equal to 0, got -2",
+        ("completions", json.dumps({"prompt": ["ok", "\ud800"]})):
+            "prompt.1: expected text encodable as UTF-8 (it holds a lone surrogate), got '\\ud800'",
+        ("completions", json.dumps({"prompt": "x", "stop": ["a", 5]})):
+            "stop: expected a string or a list of strings, got ['a', 5]",
+        ("chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]})):
+            'messages.0.content: expected a string or a list of text parts ({"type": "text", "text": ...}), got 5',
+        ("chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}]}]})):
+            "messages.0.content.0.type: Input should be 'text', got 'image'",
+    }
+    for (route, body), message in expected.items():
+        r = httpx.post(f"{url}/{route}", content=body, headers={**auth, "Content-Type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["message"] == message, (body, error)
+        assert error["param"] == message.split(":")[0].split(".")[0]
+
+
+def test_no_field_s_error_shows_pydantic_s_internal_names(server):
+    """Every field of both bodies (and of a message) given a value of the wrong type: the message
+    names the field in the API's terms, never a union's internal tag (``function-after[...]``)."""
+    from pagedpack.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    wrong = [{"__": 1}]
+    cases = [("completions", {"prompt": "x", name: wrong}) for name in CompletionRequest.model_fields]
+    cases += [("chat/completions", {"messages": [{"role": "user", "content": "hi"}], name: wrong})
+              for name in ChatCompletionRequest.model_fields]
+    cases += [("chat/completions", {"messages": [{"role": "user", "content": "hi", name: wrong}]})
+              for name in ("role", "content", "name")]
+    assert {"prompt", "stop", "messages"} <= {name for _, body in cases for name in body}
+    for route, body in cases:
+        r = httpx.post(f"{server.url}/v1/{route}", json=body, headers=auth, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        said = r.json()["error"]["message"].split(", got ")[0]
+        assert not re.search(r"[\w-]\[|function-|constrained", said), (body, said)
+    assert set(ChatMessage.model_fields) == {"role", "content", "name"}
+
+
 def test_models_version_and_metrics_names(server, client):
     (model,) = client.models.list().data
     assert model.id == "tiny" and model.owned_by == "pagedpack"
@@ -368,8 +606,6 @@ def tiny_llm():
 
 
 def test_an_engine_loop_that_dies_fails_its_requests_and_refuses_new_ones(tiny_llm):
-    import threading
-
     from pagedpack.runtime.engine_loop import EngineDeadError, EngineLoop
 
     loop = EngineLoop(tiny_llm.llm_engine)

@@ -10,12 +10,18 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
   ``cache_config_info`` (1, the KV cache's ``block_size``, ``cache_dtype``, ``num_gpu_blocks`` and
   ``enable_prefix_caching`` as labels, vLLM's label names);
 - counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
-  as their outputs arrive), ``request_success_total{finished_reason}`` (per completion), and read from the
+  as their outputs arrive), ``request_success_total{finished_reason}``, and read from the
   engine's own counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
   looked up / found at admission), ``num_preemptions_total``;
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
-  ``inter_token_latency_seconds`` (between two outputs of a request: one per step),
+  ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
   ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
+
+The unit of every per-request series is a completion, as vLLM v1 counts the ``n`` completions of
+a request (each a child request with its own stats): a request with ``n = 3`` adds 3 to
+``request_success_total``, to each histogram's count, and its prompt's tokens 3 times to
+``prompt_tokens_total``. A completion aborted because its client left counts only in
+``request_success_total{finished_reason="abort"}``.
 """
 from __future__ import annotations
 
@@ -87,13 +93,13 @@ class ServerMetrics:
                                 [*label, "finished_reason"], registry=registry)
         self.ttft = Histogram(ns + "time_to_first_token_seconds", "Time to first token.", label, buckets=_TTFT_S,
                               registry=registry).labels(model_name)
-        self.itl = Histogram(ns + "inter_token_latency_seconds", "Time between two outputs of a request.", label,
+        self.itl = Histogram(ns + "inter_token_latency_seconds", "Time between two outputs of a completion.", label,
                              buckets=_ITL_S, registry=registry).labels(model_name)
         self.e2e = Histogram(ns + "e2e_request_latency_seconds", "Arrival to last token.", label, buckets=_E2E_S,
                              registry=registry).labels(model_name)
-        self.request_prompt_tokens = Histogram(ns + "request_prompt_tokens", "Prompt tokens per request.", label,
+        self.request_prompt_tokens = Histogram(ns + "request_prompt_tokens", "Prompt tokens per completion.", label,
                                                buckets=_TOKENS, registry=registry).labels(model_name)
-        self.request_generation_tokens = Histogram(ns + "request_generation_tokens", "Tokens generated per request.",
+        self.request_generation_tokens = Histogram(ns + "request_generation_tokens", "Tokens generated per completion.",
                                                    label, buckets=_TOKENS, registry=registry).labels(model_name)
         self.model_name = model_name
 
@@ -108,33 +114,37 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes one engine request's outputs as the server receives them (arrival: when made)."""
+    """Observes one engine request's outputs as the server receives them (arrival: when made), each
+    of its completions apart: its first tokens (TTFT, the prompt's tokens counted), the time
+    between its own outputs (ITL), its end (success by finish reason, E2E latency, prompt and
+    generated tokens)."""
 
     def __init__(self, metrics: ServerMetrics, num_completions: int):
-        self.metrics, self.arrival, self.last = metrics, time.perf_counter(), None
-        self.num_generated, self.num_unfinished = 0, num_completions
+        self.metrics, self.arrival = metrics, time.perf_counter()
+        self.last: dict[int, float] = {}  # completion index -> when its last tokens came
+        self.generated: dict[int, int] = {}  # completion index -> tokens so far
+        self.num_unfinished = num_completions
 
     def observe(self, delta) -> None:
         """Take one :class:`~pagedpack.runtime.outputs.RequestOutput` delta."""
-        m, now = self.metrics, time.perf_counter()
-        new = sum(len(c.token_ids) for c in delta.outputs)
-        if new:
-            if self.last is None:
-                m.ttft.observe(now - self.arrival)
-                m.prompt_tokens.inc(len(delta.prompt_token_ids))
-                m.request_prompt_tokens.observe(len(delta.prompt_token_ids))
-            else:
-                m.itl.observe(now - self.last)
-            self.last = now
-            self.num_generated += new
-            m.generation_tokens.inc(new)
+        m, now, num_prompt = self.metrics, time.perf_counter(), len(delta.prompt_token_ids)
         for completion in delta.outputs:  # each completion finishes in exactly one delta
+            i, new = completion.index, len(completion.token_ids)
+            if new:
+                if i in self.last:
+                    m.itl.observe(now - self.last[i])
+                else:
+                    m.ttft.observe(now - self.arrival)
+                    m.prompt_tokens.inc(num_prompt)
+                self.last[i] = now
+                self.generated[i] = self.generated.get(i, 0) + new
+                m.generation_tokens.inc(new)
             if completion.finish_reason is not None:
                 m.success(completion.finish_reason)
+                m.e2e.observe(now - self.arrival)
+                m.request_prompt_tokens.observe(num_prompt)
+                m.request_generation_tokens.observe(self.generated.get(i, 0))
                 self.num_unfinished -= 1
-        if delta.finished:
-            m.e2e.observe(now - self.arrival)
-            m.request_generation_tokens.observe(self.num_generated)
 
     def close(self) -> None:
         """The server stopped reading (the client left): what did not finish was aborted."""

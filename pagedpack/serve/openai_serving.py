@@ -5,25 +5,45 @@ Every prompt is tokenized and checked (and every request added to the engine) be
 byte goes out, so a bad request gets its 400 and never a half-sent stream. Each engine request's
 id is ``<response id>-<prompt index>``; whatever ends a response (finished, client gone, error)
 aborts the engine requests still live, freeing their KV blocks before the next step.
+
+What reaches the tokenizer is counted first: a completion's text prompts; a chat's every string of
+every message (role, name, content, any extra field, nested keys too; any other value counts as at
+least one character), its ``chat_template_kwargs`` and its own ``chat_template``, each refused (400
+naming the field) past the characters the context can hold (``max_text_chars``), and then the
+rendered text again, before it is tokenized. Rendering and tokenizing run in
+``TOKENIZER_THREADS`` threads of their own, never the event loop's; when ``max_tokenize_queue``
+requests are in or waiting for them, a new one gets 503 with ``Retry-After``.
+
+A failure that is no request's fault (a bug, the engine's step failing) answers 500 with a generic
+message and a short error id, its traceback logged (``pagedpack.serve``) with that id; an error the
+engine gives one request (``RequestOutput.error``, written for users) is passed on, as 500 (the
+request had been checked and taken: the server failed to serve it).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pagedpack.async_llm import AsyncLLM
-from pagedpack.chat import render
+from pagedpack.chat import render_text
 from pagedpack.inputs import Prompt
 from pagedpack.runtime.engine import RequestRejected
 from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput, merge
 from pagedpack.serve.metrics import ServerMetrics
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("pagedpack.serve")
+TOKENIZER_THREADS = 2  # rendering and tokenizing (encoding holds the engine's tokenizer lock)
 
 
 class ServingError(Exception):
@@ -48,17 +68,27 @@ class ServingError(Exception):
         field = message.split(":", 1)[0] if ":" in message else None
         return cls(400, message, param=field if field and field.isidentifier() else None)
 
+    @classmethod
+    def internal(cls, err: BaseException) -> "ServingError":
+        """A 500 for a failure that is no request's fault: the client gets an error id, the log
+        (``pagedpack.serve``) the traceback with that id."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("internal error %s", error_id, exc_info=err)
+        return cls(500, f"internal server error (error id {error_id}; the server's log has its details)")
+
 
 @dataclass(frozen=True)
 class ServingConfig:
     """What the endpoints need besides the engine: the name clients use, the chat template
-    (None: the tokenizer's), whether a request may bring its own template, and how many requests
-    may wait for their first step before new ones are refused (503)."""
+    (None: the tokenizer's), whether a request may bring its own template, how many requests
+    may wait for their first step, and how many may be in or wait for the tokenizer's threads,
+    before new ones are refused (503)."""
 
     model_name: str
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     max_queue: int = 1024
+    max_tokenize_queue: int = 256
 
 
 class OpenAIServing:
@@ -74,8 +104,15 @@ class OpenAIServing:
         tokenizer = self.llm.tokenizer
         # text longer than this can never fit the context (a token is at most the longest vocabulary
         # entry long): refused before it is tokenized, which could take the CPU for seconds
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
-        self.max_text_chars = self.max_model_len * max(1, longest)
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_text_chars = self.max_model_len * max(1, max(map(len, vocab), default=1))
+        # a chat body larger than this holds more than a request could use: what the template reads
+        # (messages, chat_template_kwargs, chat_template) at 12 bytes of JSON a character (an escaped
+        # surrogate pair), 32 bytes per vocabulary token (logit_bias and stop_token_ids may name each)
+        # and 1 MiB for the rest; refused before it is read (parsing 30 MB holds the event loop ~0.1 s)
+        self.max_chat_body_bytes = 12 * 3 * self.max_text_chars + 32 * len(vocab) + 2**20
+        self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedpack-tokenize")
+        self._tokenize_slots = threading.BoundedSemaphore(config.max_tokenize_queue)
 
     # -- the two endpoints ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest):
@@ -83,8 +120,10 @@ class OpenAIServing:
         _checked(body.check_unsupported)
         texts = _checked(body.prompts)
         self._check_length("prompt", sum(len(p) for p in texts if isinstance(p, str)))
-        # tokenizing runs in a worker thread: the event loop keeps answering everyone else
-        prompts = await asyncio.to_thread(lambda: [self._prompt(p, body.cache_salt) for p in texts])
+        if any(isinstance(p, str) for p in texts):
+            prompts = await self._tokenizing(lambda: [self._prompt(p, body.cache_salt) for p in texts])
+        else:  # token ids: nothing to tokenize
+            prompts = [Prompt(p, body.cache_salt) for p in texts]
         return self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
 
     async def chat(self, body: ChatCompletionRequest):
@@ -98,13 +137,22 @@ class OpenAIServing:
         if taken:
             raise ServingError(400, f"chat_template_kwargs: {sorted(taken)} are arguments of apply_chat_template, "
                                     "not template variables", param="chat_template_kwargs")
+        in_strings = "at least {} characters in its strings"  # what _num_chars counted
+        self._check_length("messages", _num_chars([m.model_dump(exclude_none=True) for m in body.messages],
+                                                  self.max_text_chars), in_strings)
+        self._check_length("chat_template_kwargs", _num_chars(kwargs, self.max_text_chars), in_strings)
+        self._check_length("chat_template", len(body.chat_template or ""))
         messages = [m.as_dict() for m in body.messages]
-        self._check_length("messages", sum(len(m.get("content") or "") for m in messages))
-        _, prompt = await asyncio.to_thread(lambda: _tokenized("messages", lambda: render(
-            self.llm.tokenizer, messages, chat_template=body.chat_template or self.config.chat_template,
-            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            chat_template_kwargs=kwargs)))
-        prompt.cache_salt = body.cache_salt
+
+        def tokenized() -> Prompt:
+            text = _tokenized("messages", lambda: render_text(
+                self.llm.tokenizer, messages, chat_template=body.chat_template or self.config.chat_template,
+                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+                chat_template_kwargs=kwargs))
+            self._check_length("messages", len(text), "the chat template renders {} characters")
+            return self._prompt(text, body.cache_salt, special=False)  # the template wrote them
+
+        prompt = await self._tokenizing(tokenized)
         return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
                              chat=True)
 
@@ -156,18 +204,38 @@ class OpenAIServing:
                                param=name)
         return _checked(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs))
 
-    def _prompt(self, prompt: str | list[int], cache_salt: str | None) -> Prompt:
-        """Token ids, so the prompt's length is known before it is added (text tokenized here)."""
+    def _prompt(self, prompt: str | list[int], cache_salt: str | None, *, special: bool = True) -> Prompt:
+        """Token ids, so the prompt's length is known before it is added (text tokenized here, with
+        the tokenizer's special tokens unless ``special`` is False: call it in the tokenizer's
+        threads, :meth:`_tokenizing`)."""
         engine, tokenizer = self.llm.llm_engine, self.llm.tokenizer
         if isinstance(prompt, str) and tokenizer is not None:
             with engine.tokenizer_lock:
-                prompt = _tokenized("prompt", lambda: tokenizer(prompt).input_ids)
+                prompt = _tokenized("prompt", lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         return Prompt(prompt, cache_salt)
 
-    def _check_length(self, name: str, num_chars: int) -> None:
+    async def _tokenizing(self, work):
+        """``work()`` in the tokenizer's threads (the event loop answers others meanwhile); 503
+        with ``Retry-After`` when ``max_tokenize_queue`` requests are already in or waiting for them.
+        A request cancelled while it waits (its client gone) is dropped from the queue."""
+        if not self._tokenize_slots.acquire(blocking=False):
+            raise ServingError(503, f"the server is busy: the tokenizer's queue is full (--max-tokenize-queue "
+                                    f"{self.config.max_tokenize_queue}); retry later", headers={"Retry-After": "1"})
+        try:
+            done = self._tokenizer_threads.submit(work)
+        except BaseException:
+            self._tokenize_slots.release()
+            raise
+        done.add_done_callback(lambda _: self._tokenize_slots.release())
+        return await asyncio.wrap_future(done)
+
+    def _check_length(self, name: str, num_chars: int, counted: str = "{} characters") -> None:
+        """400 naming ``name`` when ``num_chars`` (``counted`` says of what) are more characters than
+        the context can hold (``max_text_chars``: a token is at most the longest vocabulary entry)."""
         if num_chars > self.max_text_chars:
-            raise ServingError(400, f"{name}: {num_chars} characters are more than this model's maximum context "
-                                    f"length ({self.max_model_len} tokens) can hold", param=name)
+            raise ServingError(400, f"{name}: {counted.format(num_chars)}, more than the {self.max_text_chars} that "
+                                    f"this model's maximum context length ({self.max_model_len} tokens) can hold",
+                               param=name)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
@@ -215,7 +283,7 @@ class OpenAIServing:
                 yield _event({**response.header(chunk=True), "choices": [],
                               "usage": _usage(prompt_tokens, completion_tokens)})
         except Exception as err:  # noqa: BLE001 -- the engine failed mid-stream: say so, then end the stream
-            yield _event(ServingError(500, str(err)).body())
+            yield _event((err if isinstance(err, ServingError) else ServingError.internal(err)).body())
         finally:
             await deltas.aclose()
             self._abort(ids)
@@ -226,6 +294,31 @@ _APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "messages", "self", "tools", "docum
                              "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
                              "tokenizer_kwargs"}
+
+
+def _num_chars(value, limit: int) -> int:
+    """Characters of every string in ``value`` (nested lists and dicts, keys too), any other value
+    (a number, a bool, null, an empty string, list or dict) counted as at least one; counting stops
+    past ``limit`` (what it returns then is a lower bound), so it costs at most ``limit`` items."""
+    total, items = 0, [iter((value,))]
+    while items and total <= limit:
+        item = next(items[-1], _END)
+        if item is _END:
+            items.pop()
+        elif isinstance(item, str):
+            total += max(1, len(item))
+        elif isinstance(item, dict):
+            total += 1
+            items.append(itertools.chain.from_iterable(item.items()))
+        elif isinstance(item, (list, tuple)):
+            total += 1
+            items.append(iter(item))
+        else:
+            total += max(1, len(str(item)))
+    return total
+
+
+_END = object()
 
 
 async def _observed(deltas, timers: list) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -12,9 +12,21 @@ names are the API's).
 """
 from __future__ import annotations
 
+import reprlib
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
 from pagedpack.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -27,9 +39,46 @@ def _utf8(text: str) -> str:
     return text
 
 
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates (which JSON can carry and UTF-8 cannot) written as ``\\udXXX``."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def brief(value) -> str:
+    """``value``'s repr cut short (costing the same for any size of value), :func:`printable`."""
+    return printable(_BRIEF.repr(value))
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """A union's failure as one error: pydantic reports each branch's, under internal tags
+    (``function-after[_utf8(), str]``). When one branch failed on more than its type (a lone
+    surrogate in a string, a negative token id), that error, with ``ctx["at"]`` (its path inside
+    the value, ``"0.type"``) and ``ctx["got"]`` (the part that failed, :func:`brief`); else
+    ``union_type``: "expected ``expected``"."""
+
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError as err:
+            shaped = [e for e in err.errors() if not e["type"].endswith("_type")]
+            if shaped and len({e["loc"][0] for e in shaped}) == 1:  # the value has that branch's shape
+                first = shaped[0]
+                message = first.get("ctx", {}).get("error") if first["type"] == "value_error" else None
+                at = printable(".".join(map(str, first["loc"][1:])))  # ctx holds text: no lone surrogate
+                raise PydanticCustomError(first["type"], "{message}", {
+                    "message": str(message or first["msg"]), "at": at, "got": brief(first["input"])}) from None
+            raise PydanticCustomError("union_type", "expected {expected}", {"expected": expected}) from None
+
+    return WrapValidator(validate)
+
+
 Text = Annotated[StrictStr, AfterValidator(_utf8)]  # every string of a body: JSON's "\ud800" is no text
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
-Stop = Text | list[Text] | None
+Stop = Annotated[Text | list[Text], _one_of("a string or a list of strings")] | None
 
 
 class _Body(BaseModel):
@@ -90,6 +139,11 @@ class _SamplingBody(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs)
 
+    def check_unsupported(self) -> None:
+        """``ValueError`` naming the field for what this server does not take (a feature, a combination)."""
+        if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's answer
+            raise ValueError("stream_options: can only be given with stream=true")
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -103,7 +157,8 @@ class CompletionRequest(_SamplingBody):
     """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of either
     (several prompts: choice ``i * n + j`` is completion ``j`` of prompt ``i``)."""
 
-    prompt: Text | TokenIds | list[Text] | list[TokenIds]
+    prompt: Annotated[Text | TokenIds | list[Text] | list[TokenIds], _one_of(
+        "a string, a list of token ids, or a non-empty list of all strings or all token-id lists")]
     max_tokens: StrictInt | None = 16  # OpenAI's default; None: up to max_model_len
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
@@ -119,6 +174,7 @@ class CompletionRequest(_SamplingBody):
         return list(prompt)
 
     def check_unsupported(self) -> None:
+        super().check_unsupported()
         if self.echo:
             raise ValueError("echo: not supported (the prompt is not returned with the completion); send false")
         if self.suffix is not None:
@@ -137,7 +193,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Text
-    content: Text | list[TextPart] | None = None
+    content: Annotated[Text | list[TextPart], _one_of(
+        'a string or a list of text parts ({"type": "text", "text": ...})')] | None = None
     name: Text | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -171,6 +228,7 @@ class ChatCompletionRequest(_SamplingBody):
     chat_template_kwargs: dict[Text, Any] | None = None
 
     def check_unsupported(self) -> None:
+        super().check_unsupported()
         if self.tools:
             raise ValueError("tools: tool calling is not supported; leave tools out")
         if self.echo:

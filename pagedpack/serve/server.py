@@ -7,11 +7,14 @@ OpenMP worker pool in the process (a second thread's pool made every step much s
 :mod:`pagedpack.runtime.engine_loop`). SIGINT / SIGTERM stop uvicorn gracefully (in-flight
 requests get ``graceful_s`` to finish, the engine steps for them meanwhile; those still running a
 second before it ends are aborted: a stream then ends with finish reason ``"abort"``, a whole
-answer is a 503), then the engine. The KV pool is made resident before the first request
+answer is a 503), then the engine. A stream whose client stopped reading cannot take its abort
+(it waits to send); uvicorn cancels it when the grace period ends and says so in one line ("Cancel
+N running task(s)"), without the traceback of each cancellation. The KV pool is made resident before the first request
 (``ModelRunner.commit_kv_memory``): a server holds its memory from the start, as vLLM's does.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import signal
@@ -34,6 +37,19 @@ log = logging.getLogger("pagedpack.serve")
 # switch interval, 5 ms by default, for each of the step's ~1,000 ops. 0.5 ms: SmolLM2 at 1 req/s,
 # TTFT p50 218 -> 185 ms (benchmarks/serve.py, README).
 GIL_SWITCH_S = 0.0005
+
+
+class _CancelledAtShutdown(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" for a task it cancelled itself, the grace
+    period over (it logs each one's ``CancelledError`` traceback after saying so in one line)."""
+
+    def __init__(self, server: uvicorn.Server):
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (self.server.should_exit and isinstance(err, asyncio.CancelledError))
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,7 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     app = build_app(serving, api_key=options.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                            timeout_graceful_shutdown=options.graceful_s, access_log=False))
+    logging.getLogger("uvicorn.error").addFilter(_CancelledAtShutdown(server))
     stopped = threading.Event()
     abort_timers: list[threading.Timer] = []
 
