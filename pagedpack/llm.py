@@ -152,12 +152,9 @@ class LLM:
         an iterator of deltas instead (:mod:`pagedpack.runtime.outputs`: the new token ids and text of
         each request as they come, in arrival order; closing it aborts what is left).
 
-        A request that can never run (token ids outside the vocabulary, prompt longer than
-        ``max_model_len``, more tokens than the whole KV pool), or that fails while it runs (a row
-        of logits no token can be drawn from, its output, the step computing it:
-        :meth:`~pagedpack.runtime.engine.LLMEngine.step`), gets ``error`` set and ``finish_reason``
-        ``"error"``; the others finish normally. Malformed arguments raise ``ValueError`` before
-        anything is queued.
+        A request that can never run (ids outside the vocabulary, too long for ``max_model_len`` or
+        the KV pool) or fails while running (``LLMEngine.step``) gets ``error`` set; the others
+        finish normally. Malformed arguments raise ``ValueError`` before anything is queued.
 
         Thread-safe: calls from several threads share the engine's steps, each getting its own
         requests' outputs (:mod:`pagedpack.runtime.engine_loop`).
