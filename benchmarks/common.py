@@ -24,6 +24,15 @@ def english_text() -> str:
                        for m in (unittest, logging, argparse, threading, collections, subprocess, pathlib, json))
 
 
+def model_folder(model: str) -> str:
+    """The Hugging Face folder of ``model`` (a folder, or an alias fetched on first use)."""
+    if Path(model).is_dir():
+        return model
+    from pagedpack.models import aliases
+
+    return str(aliases.fetch(model))
+
+
 def load_1min() -> float:
     """The 1-minute load average (start a measurement only below 0.8)."""
     with open("/proc/loadavg") as f:

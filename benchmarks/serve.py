@@ -40,20 +40,12 @@ from pathlib import Path
 
 from pagedpack.serve.remote import RemoteServer, pagedpack_serve_command
 
-from common import cpu_model, load_1min
+from common import cpu_model, load_1min, model_folder
 from serve_load import random_schedule, run, schedule
 
 KV_CACHE_GIB = 2  # the KV pool of each server: equal, so that both hold as many requests at once
 SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}, "t0.7_p0.9": {"temperature": 0.7, "top_p": 0.9}}
 BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench"
-
-
-def _model_dir(model: str) -> str:
-    if Path(model).is_dir():
-        return model
-    from pagedpack.models import aliases
-
-    return str(aliases.fetch(model))
 
 
 def _pagedpack(model_dir: str, args):
@@ -135,7 +127,7 @@ def main() -> None:
     if args.client == "vllm" and (args.workload != "random" or not args.vllm_venv):
         parser.error("--client vllm: needs --vllm-venv and --workload random (vLLM's random dataset)")
     load = load_1min()
-    model_dir = _model_dir(args.model)
+    model_dir = model_folder(args.model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -149,7 +141,9 @@ def main() -> None:
         out = {}
         for name in samplings:
             for label, rate, concurrency in points:
-                out[f"{name} {label}"] = _vllm_client(url, model_dir, rate, concurrency, SAMPLING[name], args) \
+                key = f"{name} {label}"
+                key += f" ({sum(k.startswith(key) for k in out) + 1})" if key in out else ""  # named twice: both kept
+                out[key] = _vllm_client(url, model_dir, rate, concurrency, SAMPLING[name], args) \
                     if args.client == "vllm" else asyncio.run(run(url, "bench", plans[label], concurrency=concurrency,
                                                                   sampling=SAMPLING[name]))
         return out

@@ -119,16 +119,28 @@ def first_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``torch.max(dim=-1)`` gives them (NaN where a row has one) in a fifth of its time: the maxima of
     ``_BLOCK``-wide blocks (vectorised), then an index search inside the first block holding the
     row's maximum. ``logits`` float32 ``[N, V]``."""
-    num_rows, vocab = logits.shape
+    values, block = _blockwise(logits, torch.amax).max(dim=-1)
+    inside, _ = _block_of(logits, block)
+    return values, block * _BLOCK + (inside == values[:, None]).to(torch.uint8).argmax(dim=-1)
+
+
+def _blockwise(x: torch.Tensor, reduce) -> torch.Tensor:
+    """``[N, ceil(V / _BLOCK)]``: ``reduce(block, dim=-1)`` of each ``_BLOCK``-wide block of each row
+    of ``x`` ``[N, V]`` (the last block may be shorter), without copying ``x``."""
+    num_rows, vocab = x.shape
     whole = vocab // _BLOCK * _BLOCK
-    block_max = logits[:, :whole].reshape(num_rows, -1, _BLOCK).amax(-1) if whole else logits.new_empty(num_rows, 0)
+    parts = [reduce(x[:, :whole].reshape(num_rows, -1, _BLOCK), dim=-1)] if whole else []
     if whole < vocab:
-        block_max = torch.cat([block_max, logits[:, whole:].amax(-1, keepdim=True)], dim=-1)
-    values, block = block_max.max(dim=-1)
-    start = block * _BLOCK
-    inside = (start[:, None] + torch.arange(_BLOCK, device=logits.device)).clamp_(max=vocab - 1)
-    found = (logits.gather(-1, inside) == values[:, None]).to(torch.uint8).argmax(dim=-1)
-    return values, start + found
+        parts.append(reduce(x[:, whole:], dim=-1, keepdim=True))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _block_of(x: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, valid)`` ``[N, _BLOCK]``: each row's block ``block[i]`` of ``x``, and which of its
+    places are in the row (a last, shorter block repeats the row's last value past its end)."""
+    places = block[:, None] * _BLOCK + torch.arange(_BLOCK, device=x.device)
+    valid = places < x.shape[-1]
+    return x.gather(-1, places.clamp_(max=x.shape[-1] - 1)), valid
 
 
 def probabilities(logits: torch.Tensor, row_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -147,19 +159,14 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     ``uniform`` ``[N]`` in ``[0, 1)``: a draw from ``weights / total``. Cumulative sums in float64; a block of
     ``_BLOCK`` weights is chosen from the block sums, then a token inside it, so the work past the
     weights is ``O(V / _BLOCK + _BLOCK)`` a row. A token of weight 0 is never drawn."""
-    num_rows, vocab = weights.shape
-    num_blocks = -(-vocab // _BLOCK)
-    if num_blocks * _BLOCK != vocab:
-        weights = torch.nn.functional.pad(weights, (0, num_blocks * _BLOCK - vocab))
-    blocks = weights.view(num_rows, num_blocks, _BLOCK)
-    block_sums = blocks.sum(-1).double()  # float32 sums (vectorised): rounding moves ~1e-7 of a block's mass
+    block_sums = _blockwise(weights, torch.sum).double()  # float32 sums: rounding moves ~1e-7 of a block's mass
     block_cdf = block_sums.cumsum(-1)
     target = uniform * block_cdf[:, -1]
     block = _search(block_cdf, target)
-    rows = torch.arange(num_rows, device=weights.device)
+    rows = torch.arange(len(weights), device=weights.device)
     offset = target - (block_cdf[rows, block] - block_sums[rows, block])
-    inner = _search(blocks[rows, block].cumsum(-1, dtype=torch.float64), offset)
-    return block * _BLOCK + inner
+    inside, valid = _block_of(weights, block)
+    return block * _BLOCK + _search(inside.masked_fill_(~valid, 0).cumsum(-1, dtype=torch.float64), offset)
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

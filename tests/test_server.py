@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedpack import LLM
@@ -207,25 +209,118 @@ def test_prompt_logprobs_equal_the_unmodified_model_s_log_softmax(client):
             assert len(entry) <= 3
 
 
+async def _streamed(aclient, kwargs) -> str:
+    """The text of one streamed completion of the tiny model."""
+    text = ""
+    async for chunk in await aclient.completions.create(model="tiny", stream=True, **kwargs):
+        text += chunk.choices[0].text
+    return text
+
+
 def test_64_concurrent_streams_each_equal_the_request_served_alone(server, client, reference, tokenizer):
     seeded = [dict(prompt=TEXTS[i % len(TEXTS)], max_tokens=10, temperature=0.9, seed=i) for i in range(8)]
     alone = [client.completions.create(model="tiny", **kw).choices[0].text for kw in seeded]
     greedy = [dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=4 + i % 9, temperature=0) for i in range(56)]
     aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
-    async def streamed(kwargs):
-        text = ""
-        async for chunk in await aclient.completions.create(model="tiny", stream=True, **kwargs):
-            text += chunk.choices[0].text
-        return text
-
     async def everyone():
         async with aclient:
-            return await asyncio.wait_for(asyncio.gather(*(streamed(kw) for kw in greedy + seeded)), 240)
+            return await asyncio.wait_for(asyncio.gather(*(_streamed(aclient, kw) for kw in greedy + seeded)), 240)
 
     texts = asyncio.run(everyone())
     assert texts[:56] == [reference(kw["prompt"], kw["max_tokens"]) for kw in greedy]
     assert texts[56:] == alone
+
+
+TINY = 1.1754943508222875e-38  # float32's smallest normal number
+POISON = [  # issue 51's reproductions and what each must get: 400 naming a field, its own error (500), or its answer
+    ({"top_p": 1e-46}, 200),  # float32 made it 0 and masked every token: the most likely token always stays
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),  # float32 rounds it to 0
+    ({"repetition_penalty": TINY, "logit_bias": {"7": 100}, "temperature": 1.0}, 500),  # (logit + 100) / TINY: +inf
+    ({"stop_token_ids": list(range(258)), "min_tokens": 3, "temperature": 1.0}, "min_tokens"),  # all banned
+    ({"stop_token_ids": list(range(258)), "min_tokens": 3, "temperature": 0}, "min_tokens"),
+    ({"stop_token_ids": [t for t in range(258) if t != 5], "min_tokens": 3, "temperature": 0}, 200),  # 5 is left
+]
+
+
+def _poisoned(http: httpx.Client, server, extra: dict, stream: bool):
+    """``(status, message)`` of one poison request (prompt [7, 8, 9], 4 tokens): a 400 / 500 error's message, or
+    the answer's text (a stream's error event is its 500)."""
+    body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 4, "stream": stream, **extra}
+    r = http.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    if r.status_code != 200:
+        return r.status_code, r.json()["error"]
+    if not stream:
+        return 200, r.json()["choices"][0]["text"]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    errors = [e["error"] for e in events if "error" in e]
+    return (500, errors[0]) if errors else (200, "".join(e["choices"][0]["text"] for e in events if e["choices"]))
+
+
+def _check_poison(status, got, expected) -> bool:
+    """The poison got what it must; True if it failed alone (counted as an error)."""
+    if isinstance(expected, str):
+        assert status == 400 and got["param"] == expected, (status, got)
+    elif expected == 500:
+        assert status == 500 and got["message"].startswith("sampling: request ") and "error id" not in got["message"]
+    else:
+        assert status == 200, (status, got)
+    return expected == 500
+
+
+def test_poison_requests_beside_four_streams_fail_alone_and_count_as_errors(server, client, reference):
+    """Issue 51: while 4 streams run, each poison request (streamed and whole) gets a 400 or its own
+    error; the 4 streams end with the unmodified model's tokens, and /metrics counts the poison
+    requests that failed as errors, the 4 as finished by length."""
+    before = _idle(server)
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    normal = [dict(prompt=PROMPTS[i], max_tokens=48, temperature=0, extra_body={"ignore_eos": True}) for i in range(4)]
+
+    async def poisoned():
+        await asyncio.sleep(0.2)  # the streams have started
+        with httpx.Client(timeout=60) as http:
+            return [(await asyncio.to_thread(_poisoned, http, server, extra, stream), expected)
+                    for extra, expected in POISON for stream in (False, True)]
+
+    async def everyone():
+        async with aclient:
+            return await asyncio.wait_for(asyncio.gather(poisoned(), *(_streamed(aclient, kw) for kw in normal)), 240)
+
+    outcomes, *texts = asyncio.run(everyone())
+    assert texts == [reference(kw["prompt"], kw["max_tokens"]) for kw in normal]
+    failed = sum(_check_poison(status, got, expected) for (status, got), expected in outcomes)
+    delta = {k: v - before.get(k, 0) for k, v in _idle(server).items()}
+    assert failed == 2 and delta["pagedpack:request_success_total{finished_reason=error}"] == failed
+    finished = {reason: delta.get(f"pagedpack:request_success_total{{finished_reason={reason}}}", 0)
+                for reason in ("length", "stop", "abort")}
+    assert finished["length"] >= 4 + 2 and finished["length"] + finished["stop"] == 4 + 4 and not finished["abort"]
+
+
+EXTREMES = [0.0, 5e-324, 1e-46, 1e-40, TINY, 1e-5, 0.5, 1.0, 2.0, 100.0, 1e30, 3.4e38, 1e39, 1e300]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                        "frequency_penalty", "logit_bias"]),
+                       st.sampled_from(EXTREMES) | st.sampled_from(EXTREMES).map(lambda x: -x), min_size=1))
+def test_extreme_sampling_values_fail_no_other_request(server, reference, values):
+    """Each sampling field's extreme float values, beside a normal request in the same steps: the poison gets a
+    400, its own error or its answer; the normal one its tokens."""
+    extra = {k: ({"7": v} if k == "logit_bias" else v) for k, v in values.items()}
+    normal = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        answer = threading.Thread(target=lambda: texts.append(
+            http.post(f"{server.url}/v1/completions", json=normal).json()["choices"][0]["text"]))
+        texts = []
+        answer.start()
+        status, got = _poisoned(http, server, extra, stream=False)
+        answer.join(60)
+    assert texts == [reference(PROMPTS[1], 12)]
+    assert status in (200, 400, 500), (status, got)
+    if status == 400:
+        assert got["param"] in extra, got
+    elif status == 500:
+        assert got["message"].startswith("sampling: request "), got
 
 
 def test_token_counters_are_exact_after_a_known_workload(server, client):
@@ -660,7 +755,9 @@ def test_serve_refuses_bad_options_before_loading_the_model(capsys):
 
     for args, named in ((["--port", "70000"], "--port"), (["--max-queue", "0"], "--max-queue"),
                         (["--timeout-graceful-shutdown", "-1"], "--timeout-graceful-shutdown"),
-                        (["--timeout-graceful-shutdown", "nan"], "--timeout-graceful-shutdown")):
+                        (["--timeout-graceful-shutdown", "nan"], "--timeout-graceful-shutdown"),
+                        (["--max-unsent-tokens", "0"], "--max-unsent-tokens"),
+                        (["--stream-stall-timeout", "0"], "--stream-stall-timeout")):
         code, _, err = run_cli(capsys, "serve", "no-such-model-dir", *args)
         assert code == 2 and named in err, err
 
