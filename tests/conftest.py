@@ -27,15 +27,31 @@ os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
 # (transformers' own switch), one thread start fewer. The root cause is not found.
 os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
-# The files that take longest (pytest --durations=0 on 2 cores: 70-190 s each), handed to the workers
-# first: with a file per worker at a time, a long file started last leaves the other worker idle.
+# The files that take longest (pytest --durations=0 on 2 cores: 70-190 s each; test_docs.py 40-50 s
+# while other jobs loaded the cores), handed to the workers first: with a file per worker at a time,
+# a long file started last leaves the other worker idle.
 _LONGEST_FIRST = ("test_real_weights.py", "test_compile_cache.py", "test_families.py", "test_backend.py",
-                  "test_cli.py", "test_serving_memory.py", "test_trust_and_faults.py")
+                  "test_cli.py", "test_serving_memory.py", "test_trust_and_faults.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's order kept
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many Python blocks of the README and docs/ ran, and how many were skipped
+    (tests/test_docs.py's test_snippet; under xdist the reports reach this process too)."""
+    outcomes, seconds = {}, 0.0
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "test_docs.py::test_snippet[" in getattr(report, "nodeid", ""):
+                outcomes.setdefault(report.nodeid, outcome if outcome != "error" else "failed")
+                seconds += sum(v for k, v in report.user_properties if k == "snippet_seconds")
+    if outcomes:
+        count = {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")}
+        terminalreporter.write_line(f"docs snippets: {count['passed'] + count['failed']} ran ({count['passed']} "
+                                    f"passed, {count['failed']} failed; {seconds:.1f} s), {count['skipped']} skipped")
 
 
 # The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
