@@ -2,7 +2,7 @@
 (``MODEL_FOR_CAUSAL_LM_MAPPING``), built from a tiny random config and served on one short batched
 case: exact greedy tokens against ``transformers``' ``generate`` per prompt, or refused with a
 reason. ``tests/test_causal_lm_walk.py`` asserts it; ``python tests/causal_lm_walk.py`` prints the
-README's support table (one row per class: its outcome and, for a refusal, the reason).
+support table of docs/models.md (one row per class: its outcome and, for a refusal, the reason).
 
 A family whose config does not construct with the tiny sizes below, or whose model would still be
 large (more than :data:`MAX_PARAMETERS`), is "not constructed": nothing is claimed about it.
@@ -166,7 +166,7 @@ def _line(err: BaseException) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """The README's support table (markdown) of walked outcomes, by ``model_type``: the exact ones
+    """The support table of docs/models.md (markdown) of walked outcomes, by ``model_type``: the exact ones
     in one row, then a row per refusal reason (the classes that share it), then those the walk did
     not construct."""
     exact = sorted(r["model_type"] for r in rows if r["status"] == "exact")
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_types", nargs="*", metavar="MODEL_TYPE",
                         help="model types of MODEL_FOR_CAUSAL_LM_MAPPING (default: all)")
-    parser.add_argument("--table", metavar="FILE", help="print the README's table of a walk's JSON lines")
+    parser.add_argument("--table", metavar="FILE", help="print docs/models.md's table of a walk's JSON lines")
     parser.add_argument("--one", metavar="MODEL_TYPE", help=argparse.SUPPRESS)  # the subprocess of one class
     args = parser.parse_args(argv)
     unknown = [t for t in args.model_types + [args.one] if t is not None and t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]

@@ -3,7 +3,7 @@ never a raw exception or a different token (``tests/causal_lm_walk.py``).
 
 The suite walks a fixed sample, one class per outcome and form that matters (a minute or two); with
 ``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 20 minutes on 2 cores), as the
-README's support table was made (``python tests/causal_lm_walk.py``)."""
+support table of docs/models.md was made (``python tests/causal_lm_walk.py``)."""
 import os
 
 import pytest

