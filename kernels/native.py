@@ -44,7 +44,9 @@ _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATe
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
 }
-_BUILD_SECONDS = 30  # a build from scratch on two idle cores, for the messages (docs/cpu-kernels.md)
+# a build from scratch on two idle cores, for the messages (docs/cpu-kernels.md); 139-146 s measured
+# at a 1-minute load of 4-6 on two cores
+_BUILD_SECONDS = 30
 _MIN_FREE = 256 << 20  # bytes: below this, a failed build's message names the free space
 _reason: str | None = None
 _library: Path | None = None
@@ -75,7 +77,7 @@ def status() -> str:
     if _valid(library):
         return f"native CPU kernels (built in {library.parent}; loaded on first use)"
     return (f"native CPU kernels, not built yet: built on first use into {library.parent} "
-            f"(about {_BUILD_SECONDS} s on two cores)")
+            f"(about {_BUILD_SECONDS} s on two idle cores, minutes on a busy machine)")
 
 
 def library_path() -> Path | None:
@@ -169,7 +171,8 @@ def _build(compiler: str, flags: list[str], library: Path) -> None:
     with concurrent builds, none left by a killed one), record its size and sha256, rename it into
     place. ``RuntimeError`` with the compiler's errors, and the free space when the disk is short."""
     print(f"pagedpack: building the native CPU kernels into {library.parent} "
-          f"(first use only, about {_BUILD_SECONDS} s)", file=sys.stderr, flush=True)
+          f"(first use only: about {_BUILD_SECONDS} s on two idle cores, minutes on a busy machine)",
+          file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(library) as tmp:
         command = [sys.executable, "-c", _WATCHDOG, compiler, *map(str, _SOURCES), "-o", tmp, *flags]
