@@ -15,7 +15,8 @@ mapped. An interrupted build leaves no compiler running and no temporary file.
 
 Without a compiler, or with ``PAGEDPACK_NATIVE=0``, :func:`native_ops` returns ``None`` and the
 ops run their PyTorch reference kernels (:mod:`pagedpack.kernels.ops`); :func:`status` says
-which and why. Decision and measurements: ``docs/cpu-kernels.md``.
+which and why, and whether the library is built yet, without building it. Decision and
+measurements: ``docs/cpu-kernels.md``.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATe
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
 }
+# a build from scratch on two idle cores, for the messages (docs/cpu-kernels.md); 139-146 s measured
+# at a 1-minute load of 4-6 on two cores
+_BUILD_SECONDS = 30
 _MIN_FREE = 256 << 20  # bytes: below this, a failed build's message names the free space
 _reason: str | None = None
 _library: Path | None = None
@@ -59,10 +63,21 @@ def native_ops():
 
 
 def status() -> str:
-    """One line: which CPU kernels the ops use and, if the reference ones, why."""
+    """One line: which CPU kernels the ops use (or will use on their first call) and, if the reference
+    ones, why. A report, never a build: it compiles nothing, loads no library and writes nothing; a
+    library not built yet is reported as such (the first op builds it)."""
     if not enabled():
         return "reference kernels (PAGEDPACK_NATIVE=0)"
-    return "native CPU kernels" if _load() is not None else f"reference kernels ({_reason})"
+    if _load.cache_info().currsize:  # this process has loaded the library, or tried to
+        return "native CPU kernels" if _load() is not None else f"reference kernels ({_reason})"
+    target = _target()
+    if isinstance(target, str):
+        return f"reference kernels ({target})"
+    library = target[2]
+    if _valid(library):
+        return f"native CPU kernels (built in {library.parent}; loaded on first use)"
+    return (f"native CPU kernels, not built yet: built on first use into {library.parent} "
+            f"(about {_BUILD_SECONDS} s on two idle cores, minutes on a busy machine)")
 
 
 def library_path() -> Path | None:
@@ -89,18 +104,27 @@ def _flags() -> list[str]:
     ]
 
 
-@functools.cache
-def _load():
-    global _reason, _library
+def _target() -> tuple[str, list[str], Path] | str:
+    """``(compiler, flags, library)``: what a build would run and where its library goes (nothing is
+    built or written); or why there is no build (no compiler)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        _reason = f"no C++ compiler {compiler!r} on PATH"
-        return None
+        return f"no C++ compiler {compiler!r} on PATH"
     flags = _flags()
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in _SOURCES + _HEADERS), torch.__version__.encode(),
                                     *map(str.encode, flags)]))
     cache = Path(os.environ.get("PAGEDPACK_CACHE", Path.home() / ".cache" / "pagedpack"))
-    library = cache / "native" / key.hexdigest()[:16] / "libpagedpack_cpu.so"
+    return compiler, flags, cache / "native" / key.hexdigest()[:16] / "libpagedpack_cpu.so"
+
+
+@functools.cache
+def _load():
+    global _reason, _library
+    target = _target()
+    if isinstance(target, str):
+        _reason = target
+        return None
+    compiler, flags, library = target
     try:
         if not _valid(library):
             _build(compiler, flags, library)
@@ -146,7 +170,8 @@ def _build(compiler: str, flags: list[str], library: Path) -> None:
     """Compile into a temporary file beside ``library`` (:func:`pagedpack.files.atomic_write`: safe
     with concurrent builds, none left by a killed one), record its size and sha256, rename it into
     place. ``RuntimeError`` with the compiler's errors, and the free space when the disk is short."""
-    print(f"pagedpack: building the native CPU kernels into {library.parent} (first use only, about 30 s)",
+    print(f"pagedpack: building the native CPU kernels into {library.parent} "
+          f"(first use only: about {_BUILD_SECONDS} s on two idle cores, minutes on a busy machine)",
           file=sys.stderr, flush=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(library) as tmp:

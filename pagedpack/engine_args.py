@@ -58,8 +58,14 @@ class EngineArgs:
         num_blocks / kv_cache_memory / memory_budget: size of the KV pool (at most one): in
             blocks; in bytes; or what a budget for weights + one step's activations + the pool
             leaves (bytes or a string such as ``"4GiB"``; :mod:`pagedpack.planner`, as vLLM's
-            ``gpu_memory_utilization``). Default: what fits 256 MiB, capped at ``max_num_seqs``
-            full-length sequences.
+            ``gpu_memory_utilization``). Default: enough for one request of the whole context
+            (``max_model_len`` tokens at this KV dtype and block size, whole blocks), at least 256 MiB,
+            at most 4 GiB and, on the CPU, half the machine's memory (as vLLM, which refuses to start
+            when one ``max_model_len`` request does not fit; its CPU default was a fixed 4 GiB,
+            ``VLLM_CPU_KVCACHE_SPACE``), and no more than ``max_num_seqs`` such requests use
+            (:mod:`pagedpack.planner`). A pool smaller than one full-context request (a size given,
+            or a context beyond the limit) serves shorter requests: ``pagedpack serve`` caps the
+            context and says so at start, with the size the whole context needs.
         max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
         max_num_seqs: most sequences per step.
         max_model_len: most tokens per request (default: the model's limit).
@@ -279,10 +285,12 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=None, help="default: the target's (" + ", ".join(
             f"{n}: {get_target(n).default_block_size}" for n in target_names()) + ")")
         parser.add_argument("--num-blocks", type=int, default=None,
-                            help="KV blocks in the pool; default: sized to a memory budget")
+                            help="KV blocks in the pool; default: one request of the model's whole context "
+                                 "(--max-model-len), at least 256 MiB, at most 4 GiB and half the machine's "
+                                 "memory (a longer context then gets the pool's tokens; serve says so at start)")
         parser.add_argument("--kv-cache-memory", default=None,
                             help="KV pool size: bytes, or a size with a unit "
-                                 "(e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE)")
+                                 "(e.g. 2GiB; vLLM CPU: VLLM_CPU_KVCACHE_SPACE); default: as --num-blocks says")
         parser.add_argument("--memory-budget", default=None,
                             help="bytes, or a size with a unit (e.g. 4GiB), for weights + a step's "
                                  "activations + the KV pool, which gets the rest (see pagedpack plan)")

@@ -23,7 +23,14 @@ import torch
 from pagedpack.devices import is_cpu
 from pagedpack.passes.activation_memory import ActivationPeak
 
-DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes, when neither num_blocks, kv_cache_memory nor memory_budget is given
+# The default pool (neither num_blocks, kv_cache_memory nor memory_budget given): at least
+# DEFAULT_KV_CACHE_MEMORY, and enough for one request of the model's whole context (vLLM refuses to
+# start when one max_model_len request does not fit its KV cache), but never more than
+# DEFAULT_KV_CACHE_LIMIT nor half the machine's memory (on the CPU): a 128k-context model does not
+# take many GiB unasked; it gets the limit, and serving says what the full context needs and which
+# option sets it (pool_notice). 4 GiB was vLLM CPU's fixed default VLLM_CPU_KVCACHE_SPACE.
+DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes
+DEFAULT_KV_CACHE_LIMIT = 4 << 30  # bytes
 
 MAX_TOKENS_SEARCHED = 1 << 24  # largest_batched_tokens is reported up to this
 
@@ -133,12 +140,32 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
+def default_kv_cache_limit(device) -> int:
+    """The most bytes the default pool takes: :data:`DEFAULT_KV_CACHE_LIMIT`, on the CPU at most
+    half the machine's memory (never below :data:`DEFAULT_KV_CACHE_MEMORY`)."""
+    from pagedpack.runtime.memory import physical_memory
+
+    ram = physical_memory() if is_cpu(device) else None
+    limit = DEFAULT_KV_CACHE_LIMIT if ram is None else min(DEFAULT_KV_CACHE_LIMIT, ram // 2)
+    return max(DEFAULT_KV_CACHE_MEMORY, limit)
+
+
+def default_num_blocks(*, bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                       limit: int) -> int:
+    """Blocks of the default pool: those of one ``max_model_len`` request (whole blocks), at least
+    what :data:`DEFAULT_KV_CACHE_MEMORY` holds, at most what ``limit`` bytes hold (but one block),
+    and never more than ``max_num_seqs`` such requests use."""
+    one_request = -(-max_model_len // block_size)
+    blocks = max(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, min(one_request, limit // bytes_per_block))
+    return max(1, min(max_num_seqs * one_request, blocks))
+
+
 def pool_num_blocks(args, *, bytes_per_token: int, max_model_len: int, plan) -> int:
     """KV blocks of the pool ``args`` (an ``EngineArgs``) asks for: ``num_blocks``; what
     ``memory_budget`` leaves (``plan(memory)`` is the :class:`MemoryPlan`); ``kv_cache_memory`` bytes;
-    or by default what fits :data:`DEFAULT_KV_CACHE_MEMORY`, capped at ``max_num_seqs`` full-length
-    sequences. ``ValueError`` naming the argument when no block fits, or when the pool is larger
-    than the CPU machine's memory."""
+    or by default :func:`default_num_blocks` (one request of ``max_model_len`` tokens, at least
+    :data:`DEFAULT_KV_CACHE_MEMORY`, at most :func:`default_kv_cache_limit`). ``ValueError`` naming
+    the argument when no block fits, or when the pool is larger than the CPU machine's memory."""
     block_size = args.block_size
     bytes_per_block = bytes_per_token * block_size
     if args.num_blocks is not None:
@@ -157,10 +184,40 @@ def pool_num_blocks(args, *, bytes_per_token: int, max_model_len: int, plan) -> 
                              f"got {args.kv_cache_memory}")
         num_blocks = int(args.kv_cache_memory // bytes_per_block)
     else:
-        full = args.max_num_seqs * -(-max_model_len // block_size)
-        num_blocks = max(1, min(full, DEFAULT_KV_CACHE_MEMORY // bytes_per_block))
+        num_blocks = default_num_blocks(bytes_per_block=bytes_per_block, block_size=block_size,
+                                        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                                        limit=default_kv_cache_limit(args.device))
     _check_pool_fits(args, num_blocks * bytes_per_block, num_blocks)
     return num_blocks
+
+
+def pool_notice(args, *, num_blocks: int, bytes_per_token: int, max_model_len: int) -> str | None:
+    """None when the pool holds one request of ``max_model_len`` tokens; otherwise one line: the
+    tokens a request gets, the option that sized the pool (or the default's limit) with its numbers,
+    and what the whole context needs (``pagedpack serve`` prints it at start)."""
+    block_size = args.block_size
+    tokens = num_blocks * block_size
+    if tokens >= max_model_len:
+        return None
+    bytes_per_block = bytes_per_token * block_size
+    needed_blocks = -(-max_model_len // block_size)
+    needed = needed_blocks * bytes_per_block
+    pool = f"{num_blocks} blocks of {block_size} tokens, {_mib(num_blocks * bytes_per_block)}"
+    given = next((n for n in ("num_blocks", "kv_cache_memory", "memory_budget") if getattr(args, n) is not None),
+                 None)
+    if given == "num_blocks":
+        sized = f"--num-blocks {args.num_blocks}: {pool}"
+    elif given == "kv_cache_memory":
+        sized = f"--kv-cache-memory {args.kv_cache_memory} bytes: {pool}"
+    elif given == "memory_budget":
+        sized = f"--memory-budget {args.memory_budget} bytes leave {pool}"
+    else:
+        sized = (f"the default pool: {pool}, its limit (at most {_mib(DEFAULT_KV_CACHE_LIMIT)}, on the CPU at most "
+                 f"half the machine's memory)")
+    return (f"the KV pool holds {tokens} tokens ({sized}), fewer than one request of the model's context "
+            f"({max_model_len} tokens need {needed_blocks} blocks, {_mib(needed)}): requests get up to {tokens} "
+            f"tokens. For the whole context: --kv-cache-memory {-(-needed // 2**20)}MiB (or --num-blocks "
+            f"{needed_blocks}); or --max-model-len {tokens} to ask for no more")
 
 
 def _check_pool_fits(args, pool: int, num_blocks: int) -> None:

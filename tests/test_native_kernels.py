@@ -257,6 +257,45 @@ def test_a_cache_of_empty_blocks_is_refused_not_divided_by():
                                                 torch.tensor([0, 0], **int32), torch.tensor([0], **int32), 0.25)
 
 
+def test_status_reports_without_building(tmp_path):
+    """``status()`` (the README's "which kernels?" check) in a fresh process with an empty cache: it
+    says the library is not built yet and starts no compiler (a fake one would leave a mark), writes
+    nothing into the cache; with a build in the cache it says so and does not load it (the file
+    here is no library: loading it would fail)."""
+    mark = tmp_path / "compiler-ran"
+    fake = tmp_path / "fake-c++"
+    fake.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    fake.chmod(0o755)
+    cache = tmp_path / "cache"
+    code = ("import sys, time\n"
+            "start = time.monotonic()\n"
+            "from pagedpack.kernels import native\n"
+            "print(native.status())\n"
+            "if sys.argv[1:] == ['plant']:\n"
+            "    import hashlib, json\n"
+            "    library = native._target()[2]\n"
+            "    library.parent.mkdir(parents=True)\n"
+            "    library.write_bytes(b'not a library')\n"
+            "    record = {'size': 13, 'sha256': hashlib.sha256(b'not a library').hexdigest()}\n"
+            "    native._record(library).write_text(json.dumps(record))\n"
+            "    print(native.status())\n"
+            "    print(any(p.endswith('libpagedpack_cpu.so') for p in native.torch.ops.loaded_libraries))\n"
+            "print(round(time.monotonic() - start, 1))\n")
+    env = dict(os.environ, CXX=str(fake), PAGEDPACK_CACHE=str(cache))
+    env.pop("PAGEDPACK_NATIVE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    line, seconds = done.stdout.splitlines()
+    assert line.startswith("native CPU kernels, not built yet: built on first use into ") and str(cache) in line
+    assert not mark.exists() and not cache.exists() and "building" not in done.stderr
+    assert float(seconds) < 60  # the import and a sha256 of the sources; a build is minutes on a busy machine
+
+    done = subprocess.run([sys.executable, "-c", code, "plant"], env=env, capture_output=True, text=True, check=True)
+    before, after, loaded, _ = done.stdout.splitlines()
+    assert before.startswith("native CPU kernels, not built yet")
+    assert after.startswith("native CPU kernels (built in ") and after.endswith("; loaded on first use)")
+    assert loaded == "False" and not mark.exists()
+
+
 def test_without_a_compiler_the_reference_kernels_run():
     """No C++ compiler (and a cache with no build): the ops say so and still compute."""
     code = ("import torch, pagedpack.kernels.ops\n"

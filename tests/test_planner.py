@@ -1,15 +1,18 @@
 """The symbolic memory planner: the activation peak read off the graph against the peak
 ``torch.profiler`` measures, the plan's arithmetic, and ``LLM(memory_budget=...)``."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import sympy
 import torch
 
-from pagedpack import LLM
+from pagedpack import LLM, SamplingParams
 from pagedpack.contract import METADATA_INPUTS
 from pagedpack.metadata import example_metadata
+from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.activation_memory import B, T, activation_peak
+from pagedpack.planner import DEFAULT_KV_CACHE_LIMIT, DEFAULT_KV_CACHE_MEMORY, pool_notice, pool_num_blocks
 
 from conftest import profiled_peak_bytes
 
@@ -119,3 +122,75 @@ def test_the_planner_says_when_its_search_stopped(llm):
     plan = llm.plan_memory("1e300")
     assert plan.largest_batched_tokens == 2**24 and dict(plan.rows())["largest max_num_batched_tokens"].startswith(
         "at least 16777216")
+
+
+# ---------------------------------------------------------------- the default KV pool
+
+
+def pool_args(**kw):
+    """What ``pool_num_blocks`` reads of an ``EngineArgs``."""
+    given = dict(block_size=16, num_blocks=None, kv_cache_memory=None, memory_budget=None, max_num_seqs=256,
+                 device="cpu")
+    return SimpleNamespace(**{**given, **kw})
+
+
+def default_blocks(bytes_per_token, max_model_len, **kw):
+    return pool_num_blocks(pool_args(**kw), bytes_per_token=bytes_per_token, max_model_len=max_model_len, plan=None)
+
+
+def test_the_default_pool_holds_one_full_context_request():
+    """Issue 53: the 256 MiB default held 5,824 of SmolLM2-135M's 8,192 tokens (fp32 KV: 30 layers x
+    3 KV heads x 64 x 2 x 4 bytes = 46,080 bytes a token); it now holds the whole context, in whole
+    blocks, and stays 256 MiB where that is more."""
+    assert DEFAULT_KV_CACHE_MEMORY // (46080 * 16) * 16 == 5824  # before
+    assert default_blocks(46080, 8192) * 16 == 8192
+    assert default_blocks(46080, 8190) == 512  # rounded up to whole blocks
+    assert default_blocks(46080 // 2, 8192) == DEFAULT_KV_CACHE_MEMORY // (23040 * 16)  # bf16: 256 MiB hold more
+    assert default_blocks(46080, 8192, block_size=64) * 64 == 8192
+    assert default_blocks(46080, 8192, max_num_seqs=1) == 512  # never more than max_num_seqs full requests
+    assert default_blocks(512, 512, max_num_seqs=2) == 64
+
+
+def test_the_default_pool_stops_at_its_limit_and_says_what_the_context_needs(monkeypatch):
+    """A 128k context (Llama-3.2-1B's shape in fp32: 16 x 8 x 64 x 2 x 4 = 65,536 bytes a token, 8 GiB
+    for one request) gets the 4 GiB limit, on a small machine half its memory, not many GiB unasked;
+    the notice names the limit and the size the whole context needs."""
+    from pagedpack.runtime import memory
+
+    monkeypatch.setattr(memory, "physical_memory", lambda: 64 << 30)
+    blocks = default_blocks(65536, 131072)
+    assert blocks * 16 * 65536 == DEFAULT_KV_CACHE_LIMIT
+    notice = pool_notice(pool_args(), num_blocks=blocks, bytes_per_token=65536, max_model_len=131072)
+    assert notice.startswith("the KV pool holds 65536 tokens (the default pool: 4096 blocks of 16 tokens, "
+                             "4,096.0 MiB, its limit (at most 4,096.0 MiB")
+    assert "(131072 tokens need 8192 blocks, 8,192.0 MiB)" in notice and "--kv-cache-memory 8192MiB" in notice
+    assert "--num-blocks 8192" in notice and "--max-model-len 65536" in notice
+    monkeypatch.setattr(memory, "physical_memory", lambda: 2 << 30)
+    assert default_blocks(65536, 131072) * 16 * 65536 == 1 << 30
+    monkeypatch.setattr(memory, "physical_memory", lambda: 256 << 20)
+    assert default_blocks(65536, 131072) * 16 * 65536 == DEFAULT_KV_CACHE_MEMORY  # as before on any machine
+
+
+def test_a_model_s_default_pool_holds_its_context_and_an_explicit_pool_is_kept():
+    """A tiny Llama whose 131,072-token context takes 512 MiB of KV (4,096 bytes a token): the default
+    pool holds one request of it (allocated, not resident: nothing is written); an explicit
+    ``kv_cache_memory`` below that is kept as given, a request beyond it refused as before, and the
+    server's notice names the option and the numbers."""
+    model = tiny_model("llama", head_dim=128, max_position_embeddings=1 << 17)
+    llm = LLM(model)
+    assert llm.bytes_per_token == 4096 and llm.max_model_len == 1 << 17
+    assert llm.num_blocks * llm.block_size == llm.max_model_len and llm.num_blocks * llm.block_size * 4096 > (
+        DEFAULT_KV_CACHE_MEMORY)
+    assert pool_notice(llm.engine_args, num_blocks=llm.num_blocks, bytes_per_token=4096,
+                       max_model_len=llm.max_model_len) is None
+
+    small = LLM(model, kv_cache_memory="64MiB")
+    assert small.num_blocks == (64 << 20) // (4096 * small.block_size) and small.max_model_len == 1 << 17
+    (out,) = small.generate([[1, 2, 3]], SamplingParams(max_tokens=20000), use_tqdm=False)
+    assert f"more than the whole pool of num_blocks={small.num_blocks}" in out.error
+    notice = pool_notice(small.engine_args, num_blocks=small.num_blocks, bytes_per_token=4096,
+                         max_model_len=small.max_model_len)
+    assert notice == ("the KV pool holds 16384 tokens (--kv-cache-memory 67108864 bytes: 1024 blocks of 16 tokens, "
+                      "64.0 MiB), fewer than one request of the model's context (131072 tokens need 8192 blocks, "
+                      "512.0 MiB): requests get up to 16384 tokens. For the whole context: --kv-cache-memory 512MiB "
+                      "(or --num-blocks 8192); or --max-model-len 16384 to ask for no more")

@@ -26,6 +26,7 @@ import uvicorn
 
 from pagedpack.async_llm import AsyncLLM
 from pagedpack.llm import LLM
+from pagedpack.planner import pool_notice
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app
 from pagedpack.serve.metrics import ServerMetrics
@@ -84,10 +85,10 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     gc.freeze()
     metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=options.metrics_namespace)
     serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
-    if serving.max_model_len < llm.max_model_len:
-        print(f"pagedpack: the KV pool holds {serving.max_model_len} tokens, fewer than the model's context "
-              f"({llm.max_model_len}): requests get up to {serving.max_model_len} (a larger pool: --kv-cache-memory, "
-              "--memory-budget or --num-blocks)", file=sys.stderr, flush=True)
+    notice = pool_notice(llm.engine_args, num_blocks=llm.num_blocks, bytes_per_token=llm.bytes_per_token,
+                         max_model_len=llm.max_model_len)
+    if notice is not None:  # serving.max_model_len: the tokens the pool holds
+        print(f"pagedpack: {notice}", file=sys.stderr, flush=True)
     threads = llm.llm_engine.runner.cpu_threads
     if threads is not None:
         print(f"pagedpack: the CPU step runs with {threads.describe()}", file=sys.stderr, flush=True)
