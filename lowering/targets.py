@@ -2,12 +2,15 @@
 
 A target is one object (a :class:`Target`) saying its default block size, which limits a
 rewritten model must meet, how to lower it, what runs the result and whether that is an
-emulation, which options it takes (a :class:`TargetOptions` dataclass) and how it serves an
-exported file. ``LLM``, the CLI and the exporters look targets up here and nowhere else know their
-names. Each built-in target is one package under ``lowering/`` (``reference/``, ``ascend/``,
-``onnx/``: its lowering, limits, runner and exporter, the :class:`Target` in ``target.py``); adding
-one is such a package plus one line in :data:`_BUILTIN` (or, from user code, one
-:func:`register_target` call).
+emulation, which options it takes (a :class:`TargetOptions` dataclass), what it can do
+(``supports_tensor_parallel``, ...), the file formats it writes and serves (:class:`FileFormat`) and
+how it serves a file of one. ``LLM``, the CLI and the exporters look targets and formats up here
+(:func:`get_target`, :func:`get_format`, :func:`format_of`: a file's format and target by its first
+bytes) and nowhere else compare their names. Each built-in target is one package under ``lowering/``
+(``reference/``, ``ascend/``, ``onnx/``: its lowering, limits, runner and formats, the
+:class:`Target` in ``target.py``); adding one is such a package plus one line in :data:`_BUILTIN`
+(or, from user code, one :func:`register_target` call: a process knows a user target, and the files
+of its formats, once it has registered it).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from pagedpack.contract import KVCacheSpec, ModelDescription
+from pagedpack.contract import LoweredStep
+from pagedpack.export import check_export_file
 
 
 class TargetUnavailableError(RuntimeError):
@@ -71,28 +75,46 @@ def _from_string(key: str, hint, text: str):
         raise ValueError(f"--target-option: {key}: expected a {getattr(kind, '__name__', kind)}, got {text!r}") from err
 
 
-@dataclass
-class LoweredStep:
-    """A :class:`~pagedpack.contract.StepProgram` made by a target: ``run`` called with the step
-    signature, plus the report line saying what was lowered to what and the model's
-    ``description`` (set by whoever built or loaded it)."""
+@dataclass(frozen=True)
+class FileFormat:
+    """A file format a target writes (``pagedpack export --format NAME``, ``LLM.export(format=NAME)``)
+    and serves (``LLM(path)``): one module in the target's package defines the value and its two
+    functions, and the target lists it in :attr:`Target.formats`.
 
-    run: Callable
-    kv_cache_specs: list[KVCacheSpec]
-    functional: bool = False
-    note: str | None = None
-    graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
-    padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes
-    # run uses nothing of the rewritten model's graph (a lowered copy, another runtime's session):
-    # the LLM may let the rewritten model and the source model go (their shared tensors aside)
-    standalone: bool = False
-    description: ModelDescription | None = None
-    # None: ``logits_indices`` may hold any rows (prompt_logprobs asks for more than one per sequence);
-    # else why the program takes exactly one per sequence (the error refusing prompt_logprobs says it)
-    one_logits_row_per_seq: str | None = None
+    ``name``: the registry key (unique over all targets); ``suffix``: the file name's usual ending;
+    ``magic``: the bytes every file of the format starts with (how :func:`format_of` knows a file,
+    whatever its name); ``export(rewritten, path, description, **options) -> str`` writes a
+    ``RewrittenModel`` with its :class:`~pagedpack.contract.ModelDescription`; ``load(path, *,
+    trust_file) -> ExportedStep`` reads one back (:mod:`pagedpack.export` has the format-neutral
+    parts: metadata, tokenizer, checks); ``options``: the export options it takes by name (e.g.
+    ONNX's ``attention``); ``serve_hint(path, options) -> str``: how to serve what it wrote (the
+    CLI prints it). A tensor-parallel manifest names one file of the format ``ranks_of`` per rank:
+    its ``export`` takes ``model=`` and ``tensor_parallel_size=``, its ``load`` ``rank=``, and
+    ``world_size(path)`` is the ranks a file needs.
+    """
 
-    def __call__(self, *inputs: torch.Tensor):
-        return self.run(*inputs)
+    name: str
+    suffix: str
+    magic: bytes
+    export: Callable
+    load: Callable
+    description: str = ""
+    options: tuple[str, ...] = ()
+    serve_hint: Callable | None = None
+    ranks_of: str | None = None
+    world_size: Callable | None = None
+
+    def check_options(self, options: dict) -> None:
+        """``ValueError`` naming an export option this format does not take, and the formats that do."""
+        for key, value in options.items():
+            if key not in self.options:
+                takers = [f.name for f, _ in file_formats().values() if key in f.options]
+                raise ValueError(f"{key}: only with format {' or '.join(map(repr, takers)) or 'none'}, got "
+                                 f"{key}={value!r} with {self.name!r}")
+
+    def hint(self, path: str, options: dict) -> str:
+        """How to serve the file this format wrote at ``path`` with ``options``."""
+        return self.serve_hint(path, options) if self.serve_hint else f"LLM({path!r}) or pagedpack serve {path}"
 
 
 @dataclass
@@ -105,7 +127,9 @@ class Target:
     ``description``: one line for ``--help``; ``serves_pt2``: its program for a rewritten graph on
     the CPU is the one ``LLM.from_exported`` builds from the graph's ``.pt2`` export, so ``LLM(path)``
     may capture in a child process (:mod:`pagedpack.compile_cache`); ``options_type``: the
-    :class:`TargetOptions` subclass of its options.
+    :class:`TargetOptions` subclass of its options; ``formats``: the :class:`FileFormat` s it writes
+    and serves; ``supports_tensor_parallel``: it runs a step graph sharded over ranks whose
+    collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo).
     """
 
     name: str = ""
@@ -114,6 +138,8 @@ class Target:
     builtin_model: dict = field(default_factory=dict)
     serves_pt2: bool = False
     options_type: type = TargetOptions
+    formats: tuple[FileFormat, ...] = ()
+    supports_tensor_parallel: bool = False
 
     def options(self, given=None) -> TargetOptions:
         """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or
@@ -148,11 +174,12 @@ class Target:
         ``options`` from :meth:`options`."""
         return LoweredStep(rewritten, rewritten.kv_cache_specs)
 
-    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
-                      max_model_len: int | None) -> LoweredStep:
-        """The program serving ``path``, a file ``pagedpack export`` wrote in a format this target runs
-        (:data:`pagedpack.export.FILE_TARGETS`), with its ``description``; ``ValueError`` if it is not one."""
-        raise ValueError(f"model: the {self.name} target serves no exported file, got {path!r}")
+    def load_exported(self, path: str, fmt: FileFormat, *, trust_file: bool, device: torch.device | str,
+                      max_model_len: int | None, rank: int = 0) -> LoweredStep:
+        """The program serving ``path``, a file of ``fmt`` (one of :attr:`formats`, as :func:`format_of`
+        found it), with its ``description``: by default what ``fmt.load`` returns; a target that
+        lowers loaded programs further overrides it. ``rank``: which rank of a manifest."""
+        return fmt.load(path, trust_file=trust_file, **({"rank": rank} if fmt.world_size else {}))
 
     def emulated(self, device: torch.device | str) -> bool:
         """True if on ``device`` the target's ops run as an emulation of the real ones."""
@@ -186,11 +213,71 @@ def target_names() -> list[str]:
     return sorted({*_BUILTIN, *_REGISTRY})
 
 
-def get_target(name) -> Target:
-    """The target registered as ``name``; ``ValueError`` listing the names for any other value."""
+def get_target(name=None) -> Target:
+    """The target registered as ``name`` (None: :data:`DEFAULT_TARGET`); ``ValueError`` listing the
+    names for any other value."""
+    if name is None:
+        name = DEFAULT_TARGET
     if name in _REGISTRY:
         return _REGISTRY[name]
     if not isinstance(name, str) or name not in _BUILTIN:
         raise ValueError(f"target: expected one of {target_names()}, got {name!r}")
     module, attribute = _BUILTIN[name].split(":")
     return register_target(getattr(importlib.import_module(module), attribute)(name=name))
+
+
+def file_formats() -> dict[str, tuple[FileFormat, Target]]:
+    """Every format of every registered target (the built-in ones imported), by name, with its
+    target; ``ValueError`` if two targets register one name."""
+    out: dict[str, tuple[FileFormat, Target]] = {}
+    for target in map(get_target, target_names()):
+        for fmt in target.formats:
+            if fmt.name in out and out[fmt.name][1] is not target:
+                raise ValueError(f"format: {fmt.name!r} is registered by the {out[fmt.name][1].name} and the "
+                                 f"{target.name} targets")
+            out[fmt.name] = (fmt, target)
+    return out
+
+
+def format_names() -> list[str]:
+    """The formats a model can be exported as (``--format``): all but the tensor-parallel manifests."""
+    return sorted(name for name, (fmt, _) in file_formats().items() if fmt.ranks_of is None)
+
+
+def get_format(name) -> tuple[FileFormat, Target]:
+    """The export format ``name`` (one of :func:`format_names`) and its target; ``ValueError`` otherwise."""
+    found = file_formats().get(name) if isinstance(name, str) else None
+    if found is None or found[0].ranks_of is not None:
+        raise ValueError(f"format: expected one of {format_names()}, got {name!r}")
+    return found
+
+
+def tensor_parallel_format(name: str) -> tuple[FileFormat, Target]:
+    """The manifest format that splits a model over ranks as files of the export format ``name``;
+    ``ValueError`` if that format has none."""
+    fmt, target = get_format(name)
+    for manifest, owner in file_formats().values():
+        if manifest.ranks_of == fmt.name and owner is target and target.supports_tensor_parallel:
+            return manifest, owner
+    raise ValueError(f"tensor_parallel_size: a tensor-parallel export is written as files of a format with a "
+                     f"manifest ({[f.name for f, _ in file_formats().values() if f.ranks_of]} of "
+                     f"{sorted({f.ranks_of for f, _ in file_formats().values() if f.ranks_of})}), got format {name!r}")
+
+
+def format_of(path) -> tuple[FileFormat, Target]:
+    """The format of the file at ``path`` and the target serving it, by the file's first bytes
+    (:attr:`FileFormat.magic`), whatever its name; where several formats claim them, the one whose
+    suffix the name has. ``ValueError`` for no file, an empty one or one no format claims."""
+    path = check_export_file(path)
+    with open(path, "rb") as file:
+        head = file.read(64)
+    if not head:
+        raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
+    formats = file_formats().values()
+    claims = [(fmt, target) for fmt, target in formats if head.startswith(fmt.magic)]
+    if len(claims) > 1:
+        claims = [(fmt, target) for fmt, target in claims if path.endswith(fmt.suffix)]
+    if len(claims) != 1:
+        known = "; ".join(f"{fmt.name}: {fmt.description}" for fmt, _ in formats)
+        raise ValueError(f"path: {path!r} is not a file of any registered export format ({known})")
+    return claims[0]

@@ -29,6 +29,10 @@ _PUBLIC = {
     "SamplingParams": "pagedpack.runtime.sampling",
     "rewrite": "pagedpack.passes.pipeline",
     "UnsupportedModelError": "pagedpack.contract",
+    "load_exported": "pagedpack.program",
+    "export_pt2": "pagedpack.lowering.reference.pt2",
+    "export_onnx": "pagedpack.lowering.onnx.export",
+    "register_target": "pagedpack.lowering.targets",
 }
 __all__ = list(_PUBLIC)
 try:

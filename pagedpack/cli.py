@@ -12,11 +12,10 @@ from rich.table import Table
 
 from pagedpack.chat import has_chat_template, render
 from pagedpack.engine_args import EngineArgs
-from pagedpack.export import FORMATS
 from pagedpack.inputs import KV_CACHE_DTYPES
 from pagedpack.llm import LLM
 from pagedpack.lowering.onnx.export import ATTENTIONS
-from pagedpack.lowering.targets import TargetUnavailableError, get_target
+from pagedpack.lowering.targets import TargetUnavailableError, format_names, get_format, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
 from pagedpack.program import ProgramBuilder
 from pagedpack.runtime.engine_loop import EngineDeadError
@@ -116,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="export the rewritten step program (.pt2 archive or ONNX model)",
                          formatter_class=_HelpFormatter)
     EngineArgs.add_cli_args(exp, engine=False)
-    exp.add_argument("--format", default="pt2", choices=FORMATS,
-                     help="pt2: torch.export archive; onnx: ONNX model that onnxruntime runs")
-    exp.add_argument("--attention", default="pagedpack", choices=ATTENTIONS,
-                     help="onnx only: the pagedpack domain's functions (any onnxruntime provider) or "
+    exp.add_argument("--format", default="pt2", choices=format_names(),
+                     help="; ".join(f"{name}: {get_format(name)[0].description}" for name in format_names()))
+    exp.add_argument("--attention", default=None, choices=ATTENTIONS,
+                     help="onnx only: the pagedpack domain's functions (default; any onnxruntime provider) or "
                           "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
     exp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="write one .pt2 per rank of this many and a manifest naming them (--out NAME.json), "
@@ -368,22 +367,16 @@ def _kv_capacity(llm: LLM, memory: int) -> Table:
 def _export(args) -> int:
     from pagedpack.export import check_output_path
 
-    if args.format == "pt2" and args.attention != "pagedpack":
-        raise ValueError(f"attention: only with --format onnx, got --attention {args.attention} with pt2")
-    check_output_path(args.out, "--out")  # before the model is loaded
+    fmt = get_format(args.format)[0]
+    options = {"attention": args.attention} if args.attention is not None else {}
+    fmt.check_options(options)  # before the model is loaded
+    check_output_path(args.out, "--out")
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True,
                                                         tensor_parallel_size=1))
-    path = llm.export(args.out, format=args.format, attention=args.attention,
-                      tensor_parallel_size=args.tensor_parallel_size)
-    if args.attention == "com.microsoft":
-        runs = "onnxruntime's CUDA provider"
-    elif args.format == "onnx":  # each step copies the whole pool: size it for the batch
-        runs = f"LLM({path!r}, num_blocks=...)"
-    else:
-        runs = f"LLM({path!r}) or pagedpack serve {path}"
-    what = f"a manifest of {args.tensor_parallel_size} .pt2 files beside it" if args.tensor_parallel_size > 1 \
-        else args.format
-    print(f"wrote {path} ({what}); run it with {runs}")
+    path = llm.export(args.out, format=args.format, tensor_parallel_size=args.tensor_parallel_size, **options)
+    what = f"a manifest of {args.tensor_parallel_size} {fmt.suffix} files beside it" \
+        if args.tensor_parallel_size > 1 else args.format
+    print(f"wrote {path} ({what}); run it with {fmt.hint(path, options)}")
     return 0
 
 

@@ -3,7 +3,7 @@
 vLLM builds its model in an engine process of its own and keeps the graphs it compiles under
 ``~/.cache/vllm/torch_compile_cache``. pagedpack does the like for a local checkpoint served on
 the CPU by the reference target: a child Python process loads it, captures and rewrites it and
-writes the step graph as a ``.pt2`` export (:func:`pagedpack.export.export_pt2`, with the pass
+writes the step graph as a ``.pt2`` export (:func:`pagedpack.lowering.reference.pt2.export_pt2`, with the pass
 report); the ``LLM`` loads that file and lowers it as ``LLM.from_exported`` does. The serving
 process so never imports ``transformers``' modeling code, dynamo's capture or the passes (their
 memory: ``docs/cpu-kernels.md``), and a later ``LLM`` of the same checkpoint starts from the file.
@@ -221,7 +221,7 @@ def _main(model: str, dtype_name: str, out: str) -> int:
     ``{"error": None, "source_weight_bytes": n, "report": PassReport.to_dict()}``, or for a checkpoint it
     cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent
     (:func:`pagedpack.child_process.die_with_parent`, set before it starts)."""
-    from pagedpack.export import export_pt2
+    from pagedpack.lowering.reference.pt2 import export_pt2
     from pagedpack.planner import resident_weight_bytes
     from pagedpack.source import capture_source
 

@@ -12,13 +12,13 @@ the runtime all meet here and nowhere else. A *step program* runs one packed, pa
 
 ``R`` logits rows: each sequence's last (``B``), then the prompt rows of the requests asking for
 ``prompt_logprobs`` (:mod:`pagedpack.runtime.prompt_logprobs`); a program that takes ``R == B`` only
-says why in ``one_logits_row_per_seq`` (:class:`pagedpack.lowering.targets.LoweredStep`).
+says why in ``one_logits_row_per_seq`` (:class:`LoweredStep`).
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms").
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -112,3 +112,27 @@ class ModelDescription:
     vocab_size: int | None = None
     model_name: str | None = None
     tokenizer: object | None = None
+
+
+@dataclass
+class LoweredStep:
+    """A :class:`StepProgram` made by a target (``Target.lower``) or loaded from a file (a
+    ``FileFormat``'s ``load``): ``run`` called with the step signature, plus the report line saying
+    what was lowered to what and the model's ``description`` (set by whoever built or loaded it)."""
+
+    run: Callable
+    kv_cache_specs: list[KVCacheSpec]
+    functional: bool = False
+    note: str | None = None
+    graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
+    padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes
+    # run uses nothing of the rewritten model's graph (a lowered copy, another runtime's session):
+    # the LLM may let the rewritten model and the source model go (their shared tensors aside)
+    standalone: bool = False
+    description: ModelDescription | None = None
+    # None: ``logits_indices`` may hold any rows (prompt_logprobs asks for more than one per sequence);
+    # else why the program takes exactly one per sequence (the error refusing prompt_logprobs says it)
+    one_logits_row_per_seq: str | None = None
+
+    def __call__(self, *inputs: torch.Tensor):
+        return self.run(*inputs)

@@ -19,6 +19,7 @@ from pagedpack.lowering.targets import (
     StepBounds,
     Target,
     TargetOptions,
+    format_of,
     get_target,
     target_names,
 )
@@ -174,6 +175,8 @@ class EngineArgs:
         if self.extra_passes and self.is_exported:
             raise ValueError("extra_passes: an exported file is served as it was exported; pass them when exporting")
         self._check_pool_below_ram()
+        if self.is_exported:
+            self._check_file_target()
         if self.is_exported or self.tensor_parallel_size > 1:
             self._check_tensor_parallel(target)
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
@@ -182,13 +185,11 @@ class EngineArgs:
 
     def _check_tensor_parallel(self, target: Target) -> None:
         """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size
-        it takes) on the CPU (gloo)."""
-        from pagedpack.export import file_format
-        from pagedpack.tp_export import manifest_size
-
-        manifest = self.is_exported and file_format(self.model) == "tp"
+        it takes) on the CPU with a target that supports it (gloo)."""
+        fmt = format_of(self.model)[0] if self.is_exported else None
+        manifest = fmt is not None and fmt.world_size is not None
         if manifest:
-            size = manifest_size(self.model)
+            size = fmt.world_size(self.model)
             if self.tensor_parallel_size not in (1, size):
                 raise ValueError(f"tensor_parallel_size: {self.model!r} is an export for {size} ranks, "
                                  f"got {self.tensor_parallel_size}")
@@ -200,11 +201,18 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
                              f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
                              f"'external_launcher' (--distributed-executor-backend external_launcher)")
-        if (self.is_exported and not manifest) or target.name != DEFAULT_TARGET or not is_cpu(self.device):
+        if (self.is_exported and not manifest) or not target.supports_tensor_parallel or not is_cpu(self.device):
             got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
+            able = [name for name in target_names() if get_target(name).supports_tensor_parallel]
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "
-                             f"tensor-parallel export's manifest on the CPU with the {DEFAULT_TARGET} target (gloo), "
-                             f"got {got}")
+                             f"tensor-parallel export's manifest on the CPU with the {' or '.join(able)} target "
+                             f"(gloo), got {got}")
+
+    def _check_file_target(self) -> None:
+        """An exported file is served by the target of its format; ``target``, if given, must be that one."""
+        owner = format_of(self.model)[1]
+        if self.target is not None and get_target(self.target) is not owner:
+            raise ValueError(f"target: {self.model!r} is run by the {owner.name!r} target, got {self.target!r}")
 
     def _check_extra_passes(self) -> None:
         if not isinstance(self.extra_passes, (list, tuple)):
@@ -244,7 +252,11 @@ class EngineArgs:
 
     @property
     def lowering_target(self) -> Target:
-        return get_target(DEFAULT_TARGET if self.target is None else self.target)
+        """The target named by ``target``; if None, the one serving the exported file ``model``
+        names (:func:`~pagedpack.lowering.targets.format_of`), else the default."""
+        if self.target is None and self.is_exported:
+            return format_of(self.model)[1]
+        return get_target(self.target)
 
     @property
     def step_bounds(self) -> StepBounds:

@@ -1,55 +1,42 @@
-"""Export the rewritten step graph as a ``torch.export`` ``.pt2`` archive, and load it back;
-the metadata and example step shared with the ONNX export (:mod:`pagedpack.lowering.onnx.export`), and
-which target serves each format (:data:`FILE_TARGETS`, :func:`file_format`).
+"""What every export format stores besides its program, format-neutral: the metadata record
+(``pagedpack.json``: format version, the step signature of :mod:`pagedpack.contract`, KV cache specs,
+eos ids, ``max_model_len``, vocabulary size, model name, the tokenizer's files), the loaded
+:class:`ExportedStep`, the example step exporters trace with, and the checks of paths, metadata and
+tokenizer files.
 
-The archive holds one ``ExportedProgram`` of the step graph (the signature of
-:mod:`pagedpack.contract`)::
+A leaf for the formats: it imports nothing of ``pagedpack.lowering`` or ``pagedpack.runtime``. The
+formats themselves are the targets' (:class:`pagedpack.lowering.targets.FileFormat`): ``.pt2`` and the
+tensor-parallel manifest are the reference target's (:mod:`pagedpack.lowering.reference.pt2`,
+:mod:`pagedpack.lowering.reference.tp`), ONNX the ``onnx`` target's
+(:mod:`pagedpack.lowering.onnx.export`); :func:`pagedpack.lowering.targets.format_of` finds a file's
+format and target, :func:`pagedpack.program.load_exported` loads it.
+
+The step program every format holds, dynamic in every size::
 
     forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
             block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [R],
             key_cache_0, value_cache_0, ...)            # [num_blocks, block_size, H_kv, D]
         -> logits [R, vocab]
 
-dynamic in ``T``, ``B`` (``cu_seqlens_q`` is ``B + 1``), ``R`` (the logits rows: ``B``, plus the
-prompt rows of requests asking for ``prompt_logprobs``), ``max_blocks_per_seq``, ``num_blocks``
-and ``block_size``: the block size is a runtime choice, not baked in. An archive written before
-``R`` had a dimension of its own takes ``R == B`` only (:func:`load_pt2` marks its program so).
-
-KV caches: the program is kept in export's default IR, where ``pagedpack::reshape_and_cache``
-stays an in-place call on the cache inputs (no functionalisation, so no per-step copy of the
-caches); the loaded ``.module()`` therefore updates the caller's cache tensors, as the step
-graph does, and the runner passes its own caches exactly as for the un-exported graph.
-
-The exporters take a rewritten model and a plain :class:`~pagedpack.contract.ModelDescription`
-(``LLM.export`` passes its own). Besides the program, ``extra_files["pagedpack.json"]`` stores
-what the runtime needs (see :func:`export_metadata`): format version, input names, KV cache
-specs, eos ids, ``max_model_len``, vocabulary size, the model name, and the tokenizer's files
-(base64) when there is one. ``import pagedpack`` registers the custom ops the program calls, which is all
-a fresh process needs before :func:`load_pt2` (or :func:`pagedpack.program.load_exported`, for either format).
+``R``: the logits rows (``B``, plus the prompt rows of requests asking for ``prompt_logprobs``).
+:data:`FORMAT_VERSION` versions the metadata record; a file of another version is refused, naming
+the version found and the one this pagedpack reads.
 """
 from __future__ import annotations
 
 import base64
 import contextlib
-import importlib
 import json
 import os
 import tempfile
-import zipfile
 from dataclasses import dataclass
 
 import torch
 
-from pagedpack.checksum import seal_pt2, verify_pt2
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, ModelDescription, cache_input_names
-from pagedpack.files import RecordingWriter, atomic_write, check_file_name
-from pagedpack.lowering.targets import LoweredStep
+from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, LoweredStep, ModelDescription, cache_input_names
+from pagedpack.files import check_file_name
 from pagedpack.metadata import example_metadata
-from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
 
-FORMATS = ("pt2", "onnx")
-# the target that serves each format (Target.load_exported): a .pt2 archive is a zip file, ONNX anything else
-FILE_TARGETS = {"pt2": "reference", "onnx": "onnx", "tp": "reference"}  # tp: a manifest (pagedpack.tp_export)
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
 
@@ -57,55 +44,14 @@ META_FILE = "pagedpack.json"
 @dataclass
 class ExportedStep(LoweredStep):
     """A step program loaded from a file written by ``pagedpack export`` (a
-    :class:`~pagedpack.contract.StepProgram`): ``run`` is ``torch.export.load(path).module()``
-    (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)``
-    (:class:`pagedpack.lowering.onnx.session.OnnxSessionStep`, functional). ``description``: what
-    the file stores besides the program; ``target``: the registry name of what runs it;
-    ``attention``: the ONNX attention lowering it was exported with; ``tensor_parallel``: which rank
-    of which tensor-parallel export it is (:mod:`pagedpack.tp_export`), None for a whole model."""
+    :class:`~pagedpack.contract.StepProgram`) by its format's ``load``: e.g. ``torch.export.load(path).module()``
+    (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)`` (functional).
+    ``description``: what the file stores besides the program; ``attention``: the ONNX attention
+    lowering it was exported with; ``tensor_parallel``: which rank of which tensor-parallel export it
+    is (:mod:`pagedpack.lowering.reference.tp`), None for a whole model."""
 
-    target: str = "reference"
     attention: str | None = None
     tensor_parallel: dict | None = None
-
-
-def check_format(fmt: str) -> str:
-    """``fmt`` if it is an export format pagedpack writes, else ``ValueError``."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format: expected one of {list(FORMATS)}, got {fmt!r}")
-    return fmt
-
-
-def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
-               tensor_parallel: dict | None = None) -> str:
-    """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ``.pt2`` file
-    ``path``, storing ``description`` (eos ids, ``max_model_len``, tokenizer, ...; optional) and, for
-    one rank's shard, ``tensor_parallel`` (``{"rank", "size", "export_id"}``, :mod:`pagedpack.tp_export`).
-    Returns ``str(path)``.
-
-    Raises ``ValueError`` for a source that is not a rewritten reference-target model, or a
-    ``path`` that cannot be written (checked before exporting); ``TypeError`` if ``path`` is not
-    a path.
-    """
-    meta = export_metadata(rewritten, description)
-    meta["tensor_parallel"] = tensor_parallel
-    path = check_output_path(path)
-    program = _export_program(rewritten)
-    if meta["vocab_size"] is None:  # read it off the exported logits
-        output = next(n for n in program.graph.nodes if n.op == "output")
-        meta["vocab_size"] = int(output.args[0][0].meta["val"].shape[-1])
-    # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
-    # functionalised it and the loaded .module() copies the new caches into the inputs.
-    meta["cache_mutation"] = "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
-                                                  program.graph_signature.output_specs) else "in_place"
-    with writing(path), atomic_write(path) as tmp:
-        with open(tmp, "wb") as file:
-            writer = RecordingWriter(file)  # a write error must not unwind through torch's C++ writer
-            torch.export.save(program, writer, extra_files={META_FILE: json.dumps(meta)})
-        if writer.error is not None:
-            raise writer.error
-        seal_pt2(tmp)
-    return path
 
 
 def export_metadata(rewritten, description: ModelDescription | None = None) -> dict:
@@ -132,7 +78,7 @@ def export_metadata(rewritten, description: ModelDescription | None = None) -> d
 
 def check_portable(rewritten) -> None:
     """``rewritten`` is a rewritten model whose step graph calls the reference ``pagedpack`` ops
-    (what both export formats translate); ``ValueError`` naming what it is otherwise."""
+    (what the export formats translate); ``ValueError`` naming what it is otherwise."""
     graph = getattr(getattr(rewritten, "graph_module", None), "graph", None)
     if not (callable(getattr(rewritten, "raise_if_refused", None)) and isinstance(graph, torch.fx.Graph)):
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
@@ -185,81 +131,6 @@ def check_export_file(path) -> str:
     return path
 
 
-def file_format(path) -> str:
-    """The export format of the file at ``path`` (a key of :data:`FILE_TARGETS`), whatever its name:
-    a ``.pt2`` archive is a zip file, a tensor-parallel manifest a JSON object, an ONNX model anything
-    else; ``ValueError`` for no file or an empty one."""
-    path = check_export_file(path)
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"path: {path!r} is empty (0 bytes), not an export")
-    if zipfile.is_zipfile(path):
-        return "pt2"
-    with open(path, "rb") as file:  # a manifest is JSON (pagedpack.tp_export); ONNX is protobuf, never '{' first
-        return "tp" if file.read(64).lstrip()[:1] == b"{" else "onnx"
-
-
-# Ops a captured model may call that a library registers on import, by the prefix of their name in
-# an archive: Mixture-of-Experts layers of transformers call torch.ops.transformers.grouped_mm_fallback.
-_OP_LIBRARIES = {b"torch.ops.transformers.": "transformers.integrations.moe"}
-
-
-def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
-    """Load an archive written by :func:`export_pt2`. Checked before ``torch.export.load`` reads
-    it: its sha256 record (:mod:`pagedpack.checksum`) and, unless ``trust_file``, that nothing in it
-    would run code (:mod:`pagedpack.pt2_check`: pickled members, non-operator node targets, ...;
-    refused with :class:`~pagedpack.pt2_check.UntrustedFileError`); after: that its metadata
-    matches the program's own signature. ``ValueError`` if ``path`` is missing or is not such an
-    archive. The libraries that register ops the program calls besides pagedpack's
-    (:data:`_OP_LIBRARIES`) are imported first."""
-    path = check_export_file(path)
-    extra = {META_FILE: ""}
-    with open(path, "rb") as file:  # one open file for the checks and the load
-        verify_pt2(file, path)
-        if not trust_file:
-            check_pt2_archive(file, path)
-        try:
-            file.seek(0)
-            _import_op_libraries(file)
-            file.seek(0)
-            with contextlib.nullcontext() if trust_file else weights_only_loads():
-                program = torch.export.load(file, extra_files=extra)
-        except Exception as err:  # zip errors, missing archive entries, unknown ops, ...
-            raise ValueError(f"path: {path!r} is not a loadable torch.export archive "
-                             f"({type(err).__name__}: {err})") from err
-    if not extra[META_FILE]:
-        raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    step = step_from_metadata(None, extra[META_FILE], path, target="reference")
-    check_program_signature(step, _pt2_signature(program), path)
-    if _logits_rows_tied(program):
-        step.one_logits_row_per_seq = (f"the reference target's .pt2 program {path!r} returns one logits row per "
-                                       "sequence (exported before logits_indices had a size of its own); export "
-                                       "it again to ask for prompt logprobs")
-    program._guards_code = []  # module() would exec these strings from the file (pagedpack.pt2_check)
-    step.run = program.module()
-    return step
-
-
-def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tuple], tuple]:
-    """``({input name: (shape, dtype)}, logits shape)`` of an exported step program; a symbolic size is None."""
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    inputs = {}
-    for name in program.graph_signature.user_inputs:
-        val = placeholders[name].meta.get("val") if name in placeholders else None
-        if isinstance(val, torch.Tensor):
-            inputs[name] = (static_shape(val.shape), val.dtype)
-    output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
-    val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
-    return inputs, static_shape(val.shape) if isinstance(val, torch.Tensor) else ()
-
-
-def _logits_rows_tied(program: torch.export.ExportedProgram) -> bool:
-    """Whether the program's ``logits_indices`` has the size of ``seq_lens`` (one symbol: its
-    guard refuses any other length)."""
-    sizes = {n.name: n.meta["val"].shape[0] for n in program.graph.nodes
-             if n.op == "placeholder" and n.name in ("seq_lens", "logits_indices") and "val" in n.meta}
-    return len(sizes) == 2 and str(sizes["seq_lens"]) == str(sizes["logits_indices"])
-
-
 def static_shape(sizes) -> tuple:
     """A shape with each symbolic size (a ``SymInt``, an ONNX dim name) as None."""
     return tuple(int(n) if isinstance(n, int) else None for n in sizes)
@@ -267,7 +138,8 @@ def static_shape(sizes) -> tuple:
 
 def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple], tuple], path: str) -> None:
     """The metadata of ``step`` (KV cache specs, vocabulary) matches its program's own inputs and
-    logits (``signature`` as :func:`_pt2_signature` gives it; a shape entry None is symbolic);
+    logits (``signature``: ``({input name: (shape, dtype)}, logits shape)``, a shape entry None where
+    symbolic, as each format reads it off its program);
     ``ValueError`` naming the field, what the program has and what the metadata says."""
     inputs, logits = signature
     expected = [*METADATA_INPUTS, *cache_input_names(len(step.kv_cache_specs))]
@@ -288,21 +160,13 @@ def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple
                          f"shape {list(logits)}")
 
 
-def _import_op_libraries(file) -> None:
-    with zipfile.ZipFile(file) as archive:
-        graphs = [archive.read(name) for name in archive.namelist() if name.endswith(".json")]
-    for prefix, module in _OP_LIBRARIES.items():
-        if any(prefix in graph for graph in graphs):
-            importlib.import_module(module)
-
-
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
 _OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict}
 _REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
 
 
-def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep:
-    """An :class:`ExportedStep` calling ``run`` (run by ``target``), from the metadata JSON
+def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
+    """An :class:`ExportedStep` calling ``run``, from the metadata JSON
     :func:`export_metadata` wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
     that does not describe a pagedpack step program."""
     def invalid(name, expected, got):
@@ -353,21 +217,8 @@ def step_from_metadata(run, raw: str, path: str, *, target: str) -> ExportedStep
     description = ModelDescription(meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
                                    meta.get("model_name"), tokenizer)
     return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", note=f"loaded from {path}",
-                        description=description, target=target, attention=meta.get("attention"),
+                        description=description, attention=meta.get("attention"),
                         tensor_parallel=shard)
-
-
-def _export_program(rewritten) -> torch.export.ExportedProgram:
-    """``torch.export`` the step graph on :func:`example_step` with every size dynamic."""
-    args, dynamic_shapes = example_step(rewritten)
-    try:
-        with torch.no_grad():
-            return torch.export.export(rewritten.graph_module, args, dynamic_shapes=dynamic_shapes, strict=False)
-    except torch._dynamo.exc.UserError as err:  # e.g. a guard on the token count it cannot prove for every size
-        first = str(err).strip().splitlines()
-        raise ValueError(f"rewritten: torch.export cannot export its step graph for every step size "
-                         f"({type(err).__name__}: {' '.join(first[:2])[:400]}); serve the model in process "
-                         f"instead") from err
 
 
 def example_step(rewritten) -> tuple[tuple, tuple]:
@@ -475,3 +326,18 @@ def _load_tokenizer(files: dict[str, str] | None):
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ValueError(f"tokenizer_files: expected a tokenizer, got a {type(tokenizer).__name__}")
     return tokenizer
+
+
+# Names this module had before the formats moved to their targets' packages: where they are now.
+_MOVED = {"export_pt2": "pagedpack.lowering.reference.pt2", "load_pt2": "pagedpack.lowering.reference.pt2",
+          "load_exported": "pagedpack.program", "file_format": "pagedpack.lowering.targets (format_of)",
+          "FILE_TARGETS": "pagedpack.lowering.targets (format_of)",
+          "FORMATS": "pagedpack.lowering.targets (format_names)",
+          "check_format": "pagedpack.lowering.targets (get_format)"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:  # this module imports no format (it is their leaf): say where the name went
+        raise AttributeError(f"pagedpack.export.{name} moved to {_MOVED[name]}; export_pt2, export_onnx and "
+                             f"load_exported are also importable from pagedpack")
+    raise AttributeError(f"module 'pagedpack.export' has no attribute {name!r}")

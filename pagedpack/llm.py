@@ -114,14 +114,14 @@ class LLM:
         """KV-cache bytes one token takes over all layers."""
         return bytes_per_token(self.program.kv_cache_specs)
 
-    def export(self, path, *, format: str = "pt2", attention: str = "pagedpack", tensor_parallel_size=None) -> str:
-        """Write the rewritten step program to ``path`` as ``format`` (``"pt2"`` or ``"onnx"``,
-        ``attention`` for ONNX as in :func:`pagedpack.lowering.onnx.export.export_onnx`), or split over
-        ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and a ``.pt2`` per rank
-        (:mod:`pagedpack.tp_export`), with this LLM's description; returns ``str(path)``.
+    def export(self, path, *, format: str = "pt2", tensor_parallel_size=None, **options) -> str:
+        """Write the rewritten step program to ``path`` as ``format`` (a registered export format: ``"pt2"``,
+        ``"onnx"``, ...; ``options`` its own, e.g. ``attention`` for ONNX as in :mod:`pagedpack.lowering.onnx.export`),
+        or split over ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and a ``.pt2`` per rank
+        (:mod:`pagedpack.lowering.reference.tp`), with this LLM's description; returns ``str(path)``.
         ``ValueError`` for an LLM served from a file or lowered for a target other than the reference."""
-        return self._builder.export(path, self.description, format=format, attention=attention,
-                                    tensor_parallel_size=tensor_parallel_size)
+        return self._builder.export(path, self.description, format=format, tensor_parallel_size=tensor_parallel_size,
+                                    **options)
 
     def plan_memory(self, memory, *, keep_source_model: bool | None = None,
                     kv_cache_dtype: str | None = None) -> MemoryPlan:

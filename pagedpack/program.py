@@ -29,7 +29,7 @@ import torch
 from pagedpack.contract import ModelDescription, StepProgram
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
-from pagedpack.lowering.targets import get_target
+from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.planner import resident_weight_bytes
 from pagedpack.source import capture_source, load_source
@@ -86,28 +86,21 @@ class ProgramBuilder:
         return [dataclasses.replace(spec, dtype=kv_dtype) for spec in self.source_specs]
 
     def _load_file(self, path: str, *, trust_file: bool = False) -> StepProgram:
-        """The program of a file ``pagedpack export`` wrote (a compile-cache entry is never trusted as code)."""
-        from pagedpack.export import FILE_TARGETS, file_format
+        """The program of a file ``pagedpack export`` wrote, served by the target of its format
+        (a compile-cache entry is never trusted as code); a tensor-parallel manifest's rank file for
+        this rank, its all-reduces on this process group."""
         from pagedpack.passes.tensor_parallel import count_all_reduces, set_group_name
 
-        fmt = file_format(path)
-        name = FILE_TARGETS[fmt]
-        if self.args.target is not None and self.args.target != name:
-            raise ValueError(f"target: {path!r} is run by the {name!r} target, got {self.args.target!r}")
-        self.target = name
-        if fmt == "tp":  # a tensor-parallel export: this rank's file, its all-reduces on this group
+        fmt, target = format_of(path)
+        self.target = target.name
+        program = target.load_exported(path, fmt, trust_file=trust_file, device=self.args.device,
+                                       max_model_len=self.args.max_model_len, rank=self.rank)
+        if fmt.world_size is not None:
             from pagedpack.runtime.tensor_parallel import group_name
-            from pagedpack.tp_export import read_manifest
 
-            files = read_manifest(path)
-            program = load_exported(files[self.rank], trust_file=trust_file, device=self.args.device,
-                                    max_model_len=self.args.max_model_len)
             self._start_workers()
             set_group_name(program.run, group_name())
-            return program
-        program = load_exported(path, trust_file=trust_file, device=self.args.device,
-                                max_model_len=self.args.max_model_len)
-        if getattr(program, "tensor_parallel", None) is not None or (
+        elif getattr(program, "tensor_parallel", None) is not None or (
                 isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run)):
             raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
         return program
@@ -256,29 +249,21 @@ class ProgramBuilder:
                              "again; export the original model")
         return self._rewritten if self._rewritten is not None else self._capture_again()
 
-    def export(self, path, description: ModelDescription, *, format: str = "pt2", attention: str = "pagedpack",
-               tensor_parallel_size: int | None = None) -> str:
-        """Write the rewritten step program with ``description`` to ``path`` as ``format`` (``LLM.export``);
-        split over ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and one ``.pt2``
-        per rank (:mod:`pagedpack.tp_export`)."""
-        from pagedpack.export import check_format, export_pt2
-
-        check_format(format)
+    def export(self, path, description: ModelDescription, *, format: str = "pt2",
+               tensor_parallel_size: int | None = None, **options) -> str:
+        """Write the rewritten step program with ``description`` to ``path`` as ``format`` (a registered
+        export format, :func:`~pagedpack.lowering.targets.format_names`; ``options``: its own export
+        options, e.g. ONNX's ``attention``) (``LLM.export``); split over ``tensor_parallel_size`` ranks
+        (None: this LLM's) as the format's tensor-parallel manifest and one file per rank
+        (:mod:`pagedpack.lowering.reference.tp`)."""
+        fmt, _ = get_format(format)
+        fmt.check_options(options)
         tp_size = self.args.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
         if tp_size != 1:
-            from pagedpack.tp_export import export_tensor_parallel
-
-            if format != "pt2":
-                raise ValueError(f"tensor_parallel_size: a tensor-parallel export is written as .pt2 files, "
-                                 f"got format {format!r}")
-            return export_tensor_parallel(self.source_graph(), self.model, path, description, tp_size=tp_size)
-        if format == "onnx":
-            from pagedpack.lowering.onnx.export import export_onnx
-
-            return export_onnx(self.source_graph(), path, description, attention=attention)
-        if attention != "pagedpack":
-            raise ValueError(f"attention: only with format 'onnx', got attention={attention!r} with 'pt2'")
-        return export_pt2(self.source_graph(), path, description)
+            manifest, _ = tensor_parallel_format(format)
+            return manifest.export(self.source_graph(), path, description, model=self.model,
+                                   tensor_parallel_size=tp_size, **options)
+        return fmt.export(self.source_graph(), path, description, **options)
 
     def weight_bytes(self, keep_source_model: bool) -> int:
         """Bytes of weights serving holds, with the source model and the rewritten graph kept or not."""
@@ -317,16 +302,14 @@ def max_model_len(args: EngineArgs, description: ModelDescription) -> int:
 
 
 def load_exported(path, *, trust_file: bool = False, device="cpu", max_model_len: int | None = None) -> StepProgram:
-    """The program serving a file ``pagedpack export`` wrote, whatever its name, from the target of
-    its :func:`~pagedpack.export.file_format` (:meth:`~pagedpack.lowering.targets.Target.load_exported`:
-    :func:`pagedpack.export.load_pt2` lowered for the CPU, or
-    :func:`pagedpack.lowering.onnx.export.load_onnx`), its ``description`` set; ``ValueError`` if the
-    file is neither, is damaged (its checksum), or its metadata disagrees with its program.
-    ``trust_file``: see :func:`~pagedpack.export.load_pt2`."""
-    from pagedpack.export import FILE_TARGETS, file_format
-
-    target = get_target(FILE_TARGETS[file_format(path)])
-    return target.load_exported(path, trust_file=trust_file, device=device, max_model_len=max_model_len)
+    """The program serving a file ``pagedpack export`` wrote, whatever its name: the registry finds its
+    format and target (:func:`~pagedpack.lowering.targets.format_of`, by the file's first bytes) and the
+    target serves it (:meth:`~pagedpack.lowering.targets.Target.load_exported`: a ``.pt2`` lowered for
+    the CPU, an ONNX model on an onnxruntime session, ...), its ``description`` set; ``ValueError`` if no
+    format claims the file, it is damaged (its checksum), or its metadata disagrees with its program.
+    ``trust_file``: see :func:`~pagedpack.lowering.reference.pt2.load_pt2`."""
+    fmt, target = format_of(path)
+    return target.load_exported(path, fmt, trust_file=trust_file, device=device, max_model_len=max_model_len)
 
 
 def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:

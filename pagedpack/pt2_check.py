@@ -39,7 +39,7 @@ import zipfile
 
 _NAMESPACES = ("aten", "pagedpack", "transformers")
 _DENIED_OPS = ("torch.ops.aten.from_file",)
-# a tensor-parallel rank's collectives (pagedpack.tp_export): out-of-place collectives on a named group
+# a tensor-parallel rank's collectives (pagedpack.lowering.reference.tp): out-of-place collectives on a named group
 _COLLECTIVES = ("torch.ops._c10d_functional.all_reduce.default", "torch.ops._c10d_functional.wait_tensor.default",
                 "torch.ops._c10d_functional.all_gather_into_tensor.default")
 _OPERATORS = frozenset("getitem add sub mul truediv floordiv mod neg pos pow abs eq ne lt le gt ge and_ or_ xor "

@@ -20,8 +20,7 @@ import torch
 from pagedpack.runtime.sampling_ops import token_logprobs
 
 if TYPE_CHECKING:
-    from pagedpack.runtime.request import Request
-    from pagedpack.runtime.scheduler import ScheduledRequest
+    from pagedpack.runtime.request import Request, ScheduledRequest
 
 
 @dataclass(frozen=True)

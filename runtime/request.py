@@ -7,7 +7,7 @@ import enum
 import torch
 
 from pagedpack.inputs import check_cache_salt
-from pagedpack.runtime.sampling import SamplingParams
+from pagedpack.runtime.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -165,3 +165,37 @@ def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
         for i in range(params.n)]
     first.forks = forks
     return first
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request`` to compute this step, starting at
+    ``request.num_computed_tokens`` (which the scheduler advances only in
+    ``update_from_output``). ``ValueError`` unless ``1 <= num_new_tokens <= `` the tokens left."""
+
+    request: Request
+    num_new_tokens: int
+    _needs_sample: bool = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        end = self.request.num_computed_tokens + self.num_new_tokens
+        if self.num_new_tokens < 1 or end > self.request.num_tokens:
+            raise ValueError(
+                f"num_new_tokens: expected 1 .. {self.request.num_tokens - self.request.num_computed_tokens} "
+                f"for request {self.request.request_id!r} ({self.request.num_computed_tokens} of "
+                f"{self.request.num_tokens} tokens computed), got {self.num_new_tokens}"
+            )
+        self._needs_sample = end == self.request.num_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """This chunk reaches the request's last known token, so its last row is sampled
+        (``num_computed_tokens + num_new_tokens == num_tokens`` when scheduled; fixed then, so
+        it stays valid after ``update_from_output``)."""
+        return self._needs_sample
+
+    @property
+    def sample_requests(self) -> list[Request]:
+        """Who takes a token from this chunk's last row: nobody unless ``needs_sample``; else
+        the request and the parallel samples still to be forked off it (``Request.forks``)."""
+        return [self.request, *self.request.forks] if self._needs_sample else []

@@ -23,41 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
-from pagedpack.runtime.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """``num_new_tokens`` tokens of ``request`` to compute this step, starting at
-    ``request.num_computed_tokens`` (which the scheduler advances only in
-    ``update_from_output``). ``ValueError`` unless ``1 <= num_new_tokens <= `` the tokens left."""
-
-    request: Request
-    num_new_tokens: int
-    _needs_sample: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        end = self.request.num_computed_tokens + self.num_new_tokens
-        if self.num_new_tokens < 1 or end > self.request.num_tokens:
-            raise ValueError(
-                f"num_new_tokens: expected 1 .. {self.request.num_tokens - self.request.num_computed_tokens} "
-                f"for request {self.request.request_id!r} ({self.request.num_computed_tokens} of "
-                f"{self.request.num_tokens} tokens computed), got {self.num_new_tokens}"
-            )
-        self._needs_sample = end == self.request.num_tokens
-
-    @property
-    def needs_sample(self) -> bool:
-        """This chunk reaches the request's last known token, so its last row is sampled
-        (``num_computed_tokens + num_new_tokens == num_tokens`` when scheduled; fixed then, so
-        it stays valid after ``update_from_output``)."""
-        return self._needs_sample
-
-    @property
-    def sample_requests(self) -> list[Request]:
-        """Who takes a token from this chunk's last row: nobody unless ``needs_sample``; else
-        the request and the parallel samples still to be forked off it (``Request.forks``)."""
-        return [self.request, *self.request.forks] if self._needs_sample else []
+from pagedpack.runtime.request import Request, RequestStatus, ScheduledRequest  # noqa: F401  (re-exported)
 
 
 @dataclass

@@ -33,15 +33,16 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports anywhere (module level or inside functions; not
-    under ``if TYPE_CHECKING:``, which never runs)."""
+def _imports(path: Path, modules: dict[str, Path], *, typing_only: bool = False) -> set[str]:
+    """The project modules ``path`` imports anywhere (module level or inside functions); under
+    ``if TYPE_CHECKING:`` (which never runs) only with ``typing_only``."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+    skipped = set() if typing_only else {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                                         and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                                         for n in ast.walk(block)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in skipped:
             continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -58,8 +59,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def test_no_module_imports_another_in_a_cycle():
+    """Counting typing-only imports too: a cycle through annotations is a cycle of the design."""
     modules = _modules()
-    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    graph = {name: _imports(path, modules, typing_only=True) - {name} for name, path in modules.items()}
     assert "pagedpack.passes.pipeline" in graph and "pagedpack.contract" in graph
     state, cycles = {}, []
 
@@ -80,9 +82,23 @@ def test_no_module_imports_another_in_a_cycle():
 
 def test_the_contract_and_the_step_metadata_are_leaves():
     modules = _modules()
-    assert _imports(modules["pagedpack.contract"], modules) == set()
-    assert _imports(modules["pagedpack.metadata"], modules) == set()
+    assert _imports(modules["pagedpack.contract"], modules, typing_only=True) == set()
+    assert _imports(modules["pagedpack.metadata"], modules, typing_only=True) == set()
     assert StepMetadata._fields == METADATA_INPUTS
+
+
+# What every format shares (the metadata record, the tokenizer, paths, checksums, the archive checks):
+# the formats, in their targets' packages under lowering/, import these, never the other way.
+FORMAT_NEUTRAL = ("pagedpack.export", "pagedpack.contract", "pagedpack.metadata", "pagedpack.checksum",
+                  "pagedpack.files", "pagedpack.pt2_check", "pagedpack.devices")
+
+
+@pytest.mark.parametrize("module", FORMAT_NEUTRAL)
+def test_the_format_neutral_modules_import_no_lowering_and_no_runtime(module):
+    modules = _modules()
+    found = _imports(modules[module], modules, typing_only=True)
+    assert not {m for m in found if m.startswith(("pagedpack.lowering", "pagedpack.runtime", "pagedpack.program",
+                                                  "pagedpack.llm", "pagedpack.passes"))}, found
 
 
 @pytest.mark.parametrize("module", ["pagedpack.passes.pipeline", "pagedpack.passes.varlen", "pagedpack.backend",
@@ -120,18 +136,79 @@ def test_python_started_in_the_clone_imports_the_installed_kernels_package():
     assert Path(result.stdout.strip()) != ROOT / "kernels" / "__init__.py"
 
 
-def test_no_target_name_is_compared_outside_the_registry():
-    """No ``target == "ascend"``-style test outside the registry and the target modules."""
+# Names that stand for a target or a format: a comparison with one of them outside the registry is a
+# capability asked by name. ``x.target`` alone is not (FX nodes have targets); ``x.target`` of an
+# object that is not a graph node (args, self, llm, ...) is.
+_NAMED = {"format", "fmt", "file_format", "format_name", "target_name", "lowering_target", "DEFAULT_TARGET",
+          "FILE_TARGETS", "FORMATS"}
+_HOLDERS = {"args", "self", "llm", "engine_args", "program", "step", "builder", "served", "exported"}
+
+
+def _names_a_target_or_format(node: ast.AST, names: set[str]) -> bool:
+    """Whether the comparison (or ``match``) ``node`` compares with a target or format name: a string
+    literal of one (also inside a tuple, list or set), a registry constant, or an operand that holds
+    one (``fmt``, ``args.format``, ``self.target``, ``target.name``). An identity test (``is None``,
+    ``is owner``) compares objects, not names, unless with a literal name."""
+    if isinstance(node, ast.Match):
+        patterns = [p for case in node.cases for p in ast.walk(case.pattern) if isinstance(p, ast.MatchValue)]
+        return _holds_a_name(node.subject) or any(_literal(p.value, names) for p in patterns)
+    if not isinstance(node, ast.Compare):
+        return False
+    operands = (node.left, *node.comparators)
+    if any(_literal(operand, names) for operand in operands):
+        return True
+    identity = all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+    return not identity and any(_holds_a_name(operand) for operand in operands)
+
+
+def _literal(node: ast.AST, names: set[str]) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_literal(e, names) for e in node.elts)
+    return isinstance(node, ast.Constant) and node.value in names
+
+
+def _holds_a_name(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(map(_holds_a_name, node.elts))
+    if isinstance(node, ast.Name):
+        return node.id in _NAMED
+    if isinstance(node, ast.Attribute):
+        base = getattr(node.value, "id", None)
+        return node.attr in _NAMED or node.attr == "target" and base in _HOLDERS or \
+            node.attr == "name" and base in {"target", "fmt", "owner", "format"}
+    return False
+
+
+def _in_the_registry(name: str) -> bool:
+    """The registry and each target's own package (``pagedpack.lowering.<target>``)."""
+    return name == "pagedpack.lowering.targets" or name.startswith("pagedpack.lowering.") and name.count(".") >= 3
+
+
+def test_no_target_or_format_name_is_compared_outside_the_registry():
+    """No ``target == "ascend"``, ``fmt in ("pt2", "tp")``, ``x.target != DEFAULT_TARGET``,
+    ``args.format == ...`` or ``match fmt: case "onnx":`` outside the registry and the target packages:
+    code asks a target or a format for a capability instead (``Target.supports_tensor_parallel``,
+    ``FileFormat.world_size``, ...)."""
+    names = {*targets.target_names(), *targets.file_formats()}
+    found = []
     for name, path in _modules().items():
-        if name == "pagedpack.lowering.targets" or name.endswith(".target"):  # the registry, each target's class
+        if _in_the_registry(name):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare):
-                literals = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)}
-                words = {getattr(c, "id", getattr(c, "attr", "")) for c in ast.walk(node)}
-                on_target = any("target" in str(w) for w in words)
-                assert not (on_target and set(targets.target_names()) & literals), \
-                    f"{name}:{node.lineno} compares a target name"
+            if _names_a_target_or_format(node, names):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not found, "compares a target or format name:\n" + "\n".join(found)
+
+
+def test_the_name_check_catches_every_form():
+    names = {*targets.target_names(), *targets.file_formats()}
+    for code in ('target == "ascend"', 'fmt in ("pt2", "tp")', "target.name != DEFAULT_TARGET",
+                 "args.format == other", "self.target != name", 'args.attention != "x" and args.format == "pt2"',
+                 'kind == "onnx"', 'x is "reference"', 'match kind:\n    case "pt2": pass'):
+        assert any(_names_a_target_or_format(node, names) for node in ast.walk(ast.parse(code))), code
+    for code in ('node.target == "_guards_fn"', 'u.target == "item"', "n.target is torch.ops.aten.mm.default",
+                 "fmt.world_size is not None", "self.target is None", "get_target(self.target) is not owner"):
+        assert not _names_a_target_or_format(ast.parse(code).body[0].value, names), code
 
 
 def test_device_types_are_compared_only_in_the_devices_module():

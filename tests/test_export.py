@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.export import check_format, export_pt2
 from pagedpack.lowering.onnx.export import export_onnx
+from pagedpack.lowering.reference.pt2 import export_pt2
+from pagedpack.lowering.targets import get_format
 from pagedpack.models.tiny import tiny_model
 from pagedpack.program import load_exported
 from pagedpack.runtime.request import Request
@@ -121,15 +122,15 @@ def test_bad_path_and_format(tmp_path, llm, fmt):
         LLM.from_exported(tmp_path / f"missing.{fmt}")
     junk = tmp_path / f"junk.{fmt}"
     junk.write_bytes(b"neither a zip archive nor a protobuf")
-    with pytest.raises(ValueError, match="not a loadable torch.export archive|nor a loadable ONNX model"):
+    with pytest.raises(ValueError, match="is not a file of any registered export format"):
         load_exported(junk)
     with pytest.raises(ValueError, match="no such directory"):
         export(llm.rewritten, tmp_path / "nope" / f"x.{fmt}")
     with pytest.raises(ValueError, match="expected a RewrittenModel"):
         export(torch.nn.Linear(2, 2), tmp_path / f"x.{fmt}")
-    assert check_format(fmt) == fmt
-    with pytest.raises(ValueError, match="expected one of"):
-        check_format("tflite")
+    assert get_format(fmt)[0].name == fmt
+    with pytest.raises(ValueError, match="format: expected one of"):
+        get_format("tflite")
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))

@@ -21,8 +21,9 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.checksum import seal_pt2
 from pagedpack.cli import main
 from pagedpack.contract import ModelDescription
-from pagedpack.export import META_FILE, export_pt2, load_pt2
+from pagedpack.export import META_FILE
 from pagedpack.lowering.onnx.export import export_onnx, load_onnx
+from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
@@ -281,6 +282,29 @@ def test_load_another_format_version(fmt, version, files, tmp_path):
     path = with_meta(files[fmt], tmp_path / f"v.{fmt}", edit)
     with pytest.raises(ValueError, match=rf"has pagedpack format_version {version!r}, this pagedpack reads 1"):
         LLM.from_exported(path)
+
+
+# The metadata record as pagedpack wrote it (format_version 1) before the formats moved into their targets'
+# packages (pagedpack.lowering.reference.pt2, .tp, pagedpack.lowering.onnx.export): its fields in the order
+# written. The move left it as it was, so files written before load (checked by hand too: a .pt2 and an
+# .onnx written by the code before the move serve the same greedy tokens).
+OLD_LAYOUT = {"pt2": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
+                      "vocab_size", "model_name", "tokenizer_files", "tensor_parallel", "cache_mutation"),
+              "onnx": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
+                       "vocab_size", "model_name", "tokenizer_files", "attention", "cache_mutation")}
+
+
+@pytest.mark.parametrize("fmt", sorted(OLD_LAYOUT))
+def test_a_file_in_the_layout_written_before_the_formats_moved_loads(fmt, files, llm, tmp_path):
+    def old_layout(text: str) -> str:
+        meta = json.loads(text)
+        assert tuple(meta) == OLD_LAYOUT[fmt]  # what this pagedpack writes is still that layout
+        return json.dumps({"format_version": 1, **{key: meta[key] for key in OLD_LAYOUT[fmt][1:]}})
+
+    with_meta = onnx_with_meta if fmt == "onnx" else pt2_with_meta
+    served = LLM.from_exported(with_meta(files[fmt], tmp_path / f"old.{fmt}", old_layout), num_blocks=64)
+    prompts = random_prompts((3, 20), seed=12)
+    assert reference(served, prompts) == reference(llm, prompts)
 
 
 _SPEC = {"num_kv_heads": 2, "key_head_size": 16, "value_head_size": 16, "dtype": "float32"}
@@ -545,7 +569,7 @@ def test_cli_export_bad_choice(option, value, capsys, tmp_path):
 def test_cli_export_attention_with_pt2(capsys, tmp_path):
     assert main(["export", "--format", "pt2", "--attention", "com.microsoft", "--out", str(tmp_path / "x.pt2")]) == 2
     err = capsys.readouterr().err
-    assert "pagedpack: error: attention: only with --format onnx, got --attention com.microsoft with pt2" in err
+    assert "pagedpack: error: attention: only with format 'onnx', got attention='com.microsoft' with 'pt2'" in err
     assert "Traceback" not in err and not os.listdir(tmp_path)
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pagedpack.export as export
+import pagedpack.lowering.reference.pt2 as pt2_format
 from pagedpack import LLM, SamplingParams
 from pagedpack.metadata import example_metadata
 from pagedpack.models.tiny import tiny_model
@@ -166,7 +167,7 @@ def test_a_pt2_export_serves_prompt_logprobs_and_an_older_one_refuses_them(sourc
                                max_num_batched_tokens=BUDGET)
     out = served.generate({"prompt_token_ids": prompt}, _params(prompt_logprobs=3), use_tqdm=False)[0]
     assert_prompt_logprobs(reference, prompt, out.prompt_logprobs, 3)
-    monkeypatch.setattr(export, "example_step", _tied_example_step)
+    monkeypatch.setattr(pt2_format, "example_step", _tied_example_step)
     older = LLM.from_exported(source.export(tmp_path / "old.pt2"), num_blocks=32, block_size=8)
     with pytest.raises(ValueError, match=r"prompt_logprobs: the reference target's \.pt2 program .* returns one "
                                          r"logits row per sequence"):

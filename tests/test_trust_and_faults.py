@@ -25,10 +25,11 @@ import torch
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.checksum import seal_pt2
-from pagedpack.export import META_FILE, export_pt2
+from pagedpack.export import META_FILE
 from pagedpack.files import atomic_write
 from pagedpack.kernels import native
 from pagedpack.lowering.onnx.export import export_onnx
+from pagedpack.lowering.reference.pt2 import export_pt2
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.program import load_exported

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from pagedpack.contract import LoweredStep
 from pagedpack.devices import is_npu
 from pagedpack.lowering.ascend.graphs import (
     BUCKET_MODES,
@@ -44,7 +45,7 @@ from pagedpack.lowering.ascend.lower import (
     step_example_inputs,
 )
 from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
-from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
+from pagedpack.lowering.targets import StepBounds, Target, TargetOptions
 
 
 def npu_graph_api(emulated: bool):

@@ -1,7 +1,7 @@
-"""Export the step graph as an ONNX model, and load one back onto an onnxruntime session
-(:func:`load_onnx`).
+"""The ``onnx`` target's file format (:data:`FORMAT`, ``"onnx"``): the step graph as an ONNX model
+(:func:`export_onnx`), loaded back onto an onnxruntime session (:func:`load_onnx`).
 
-The model has the step signature of :mod:`pagedpack.export`, made functional::
+The model has the step signature of :mod:`pagedpack.contract`, made functional::
 
     (input_ids [num_tokens] int64, positions [num_tokens] int64, cu_seqlens_q [num_seqs + 1] int32,
      seq_lens [num_seqs] int32, block_table [num_seqs, max_blocks_per_seq] int32,
@@ -44,6 +44,7 @@ from pagedpack.export import (
 )
 from pagedpack.files import publish, temp_path
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
+from pagedpack.lowering.targets import FileFormat
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -51,7 +52,7 @@ ATTENTIONS = ("pagedpack", "com.microsoft")
 def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
                 attention: str = "pagedpack") -> str:
     """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ONNX file ``path``,
-    storing ``description`` as :func:`pagedpack.export.export_pt2` does.
+    storing ``description`` as every format does (:func:`pagedpack.export.export_metadata`).
 
     ``attention``: ``"pagedpack"`` (functions with standard-op bodies; runs on onnxruntime CPU)
     or ``"com.microsoft"`` (``com.microsoft.PagedAttention``; float16/bfloat16 models only).
@@ -196,7 +197,7 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     verify_onnx(data, props, path)
     verify_onnx_data(model, props, path)
     del data, model
-    step = step_from_metadata(None, props[META_FILE], path, target="onnx")  # the session is attached below
+    step = step_from_metadata(None, props[META_FILE], path)  # the session is attached below
     if step.attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")
@@ -214,6 +215,22 @@ _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
 
 
 def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
-    """:func:`_pt2_signature` of an onnxruntime session (its first output is the logits)."""
+    """The program signature of an onnxruntime session (its first output is the logits), as
+    :func:`pagedpack.export.check_program_signature` takes it."""
     inputs = {i.name: (static_shape(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
     return inputs, static_shape(session.get_outputs()[0].shape)
+
+
+def _load(path, *, trust_file: bool = False) -> ExportedStep:
+    return load_onnx(path)  # an ONNX model is data: nothing in it runs as code, trusted or not
+
+
+def _serve_hint(path: str, options: dict) -> str:
+    if options.get("attention") == "com.microsoft":
+        return "onnxruntime's CUDA provider"
+    return f"LLM({path!r}, num_blocks=...)"  # each step copies the whole pool: size it for the batch
+
+
+# An ONNX ModelProto starts with its ir_version (field 1, a varint): the byte 0x08.
+FORMAT = FileFormat("onnx", ".onnx", b"\x08", export_onnx, _load, options=("attention",), serve_hint=_serve_hint,
+                    description="an ONNX model (protobuf), run by onnxruntime's CPU session (the onnx target)")

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedpack.contract import LoweredStep
 from pagedpack.devices import is_cpu
+from pagedpack.lowering.onnx import export as onnx_format
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
-from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
+from pagedpack.lowering.targets import FileFormat, StepBounds, Target, TargetOptions
 
 
 @dataclass
@@ -21,34 +23,24 @@ class OnnxTarget(Target):
 
     name: str = "onnx"
     description: str = "the step program exported to ONNX and run by onnxruntime (CPU)"
+    formats: tuple[FileFormat, ...] = (onnx_format.FORMAT,)
 
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
-        from pagedpack.lowering.onnx.export import check_real_valued
-
         check_cache_dtypes(rewritten.kv_cache_specs)
-        check_real_valued(rewritten)
+        onnx_format.check_real_valued(rewritten)
 
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
         import onnxruntime
 
-        from pagedpack.lowering.onnx.export import onnx_program
-
         if not is_cpu(device):
             raise ValueError(f"device: the 'onnx' target runs on onnxruntime's CPU provider, got {device!r}")
-        model = onnx_program(rewritten).model
+        model = onnx_format.onnx_program(rewritten).model
         session = onnxruntime.InferenceSession(_serialize(model), providers=["CPUExecutionProvider"])
         note = (f"onnx lowering: {len(rewritten.kv_cache_specs)} site(s) -> pagedpack-domain ONNX functions, "
                 "onnxruntime CPU")
         return LoweredStep(OnnxSessionStep(session, rewritten.kv_cache_specs), rewritten.kv_cache_specs,
                            functional=True, note=note, standalone=True)
-
-    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
-                      max_model_len: int | None) -> LoweredStep:
-        """An ONNX export on an onnxruntime CPU session (:func:`pagedpack.lowering.onnx.export.load_onnx`)."""
-        from pagedpack.lowering.onnx.export import load_onnx
-
-        return load_onnx(path)
 
 
 def _serialize(model) -> bytes:

@@ -1,14 +1,17 @@
 """The ``reference`` target: the rewritten graph as the passes left it, lowered on the CPU to
 prepacked oneDNN linears and direct native kernel calls (:mod:`pagedpack.lowering.reference.cpu`);
-it serves ``.pt2`` exports the same way."""
+it writes and serves ``.pt2`` exports (:mod:`.pt2`) and tensor-parallel manifests of them (:mod:`.tp`),
+lowered the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from pagedpack.contract import LoweredStep
+from pagedpack.lowering.reference import pt2, tp
 from pagedpack.lowering.reference.cpu import cpu_step
-from pagedpack.lowering.targets import LoweredStep, StepBounds, Target, TargetOptions
+from pagedpack.lowering.targets import FileFormat, StepBounds, Target, TargetOptions
 
 
 @dataclass
@@ -19,6 +22,8 @@ class ReferenceTarget(Target):
     name: str = "reference"
     description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
     serves_pt2: bool = True
+    formats: tuple[FileFormat, ...] = (pt2.FORMAT, tp.MANIFEST)
+    supports_tensor_parallel: bool = True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize
@@ -35,12 +40,11 @@ class ReferenceTarget(Target):
             return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)
 
-    def load_exported(self, path: str, *, trust_file: bool, device: torch.device | str,
-                      max_model_len: int | None) -> LoweredStep:
-        """A ``.pt2`` export (:func:`pagedpack.export.load_pt2`), lowered as after a capture."""
-        from pagedpack.export import load_pt2
-
-        step = load_pt2(path, trust_file=trust_file)
+    def load_exported(self, path: str, fmt: FileFormat, *, trust_file: bool, device: torch.device | str,
+                      max_model_len: int | None, rank: int = 0) -> LoweredStep:
+        """A ``.pt2`` export (:func:`.pt2.load_pt2`) or a manifest's rank file, lowered as after a capture."""
+        step = super().load_exported(path, fmt, trust_file=trust_file, device=device, max_model_len=max_model_len,
+                                     rank=rank)
         limit = max_model_len or step.description.max_model_len
         step.run, note = cpu_step(step.run, step.kv_cache_specs, device, limit)
         step.note = "; ".join(filter(None, (step.note, note)))

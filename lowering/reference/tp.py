@@ -1,7 +1,14 @@
-"""Tensor-parallel exports: one ``.pt2`` program per rank and a JSON manifest naming them.
+"""The reference target's tensor-parallel format: one ``.pt2`` program per rank and a JSON manifest
+naming them (:data:`MANIFEST`, ``"tp"``, files starting with ``{``; its rank files are :data:`~.pt2.FORMAT`'s).
+
+Why a format of the reference target, not a format-neutral wrapper around any target's files: the
+rank files are ``.pt2`` programs whose functional collectives only the reference target's lowering
+keeps and runs (gloo, CPU), their shards come from the reference step graph
+(:mod:`pagedpack.passes.tensor_parallel`), and no other target runs tensor-parallel; a second
+target would bring its own manifest format (its rank files, its collectives) the same way.
 
 ``export_tensor_parallel`` writes, beside the manifest ``NAME.json``, ``NAME.rank<r>.pt2`` for every
-rank ``r`` (:func:`pagedpack.export.export_pt2` of the rank's shard,
+rank ``r`` (:func:`~pagedpack.lowering.reference.pt2.export_pt2` of the rank's shard,
 :mod:`pagedpack.passes.tensor_parallel`), then the manifest::
 
     {"format": "pagedpack-tensor-parallel", "version": 1, "tensor_parallel_size": N, "export_id": "<uuid>",
@@ -14,7 +21,7 @@ loading its file. A manifest is untrusted input: it is read as JSON only (at mos
 :data:`MAX_MANIFEST_BYTES`), every field is checked, a rank file must be a plain name in the
 manifest's own folder (not a symbolic link), its sha256 must be the one recorded, and once loaded
 its metadata must say it is that rank of that export (a rank file of another export, or one file
-twice, is refused); each ``.pt2`` then passes its own checks (:func:`pagedpack.export.load_pt2`). The
+twice, is refused); each ``.pt2`` then passes its own checks (:func:`~pagedpack.lowering.reference.pt2.load_pt2`). The
 all-reduces in the files name the process group they were exported with; the loader points them
 at the group of the processes serving them (:func:`pagedpack.passes.tensor_parallel.set_group_name`).
 """
@@ -25,8 +32,10 @@ import os
 import uuid
 import zipfile
 
-from pagedpack.export import META_FILE, check_output_path, export_pt2
+from pagedpack.export import META_FILE, ExportedStep, check_output_path
 from pagedpack.files import atomic_write, check_file_name, sha256_file
+from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
+from pagedpack.lowering.targets import FileFormat
 
 FORMAT = "pagedpack-tensor-parallel"
 VERSION = 1
@@ -128,3 +137,17 @@ def _parse(path: str) -> dict:
             raise ValueError(f"path: {path!r}: ranks[{rank}]: expected {{'file': NAME, 'sha256': HEX}}, "
                              f"got {entry!r:.120}")
     return manifest
+
+
+def _export(rewritten, path, description=None, *, model, tensor_parallel_size: int) -> str:
+    return export_tensor_parallel(rewritten, model, path, description, tp_size=tensor_parallel_size)
+
+
+def load_rank(path, *, trust_file: bool = False, rank: int = 0) -> ExportedStep:
+    """Rank ``rank``'s program of the manifest at ``path`` (:func:`read_manifest`, then its ``.pt2``)."""
+    return load_pt2(read_manifest(path)[rank], trust_file=trust_file)
+
+
+MANIFEST = FileFormat("tp", ".json", b"{", _export, load_rank, ranks_of="pt2", world_size=manifest_size,
+                    description="a JSON manifest of one .pt2 file per tensor-parallel rank, run by the reference "
+                                "target")
