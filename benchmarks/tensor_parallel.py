@@ -53,8 +53,8 @@ def main() -> None:
         rows[f"tp{tp}"], outputs = _measure(llm, prompts, params, args.runs)
         baseline = outputs if baseline is None else baseline
         rows[f"tp{tp}"]["tokens_equal_first"] = outputs == baseline
-        if llm._builder.workers is not None:
-            llm._builder.workers.close()
+        if llm.ranks.workers is not None:
+            llm.ranks.workers.close()
         del llm
     first = rows[f"tp{args.tp[0]}"].get("seconds")
     print(json.dumps({
@@ -66,7 +66,7 @@ def main() -> None:
 
 
 def _measure(llm: LLM, prompts, params, runs: int) -> tuple[dict, list]:
-    workers = llm._builder.workers
+    workers = llm.ranks.workers
     pids = ["self"] + ([p.pid for p in workers._procs] if workers is not None else [])
 
     def run():

@@ -12,28 +12,29 @@ from pagedpack.devices import is_cpu
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import normalize_prompts, parse_bytes
 from pagedpack.planner import MemoryPlan, plan_memory, pool_num_blocks
-from pagedpack.program import ProgramBuilder, max_model_len
+from pagedpack.program import ProgramBuilder, build_rank_program, max_model_len
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
 from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
+from pagedpack.runtime.tensor_parallel import TensorParallelRanks
 
 
 class LLM:
     """Capture a model, rewrite it to packed + paged attention, lower it for a target, and
     generate with it (or serve a file written by ``pagedpack export``).
 
-    ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which
-    documents them (``tokenizer``, ``target``, ``block_size``, ``num_blocks`` / ``kv_cache_memory``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``,
-    ``device``).
+    ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which documents them
+    (``tokenizer``, ``target``, ``block_size``, ``num_blocks`` / ``kv_cache_memory``, ``max_num_batched_tokens``,
+    ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``, ``device``).
 
-    Attributes: ``model`` (the ``transformers`` module, None when served from a file),
-    ``rewritten`` (the :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file),
-    ``program`` (the :class:`~pagedpack.contract.StepProgram` the runner calls), ``description``
-    (eos ids, ``max_model_len``, vocabulary, tokenizer), ``report`` (the pass report, None from a file).
+    Attributes: ``model`` (the ``transformers`` module, None when served from a file), ``rewritten`` (the
+    :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file), ``program`` (the
+    :class:`~pagedpack.contract.StepProgram` the runner calls), ``description`` (eos ids, ``max_model_len``,
+    vocabulary, tokenizer), ``report`` (the pass report, None from a file), ``ranks`` (this process's
+    tensor-parallel rank and the other ranks' processes: :mod:`pagedpack.runtime.tensor_parallel`).
 
     Memory and the compile cache: :mod:`pagedpack.program` (a program of the target's own lets the
     source model go; ``model`` and ``rewritten`` are then loaded and captured again on first use).
@@ -44,7 +45,8 @@ class LLM:
 
     def __init__(self, model=None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
-        self.engine_args, self._builder = args, ProgramBuilder(args)
+        self.ranks = TensorParallelRanks(args, build_rank_program)  # the runtime starts the other ranks, if any
+        self.engine_args, self._builder = args, ProgramBuilder(args, rank=self.ranks.rank, join_group=self.ranks.join)
         self.program, description = self._builder.build()
         self.target = self._builder.target
         release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
@@ -52,9 +54,8 @@ class LLM:
             from pagedpack.models.loading import load_tokenizer
 
             description.tokenizer = load_tokenizer(args.tokenizer)
-        self.description, self.tokenizer = description, description.tokenizer
+        self.description, self.tokenizer, self.block_size = description, description.tokenizer, args.block_size
         self.vocab_size, self.max_model_len = description.vocab_size, max_model_len(args, description)
-        self.block_size = args.block_size
         self.num_blocks = pool_num_blocks(args, bytes_per_token=self.bytes_per_token,
                                           max_model_len=self.max_model_len, plan=self.plan_memory)
         self.llm_engine = LLMEngine.build(
@@ -62,7 +63,7 @@ class LLM:
             enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
             cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
-            workers=self._builder.workers)
+            workers=self.ranks.workers)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

@@ -1,10 +1,11 @@
 """``ProgramBuilder``: from what an ``LLM`` is given to the step program it serves.
 
-Source (a checkpoint, a module, a file) -> rewritten model -> lowered program, with what comes
-along: the model's description, the pass report, the weights serving holds, the compile cache
-and the let-go / load-again / capture-again life cycle. ``LLM`` and the CLI share it; the capture
-side (``transformers``' modeling code, capture, the passes) is imported where it is used, so a
-process serving an exported file never imports it (its memory: ``docs/cpu-kernels.md``).
+Source (a checkpoint, a module, a file) -> source model -> rewritten step -> lowered program, each
+stage a value (below), with what comes along: the model's description, the pass report, the
+weights serving holds, the compile cache and the let-go / load-again / capture-again life cycle.
+``LLM`` and the CLI share it; the capture side (``transformers``' modeling code, capture, the
+passes) is imported where it is used, so a process serving an exported file never imports it (its
+memory: ``docs/cpu-kernels.md``). It builds one rank's program; the runtime starts the other ranks.
 
 Memory: when the target lowers to a program of its own (the reference target on the CPU, a copy
 with prepacked weights; ``onnx``), that program takes copies of the tensors it shares with the
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,214 +35,298 @@ from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.planner import resident_weight_bytes
-from pagedpack.source import capture_source, load_source
+from pagedpack.source import describe_source, load_source, rewrite_module
+
+# The stages of a build, each a value made by one stage function from the one before:
+# Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
+# A file (an export, a compile-cache entry) enters at Lowered (load_file, from_compile_cache).
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a build starts from: the arguments, and the tensor-parallel rank whose program it builds."""
+
+    args: EngineArgs
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """The ``transformers`` module ``args.model`` names, loaded and described; ``stamp``: its
+    checkpoint's files when loaded (:func:`~pagedpack.models.aliases.checkpoint_stamp`; loading
+    again checks them); ``note``: the description's caveat, for the pass report."""
+
+    module: torch.nn.Module
+    description: ModelDescription
+    stamp: tuple | None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class RewrittenStep:
+    """The step graph captured from a :class:`SourceModel` and rewritten: a
+    :class:`~pagedpack.passes.pipeline.RewrittenModel` (refused sites in its report, not raised)."""
+
+    step: object
+
+    @property
+    def report(self):
+        return self.step.report
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """The step program serving runs, lowered here or loaded from a file, with what comes along:
+    the ``target`` serving it, the pass ``report`` (None from an exported file), the checkpoint's
+    ``stamp``, the program's KV cache specs as built (the model's dtype), the weight bytes serving
+    holds ``(source let go, source kept)`` (None from an exported file) and the rewritten graph's
+    activation ``peak`` once derived (None until then)."""
+
+    program: StepProgram
+    target: str
+    report: object | None
+    stamp: tuple | None
+    kv_cache_specs: tuple
+    weight_bytes: tuple[int, int] | None
+    peak: object | None = None
+
+
+def load_model(source: Source) -> SourceModel:
+    """``source.args.model`` loaded (on the target's device) and described."""
+    from pagedpack.models.aliases import checkpoint_stamp
+
+    args = source.args
+    args.lowering_target.prepare_device(args.device)
+    module, description, note = describe_source(args)
+    return SourceModel(module, description, checkpoint_stamp(args.model), note)
+
+
+def rewrite_model(source: Source, model: SourceModel) -> RewrittenStep:
+    """``model`` captured and rewritten (the description's caveat noted in the report)."""
+    step = rewrite_module(model.module, source.args)
+    if model.note:
+        step.report.notes.append(model.note)
+    return RewrittenStep(step)
+
+
+def shard(source: Source, model: SourceModel, rewritten: RewrittenStep, join_group: Callable[[], str]) -> RewrittenStep:
+    """Rank ``source.rank``'s shard of ``rewritten`` (:mod:`pagedpack.passes.tensor_parallel`). Rank 0
+    checks the split on a sample first; then ``join_group()`` gives the process group's name (the
+    runtime joins it, starting the other ranks: :mod:`pagedpack.runtime.tensor_parallel`)."""
+    from pagedpack.passes.pipeline import RewrittenModel
+    from pagedpack.passes.tensor_parallel import check_shards, count_all_gathers, count_all_reduces, shard_step_graph
+
+    step, tp_size, rank = rewritten.step, source.args.tensor_parallel_size, source.rank
+    if rank == 0:
+        check_shards(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size)
+    gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size, rank=rank,
+                                 group_name=join_group())
+    collectives = f"{count_all_reduces(gm)} all-reduces and {count_all_gathers(gm)} all-gathers"
+    step.report.notes.append(f"tensor_parallel: rank {rank} of {tp_size}, {specs[0].num_kv_heads} KV "
+                             f"heads per layer, {collectives} per step")
+    return RewrittenStep(RewrittenModel(gm, step.report, specs))
+
+
+def lower(source: Source, model: SourceModel, rewritten: RewrittenStep, *,
+          whole: RewrittenStep | None = None) -> Lowered:
+    """``rewritten`` (this rank's shard of ``whole``, if sharded) lowered for the target, with the
+    weight bytes serving holds and, under a ``memory_budget``, the activation peak of ``whole``
+    (derived before lowering, which may change the graph in place)."""
+    args, target, step = source.args, source.args.lowering_target, rewritten.step
+    bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or model.description.max_model_len)
+    target.check_limits(step, block_size=args.block_size, bounds=bounds)
+    peak = _activation_peak(whole or rewritten) if args.memory_budget is not None else None
+    program = target.lower(step, args.target_options, block_size=args.block_size, bounds=bounds, device=args.device)
+    program.description = model.description
+    if program.note:
+        step.report.notes.append(program.note)
+    # what serving holds, with the source let go and kept: LLM.plan_memory(keep_source_model=...)
+    weight_bytes = tuple(_serving_weight_bytes(program, step, model.module, kept or not program.standalone)
+                         for kept in (False, True))
+    return Lowered(program, target.name, step.report, model.stamp, tuple(program.kv_cache_specs), weight_bytes, peak)
+
+
+def load_file(source: Source, path: str, *, trust_file: bool = False,
+              join_group: Callable[[], str] | None = None) -> Lowered:
+    """The program of a file ``pagedpack export`` wrote, served by the target of its format (a
+    compile-cache entry is never trusted as code); a tensor-parallel manifest's rank file for
+    ``source.rank``, its all-reduces on the process group ``join_group()`` names."""
+    from pagedpack.passes.tensor_parallel import count_all_reduces, set_group_name
+
+    args = source.args
+    fmt, target = format_of(path)
+    program = target.load_exported(path, fmt, trust_file=trust_file, device=args.device,
+                                   max_model_len=args.max_model_len, rank=source.rank)
+    if fmt.world_size is not None:
+        set_group_name(program.run, (join_group or world_group_name)())
+    elif getattr(program, "tensor_parallel", None) is not None or (
+            isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run)):
+        raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
+    return Lowered(program, target.name, None, None, tuple(program.kv_cache_specs), None)
+
+
+def from_compile_cache(source: Source) -> Lowered | None:
+    """The program of the compile-cache entry of ``source.args``, with its report and weight counts
+    as after a capture here; None where the cache does not apply or its entry does not load."""
+    from pagedpack.compile_cache import compiled_step, forget
+
+    compiled = compiled_step(source.args)
+    for rebuild in (True, False):  # a damaged entry (its checksum) is built once more, then given up
+        if compiled is None:
+            return None
+        try:
+            lowered = load_file(source, compiled.path)
+            break
+        except ValueError as err:
+            forget(compiled.path)
+            then = "building it again" if rebuild else "capturing in this process"
+            print(f"pagedpack: the compile cache's entry does not load ({err}); {then}", file=sys.stderr)
+            compiled = compiled_step(source.args) if rebuild else None
+    else:
+        return None
+    program, report = lowered.program, compiled.report
+    report.notes.append(program.note)
+    # kept, the source would share all but the prepacked copies with the program
+    tensors = [*program.run.parameters(), *program.run.buffers()]
+    packed = sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
+    weight_bytes = (resident_weight_bytes(program.run), packed + compiled.source_weight_bytes)
+    return dataclasses.replace(lowered, report=report, stamp=compiled.stamp, weight_bytes=weight_bytes)
+
+
+def world_group_name() -> str:
+    """The name the step graphs' all-reduces give the default process group (joined already: a
+    worker rank's, a launcher's)."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD.group_name
 
 
 class ProgramBuilder:
-    """Builds and keeps one step program for ``args`` (:meth:`build`), and what the source's life
-    cycle needs after: ``model`` and ``rewritten`` (loaded / captured again if let go),
-    ``report``, :meth:`weight_bytes`, :meth:`activation_peak`, :meth:`source_graph`."""
+    """Builds one step program for ``args`` (:meth:`build`) through the stages above, and keeps the
+    stage values the source's life cycle needs after: ``source_model`` and ``rewritten_step`` (None
+    once let go: ``model`` and ``rewritten`` load and capture them again) and ``lowered``; ``report``,
+    :meth:`weight_bytes`, :meth:`activation_peak`, :meth:`source_graph`.
 
-    def __init__(self, args: EngineArgs, *, rank: int = 0):
-        self.args, self.target, self.rank = args, args.lowering_target.name, rank
-        self.workers = None  # rank 0 of a tensor-parallel LLM: the other ranks' processes
-        self.exported = args.is_exported
-        self.report = None
-        self._model, self._rewritten, self._peak, self._stamp, self._weight_bytes = None, None, None, None, {}
-        self._program: StepProgram | None = None
-        self.source_specs: list = []  # the program's KV cache specs as built (the model's dtype)
+    ``rank``: the tensor-parallel rank whose program it builds; ``join_group``: called when the
+    program needs the ranks' process group (rank 0's split checked, or a manifest's rank file
+    loaded), returns its name. The runtime joins the group and starts the other ranks
+    (:class:`pagedpack.runtime.tensor_parallel.TensorParallelRanks`); default: the group this
+    process joined already."""
+
+    def __init__(self, args: EngineArgs, *, rank: int = 0, join_group: Callable[[], str] | None = None):
+        self.args, self.source, self.exported = args, Source(args, rank), args.is_exported
+        self.join_group = join_group or world_group_name
+        self.source_model: SourceModel | None = None
+        self.rewritten_step: RewrittenStep | None = None  # the whole step graph (not this rank's shard)
+        self.lowered: Lowered | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.source.rank
+
+    @property
+    def target(self) -> str:
+        """The name of the target serving the program (for a file: the target of its format)."""
+        return self.lowered.target if self.lowered is not None else self.args.lowering_target.name
+
+    @property
+    def report(self):
+        """The pass report (None when served from a file)."""
+        if self.lowered is not None:
+            return self.lowered.report
+        return self.rewritten_step.report if self.rewritten_step is not None else None
 
     def build(self) -> tuple[StepProgram, ModelDescription]:
         """The program and the model's description: from the file ``args.model`` names, from the
         compile cache, or captured, rewritten and lowered here."""
-        if self.args.tensor_parallel_size > 1 and self.args.distributed_executor_backend == "external_launcher":
-            from pagedpack.runtime.tensor_parallel import join_launched_group
-
-            self.rank = join_launched_group(self.args.tensor_parallel_size)
         if self.exported:
-            program = self._load_file(self.args.model, trust_file=self.args.trust_file)
+            lowered = load_file(self.source, self.args.model, trust_file=self.args.trust_file,
+                                join_group=self.join_group)
         else:
-            program = self._from_compile_cache() or self._capture_and_lower()
-        self._apply_kv_cache_dtype(program)
-        self._program = program
-        return program, program.description
-
-    def _apply_kv_cache_dtype(self, program: StepProgram) -> None:
-        """Give ``program`` caches of ``args.kv_cache_dtype`` (the runner allocates them from its specs);
-        ``source_specs`` keeps the specs it was built with (the model's dtype)."""
-        self.source_specs = list(program.kv_cache_specs)
+            lowered = from_compile_cache(self.source) or self._lower_here()
+        self.lowered, program = lowered, lowered.program
+        # the runner allocates the caches from the program's specs: args.kv_cache_dtype's
         program.kv_cache_specs = self.kv_cache_specs(self.args.kv_cache_dtype)
+        return program, program.description
 
     def kv_cache_specs(self, kv_cache_dtype: str) -> list:
         """The program's KV cache specs with caches of ``kv_cache_dtype`` (a name as
         ``EngineArgs.kv_cache_dtype``); ``ValueError`` naming the option if the target does not run
         the program so (:meth:`pagedpack.lowering.targets.Target.check_kv_cache_dtype`)."""
         kv_dtype = KV_CACHE_DTYPES[check_kv_cache_dtype(kv_cache_dtype)]
+        built = list(self.lowered.kv_cache_specs)
         if kv_dtype is None:
-            return list(self.source_specs)
+            return built
         target = get_target(self.target)
-        for spec in self.source_specs:
+        for spec in built:
             try:
                 target.check_kv_cache_dtype(kv_dtype, spec.dtype)
             except ValueError as err:  # named as the user spelled it ("fp8" is float8_e4m3fn)
                 raise ValueError(f"{err} (kv_cache_dtype={kv_cache_dtype!r})") from None
-        return [dataclasses.replace(spec, dtype=kv_dtype) for spec in self.source_specs]
-
-    def _load_file(self, path: str, *, trust_file: bool = False) -> StepProgram:
-        """The program of a file ``pagedpack export`` wrote, served by the target of its format
-        (a compile-cache entry is never trusted as code); a tensor-parallel manifest's rank file for
-        this rank, its all-reduces on this process group."""
-        from pagedpack.passes.tensor_parallel import count_all_reduces, set_group_name
-
-        fmt, target = format_of(path)
-        self.target = target.name
-        program = target.load_exported(path, fmt, trust_file=trust_file, device=self.args.device,
-                                       max_model_len=self.args.max_model_len, rank=self.rank)
-        if fmt.world_size is not None:
-            from pagedpack.runtime.tensor_parallel import group_name
-
-            self._start_workers()
-            set_group_name(program.run, group_name())
-        elif getattr(program, "tensor_parallel", None) is not None or (
-                isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run)):
-            raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
-        return program
+        return [dataclasses.replace(spec, dtype=kv_dtype) for spec in built]
 
     def capture(self) -> tuple[torch.nn.Module, ModelDescription, object]:
         """``(module, description, rewritten)``: the source loaded, captured and rewritten, not lowered
         (what ``pagedpack inspect`` prints); refused sites are in the report, not raised."""
-        from pagedpack.models.aliases import checkpoint_stamp
+        self.source_model = load_model(self.source)
+        self.rewritten_step = rewrite_model(self.source, self.source_model)
+        return self.source_model.module, self.source_model.description, self.rewritten_step.step
 
-        self.args.lowering_target.prepare_device(self.args.device)
-        module, description, rewritten = capture_source(self.args)
-        self._model, self._stamp = module, checkpoint_stamp(self.args.model)
-        self._rewritten, self.report = rewritten, rewritten.report
-        return module, description, rewritten
-
-    def _capture_and_lower(self) -> StepProgram:
-        args, target = self.args, self.args.lowering_target
-        module, description, rewritten = self.capture()
-        rewritten.raise_if_refused()
+    def _lower_here(self) -> Lowered:
+        """Source -> SourceModel -> RewrittenStep (-> this rank's shard) -> Lowered, in this process;
+        then, unless kept, the source model and the rewritten graph let go."""
+        args = self.args
+        self.capture()
+        model, rewritten = self.source_model, self.rewritten_step
+        rewritten.step.raise_if_refused()
         if args.tensor_parallel_size > 1:
-            rewritten = self._shard(module, rewritten)
-        bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or description.max_model_len)
-        target.check_limits(rewritten, block_size=args.block_size, bounds=bounds)
-        if args.memory_budget is not None:  # before lowering, which may change the graph in place
-            self.activation_peak()
-        program = target.lower(rewritten, args.target_options, block_size=args.block_size, bounds=bounds,
-                               device=args.device)
-        program.description = description
-        if program.note:
-            rewritten.report.notes.append(program.note)
-        # what serving holds, with the source kept and without: LLM.plan_memory(keep_source_model=...)
-        self._weight_bytes = {kept: _serving_weight_bytes(program, rewritten, module, kept or not program.standalone)
-                              for kept in (True, False)}
-        if not (args.keep_source_model or not program.standalone):
-            self._let_source_go(program)
-        return program
-
-    def _shard(self, module: torch.nn.Module, rewritten):
-        """This rank's shard of ``rewritten`` (:mod:`pagedpack.passes.tensor_parallel`). Rank 0 checks
-        the split on a sample first, then starts the other ranks (:mod:`pagedpack.runtime.tensor_parallel`)."""
-        from pagedpack.passes.pipeline import RewrittenModel
-        from pagedpack.passes.tensor_parallel import (
-            check_shards,
-            count_all_gathers,
-            count_all_reduces,
-            shard_step_graph,
-        )
-        from pagedpack.runtime.tensor_parallel import group_name
-
-        tp_size = self.args.tensor_parallel_size
-        if self.rank == 0:
-            check_shards(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size)
-            self._start_workers()
-        gm, specs = shard_step_graph(rewritten.graph_module, rewritten.kv_cache_specs, module, tp_size=tp_size,
-                                     rank=self.rank, group_name=group_name())
-        collectives = f"{count_all_reduces(gm)} all-reduces and {count_all_gathers(gm)} all-gathers"
-        rewritten.report.notes.append(f"tensor_parallel: rank {self.rank} of {tp_size}, {specs[0].num_kv_heads} KV "
-                                      f"heads per layer, {collectives} per step")
-        return RewrittenModel(gm, rewritten.report, specs)
-
-    def _start_workers(self) -> None:
-        """Rank 0 spawns the other ranks, unless a launcher started each (``external_launcher``)."""
-        from pagedpack.runtime.tensor_parallel import TensorParallelWorkers
-
-        if self.rank == 0 and self.args.distributed_executor_backend == "mp":
-            self.workers = TensorParallelWorkers(self.args, build_rank_program)
-
-    def _from_compile_cache(self) -> StepProgram | None:
-        """The program of the compile-cache entry of ``args``, with its report and weight counts as
-        after a capture here; None where the cache does not apply or its entry does not load."""
-        from pagedpack.compile_cache import compiled_step, forget
-
-        compiled = compiled_step(self.args)
-        for rebuild in (True, False):  # a damaged entry (its checksum) is built once more, then given up
-            if compiled is None:
-                return None
-            try:
-                program = self._load_file(compiled.path)
-                break
-            except ValueError as err:
-                forget(compiled.path)
-                then = "building it again" if rebuild else "capturing in this process"
-                print(f"pagedpack: the compile cache's entry does not load ({err}); {then}", file=sys.stderr)
-                compiled = compiled_step(self.args) if rebuild else None
+            lowered = lower(self.source, model, shard(self.source, model, rewritten, self.join_group),
+                            whole=rewritten)
         else:
-            return None
-        self._stamp, self.report = compiled.stamp, compiled.report
-        self.report.notes.append(program.note)
-        # kept, the source would share all but the prepacked copies with the program
-        tensors = [*program.run.parameters(), *program.run.buffers()]
-        packed = sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
-        self._weight_bytes = {False: resident_weight_bytes(program.run), True: packed + compiled.source_weight_bytes}
-        return program
+            lowered = lower(self.source, model, rewritten)
+        if not (args.keep_source_model or not lowered.program.standalone):
+            # the program takes copies of the tensors it shares with the model; the caller's module stays theirs
+            if isinstance(lowered.program.run, torch.fx.GraphModule):
+                own_attrs(lowered.program.run)
+            self.rewritten_step = None
+            if not isinstance(args.model, torch.nn.Module):
+                self.source_model = None
+        return lowered
 
-    def _let_source_go(self, program: StepProgram) -> None:
-        """Give the program copies of the tensors it shares with the model, then drop the rewritten
-        model and, if the builder loaded it, the source model."""
-        if isinstance(program.run, torch.fx.GraphModule):
-            own_attrs(program.run)
-        self._rewritten = None
-        if not isinstance(self.args.model, torch.nn.Module):  # the caller's module stays theirs
-            self._model = None
-
-    def _load_again(self) -> torch.nn.Module:
+    def _load_again(self) -> SourceModel:
         """The source model once let go, loaded again; ``ValueError`` if its checkpoint is gone or changed."""
         from pagedpack.models.aliases import checkpoint_stamp
 
-        model = self.args.model
-        stamp = checkpoint_stamp(self._stamp[0] if self._stamp else model)
+        model, built = self.args.model, self.lowered.stamp
+        stamp = checkpoint_stamp(built[0] if built else model)
         try:
-            if stamp != self._stamp:
+            if stamp != built:
                 raise ValueError("its files changed since or are gone")
-            return load_source(self.args, model=stamp[0] if stamp else None)[0]
+            module = load_source(self.args, model=stamp[0] if stamp else None)[0]
         except (ValueError, OSError) as err:
             raise ValueError(f"model: this LLM let its source model go once lowered and cannot load {model!r} "
                              f"again ({err}); build the LLM with keep_source_model=True to keep it") from err
+        return SourceModel(module, self.lowered.program.description, stamp)
 
-    def _capture_again(self):
-        """The rewritten model of the source model (kept or loaded again), captured again."""
-        from pagedpack.models.capture import capture
-        from pagedpack.passes.pipeline import rewrite
-
-        module = self._model if self._model is not None else self._load_again()
-        return rewrite(capture(module), extra_passes=self.args.extra_passes)
+    def _capture_again(self) -> RewrittenStep:
+        """The rewritten step of the source model (kept or loaded again), captured again."""
+        model = self.source_model if self.source_model is not None else self._load_again()
+        return RewrittenStep(rewrite_module(model.module, self.args))
 
     @property
     def model(self) -> torch.nn.Module | None:
         """The ``transformers`` module (None when served from a file); loaded again if let go."""
-        if self._model is None and not self.exported:
-            self._model = self._load_again()
-        return self._model
+        if self.source_model is None and not self.exported:
+            self.source_model = self._load_again()
+        return self.source_model.module if self.source_model is not None else None
 
     @property
     def rewritten(self):
         """The :class:`~pagedpack.passes.pipeline.RewrittenModel` (None when served from a file);
         captured and rewritten again from ``model`` if let go."""
-        if self._rewritten is None and not self.exported:
-            self._rewritten = self._capture_again()
-        return self._rewritten
+        if self.rewritten_step is None and not self.exported:
+            self.rewritten_step = self._capture_again()
+        return self.rewritten_step.step if self.rewritten_step is not None else None
 
     def source_graph(self):
         """The rewritten model for an export: the one kept, else captured again without keeping it.
@@ -247,7 +334,7 @@ class ProgramBuilder:
         if self.exported:
             raise ValueError("source: an LLM served from an exported file (LLM.from_exported) cannot be exported "
                              "again; export the original model")
-        return self._rewritten if self._rewritten is not None else self._capture_again()
+        return (self.rewritten_step or self._capture_again()).step
 
     def export(self, path, description: ModelDescription, *, format: str = "pt2",
                tensor_parallel_size: int | None = None, **options) -> str:
@@ -267,7 +354,7 @@ class ProgramBuilder:
 
     def weight_bytes(self, keep_source_model: bool) -> int:
         """Bytes of weights serving holds, with the source model and the rewritten graph kept or not."""
-        return self._weight_bytes[keep_source_model]
+        return self.lowered.weight_bytes[keep_source_model]
 
     def activation_peak(self):
         """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`),
@@ -276,18 +363,16 @@ class ProgramBuilder:
         if self.exported:
             raise ValueError("memory_budget: an LLM served from an exported file has no step graph to plan from; "
                              "give num_blocks or kv_cache_memory")
-        if self._peak is None:
-            lowered = self._program
-            fresh = self._rewritten is not None and (lowered is None or lowered.standalone)
-            rewritten = self._rewritten if fresh else self._capture_again()
-            from pagedpack.passes.activation_memory import activation_peak
-
-            self._peak = activation_peak(rewritten.graph_module, rewritten.kv_cache_specs)
-        return self._peak
+        if self.lowered.peak is None:
+            fresh = self.rewritten_step is not None and self.lowered.program.standalone
+            peak = _activation_peak(self.rewritten_step if fresh else self._capture_again())
+            self.lowered = dataclasses.replace(self.lowered, peak=peak)
+        return self.lowered.peak
 
 
 def build_rank_program(args: EngineArgs, rank: int) -> StepProgram:
-    """Rank ``rank``'s program of a tensor-parallel ``args`` (what a worker process runs)."""
+    """Rank ``rank``'s program of a tensor-parallel ``args`` (what a worker process runs, in the
+    process group it joined)."""
     return ProgramBuilder(args, rank=rank).build()[0]
 
 
@@ -310,6 +395,12 @@ def load_exported(path, *, trust_file: bool = False, device="cpu", max_model_len
     ``trust_file``: see :func:`~pagedpack.lowering.reference.pt2.load_pt2`."""
     fmt, target = format_of(path)
     return target.load_exported(path, fmt, trust_file=trust_file, device=device, max_model_len=max_model_len)
+
+
+def _activation_peak(rewritten: RewrittenStep):
+    from pagedpack.passes.activation_memory import activation_peak
+
+    return activation_peak(rewritten.step.graph_module, rewritten.step.kv_cache_specs)
 
 
 def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:

@@ -15,16 +15,30 @@ def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription,
     described (eos ids, ``max_model_len``, tokenizer) and captured and rewritten (a
     :class:`~pagedpack.passes.pipeline.RewrittenModel`, whose report notes the description's
     caveat); refused sites are not raised here (``rewritten.raise_if_refused()``)."""
-    from pagedpack.models.capture import capture
-    from pagedpack.models.loading import describe_model
-    from pagedpack.passes.pipeline import rewrite
-
-    module, tokenizer = load_source(args)
-    description, note = describe_model(module, tokenizer)
-    rewritten = rewrite(capture(module), extra_passes=args.extra_passes)
+    module, description, note = describe_source(args)
+    rewritten = rewrite_module(module, args)
     if note:
         rewritten.report.notes.append(note)
     return module, description, rewritten
+
+
+def describe_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription, str | None]:
+    """``(module, description, note)``: ``args.model`` loaded (:func:`load_source`) and described
+    (eos ids, ``max_model_len``, tokenizer; ``note``: the description's caveat, or None)."""
+    from pagedpack.models.loading import describe_model
+
+    module, tokenizer = load_source(args)
+    description, note = describe_model(module, tokenizer)
+    return module, description, note
+
+
+def rewrite_module(module: torch.nn.Module, args: EngineArgs):
+    """``module`` captured and rewritten with ``args.extra_passes`` (a
+    :class:`~pagedpack.passes.pipeline.RewrittenModel`; refused sites are in its report, not raised)."""
+    from pagedpack.models.capture import capture
+    from pagedpack.passes.pipeline import rewrite
+
+    return rewrite(capture(module), extra_passes=args.extra_passes)
 
 
 def load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:

@@ -89,6 +89,26 @@ def group_name() -> str:
     return dist.group.WORLD.group_name
 
 
+class TensorParallelRanks:
+    """This process's place among the tensor-parallel ranks of ``args``, on the runtime's side: its
+    ``rank`` (0, or under ``external_launcher`` the launcher's, its group joined here) and, on rank 0
+    of ``"mp"``, the ``workers`` it starts (None until :meth:`join`, and without tensor parallelism).
+    The program builder builds this rank's program and calls :meth:`join` when it needs the group;
+    each worker builds its own with ``build(args, rank)``."""
+
+    def __init__(self, args, build):
+        self.args, self.build, self.workers = args, build, None
+        launched = args.tensor_parallel_size > 1 and args.distributed_executor_backend == "external_launcher"
+        self.rank = join_launched_group(args.tensor_parallel_size) if launched else 0
+
+    def join(self) -> str:
+        """The process group's name (:func:`group_name`); rank 0 of ``"mp"`` first starts the other
+        ranks (:class:`TensorParallelWorkers`), which join it."""
+        if self.rank == 0 and self.args.distributed_executor_backend == "mp" and self.workers is None:
+            self.workers = TensorParallelWorkers(self.args, self.build)
+        return group_name()
+
+
 class TensorParallelWorkers:
     """Rank 0's end of the worker processes. Spawns ranks 1 .. ``tp_size - 1``, each building its
     program with ``build(args, rank)`` (a module-level function: it travels by name), and joins

@@ -152,7 +152,7 @@ def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpo
     assert f"path: {str(step)!r} is damaged" in err and "building it again" in err and len(children) == 1
     reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
-    assert llm._builder._model is None and step.read_bytes() != data  # let go after lowering; the entry is new
+    assert llm._builder.source_model is None and step.read_bytes() != data  # let go after lowering; the entry is new
 
 
 class _Payload:

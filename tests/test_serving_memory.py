@@ -125,7 +125,7 @@ def test_the_plan_counts_the_weights_serving_holds(tmp_path):
     assert llm.plan_memory(budget).weight_bytes == resident_weight_bytes(llm.program.run)
     assert llm.plan_memory(budget, keep_source_model=True).weight_bytes == held
     llm.export(tmp_path / "x.pt2")  # captures again without keeping what it captures
-    assert llm._builder._rewritten is None and llm._builder._model is None
+    assert llm._builder.rewritten_step is None and llm._builder.source_model is None
     onnx = LLM("tiny", memory_budget=budget, target="onnx")  # onnxruntime's session: the rewritten graph's copy
     assert onnx.plan_memory(budget).weight_bytes == rewritten > 0
 

@@ -145,7 +145,7 @@ def test_four_ranks_replicate_the_two_kv_heads():
             o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
         assert llm.bytes_per_token * 2 == one.bytes_per_token
     finally:
-        llm._builder.workers.close()
+        llm.ranks.workers.close()
 
 
 def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worker(monkeypatch):
@@ -158,19 +158,19 @@ def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worke
         first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
         time.sleep(6)
         assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
-        llm._builder.workers._procs[0].kill()
-        llm._builder.workers._procs[0].join(5)
+        llm.ranks.workers._procs[0].kill()
+        llm.ranks.workers._procs[0].join(5)
         with pytest.raises(EngineDeadError, match=r"pagedpack-tp-rank1 \(pid \d+\) exited with code -9"):
             llm.llm_engine.check_health()
     finally:
-        llm._builder.workers.close()
+        llm.ranks.workers.close()
 
 
 @pytest.fixture(scope="module")
 def tp2():
     llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, **SERVING)
     yield llm
-    llm._builder.workers.close()
+    llm.ranks.workers.close()
 
 
 def test_two_ranks_generate_the_tokens_of_one(tp2):
@@ -189,7 +189,7 @@ def test_two_ranks_generate_the_tokens_of_one(tp2):
 
 def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
     """Runs last in this module: it ends ``tp2``'s engine."""
-    tp2._builder.workers._procs[0].kill()
+    tp2.ranks.workers._procs[0].kill()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size: a worker rank stopped answering "
                                            r"\(pagedpack-tp-rank1 \(pid \d+\) exited with code -9\)"):
@@ -241,7 +241,7 @@ def test_an_export_for_two_ranks_is_served_by_two_processes(exported):
         assert llm.engine_args.tensor_parallel_size == 2 and llm.program.kv_cache_specs[0].num_kv_heads == 1
         assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
     finally:
-        llm._builder.workers.close()
+        llm.ranks.workers.close()
 
 
 def _edited(path, tmp_path, edit) -> str:
