@@ -208,9 +208,11 @@ def register_target(target: Target) -> Target:
     return target
 
 
-def target_names() -> list[str]:
-    """Every registered target name, sorted."""
-    return sorted({*_BUILTIN, *_REGISTRY})
+def target_names(*, supports_tensor_parallel: bool = False) -> list[str]:
+    """Every registered target name, sorted; with ``supports_tensor_parallel``, only those of targets
+    that have that capability (:attr:`Target.supports_tensor_parallel`)."""
+    names = sorted({*_BUILTIN, *_REGISTRY})
+    return [n for n in names if get_target(n).supports_tensor_parallel] if supports_tensor_parallel else names
 
 
 def get_target(name=None) -> Target:

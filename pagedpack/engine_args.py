@@ -16,6 +16,7 @@ from pagedpack.devices import device_type, is_cpu
 from pagedpack.inputs import KV_CACHE_DTYPES, check_int, check_kv_cache_dtype, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import (
     DEFAULT_TARGET,
+    FileFormat,
     StepBounds,
     Target,
     TargetOptions,
@@ -184,9 +185,10 @@ class EngineArgs:
                              f"got dtype={self.dtype}, device={self.device!r}")
 
     def _check_tensor_parallel(self, target: Target) -> None:
-        """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size
-        it takes) on the CPU with a target that supports it (gloo)."""
-        fmt = format_of(self.model)[0] if self.is_exported else None
+        """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size,
+        ``FileFormat.world_size``, it takes) on the CPU with a target that supports it
+        (``Target.supports_tensor_parallel``; gloo)."""
+        fmt = self.file_format()[0] if self.is_exported else None
         manifest = fmt is not None and fmt.world_size is not None
         if manifest:
             size = fmt.world_size(self.model)
@@ -196,23 +198,26 @@ class EngineArgs:
             self.tensor_parallel_size = size
         if self.tensor_parallel_size == 1:
             return
-        launched = os.environ.get("WORLD_SIZE", "1")
-        if self.distributed_executor_backend == "mp" and launched.isdigit() and int(launched) > 1:
-            raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
-                             f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
-                             f"'external_launcher' (--distributed-executor-backend external_launcher)")
+        from pagedpack.runtime.tensor_parallel import check_executor_backend  # the compile side imports no runtime
+
+        check_executor_backend(self.distributed_executor_backend)
         if (self.is_exported and not manifest) or not target.supports_tensor_parallel or not is_cpu(self.device):
             got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
-            able = [name for name in target_names() if get_target(name).supports_tensor_parallel]
+            able = target_names(supports_tensor_parallel=True)
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "
                              f"tensor-parallel export's manifest on the CPU with the {' or '.join(able)} target "
                              f"(gloo), got {got}")
 
     def _check_file_target(self) -> None:
         """An exported file is served by the target of its format; ``target``, if given, must be that one."""
-        owner = format_of(self.model)[1]
+        owner = self.file_format()[1]
         if self.target is not None and get_target(self.target) is not owner:
             raise ValueError(f"target: {self.model!r} is run by the {owner.name!r} target, got {self.target!r}")
+
+    def file_format(self) -> tuple[FileFormat, Target]:
+        """The format of the exported file ``model`` names and the target serving it, as the registry
+        finds them (:func:`~pagedpack.lowering.targets.format_of`, by the file's first bytes)."""
+        return format_of(self.model)
 
     def _check_extra_passes(self) -> None:
         if not isinstance(self.extra_passes, (list, tuple)):
@@ -255,7 +260,7 @@ class EngineArgs:
         """The target named by ``target``; if None, the one serving the exported file ``model``
         names (:func:`~pagedpack.lowering.targets.format_of`), else the default."""
         if self.target is None and self.is_exported:
-            return format_of(self.model)[1]
+            return self.file_format()[1]
         return get_target(self.target)
 
     @property

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from pagedpack.runtime.block_hash import extend_block_hashes
 from pagedpack.runtime.block_pool import BlockPool
-from pagedpack.runtime.prompt_logprobs import first_missing_position
 from pagedpack.runtime.request import Request
 
 
@@ -108,11 +107,11 @@ class KVCacheManager:
         Unlike vLLM v1, which recomputes a whole block when every token is cached, a fully
         cached request computes only its last token (into a copy of its last block). A request
         still missing prompt logprobs takes no cached block past the first position whose logits
-        they need (:func:`~pagedpack.runtime.prompt_logprobs.first_missing_position`; a new one
+        they need (:attr:`~pagedpack.runtime.request.Request.first_missing_prompt_logprob`; a new one
         none, as vLLM skips the cache for it)."""
         if not self.enable_prefix_caching or request.block_ids:
             return [NO_PREFIX]
-        needed_from = first_missing_position(request)
+        needed_from = request.first_missing_prompt_logprob
         if needed_from is not None and needed_from < self.block_size:
             return [NO_PREFIX]
         hashes = self.block_hashes(request)

@@ -7,7 +7,7 @@ step returns them for the chunk it computes (chunked prefill: each chunk its own
 last rows, which alone are sampled: ``logits_indices = [last row of each sequence, *prompt rows]``
 (:func:`prompt_rows`), so requests not asking cost nothing. Rows already taken are not asked for
 again, so a preempted request recomputing its prompt emits nothing twice; a prefix-cache hit may
-cover only positions whose rows were taken (:func:`first_missing_position`), since cached positions
+cover only positions whose rows were taken (``Request.first_missing_prompt_logprob``), since cached positions
 are not computed: a new request asking for prompt logprobs takes no hit, as in vLLM.
 """
 from __future__ import annotations
@@ -31,22 +31,13 @@ class PromptRows:
     positions: range
 
 
-def first_missing_position(request: Request) -> int | None:
-    """The first position whose logits a prompt logprob of ``request`` still needs, or None (none
-    asked for, or all taken): ``len(request.prompt_logprobs)``."""
-    if request.sampling_params.prompt_logprobs is None or len(request.prompt_logprobs) >= \
-            request.num_prompt_tokens - 1:
-        return None
-    return len(request.prompt_logprobs)
-
-
 def prompt_rows(scheduled: list[ScheduledRequest]) -> tuple[list[PromptRows], list[int]]:
     """``(spans, rows)`` of one step: per request still missing prompt logprobs, the positions of its
     chunk that give them (``first missing .. min(chunk end, P - 1)``), and their packed row indices
     (in ``[0, T)``, span after span) to append to ``logits_indices``."""
     spans, rows, offset = [], [], 0
     for s in scheduled:
-        first = first_missing_position(s.request)
+        first = s.request.first_missing_prompt_logprob
         if first is not None:
             start = s.request.num_computed_tokens
             positions = range(max(start, first), min(start + s.num_new_tokens, s.request.num_prompt_tokens - 1))

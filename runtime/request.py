@@ -116,6 +116,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
+    @property
+    def first_missing_prompt_logprob(self) -> int | None:
+        """The first position whose logits a prompt logprob of this request still needs, or None
+        (none asked for, or all taken): ``len(prompt_logprobs)`` (:mod:`pagedpack.runtime.prompt_logprobs`;
+        the KV cache manager takes no cached block past it)."""
+        if self.sampling_params.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
+            return None
+        return len(self.prompt_logprobs)
+
     def append_output(self, token_id: int, max_model_len: int) -> bool:
         """Append a generated token; finish the request if a stop condition holds.
 
