@@ -446,7 +446,7 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
           f"{compared} of {total} tokens compared")
     if alias == "smollm2-135m":
         # the memory planner on a real model: the symbolic activation peak against the profiler
-        ratios = check_peak_matches_profiler(llm, token_counts=(64, 512))  # 2048 on the built-in model
+        ratios = check_peak_matches_profiler(llm, token_counts=(512,))  # 64, 512, 2048 on the built-in model
         print(f"{alias}: symbolic / measured activation peak {min(ratios):.3f} .. {max(ratios):.3f}")
         _check_streaming_and_chat(llm)
         _check_tensor_parallel_split(llm)
