@@ -27,11 +27,12 @@ os.environ.setdefault("PAGEDPACK_COMPILE_CACHE", "0")
 # (transformers' own switch), one thread start fewer. The root cause is not found.
 os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 
-# The files that take longest (pytest --durations=0 on 2 cores: 70-190 s each; test_docs.py 40-50 s
-# while other jobs loaded the cores), handed to the workers first: with a file per worker at a time,
-# a long file started last leaves the other worker idle.
-_LONGEST_FIRST = ("test_real_weights.py", "test_compile_cache.py", "test_families.py", "test_backend.py",
-                  "test_cli.py", "test_serving_memory.py", "test_trust_and_faults.py", "test_docs.py")
+# The files that take longest (pytest --durations on 2 cores: 60-230 s each), handed to the workers
+# first: with a file per worker at a time, a long file started last (collection is alphabetical: the
+# server and tensor-parallel files come late) leaves the other worker idle.
+_LONGEST_FIRST = ("test_real_weights.py", "test_compile_cache.py", "test_tensor_parallel.py", "test_families.py",
+                  "test_backend.py", "test_cli.py", "test_trust_and_faults.py", "test_server_smollm2.py",
+                  "test_server.py", "test_serving_memory.py", "test_ascend_graphs.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(items):
