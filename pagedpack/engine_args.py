@@ -198,9 +198,11 @@ class EngineArgs:
             self.tensor_parallel_size = size
         if self.tensor_parallel_size == 1:
             return
-        from pagedpack.runtime.tensor_parallel import check_executor_backend  # the compile side imports no runtime
-
-        check_executor_backend(self.distributed_executor_backend)
+        launched = os.environ.get("WORLD_SIZE", "1")  # set by a launcher (torchrun) for each process it starts
+        if self.distributed_executor_backend == "mp" and launched.isdigit() and int(launched) > 1:
+            raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
+                             f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
+                             f"'external_launcher' (--distributed-executor-backend external_launcher)")
         if (self.is_exported and not manifest) or not target.supports_tensor_parallel or not is_cpu(self.device):
             got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
             able = target_names(supports_tensor_parallel=True)

@@ -284,7 +284,7 @@ class ProgramBuilder:
                             whole=rewritten)
         else:
             lowered = lower(self.source, model, rewritten)
-        if not (args.keep_source_model or not lowered.program.standalone):
+        if lowered.program.standalone and not args.keep_source_model:
             # the program takes copies of the tensors it shares with the model; the caller's module stays theirs
             if isinstance(lowered.program.run, torch.fx.GraphModule):
                 own_attrs(lowered.program.run)

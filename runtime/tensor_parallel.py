@@ -57,16 +57,6 @@ _SPAWN_HINT = ("; a script that starts tensor-parallel ranks builds its LLM unde
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def check_executor_backend(backend: str) -> None:
-    """``ValueError`` for ``"mp"`` in a process a launcher started as one of several (its
-    ``WORLD_SIZE``): each such process would spawn ranks of its own (``EngineArgs`` checks it)."""
-    launched = os.environ.get("WORLD_SIZE", "1")
-    if backend == "mp" and launched.isdigit() and int(launched) > 1:
-        raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
-                         f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
-                         f"'external_launcher' (--distributed-executor-backend external_launcher)")
-
-
 def join_launched_group(tp_size: int) -> int:
     """This process's rank among the ``tp_size`` a launcher started, in the default process group:
     the caller's if it made one (gloo), else one joined from the launcher's environment (gloo,
