@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import pagedpack.backend as backend
+import pagedpack.compiler.backend as backend
 from pagedpack.models.loading import load
 from pagedpack.models.tiny import tiny_model
 

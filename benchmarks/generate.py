@@ -13,7 +13,7 @@ prompts, best of ``--runs``. Each engine's first 4 outputs are compared with the
 model's greedy tokens, prompt by prompt (``first4_match``); pagedpack's ``peak_rss_mb`` is this
 process's peak RSS during its runs (imports, the step program's weights, KV pool and activations;
 ``LLM(path)`` captures in a child process and serves the ``.pt2`` it keeps in the compile cache,
-``pagedpack.compile_cache``, and the references are computed after the runs; the peak of loading,
+``pagedpack.compiler.compile_cache``, and the references are computed after the runs; the peak of loading,
 before the runs, and the largest peak of this process's children so far, the capturing child's when
 there was one (or the C++ compiler's on the native kernels' first build), are reported apart),
 vLLM's the peak sum over its

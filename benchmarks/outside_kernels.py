@@ -21,8 +21,8 @@ import torch
 from torch.profiler import profile
 
 from pagedpack import LLM
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.metadata import example_metadata
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import example_metadata
 
 from common import load_1min
 

@@ -6,7 +6,7 @@ dtype after clamping to ``[-qmax, qmax]`` (int8: to nearest, ties to even, qmax 
 dtype's own rounding, qmax its largest finite value; the clamp matters only where a subnormal
 ``max|x|`` makes the scale round down), stored as ``[q..., scale's 4 bytes]``; a row holding an infinity
 or NaN is stored as zeros with a NaN scale, so it reads back as NaN (never as finite numbers)
-(:data:`pagedpack.contract.KV_SCALE_BYTES`). Read as ``q * scale`` in fp32. One scale per
+(:data:`pagedpack.step.contract.KV_SCALE_BYTES`). Read as ``q * scale`` in fp32. One scale per
 (token, head), as vLLM's per-token-head scales and OpenVINO's by-token values: no calibration,
 and a block's scales move with it (copy-on-write, prefix caching). These functions are the
 reference kernels' and the ground truth of the native ones (``kernels/csrc/paged_attention_cpu.cpp``).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedpack.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
+from pagedpack.step.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,
         torch.float8_e5m2: torch.finfo(torch.float8_e5m2).max}

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from pagedpack.child_process import die_with_parent
-from pagedpack.files import atomic_write, sha256_file
+from pagedpack.formats.files import atomic_write, sha256_file
+from pagedpack.host.child_process import die_with_parent
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "rms_norm_cpu.cpp",
@@ -167,7 +167,7 @@ _WATCHDOG = ("import os, signal, subprocess, sys\n"
 
 
 def _build(compiler: str, flags: list[str], library: Path) -> None:
-    """Compile into a temporary file beside ``library`` (:func:`pagedpack.files.atomic_write`: safe
+    """Compile into a temporary file beside ``library`` (:func:`pagedpack.formats.files.atomic_write`: safe
     with concurrent builds, none left by a killed one), record its size and sha256, rename it into
     place. ``RuntimeError`` with the compiler's errors, and the free space when the disk is short."""
     print(f"pagedpack: building the native CPU kernels into {library.parent} "

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedpack.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.kv_quant import dequantize_rows, head_size, is_scaled, quantize_rows
 from pagedpack.kernels.native import native_ops
@@ -37,6 +36,7 @@ from pagedpack.kernels.validation import (
     check_slot_mapping,
     validation_enabled,
 )
+from pagedpack.step.contract import KV_SCALE_BYTES, SCALED_KV_DTYPES
 
 _CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 

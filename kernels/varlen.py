@@ -13,7 +13,7 @@ its own rows; the reference kernel below serves every other case.
 import torch
 from torch import Tensor
 
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import (

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from pagedpack.contract import LoweredStep
-from pagedpack.export import check_export_file
+from pagedpack.formats.export import check_export_file
+from pagedpack.step.contract import LoweredStep
 
 
 class TargetUnavailableError(RuntimeError):
@@ -84,8 +84,8 @@ class FileFormat:
     ``name``: the registry key (unique over all targets); ``suffix``: the file name's usual ending;
     ``magic``: the bytes every file of the format starts with (how :func:`format_of` knows a file,
     whatever its name); ``export(rewritten, path, description, **options) -> str`` writes a
-    ``RewrittenModel`` with its :class:`~pagedpack.contract.ModelDescription`; ``load(path, *,
-    trust_file) -> ExportedStep`` reads one back (:mod:`pagedpack.export` has the format-neutral
+    ``RewrittenModel`` with its :class:`~pagedpack.step.contract.ModelDescription`; ``load(path, *,
+    trust_file) -> ExportedStep`` reads one back (:mod:`pagedpack.formats.export` has the format-neutral
     parts: metadata, tokenizer, checks); ``options``: the export options it takes by name (e.g.
     ONNX's ``attention``); ``serve_hint(path, options) -> str``: how to serve what it wrote (the
     CLI prints it). A tensor-parallel manifest names one file of the format ``ranks_of`` per rank:
@@ -126,7 +126,7 @@ class Target:
     the built-in tiny model for this target (:func:`pagedpack.models.tiny.default_model`);
     ``description``: one line for ``--help``; ``serves_pt2``: its program for a rewritten graph on
     the CPU is the one ``LLM.from_exported`` builds from the graph's ``.pt2`` export, so ``LLM(path)``
-    may capture in a child process (:mod:`pagedpack.compile_cache`); ``options_type``: the
+    may capture in a child process (:mod:`pagedpack.compiler.compile_cache`); ``options_type``: the
     :class:`TargetOptions` subclass of its options; ``formats``: the :class:`FileFormat` s it writes
     and serves; ``supports_tensor_parallel``: it runs a step graph sharded over ranks whose
     collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo).

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedpack.files import check_file_name, sha256_file
+from pagedpack.formats.files import check_file_name, sha256_file
 
 TINY_ALIAS = "tiny"  # the built-in tiny Llama (random weights, byte-level tokenizer)
 DEFAULT_MODEL = "pagedpack/tiny-llama"  # its name: no download, random fixed-seed weights

@@ -13,9 +13,9 @@ import torch.fx
 from torch._dynamo.exc import UserError
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from pagedpack.contract import UnsupportedModelError
 from pagedpack.models.config import mask_reach, position_limit, rope_type
 from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
+from pagedpack.step.contract import UnsupportedModelError
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
 # that would couple the sequences. (transformers' dynamic NTK rescales inv_freq from max(position_ids);
@@ -66,7 +66,7 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     e.g. to a position table's size; a packed step can hold more tokens than one sequence).
     The example is ``example_num_tokens`` long, at most the model's position limit.
     Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
-    :class:`~pagedpack.contract.UnsupportedModelError` for a model feature whose computation
+    :class:`~pagedpack.step.contract.UnsupportedModelError` for a model feature whose computation
     depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
     front, as are layers with a recurrent state, :mod:`pagedpack.models.recurrent`; otherwise
     export's data-dependent guard error, kept as the cause) and for any other error of the export

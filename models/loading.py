@@ -6,10 +6,10 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from pagedpack.contract import ModelDescription
 from pagedpack.models.aliases import DEFAULT_MODEL
 from pagedpack.models.config import DEFAULT_MAX_MODEL_LEN, first_set, position_limit, text_config
 from pagedpack.models.tiny import default_model
+from pagedpack.step.contract import ModelDescription
 
 
 def load(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",

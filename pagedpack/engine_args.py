@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedpack.devices import device_type, is_cpu
+from pagedpack.host.devices import device_type, is_cpu
 from pagedpack.inputs import KV_CACHE_DTYPES, check_int, check_kv_cache_dtype, parse_bytes, resolve_dtype
 from pagedpack.lowering.targets import (
     DEFAULT_TARGET,
@@ -59,13 +59,13 @@ class EngineArgs:
         block_size: tokens per KV block (default: the target's).
         num_blocks / kv_cache_memory / memory_budget: size of the KV pool (at most one): in
             blocks; in bytes; or what a budget for weights + one step's activations + the pool
-            leaves (bytes or a string such as ``"4GiB"``; :mod:`pagedpack.planner`, as vLLM's
+            leaves (bytes or a string such as ``"4GiB"``; :mod:`pagedpack.compiler.planner`, as vLLM's
             ``gpu_memory_utilization``). Default: enough for one request of the whole context
             (``max_model_len`` tokens at this KV dtype and block size, whole blocks), at least 256 MiB,
             at most 4 GiB and, on the CPU, half the machine's memory (as vLLM, which refuses to start
             when one ``max_model_len`` request does not fit; its CPU default was a fixed 4 GiB,
             ``VLLM_CPU_KVCACHE_SPACE``), and no more than ``max_num_seqs`` such requests use
-            (:mod:`pagedpack.planner`). A pool smaller than one full-context request (a size given,
+            (:mod:`pagedpack.compiler.planner`). A pool smaller than one full-context request (a size given,
             or a context beyond the limit) serves shorter requests: ``pagedpack serve`` caps the
             context and says so at start, with the size the whole context needs.
         max_num_batched_tokens: token budget per step (prompts longer than it are chunked).
@@ -110,7 +110,7 @@ class EngineArgs:
             runs its own scheduler and sampler in step with the others, and returns the same outputs
             (offline calls only: ``AsyncLLM`` and ``pagedpack serve`` refuse it).
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
-            calls that are not operators: :mod:`pagedpack.pt2_check`), as ``transformers``'
+            calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
     Raises:
         ValueError: naming the argument, what was expected and what came.

@@ -1,5 +1,5 @@
 """``LLM``: the offline generation API, in the style of vLLM's ``LLM``: a program built by
-:class:`pagedpack.program.ProgramBuilder`, an engine over it, and ``generate``."""
+:class:`pagedpack.compiler.program.ProgramBuilder`, an engine over it, and ``generate``."""
 from __future__ import annotations
 
 import itertools
@@ -7,12 +7,11 @@ import itertools
 from tqdm.auto import tqdm
 
 from pagedpack.chat import conversations, render
-from pagedpack.contract import bytes_per_token
-from pagedpack.devices import is_cpu
+from pagedpack.compiler.planner import MemoryPlan, plan_memory, pool_num_blocks
+from pagedpack.compiler.program import ProgramBuilder, build_rank_program, max_model_len
 from pagedpack.engine_args import EngineArgs
+from pagedpack.host.devices import is_cpu
 from pagedpack.inputs import normalize_prompts, parse_bytes
-from pagedpack.planner import MemoryPlan, plan_memory, pool_num_blocks
-from pagedpack.program import ProgramBuilder, build_rank_program, max_model_len
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
@@ -20,6 +19,7 @@ from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
 from pagedpack.runtime.tensor_parallel import TensorParallelRanks
+from pagedpack.step.contract import bytes_per_token
 
 
 class LLM:
@@ -32,14 +32,14 @@ class LLM:
 
     Attributes: ``model`` (the ``transformers`` module, None when served from a file), ``rewritten`` (the
     :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file), ``program`` (the
-    :class:`~pagedpack.contract.StepProgram` the runner calls), ``description`` (eos ids, ``max_model_len``,
+    :class:`~pagedpack.step.contract.StepProgram` the runner calls), ``description`` (eos ids, ``max_model_len``,
     vocabulary, tokenizer), ``report`` (the pass report, None from a file), ``ranks`` (this process's
     tensor-parallel rank and the other ranks' processes: :mod:`pagedpack.runtime.tensor_parallel`).
 
-    Memory and the compile cache: :mod:`pagedpack.program` (a program of the target's own lets the
+    Memory and the compile cache: :mod:`pagedpack.compiler.program` (a program of the target's own lets the
     source model go; ``model`` and ``rewritten`` are then loaded and captured again on first use).
     Raises:
-        ValueError on bad arguments; :class:`pagedpack.contract.UnsupportedModelError`
+        ValueError on bad arguments; :class:`pagedpack.step.contract.UnsupportedModelError`
         if the pass cannot rewrite every attention site (its report says why).
     """
 
@@ -78,7 +78,7 @@ class LLM:
         ``block_size`` and the pool size are chosen here, not at export; ``tokenizer`` overrides
         the one stored in the file. Raises ``ValueError`` for bad arguments or a file that is not
         such an export."""
-        from pagedpack.export import check_export_file
+        from pagedpack.formats.export import check_export_file
 
         return cls(check_export_file(path), **kwargs)
 
@@ -126,7 +126,7 @@ class LLM:
 
     def plan_memory(self, memory, *, keep_source_model: bool | None = None,
                     kv_cache_dtype: str | None = None) -> MemoryPlan:
-        """The :class:`pagedpack.planner.MemoryPlan` of this model under a budget of ``memory``
+        """The :class:`pagedpack.compiler.planner.MemoryPlan` of this model under a budget of ``memory``
         bytes (an int or a string such as ``"4GiB"``) with this LLM's block size, step limits and
         ``max_model_len``; weights counted as serving holds them: a program of the target's own
         (on the CPU, with the prepacked copies) alone, otherwise, or with ``keep_source_model``

@@ -32,7 +32,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pagedpack.contract import METADATA_INPUTS
+from pagedpack.step.contract import METADATA_INPUTS
 
 T, B = sympy.symbols("T B", integer=True, positive=True)
 
@@ -57,7 +57,7 @@ class ActivationPeak:
 
 def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> ActivationPeak:
     """The symbolic peak activation bytes of one step of a rewritten step graph (module
-    docstring). ``kv_cache_specs``: the graph's :class:`~pagedpack.contract.KVCacheSpec` list.
+    docstring). ``kv_cache_specs``: the graph's :class:`~pagedpack.step.contract.KVCacheSpec` list.
     Raises ``ValueError`` naming the node if shape propagation fails. The graph is left as it
     was: the example's fake values the propagation writes into ``node.meta["val"]`` (block size
     16, its own symbols) are replaced by the graph's own afterwards, which later passes read."""
@@ -84,7 +84,7 @@ def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> Activ
 
 
 def _example_inputs(kv_cache_specs) -> list[tuple[str, torch.Tensor]]:
-    from pagedpack.metadata import example_metadata
+    from pagedpack.step.metadata import example_metadata
 
     q_lens = [_EXAMPLE_T - 2 * (_EXAMPLE_B - 1)] + [2] * (_EXAMPLE_B - 1)
     context = [0] + [(_EXAMPLE_WIDTH - 1) * _EXAMPLE_BLOCK_SIZE] * (_EXAMPLE_B - 1)

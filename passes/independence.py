@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.metadata import paged_metadata
 from pagedpack.passes.find import token_sizes
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.passes.report import op_name
 from pagedpack.passes.verify import sample_values
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import paged_metadata
 
 # Step 1 computes A[:5], B[:11], C[:4]; step 2 computes C[4:9] and A's sixth token (a decode).
 _LENGTHS = {"A": 6, "B": 11, "C": 9}

@@ -37,11 +37,11 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.metadata import example_metadata
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_size
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import example_metadata
 
 aten = torch.ops.aten
 _SAMPLE_BLOCK_SIZE = 4

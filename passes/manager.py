@@ -27,10 +27,10 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from pagedpack.contract import KVCacheSpec
-from pagedpack.files import atomic_write
+from pagedpack.formats.files import atomic_write
 from pagedpack.passes.attention_sites import AttentionSite
 from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts, op_name
+from pagedpack.step.contract import KVCacheSpec
 
 DUMP_GRAPHS_ENV = "PAGEDPACK_DUMP_GRAPHS"
 

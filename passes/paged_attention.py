@@ -18,10 +18,10 @@ import torch
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
-from pagedpack.contract import KVCacheSpec
 from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
 from pagedpack.passes.graph_edit import set_fake_empty, set_fake_value
 from pagedpack.passes.manager import PassContext, SiteRewritePass
+from pagedpack.step.contract import KVCacheSpec
 
 
 def params_kwargs(graph: torch.fx.Graph, site: AttentionSite) -> dict:
@@ -67,7 +67,7 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
 
 class PagedAttention(SiteRewritePass):
     """``paged_attention``: every site -> :func:`rewrite_site` on layer ``i``'s cache inputs; appends
-    one :class:`~pagedpack.contract.KVCacheSpec` per site to ``ctx.kv_cache_specs``."""
+    one :class:`~pagedpack.step.contract.KVCacheSpec` per site to ``ctx.kv_cache_specs``."""
 
     name = "paged_attention"
     provides = ("kv_cache_specs",)

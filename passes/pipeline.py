@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, UnsupportedModelError, bytes_per_token, cache_input_names
 from pagedpack.models.capture import CapturedModel
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
@@ -35,6 +34,13 @@ from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.verify import VerifyAttention
+from pagedpack.step.contract import (
+    METADATA_INPUTS,
+    KVCacheSpec,
+    UnsupportedModelError,
+    bytes_per_token,
+    cache_input_names,
+)
 
 aten = torch.ops.aten
 _VERIFY_NUM_TOKENS = 7
@@ -44,7 +50,7 @@ _VERIFY_NUM_TOKENS = 7
 class RewrittenModel:
     """Result of :func:`rewrite`: the step graph (or the untouched capture if refused) and its report.
 
-    A :class:`pagedpack.contract.StepProgram` once :attr:`ok`."""
+    A :class:`pagedpack.step.contract.StepProgram` once :attr:`ok`."""
 
     graph_module: torch.fx.GraphModule
     report: PassReport
@@ -66,7 +72,7 @@ class RewrittenModel:
         return bytes_per_token(self.kv_cache_specs)
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run one step (:mod:`pagedpack.contract`); refused models have no step signature."""
+        """Run one step (:mod:`pagedpack.step.contract`); refused models have no step signature."""
         return self.graph_module(*inputs)
 
     def raise_if_refused(self) -> None:

@@ -45,11 +45,11 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec
 from pagedpack.kernels.attention_params import op_arguments
-from pagedpack.metadata import example_metadata
 from pagedpack.passes.graph_attrs import attr_tensor, vocab_size
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
+from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec
+from pagedpack.step.metadata import example_metadata
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

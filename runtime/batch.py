@@ -1,4 +1,4 @@
-"""The step metadata of the scheduler's requests: :func:`pagedpack.metadata.paged_metadata` fed
+"""The step metadata of the scheduler's requests: :func:`pagedpack.step.metadata.paged_metadata` fed
 from ``ScheduledRequest``s, its block table checked with ``kernels.validation``."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from pagedpack.kernels.validation import check_block_table
-from pagedpack.metadata import StepMetadata, paged_metadata
 from pagedpack.runtime.scheduler import ScheduledRequest
+from pagedpack.step.metadata import StepMetadata, paged_metadata
 
 
 def build_batch(

@@ -14,7 +14,6 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from pagedpack.contract import ModelDescription, bytes_per_token
 from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.cpu_threads import CpuThreads
@@ -26,6 +25,7 @@ from pagedpack.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
 from pagedpack.runtime.scheduler import Scheduler, SchedulerOutput
+from pagedpack.step.contract import ModelDescription, bytes_per_token
 
 log = logging.getLogger("pagedpack.engine")
 
@@ -129,7 +129,7 @@ class LLMEngine:
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None) -> "LLMEngine":
-        """The engine of ``program`` (a :class:`~pagedpack.contract.StepProgram`) over a pool of
+        """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any."""
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,

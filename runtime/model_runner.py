@@ -6,18 +6,18 @@ import math
 import numpy as np
 import torch
 
-from pagedpack.contract import METADATA_INPUTS, StepProgram
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.validation import checked_step
-from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.memory import trim_heap
+from pagedpack.step.contract import METADATA_INPUTS, StepProgram
+from pagedpack.step.metadata import StepMetadata
 
 TRIM_AFTER_TOKENS = 256  # a prefill chunk's worth: its activations are MiBs, a decode step's KiBs
 
 
 class ModelRunner:
-    """A :class:`~pagedpack.contract.StepProgram` plus its per-layer KV caches.
+    """A :class:`~pagedpack.step.contract.StepProgram` plus its per-layer KV caches.
 
     Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer
     for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``, plus the

@@ -8,7 +8,7 @@ graphs join the ranks on the default process group (``gloo`` on the CPU, as vLLM
 
 Commands travel outside the process group, on a pipe from rank 0 to each worker: per step one
 message of int64s, a header ``[command, T, B, max_blocks, R]`` and the step's metadata
-(:data:`pagedpack.contract.METADATA_INPUTS`, concatenated); block copies, the commit of the KV
+(:data:`pagedpack.step.contract.METADATA_INPUTS`, concatenated); block copies, the commit of the KV
 pages at a server's start and the stop travel the same way. Nothing is pickled after start-up (a
 worker takes its ``EngineArgs`` from rank 0 when spawned). A worker waits for its next command
 without a deadline, so an idle engine stays up; only the collectives time out.
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pagedpack.child_process import exit_with_parent, free_port
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.metadata import StepMetadata
+from pagedpack.host.child_process import exit_with_parent, free_port
 from pagedpack.runtime.engine_loop import EngineDeadError
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import StepMetadata
 
 TIMEOUT_S = 60.0  # a collective no rank answers fails after this
 JOIN_TIMEOUT_S = 60.0  # the workers' start (imports) until they join the group

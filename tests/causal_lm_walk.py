@@ -115,7 +115,7 @@ def tiny_model(model_type: str) -> torch.nn.Module:
 def walk_one(model_type: str) -> Outcome:
     """Build, serve and compare one registered class (see the module docstring)."""
     from pagedpack import LLM, SamplingParams
-    from pagedpack.contract import UnsupportedModelError
+    from pagedpack.step.contract import UnsupportedModelError
 
     class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     try:

@@ -83,7 +83,7 @@ def onnx_sealed(model, dst) -> str:
     """Save ``model`` to ``dst`` with a valid checksum record, as a consistent file written elsewhere would have."""
     import onnx
 
-    from pagedpack.checksum import ONNX_KEY, seal_onnx
+    from pagedpack.formats.checksum import ONNX_KEY, seal_onnx
 
     kept = [(p.key, p.value) for p in model.metadata_props if p.key != ONNX_KEY]
     del model.metadata_props[:]
@@ -98,7 +98,7 @@ def onnx_with_meta(src: str, dst, edit) -> str:
     """A copy of the ONNX file ``src`` whose pagedpack metadata (JSON text) is ``edit(text)`` (checksum valid)."""
     import onnx
 
-    from pagedpack.export import META_FILE
+    from pagedpack.formats.export import META_FILE
 
     model = onnx.load(src)
     for prop in model.metadata_props:
@@ -110,10 +110,10 @@ def onnx_with_meta(src: str, dst, edit) -> str:
 def pt2_edited(src, dst, edits: dict) -> str:
     """A copy of the ``.pt2`` archive ``src`` at ``dst`` whose members named ``<root>/<key>`` are
     ``edits[key](bytes)`` (a key missing from the archive is added), with a valid checksum record
-    (:mod:`pagedpack.checksum`): what a consistent file written by someone else looks like."""
+    (:mod:`pagedpack.formats.checksum`): what a consistent file written by someone else looks like."""
     import zipfile
 
-    from pagedpack.checksum import seal_pt2
+    from pagedpack.formats.checksum import seal_pt2
 
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         root = zin.namelist()[0].split("/", 1)[0]

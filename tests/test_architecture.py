@@ -10,11 +10,11 @@ import tomllib
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.contract import METADATA_INPUTS
 from pagedpack.lowering import targets
 from pagedpack.lowering.targets import LoweredStep, Target, TargetOptions, register_target
-from pagedpack.metadata import StepMetadata
 from pagedpack.models.tiny import tiny_model
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import StepMetadata
 
 from conftest import hf_greedy, random_prompts, snapshot
 
@@ -62,7 +62,7 @@ def test_no_module_imports_another_in_a_cycle():
     """Counting typing-only imports too: a cycle through annotations is a cycle of the design."""
     modules = _modules()
     graph = {name: _imports(path, modules, typing_only=True) - {name} for name, path in modules.items()}
-    assert "pagedpack.passes.pipeline" in graph and "pagedpack.contract" in graph
+    assert "pagedpack.passes.pipeline" in graph and "pagedpack.step.contract" in graph
     state, cycles = {}, []
 
     def visit(name, stack):
@@ -82,32 +82,46 @@ def test_no_module_imports_another_in_a_cycle():
 
 def test_the_contract_and_the_step_metadata_are_leaves():
     modules = _modules()
-    assert _imports(modules["pagedpack.contract"], modules, typing_only=True) == set()
-    assert _imports(modules["pagedpack.metadata"], modules, typing_only=True) == set()
+    assert _imports(modules["pagedpack.step.contract"], modules, typing_only=True) == set()
+    assert _imports(modules["pagedpack.step.metadata"], modules, typing_only=True) == set()
     assert StepMetadata._fields == METADATA_INPUTS
 
 
-# What every format shares (the metadata record, the tokenizer, paths, checksums, the archive checks):
-# the formats, in their targets' packages under lowering/, import these, never the other way.
-FORMAT_NEUTRAL = ("pagedpack.export", "pagedpack.contract", "pagedpack.metadata", "pagedpack.checksum",
-                  "pagedpack.files", "pagedpack.pt2_check", "pagedpack.devices")
+# What every format shares (the step contract and metadata, the description, checksums, the archive
+# checks, atomic writes, device types): the formats, in their targets' packages under lowering/,
+# import these packages, never the other way.
+FORMAT_NEUTRAL = ("pagedpack.step", "pagedpack.formats", "pagedpack.host")
 
 
-@pytest.mark.parametrize("module", FORMAT_NEUTRAL)
-def test_the_format_neutral_modules_import_no_lowering_and_no_runtime(module):
+def test_the_format_neutral_packages_import_no_lowering_and_no_runtime():
     modules = _modules()
-    found = _imports(modules[module], modules, typing_only=True)
-    assert not {m for m in found if m.startswith(("pagedpack.lowering", "pagedpack.runtime", "pagedpack.program",
-                                                  "pagedpack.llm", "pagedpack.passes"))}, found
+    neutral = [name for name in modules if name.startswith(FORMAT_NEUTRAL)]
+    assert len(neutral) >= 10, neutral
+    upward = ("pagedpack.lowering", "pagedpack.runtime", "pagedpack.compiler", "pagedpack.llm", "pagedpack.passes",
+              "pagedpack.serve", "pagedpack.cli")
+    found = {name: sorted(m for m in _imports(modules[name], modules, typing_only=True) if m.startswith(upward))
+             for name in neutral}
+    assert not any(found.values()), found
 
 
-@pytest.mark.parametrize("module", ["pagedpack.passes.pipeline", "pagedpack.passes.varlen", "pagedpack.backend",
-                                    "pagedpack.export", "pagedpack.lowering.reference.target",
+def test_the_pagedpack_folder_shows_its_roles():
+    """``pagedpack/`` holds the public API (the engine, its options, prompts) as modules; every other
+    role is a subpackage docs/design.md draws."""
+    folder = ROOT / "pagedpack"
+    assert {p.stem for p in folder.glob("*.py")} == {"__init__", "llm", "async_llm", "engine_args", "inputs", "chat"}
+    design = (ROOT / "docs" / "design.md").read_text()
+    for package in sorted(p.name for p in folder.iterdir() if (p / "__init__.py").is_file()):
+        assert f"pagedpack/{package}/" in design, package
+
+
+@pytest.mark.parametrize("module", ["pagedpack.passes.pipeline", "pagedpack.passes.varlen",
+                                    "pagedpack.compiler.backend", "pagedpack.formats.export",
+                                    "pagedpack.lowering.reference.target",
                                     "pagedpack.lowering.ascend.target", "pagedpack.lowering.onnx.target",
-                                    "pagedpack.lowering.onnx.export", "pagedpack.program"])
+                                    "pagedpack.lowering.onnx.export", "pagedpack.compiler.program"])
 def test_the_compile_side_imports_no_serving_runtime(module):
     """Passes, lowerings, the exporters and the program builder build their sample steps with
-    pagedpack.metadata, not the scheduler's requests."""
+    pagedpack.step.metadata, not the scheduler's requests."""
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('pagedpack.runtime')))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -116,7 +130,8 @@ def test_the_compile_side_imports_no_serving_runtime(module):
 
 @pytest.mark.parametrize("module, absent", [
     ("pagedpack.runtime.engine", ["pagedpack.passes.pipeline", "pagedpack.llm", "transformers"]),
-    ("pagedpack.export", ["pagedpack.llm", "onnx", "onnxruntime", "onnxscript", "pagedpack.lowering.onnx.functions"]),
+    ("pagedpack.formats.export", ["pagedpack.llm", "onnx", "onnxruntime", "onnxscript",
+                                  "pagedpack.lowering.onnx.functions"]),
 ])
 def test_importing_one_part_does_not_import_the_others(module, absent):
     code = f"import sys, {module}; print([m for m in {absent!r} if m in sys.modules])"
@@ -212,10 +227,10 @@ def test_the_name_check_catches_every_form():
 
 
 def test_device_types_are_compared_only_in_the_devices_module():
-    """``x.device.type == "cpu"``-style tests go through pagedpack.devices (is_cpu, is_npu, device_type)."""
+    """``x.device.type == "cpu"``-style tests go through pagedpack.host.devices (is_cpu, is_npu, device_type)."""
     device_names = {"cpu", "npu", "cuda", "meta", "mps", "xpu"}
     for name, path in _modules().items():
-        if name == "pagedpack.devices":
+        if name == "pagedpack.host.devices":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare):
@@ -285,7 +300,7 @@ def test_llm_and_from_exported_share_one_validation(tmp_path):
 
 
 def test_llm_is_a_thin_client_of_the_program_builder_and_the_engine():
-    """``LLM`` builds a program (pagedpack.program), an engine, and generates: it stays small and
+    """``LLM`` builds a program (pagedpack.compiler.program), an engine, and generates: it stays small and
     imports no lowering module."""
     modules = _modules()
     assert len(modules["pagedpack.llm"].read_text().splitlines()) <= 200

@@ -16,12 +16,12 @@ import pagedpack.lowering.ascend.target as ascend_target
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.ascend.graphs import DEFAULT_GRAPH_BATCH_SIZES, pad_decode
 from pagedpack.lowering.ascend.lower import emulated_ops, step_example_inputs
-from pagedpack.metadata import example_metadata
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
+from pagedpack.step.metadata import example_metadata
 
 from conftest import assert_greedy_tokens_or_tie, assert_within_own_error, hf_greedy, random_prompts, snapshot
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import pagedpack.backend as backend
-from pagedpack.backend import sample_lengths
+import pagedpack.compiler.backend as backend
+from pagedpack.compiler.backend import sample_lengths
 from pagedpack.models.tiny import tiny_model
 
 
@@ -306,7 +306,7 @@ def test_a_graph_left_as_captured_names_the_output_and_the_node(caplog):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="pagedpack", dynamic=True)
     ids = torch.randint(0, 32, (2, 5))
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="pagedpack.backend"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="pagedpack.compiler.backend"):
         torch.testing.assert_close(compiled(ids)[0], model(ids)[0])
     report = backend.LAST_REPORTS[-1]
     why = report.left_as_captured

@@ -3,7 +3,7 @@ import os
 
 import torch
 
-import pagedpack.backend as backend
+import pagedpack.compiler.backend as backend
 
 SENTENCES = [
     "Hi",

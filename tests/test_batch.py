@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedpack.metadata import StepMetadata
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import SamplingParams
 from pagedpack.runtime.scheduler import ScheduledRequest
+from pagedpack.step.metadata import StepMetadata
 
 INPUT_NAMES = ["input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table", "slot_mapping", "logits_indices"]
 DTYPES = {

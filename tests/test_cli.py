@@ -73,7 +73,7 @@ def test_generate_on_the_ascend_target_runs_on_the_emulation():
 def test_generate_n_completions_and_a_kv_plot(tmp_path):
     from matplotlib.image import imread
 
-    from pagedpack.kv_plot import DPI, FIGURE_SIZE
+    from pagedpack.cli.kv_plot import DPI, FIGURE_SIZE
 
     plot = tmp_path / "kv.png"
     result = run("generate", "--model", "tiny", "--n", "2", "--temperature", "0.7", "--seed", "3",

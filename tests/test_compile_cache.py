@@ -1,5 +1,5 @@
 """``LLM(path)`` on the CPU with the compile cache on: captured in a child process, served from the
-``.pt2`` the cache keeps (:mod:`pagedpack.compile_cache`); same tokens as the unmodified model."""
+``.pt2`` the cache keeps (:mod:`pagedpack.compiler.compile_cache`); same tokens as the unmodified model."""
 import base64
 import json
 import os
@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from pagedpack import LLM, SamplingParams, compile_cache
-from pagedpack.contract import UnsupportedModelError
+from pagedpack import LLM, SamplingParams
+from pagedpack.compiler import compile_cache
 from pagedpack.kernels import native
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
+from pagedpack.step.contract import UnsupportedModelError
 
 from conftest import hf_greedy
 

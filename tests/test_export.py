@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.compiler.program import load_exported
 from pagedpack.lowering.onnx.export import export_onnx
 from pagedpack.lowering.reference.pt2 import export_pt2
 from pagedpack.lowering.targets import get_format
 from pagedpack.models.tiny import tiny_model
-from pagedpack.program import load_exported
 from pagedpack.runtime.request import Request
 
 from conftest import random_prompts, run_cli, run_step

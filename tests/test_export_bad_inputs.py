@@ -18,17 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.checksum import seal_pt2
 from pagedpack.cli import main
-from pagedpack.contract import ModelDescription
-from pagedpack.export import META_FILE
+from pagedpack.compiler.program import load_exported
+from pagedpack.formats.checksum import seal_pt2
+from pagedpack.formats.export import META_FILE
 from pagedpack.lowering.onnx.export import export_onnx, load_onnx
 from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
-from pagedpack.program import load_exported
+from pagedpack.step.contract import ModelDescription
 
 from conftest import onnx_sealed, onnx_with_meta, pt2_edited, random_prompts
 

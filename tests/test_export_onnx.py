@@ -9,9 +9,9 @@ import torch
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.compiler.program import load_exported
 from pagedpack.lowering.onnx.export import export_onnx
 from pagedpack.models.tiny import tiny_model
-from pagedpack.program import load_exported
 
 from conftest import MIXED_PROMPT_LENS, run_cli
 

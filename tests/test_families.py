@@ -12,9 +12,9 @@ import torch
 import transformers as T
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.contract import UnsupportedModelError
 from pagedpack.kernels.native import native_ops
 from pagedpack.passes.numerics import grouped_mm
+from pagedpack.step.contract import UnsupportedModelError
 
 from conftest import MIXED_PROMPT_LENS, assert_greedy_tokens_or_tie, hf_greedy, random_prompts, snapshot
 

@@ -6,11 +6,11 @@ from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig, GPT2Co
 from transformers.models.bloom import BloomForCausalLM
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.contract import UnsupportedModelError
 from pagedpack.models import capture as capture_module
 from pagedpack.models.loading import eos_token_ids, max_model_len
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
+from pagedpack.step.contract import UnsupportedModelError
 
 from conftest import hf_greedy, run_cli
 

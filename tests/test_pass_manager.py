@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig
 from transformers.models.falcon.modeling_falcon import FalconAttention
 
-from pagedpack import LLM, SamplingParams, compile_cache
+from pagedpack import LLM, SamplingParams
+from pagedpack.compiler import compile_cache
 from pagedpack.kernels.attention_params import AttentionParams
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import FAMILIES, VOCAB_SIZE, tiny_model

@@ -8,11 +8,11 @@ import sympy
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.contract import METADATA_INPUTS
-from pagedpack.metadata import example_metadata
+from pagedpack.compiler.planner import DEFAULT_KV_CACHE_LIMIT, DEFAULT_KV_CACHE_MEMORY, pool_notice, pool_num_blocks
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.activation_memory import B, T, activation_peak
-from pagedpack.planner import DEFAULT_KV_CACHE_LIMIT, DEFAULT_KV_CACHE_MEMORY, pool_notice, pool_num_blocks
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import example_metadata
 
 from conftest import profiled_peak_bytes
 

@@ -4,12 +4,12 @@ the whole prompt in one forward pass: chunked prefill, a mixed batch, prefix cac
 import pytest
 import torch
 
-import pagedpack.export as export
+import pagedpack.formats.export as export
 import pagedpack.lowering.reference.pt2 as pt2_format
 from pagedpack import LLM, SamplingParams
-from pagedpack.metadata import example_metadata
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.outputs import merge
+from pagedpack.step.metadata import example_metadata
 
 from conftest import hf_greedy, random_prompts, snapshot
 
@@ -152,7 +152,7 @@ def source(model):
 
 
 def _tied_example_step(rewritten):
-    """:func:`pagedpack.export.example_step` as before the logits rows had a size of their own."""
+    """:func:`pagedpack.formats.export.example_step` as before the logits rows had a size of their own."""
     args, dynamic_shapes = _real_example_step(rewritten)
     args = (*args[:6], args[6][:3], *args[7:])  # each sequence's last row only
     return args, (*dynamic_shapes[:6], dynamic_shapes[3], *dynamic_shapes[7:])

@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import pagedpack.backend as backend
+import pagedpack.compiler.backend as backend
 from pagedpack.passes.numerics import excess_error
 
 from conftest import fetch_alias_or_skip

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedpack.contract import UnsupportedModelError
 from pagedpack.models.capture import capture
 from pagedpack.passes.numerics import equal_to_floor, excess_error
 from pagedpack.passes.pipeline import rewrite
+from pagedpack.step.contract import UnsupportedModelError
 
 
 class _OneLayer(torch.nn.Module):

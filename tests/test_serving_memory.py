@@ -11,9 +11,9 @@ import torch
 import torch.fx
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.compiler.planner import resident_weight_bytes
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.graph_attrs import drop_unused_attrs, own_attrs
-from pagedpack.planner import resident_weight_bytes
 
 from conftest import hf_greedy
 

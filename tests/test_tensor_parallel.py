@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pagedpack import LLM, AsyncLLM, EngineArgs, SamplingParams
-from pagedpack.contract import bytes_per_token
 from pagedpack.models.tiny import tiny_model
 from pagedpack.passes.tensor_parallel import (
     HeadSplit,
@@ -29,6 +28,7 @@ from pagedpack.passes.tensor_parallel import (
 )
 from pagedpack.runtime import tensor_parallel
 from pagedpack.runtime.engine_loop import EngineDeadError
+from pagedpack.step.contract import bytes_per_token
 
 from conftest import random_prompts
 from test_families import SERVED, family_model

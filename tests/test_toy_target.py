@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.files import atomic_write
+from pagedpack.formats.files import atomic_write
 from pagedpack.lowering import targets
 from pagedpack.lowering.reference import pt2, target
 from pagedpack.models.tiny import tiny_model

@@ -24,16 +24,16 @@ import pytest
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.checksum import seal_pt2
-from pagedpack.export import META_FILE
-from pagedpack.files import atomic_write
+from pagedpack.compiler.program import load_exported
+from pagedpack.formats.checksum import seal_pt2
+from pagedpack.formats.export import META_FILE
+from pagedpack.formats.files import atomic_write
+from pagedpack.formats.pt2_check import UntrustedFileError
 from pagedpack.kernels import native
 from pagedpack.lowering.onnx.export import export_onnx
 from pagedpack.lowering.reference.pt2 import export_pt2
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
-from pagedpack.program import load_exported
-from pagedpack.pt2_check import UntrustedFileError
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.sampling import Sampler
 

@@ -58,9 +58,9 @@ from typing import Callable
 import torch
 import torch.fx
 
-from pagedpack.contract import METADATA_INPUTS
 from pagedpack.lowering.ascend.lower import host_lengths
-from pagedpack.metadata import StepMetadata
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import StepMetadata
 
 GRAPH_MODES = ("aclgraph", "decode_buckets", "dynamic")
 DEFAULT_GRAPH_MODE = "aclgraph"

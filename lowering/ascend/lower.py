@@ -76,7 +76,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
-from pagedpack.contract import METADATA_INPUTS
 from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
 from pagedpack.lowering.ascend.limits import (
     WINDOW_DUMMY_ROWS,
@@ -85,7 +84,8 @@ from pagedpack.lowering.ascend.limits import (
     check_supported,
 )
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
-from pagedpack.metadata import example_metadata
+from pagedpack.step.contract import METADATA_INPUTS
+from pagedpack.step.metadata import example_metadata
 
 aten = torch.ops.aten
 COMPRESSED_MASK_SIZE = 2048

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from pagedpack.contract import LoweredStep
-from pagedpack.devices import is_npu
+from pagedpack.host.devices import is_npu
 from pagedpack.lowering.ascend.graphs import (
     BUCKET_MODES,
     DEFAULT_GRAPH_BATCH_SIZES,
@@ -46,6 +45,7 @@ from pagedpack.lowering.ascend.lower import (
 )
 from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
 from pagedpack.lowering.targets import StepBounds, Target, TargetOptions
+from pagedpack.step.contract import LoweredStep
 
 
 def npu_graph_api(emulated: bool):

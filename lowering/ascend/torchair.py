@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from pagedpack.contract import METADATA_INPUTS
 from pagedpack.lowering.ascend.lower import AscendOps, import_torchair, lower_to_ascend, npu_ops
 from pagedpack.lowering.targets import StepBounds
+from pagedpack.step.contract import METADATA_INPUTS
 
 
 def production_config(torchair):

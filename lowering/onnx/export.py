@@ -1,7 +1,7 @@
 """The ``onnx`` target's file format (:data:`FORMAT`, ``"onnx"``): the step graph as an ONNX model
 (:func:`export_onnx`), loaded back onto an onnxruntime session (:func:`load_onnx`).
 
-The model has the step signature of :mod:`pagedpack.contract`, made functional::
+The model has the step signature of :mod:`pagedpack.step.contract`, made functional::
 
     (input_ids [num_tokens] int64, positions [num_tokens] int64, cu_seqlens_q [num_seqs + 1] int32,
      seq_lens [num_seqs] int32, block_table [num_seqs, max_blocks_per_seq] int32,
@@ -27,9 +27,8 @@ import warnings
 
 import torch
 
-from pagedpack.checksum import seal_onnx, verify_onnx, verify_onnx_data
-from pagedpack.contract import METADATA_INPUTS, ModelDescription, cache_input_names
-from pagedpack.export import (
+from pagedpack.formats.checksum import seal_onnx, verify_onnx, verify_onnx_data
+from pagedpack.formats.export import (
     META_FILE,
     ExportedStep,
     check_export_file,
@@ -42,9 +41,10 @@ from pagedpack.export import (
     step_from_metadata,
     writing,
 )
-from pagedpack.files import publish, temp_path
+from pagedpack.formats.files import publish, temp_path
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
 from pagedpack.lowering.targets import FileFormat
+from pagedpack.step.contract import METADATA_INPUTS, ModelDescription, cache_input_names
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -52,7 +52,7 @@ ATTENTIONS = ("pagedpack", "com.microsoft")
 def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
                 attention: str = "pagedpack") -> str:
     """Export ``rewritten`` (a ``RewrittenModel`` of the reference target) to the ONNX file ``path``,
-    storing ``description`` as every format does (:func:`pagedpack.export.export_metadata`).
+    storing ``description`` as every format does (:func:`pagedpack.formats.export.export_metadata`).
 
     ``attention``: ``"pagedpack"`` (functions with standard-op bodies; runs on onnxruntime CPU)
     or ``"com.microsoft"`` (``com.microsoft.PagedAttention``; float16/bfloat16 models only).
@@ -173,7 +173,7 @@ def _quiet_exporter():
 
 def load_onnx(path: str | os.PathLike) -> ExportedStep:
     """Load an ONNX file written by :func:`export_onnx` onto an onnxruntime
-    CPU session, once its sha256 record (:mod:`pagedpack.checksum`) checks out. (An ONNX model is
+    CPU session, once its sha256 record (:mod:`pagedpack.formats.checksum`) checks out. (An ONNX model is
     data: loading one runs no code of the file's.)
 
     Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
@@ -216,7 +216,7 @@ _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
 
 def _onnx_signature(session) -> tuple[dict[str, tuple], tuple]:
     """The program signature of an onnxruntime session (its first output is the logits), as
-    :func:`pagedpack.export.check_program_signature` takes it."""
+    :func:`pagedpack.formats.export.check_program_signature` takes it."""
     inputs = {i.name: (static_shape(i.shape), _ORT_DTYPES.get(i.type, i.type)) for i in session.get_inputs()}
     return inputs, static_shape(session.get_outputs()[0].shape)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, cache_input_names
+from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, cache_input_names
 
 _ORT_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)"}  # NumPy has no bfloat16
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.contract import LoweredStep
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.lowering.onnx import export as onnx_format
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
 from pagedpack.lowering.targets import FileFormat, StepBounds, Target, TargetOptions
+from pagedpack.step.contract import LoweredStep
 
 
 @dataclass

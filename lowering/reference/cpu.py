@@ -42,7 +42,7 @@ import warnings
 import torch
 import torch.fx
 
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_activation import fuse_gated_activations
 from pagedpack.lowering.reference.cpu_linear import available as onednn_available
@@ -51,11 +51,11 @@ from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
 from pagedpack.lowering.reference.cpu_norm import fuse_rms_norms
 from pagedpack.lowering.reference.cpu_qkv import fuse_qkv_rope_cache
 from pagedpack.lowering.reference.cpu_rotary import fuse_rotary
-from pagedpack.metadata import example_metadata
 from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 from pagedpack.passes.graph_attrs import drop_unused_attrs, hoist_attrs, vocab_size
 from pagedpack.passes.tensor_parallel import local_graph
 from pagedpack.passes.view_chains import collapse_view_chains
+from pagedpack.step.metadata import example_metadata
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 # A bf16 / fp16 step's logits move by several of the dtype's rounding steps whenever a GEMM's row

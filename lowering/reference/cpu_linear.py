@@ -57,7 +57,7 @@ import os
 import torch
 import torch.fx
 
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name
 from pagedpack.passes.graph_edit import finish_rewrite, replace_with_call
 

@@ -1,7 +1,7 @@
 """The reference target's ``.pt2`` format: the rewritten step graph as a ``torch.export`` archive.
 
 The archive holds one ``ExportedProgram`` of the step graph (the signature of
-:mod:`pagedpack.contract`, dynamic in ``T``, ``B``, ``R``, ``max_blocks_per_seq``, ``num_blocks``
+:mod:`pagedpack.step.contract`, dynamic in ``T``, ``B``, ``R``, ``max_blocks_per_seq``, ``num_blocks``
 and ``block_size``: the block size is a runtime choice, not baked in). An archive written before
 ``R`` had a dimension of its own takes ``R == B`` only (:func:`load_pt2` marks its program so).
 
@@ -11,9 +11,9 @@ caches); the loaded ``.module()`` therefore updates the caller's cache tensors, 
 graph does, and the runner passes its own caches exactly as for the un-exported graph.
 
 Besides the program, ``extra_files["pagedpack.json"]`` stores the format-neutral metadata
-(:func:`pagedpack.export.export_metadata`). ``import pagedpack`` registers the custom ops the program
+(:func:`pagedpack.formats.export.export_metadata`). ``import pagedpack`` registers the custom ops the program
 calls, which is all a fresh process needs before :func:`load_pt2` (or
-:func:`pagedpack.program.load_exported`, for any format). :data:`FORMAT` registers it (a zip file:
+:func:`pagedpack.compiler.program.load_exported`, for any format). :data:`FORMAT` registers it (a zip file:
 ``PK\\x03\\x04``) with :class:`~pagedpack.lowering.reference.target.ReferenceTarget`.
 """
 from __future__ import annotations
@@ -26,9 +26,8 @@ import zipfile
 
 import torch
 
-from pagedpack.checksum import seal_pt2, verify_pt2
-from pagedpack.contract import ModelDescription
-from pagedpack.export import (
+from pagedpack.formats.checksum import seal_pt2, verify_pt2
+from pagedpack.formats.export import (
     META_FILE,
     ExportedStep,
     check_export_file,
@@ -40,9 +39,10 @@ from pagedpack.export import (
     step_from_metadata,
     writing,
 )
-from pagedpack.files import RecordingWriter, atomic_write
+from pagedpack.formats.files import RecordingWriter, atomic_write
+from pagedpack.formats.pt2_check import check_pt2_archive, weights_only_loads
 from pagedpack.lowering.targets import FileFormat
-from pagedpack.pt2_check import check_pt2_archive, weights_only_loads
+from pagedpack.step.contract import ModelDescription
 
 
 def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
@@ -84,9 +84,9 @@ _OP_LIBRARIES = {b"torch.ops.transformers.": "transformers.integrations.moe"}
 
 def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
     """Load an archive written by :func:`export_pt2`. Checked before ``torch.export.load`` reads
-    it: its sha256 record (:mod:`pagedpack.checksum`) and, unless ``trust_file``, that nothing in it
-    would run code (:mod:`pagedpack.pt2_check`: pickled members, non-operator node targets, ...;
-    refused with :class:`~pagedpack.pt2_check.UntrustedFileError`); after: that its metadata
+    it: its sha256 record (:mod:`pagedpack.formats.checksum`) and, unless ``trust_file``, that nothing in it
+    would run code (:mod:`pagedpack.formats.pt2_check`: pickled members, non-operator node targets, ...;
+    refused with :class:`~pagedpack.formats.pt2_check.UntrustedFileError`); after: that its metadata
     matches the program's own signature. ``ValueError`` if ``path`` is missing or is not such an
     archive. The libraries that register ops the program calls besides pagedpack's
     (:data:`_OP_LIBRARIES`) are imported first."""
@@ -113,7 +113,7 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
         step.one_logits_row_per_seq = (f"the reference target's .pt2 program {path!r} returns one logits row per "
                                        "sequence (exported before logits_indices had a size of its own); export "
                                        "it again to ask for prompt logprobs")
-    program._guards_code = []  # module() would exec these strings from the file (pagedpack.pt2_check)
+    program._guards_code = []  # module() would exec these strings from the file (pagedpack.formats.pt2_check)
     step.run = program.module()
     return step
 

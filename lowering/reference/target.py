@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.contract import LoweredStep
 from pagedpack.lowering.reference import pt2, tp
 from pagedpack.lowering.reference.cpu import cpu_step
 from pagedpack.lowering.targets import FileFormat, StepBounds, Target, TargetOptions
+from pagedpack.step.contract import LoweredStep
 
 
 @dataclass

@@ -32,8 +32,8 @@ import os
 import uuid
 import zipfile
 
-from pagedpack.export import META_FILE, ExportedStep, check_output_path
-from pagedpack.files import atomic_write, check_file_name, sha256_file
+from pagedpack.formats.export import META_FILE, ExportedStep, check_output_path
+from pagedpack.formats.files import atomic_write, check_file_name, sha256_file
 from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
 from pagedpack.lowering.targets import FileFormat
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedpack.child_process import free_port
+from pagedpack.host.child_process import free_port
 
 
 def pagedpack_serve_command(*args: str, port: int, log_level: str = "warning") -> list[str]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import uvicorn
 
 from pagedpack.async_llm import AsyncLLM
+from pagedpack.compiler.planner import pool_notice
 from pagedpack.llm import LLM
-from pagedpack.planner import pool_notice
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app
 from pagedpack.serve.metrics import ServerMetrics

@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedpack.chat import has_chat_template, render
+from pagedpack.compiler.program import ProgramBuilder
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES
 from pagedpack.llm import LLM
 from pagedpack.lowering.onnx.export import ATTENTIONS
 from pagedpack.lowering.targets import TargetUnavailableError, format_names, get_format, get_target
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
-from pagedpack.program import ProgramBuilder
 from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.flow_control import MAX_UNSENT_TOKENS, FlowControl
 from pagedpack.runtime.outputs import merge
@@ -175,7 +175,7 @@ def _generate(args) -> int:
     elapsed = time.perf_counter() - start
     console.print(_summary(llm, outputs, elapsed))
     if timeline is not None:
-        from pagedpack.kv_plot import draw_kv_timeline
+        from pagedpack.cli.kv_plot import draw_kv_timeline
 
         step = args.kv_plot_step
         if step is not None and step >= timeline.num_steps:
@@ -268,7 +268,7 @@ def _kv_timeline(args):
         import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("--kv-plot: needs matplotlib (pip install 'pagedpack[plot]')") from None
-    from pagedpack.kv_plot import KVTimeline
+    from pagedpack.cli.kv_plot import KVTimeline
 
     return KVTimeline()
 
@@ -365,7 +365,7 @@ def _kv_capacity(llm: LLM, memory: int) -> Table:
 
 
 def _export(args) -> int:
-    from pagedpack.export import check_output_path
+    from pagedpack.formats.export import check_output_path
 
     fmt = get_format(args.format)[0]
     options = {"attention": args.attention} if args.attention is not None else {}
@@ -378,7 +378,3 @@ def _export(args) -> int:
         if args.tensor_parallel_size > 1 else args.format
     print(f"wrote {path} ({what}); run it with {fmt.hint(path, options)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

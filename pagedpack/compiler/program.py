@@ -18,7 +18,7 @@ again refuses a checkpoint directory whose files changed since (``ValueError``).
 
 Compile cache: a local checkpoint served on the CPU by the reference target is captured in a
 child process whose ``.pt2`` export is loaded here, kept for later LLMs of it
-(:mod:`pagedpack.compile_cache`; ``PAGEDPACK_COMPILE_CACHE=0``: in this process).
+(:mod:`pagedpack.compiler.compile_cache`; ``PAGEDPACK_COMPILE_CACHE=0``: in this process).
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.contract import ModelDescription, StepProgram
+from pagedpack.compiler.planner import resident_weight_bytes
+from pagedpack.compiler.source import describe_source, load_source, rewrite_module
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.planner import resident_weight_bytes
-from pagedpack.source import describe_source, load_source, rewrite_module
+from pagedpack.step.contract import ModelDescription, StepProgram
 
 # The stages of a build, each a value made by one stage function from the one before:
 # Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
@@ -168,7 +168,7 @@ def load_file(source: Source, path: str, *, trust_file: bool = False,
 def from_compile_cache(source: Source) -> Lowered | None:
     """The program of the compile-cache entry of ``source.args``, with its report and weight counts
     as after a capture here; None where the cache does not apply or its entry does not load."""
-    from pagedpack.compile_cache import compiled_step, forget
+    from pagedpack.compiler.compile_cache import compiled_step, forget
 
     compiled = compiled_step(source.args)
     for rebuild in (True, False):  # a damaged entry (its checksum) is built once more, then given up
@@ -406,7 +406,7 @@ def _activation_peak(rewritten: RewrittenStep):
 def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:
     """Bytes of weights an LLM holds while it serves: its program's (another runtime's session,
     such as onnxruntime's, counted as a copy of the rewritten graph's), with the rewritten graph's
-    and the model's if it ``keep``s them (:func:`pagedpack.planner.resident_weight_bytes`)."""
+    and the model's if it ``keep``s them (:func:`pagedpack.compiler.planner.resident_weight_bytes`)."""
     source = (rewritten.graph_module, module) if keep else ()
     if isinstance(program.run, torch.nn.Module) or not program.standalone:
         return resident_weight_bytes(*[m for m in (program.run, *source) if isinstance(m, torch.nn.Module)])

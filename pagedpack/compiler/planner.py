@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from pagedpack.devices import is_cpu
+from pagedpack.host.devices import is_cpu
 from pagedpack.passes.activation_memory import ActivationPeak
 
 # The default pool (neither num_blocks, kv_cache_memory nor memory_budget given): at least

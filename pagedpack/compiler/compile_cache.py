@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from pagedpack.child_process import die_with_parent
-from pagedpack.devices import is_cpu
 from pagedpack.engine_args import EngineArgs
-from pagedpack.files import pid_alive
+from pagedpack.formats.files import pid_alive
+from pagedpack.host.child_process import die_with_parent
+from pagedpack.host.devices import is_cpu
 from pagedpack.models.aliases import cache_dir, checkpoint_stamp
 from pagedpack.passes.report import PassReport
 
@@ -150,7 +150,7 @@ def _read_json(path: Path) -> dict:
 # The child's program: pagedpack and everything else imported from the parent's sys.path, not from
 # the working directory that ``python -m`` / ``-c`` would put first.
 _CHILD = ("import json, os, sys; sys.path[:] = json.loads(os.environ['PAGEDPACK_SYS_PATH']); "
-          "from pagedpack.compile_cache import _main; sys.exit(_main(*sys.argv[1:]))")
+          "from pagedpack.compiler.compile_cache import _main; sys.exit(_main(*sys.argv[1:]))")
 
 
 def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> dict:
@@ -220,10 +220,10 @@ def _main(model: str, dtype_name: str, out: str) -> int:
     """The child: capture and rewrite ``model``, write ``step.pt2`` to ``out`` and ``result.json``:
     ``{"error": None, "source_weight_bytes": n, "report": PassReport.to_dict()}``, or for a checkpoint it
     cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent
-    (:func:`pagedpack.child_process.die_with_parent`, set before it starts)."""
+    (:func:`pagedpack.host.child_process.die_with_parent`, set before it starts)."""
+    from pagedpack.compiler.planner import resident_weight_bytes
+    from pagedpack.compiler.source import capture_source
     from pagedpack.lowering.reference.pt2 import export_pt2
-    from pagedpack.planner import resident_weight_bytes
-    from pagedpack.source import capture_source
 
     args = EngineArgs(model=model, dtype=None if dtype_name == "auto" else getattr(torch, dtype_name))
     result = Path(out) / "result.json"

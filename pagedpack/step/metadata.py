@@ -17,7 +17,7 @@ import torch
 
 
 class StepMetadata(NamedTuple):
-    """One step's inputs, in :data:`~pagedpack.contract.METADATA_INPUTS` order (a test holds them equal).
+    """One step's inputs, in :data:`~pagedpack.step.contract.METADATA_INPUTS` order (a test holds them equal).
 
     input_ids: int64 ``[T]``, the new tokens.
     positions: int64 ``[T]``, each token's absolute position in its sequence.

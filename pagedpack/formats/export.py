@@ -1,5 +1,5 @@
 """What every export format stores besides its program, format-neutral: the metadata record
-(``pagedpack.json``: format version, the step signature of :mod:`pagedpack.contract`, KV cache specs,
+(``pagedpack.json``: format version, the step signature of :mod:`pagedpack.step.contract`, KV cache specs,
 eos ids, ``max_model_len``, vocabulary size, model name, the tokenizer's files), the loaded
 :class:`ExportedStep`, the example step exporters trace with, and the checks of paths, metadata and
 tokenizer files.
@@ -9,7 +9,7 @@ formats themselves are the targets' (:class:`pagedpack.lowering.targets.FileForm
 tensor-parallel manifest are the reference target's (:mod:`pagedpack.lowering.reference.pt2`,
 :mod:`pagedpack.lowering.reference.tp`), ONNX the ``onnx`` target's
 (:mod:`pagedpack.lowering.onnx.export`); :func:`pagedpack.lowering.targets.format_of` finds a file's
-format and target, :func:`pagedpack.program.load_exported` loads it.
+format and target, :func:`pagedpack.compiler.program.load_exported` loads it.
 
 The step program every format holds, dynamic in every size::
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.contract import METADATA_INPUTS, KVCacheSpec, LoweredStep, ModelDescription, cache_input_names
-from pagedpack.files import check_file_name
-from pagedpack.metadata import example_metadata
+from pagedpack.formats.files import check_file_name
+from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, LoweredStep, ModelDescription, cache_input_names
+from pagedpack.step.metadata import example_metadata
 
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
@@ -44,7 +44,7 @@ META_FILE = "pagedpack.json"
 @dataclass
 class ExportedStep(LoweredStep):
     """A step program loaded from a file written by ``pagedpack export`` (a
-    :class:`~pagedpack.contract.StepProgram`) by its format's ``load``: e.g. ``torch.export.load(path).module()``
+    :class:`~pagedpack.step.contract.StepProgram`) by its format's ``load``: e.g. ``torch.export.load(path).module()``
     (in place) or an onnxruntime session adapter returning ``(logits, *updated caches)`` (functional).
     ``description``: what the file stores besides the program; ``attention``: the ONNX attention
     lowering it was exported with; ``tensor_parallel``: which rank of which tensor-parallel export it
@@ -326,18 +326,3 @@ def _load_tokenizer(files: dict[str, str] | None):
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ValueError(f"tokenizer_files: expected a tokenizer, got a {type(tokenizer).__name__}")
     return tokenizer
-
-
-# Names this module had before the formats moved to their targets' packages: where they are now.
-_MOVED = {"export_pt2": "pagedpack.lowering.reference.pt2", "load_pt2": "pagedpack.lowering.reference.pt2",
-          "load_exported": "pagedpack.program", "file_format": "pagedpack.lowering.targets (format_of)",
-          "FILE_TARGETS": "pagedpack.lowering.targets (format_of)",
-          "FORMATS": "pagedpack.lowering.targets (format_names)",
-          "check_format": "pagedpack.lowering.targets (get_format)"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:  # this module imports no format (it is their leaf): say where the name went
-        raise AttributeError(f"pagedpack.export.{name} moved to {_MOVED[name]}; export_pt2, export_onnx and "
-                             f"load_exported are also importable from pagedpack")
-    raise AttributeError(f"module 'pagedpack.export' has no attribute {name!r}")

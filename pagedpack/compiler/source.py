@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedpack.contract import ModelDescription
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import check_causal_lm
+from pagedpack.step.contract import ModelDescription
 
 
 def capture_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription, object]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedpack.files import atomic_write
+from pagedpack.formats.files import atomic_write
 
 FIGURE_SIZE = (10.0, 7.0)  # inches
 DPI = 100  # so the PNG is 1000 x 700 pixels

@@ -22,7 +22,7 @@ import hashlib
 import os
 import struct
 
-from pagedpack.files import sha256_file, sha256_of
+from pagedpack.formats.files import sha256_file, sha256_of
 
 PREFIX = b"pagedpack-sha256:"
 ONNX_KEY = "pagedpack.sha256"

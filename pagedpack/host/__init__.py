@@ -1,0 +1,1 @@
+"""What the host offers: device types and child processes."""
