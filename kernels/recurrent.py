@@ -1,0 +1,311 @@
+"""The recurrent ops: the layers of hybrid and state-space models over packed varlen tokens, each
+sequence reading and writing its own **state slot** (vLLM's and FLA's contract for them).
+
+* ``causal_conv1d_varlen``: the causal depthwise conv1d over the sequence (Mamba, Mamba2, the
+  gated DeltaNet's q/k/v conv, LFM2's short conv); semantics of vLLM's / Dao-AILab's
+  ``causal_conv1d_fn`` with ``query_start_loc``, ``cache_indices`` and ``has_initial_state``.
+* ``gated_delta_rule_varlen``: the gated delta rule (Qwen3-Next, Qwen3.5, Kimi-Linear); semantics
+  of FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` with ``cu_seqlens``,
+  the initial states gathered and the final states scattered by ``ssm_state_indices`` (vLLM).
+* ``selective_scan_varlen``: the selective state-space scan of Mamba (``A [H, N]``,
+  mamba_ssm's ``selective_scan_fn``) and Mamba2's SSD (``A [H]``, ``mamba_chunk_scan_combined``).
+
+Common arguments (``B`` sequences, ``T`` packed tokens, ``S`` state slots):
+
+* ``cu_seqlens_q``: int32 ``[B+1]``, sequence ``b`` owns token rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+* ``state_indices``: int32 ``[B]``, the slot of sequence ``b`` in the state tensor, or -1 (vLLM's
+  ``PAD_SLOT_ID``): the sequence starts from zeros and its state is not written.
+* ``has_initial_state``: bool ``[B]``, False when the sequence starts here (its slot may hold a
+  former occupant's state: it is read as zeros).
+
+The state tensors are updated in place: after the call, slot ``state_indices[b]`` holds the state
+after sequence ``b``'s last token. The reference kernels here run in fp32 (fp64 inputs stay fp64),
+one sequence at a time and token by token: they define the semantics the faster kernels are
+checked against. The outputs come back in the input's dtype, the states in the state's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pagedpack.kernels.ops import _check_dtype, _check_rank, _require
+
+CONV_ACTIVATIONS = (None, "silu")
+_INDEX_DTYPES = (torch.int32,)
+
+
+def _check_varlen(op: str, state: Tensor, state_indices: Tensor, cu_seqlens_q: Tensor, has_initial_state: Tensor,
+                  **floats: Tensor | None) -> None:
+    """Shape and dtype checks of the arguments every recurrent op shares, and that ``floats`` (the
+    op's data arguments by name) are floating point; the metadata's values are checked where they
+    are read (:func:`_sequences`)."""
+    for arg, t in floats.items():
+        if t is not None:
+            _require(t.is_floating_point(), op, arg, "a floating-point tensor", str(t.dtype).removeprefix("torch."))
+    _check_rank(op, "cu_seqlens_q", cu_seqlens_q, "[B+1]")
+    _check_rank(op, "state_indices", state_indices, "[B]")
+    _check_rank(op, "has_initial_state", has_initial_state, "[B]")
+    _check_dtype(op, "cu_seqlens_q", cu_seqlens_q, _INDEX_DTYPES)
+    _check_dtype(op, "state_indices", state_indices, _INDEX_DTYPES)
+    _check_dtype(op, "has_initial_state", has_initial_state, (torch.bool,))
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    for arg, t in (("state_indices", state_indices), ("has_initial_state", has_initial_state)):
+        _require(t.shape[0] == num_seqs, op, arg, f"B={num_seqs} entries (cu_seqlens_q has B+1)", t.shape[0])
+    _require(state.dim() >= 2, op, "state", "a tensor [num_slots, ...]", f"shape {tuple(state.shape)}")
+
+
+def _sequences(cu_seqlens_q: Tensor, state_indices: Tensor, has_initial_state: Tensor, op: str, tokens: int,
+               num_slots: int):
+    """``(start, end, slot or -1, has_initial_state)`` per sequence, after checking the values."""
+    cu, slots, initial = cu_seqlens_q.tolist(), state_indices.tolist(), has_initial_state.tolist()
+    _require(cu[0] == 0 and cu[-1] == tokens and all(a <= b for a, b in zip(cu, cu[1:])), op, "cu_seqlens_q",
+             f"non-decreasing offsets from 0 to T={tokens}", cu)
+    _require(all(-1 <= s < num_slots for s in slots), op, "state_indices", f"slots in [0, {num_slots}) or -1", slots)
+    used = [s for s in slots if s >= 0]
+    _require(len(used) == len(set(used)), op, "state_indices", "each slot at most once", slots)
+    return [(cu[b], cu[b + 1], slots[b], bool(initial[b]) and slots[b] >= 0) for b in range(len(slots))]
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------- causal depthwise conv1d
+
+
+def _check_conv(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, activation: str | None) -> None:
+    op = "causal_conv1d_varlen"
+    _check_rank(op, "x", x, "[T, dim]")
+    _check_rank(op, "weight", weight, "[dim, width]")
+    _check_rank(op, "conv_state", conv_state, "[num_slots, dim, width - 1]")
+    dim, width = weight.shape
+    _require(x.shape[1] == dim, op, "x", f"dim={dim} columns like weight", x.shape[1])
+    _require(width >= 2, op, "weight", "a kernel width >= 2", width)
+    _require(tuple(conv_state.shape[1:]) == (dim, width - 1), op, "conv_state",
+             f"[num_slots, {dim}, {width - 1}]", f"shape {tuple(conv_state.shape)}")
+    if bias is not None:
+        _require(tuple(bias.shape) == (dim,), op, "bias", f"shape ({dim},)", f"shape {tuple(bias.shape)}")
+    _require(activation in CONV_ACTIVATIONS, op, "activation", f"one of {CONV_ACTIVATIONS}", repr(activation))
+
+
+@torch.library.custom_op("pagedpack::causal_conv1d_varlen", mutates_args=("conv_state",))
+def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, state_indices: Tensor,
+                         cu_seqlens_q: Tensor, has_initial_state: Tensor, activation: str | None = None) -> Tensor:
+    """Causal depthwise conv1d of each packed sequence, continuing from its conv state.
+
+    ``out[t, c] = bias[c] + sum_j weight[c, j] * window[t + j, c]``, where a sequence's window is
+    its conv state (the ``width - 1`` inputs before its first token; zeros without an initial
+    state) followed by its tokens; ``activation="silu"`` applies SiLU to the result. Afterwards
+    the slot holds the window's last ``width - 1`` inputs.
+
+    Args:
+        x: ``[T, dim]`` (token-major; vLLM's kernel takes the transpose ``[dim, T]``).
+        weight: ``[dim, width]`` (an ``nn.Conv1d(groups=dim)`` weight ``[dim, 1, width]`` squeezed).
+        bias: ``[dim]`` or None.
+        conv_state: ``[num_slots, dim, width - 1]``, mutated.
+        state_indices, cu_seqlens_q, has_initial_state: as in the module docstring.
+        activation: None or ``"silu"``.
+
+    Returns:
+        ``[T, dim]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: a shape, dtype or metadata value that does not fit (naming the argument).
+    """
+    _check_conv(x, weight, bias, conv_state, activation)
+    _check_varlen("causal_conv1d_varlen", conv_state, state_indices, cu_seqlens_q, has_initial_state, x=x,
+                  weight=weight, bias=bias, conv_state=conv_state)
+    dtype = _compute_dtype(x)
+    dim, width = weight.shape
+    w = weight.to(dtype)[:, None, :]
+    b = None if bias is None else bias.to(dtype)
+    out = torch.empty_like(x)
+    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
+                                                "causal_conv1d_varlen", x.shape[0], conv_state.shape[0]):
+        state = conv_state[slot].to(dtype) if initial else x.new_zeros(dim, width - 1, dtype=dtype)
+        window = torch.cat([state, x[start:end].to(dtype).T], dim=1)  # [dim, width - 1 + L]
+        y = F.conv1d(window[None], w, b, groups=dim)[0]  # [dim, L]
+        out[start:end] = (F.silu(y) if activation == "silu" else y).T.to(x.dtype)
+        if slot >= 0:
+            conv_state[slot] = window[:, window.shape[1] - (width - 1):].to(conv_state.dtype)
+    return out
+
+
+@causal_conv1d_varlen.register_fake
+def _(x, weight, bias, conv_state, state_indices, cu_seqlens_q, has_initial_state, activation=None):
+    _check_conv(x, weight, bias, conv_state, activation)
+    _check_varlen("causal_conv1d_varlen", conv_state, state_indices, cu_seqlens_q, has_initial_state, x=x,
+                  weight=weight, bias=bias, conv_state=conv_state)
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------- gated delta rule
+
+
+def _check_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor) -> None:
+    op = "gated_delta_rule_varlen"
+    _check_rank(op, "q", q, "[T, num_k_heads, k_head_dim]")
+    _check_rank(op, "k", k, "[T, num_k_heads, k_head_dim]")
+    _check_rank(op, "v", v, "[T, num_v_heads, v_head_dim]")
+    _check_rank(op, "g", g, "[T, num_v_heads]")
+    _check_rank(op, "beta", beta, "[T, num_v_heads]")
+    _check_rank(op, "ssm_state", ssm_state, "[num_slots, num_v_heads, k_head_dim, v_head_dim]")
+    tokens, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[1:]
+    _require(tuple(k.shape) == tuple(q.shape), op, "k", f"shape {tuple(q.shape)} like q", f"shape {tuple(k.shape)}")
+    _require(v.shape[0] == tokens, op, "v", f"T={tokens} rows like q", v.shape[0])
+    _require(num_k_heads > 0 and num_v_heads % num_k_heads == 0, op, "v",
+             f"num_v_heads a multiple of num_k_heads={num_k_heads}", num_v_heads)
+    for arg, t in (("g", g), ("beta", beta)):
+        _require(tuple(t.shape) == (tokens, num_v_heads), op, arg, f"shape ({tokens}, {num_v_heads})",
+                 f"shape {tuple(t.shape)}")
+    _require(tuple(ssm_state.shape[1:]) == (num_v_heads, k_dim, v_dim), op, "ssm_state",
+             f"[num_slots, {num_v_heads}, {k_dim}, {v_dim}]", f"shape {tuple(ssm_state.shape)}")
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """FLA's ``l2norm`` (transformers' ``l2norm``): ``x / sqrt(sum(x^2) + eps)`` over the last dim."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+@torch.library.custom_op("pagedpack::gated_delta_rule_varlen", mutates_args=("ssm_state",))
+def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor,
+                            state_indices: Tensor, cu_seqlens_q: Tensor, has_initial_state: Tensor, scale: float,
+                            use_qk_l2norm_in_kernel: bool = False) -> Tensor:
+    """The gated delta rule of each packed sequence, continuing from its state.
+
+    Per token, per value head (query and key heads serve ``num_v_heads // num_k_heads``
+    consecutive value heads): ``S = S * exp(g)``; ``S = S + k (beta (v - k^T S))^T``;
+    ``o = (scale q)^T S``, with ``S`` the ``[k_head_dim, v_head_dim]`` state, after ``q`` and ``k``
+    are L2-normalised if ``use_qk_l2norm_in_kernel``.
+
+    Args:
+        q, k: ``[T, num_k_heads, k_head_dim]``.
+        v: ``[T, num_v_heads, v_head_dim]``.
+        g: ``[T, num_v_heads]``, the log of the decay (``<= 0``).
+        beta: ``[T, num_v_heads]``, the write strength.
+        ssm_state: ``[num_slots, num_v_heads, k_head_dim, v_head_dim]``, mutated.
+        state_indices, cu_seqlens_q, has_initial_state: as in the module docstring.
+        scale: the query scale (FLA's default ``k_head_dim ** -0.5``).
+
+    Returns:
+        ``[T, num_v_heads, v_head_dim]`` in ``v``'s dtype.
+    """
+    _check_delta_rule(q, k, v, g, beta, ssm_state)
+    _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k, v=v,
+                  g=g, beta=beta, ssm_state=ssm_state)
+    dtype = _compute_dtype(v)
+    group = v.shape[1] // q.shape[1]
+    q, k = (t.to(dtype).repeat_interleave(group, dim=1) for t in (q, k))
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    decay, write = g.to(dtype).exp(), beta.to(dtype)
+    out = torch.empty_like(v)
+    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
+                                                "gated_delta_rule_varlen", v.shape[0], ssm_state.shape[0]):
+        state = ssm_state[slot].to(dtype) if initial else v.new_zeros(ssm_state.shape[1:], dtype=dtype)
+        for t in range(start, end):
+            state = state * decay[t, :, None, None]
+            delta = (v[t].to(dtype) - torch.einsum("hk,hkv->hv", k[t], state)) * write[t, :, None]
+            state = state + k[t, :, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hk,hkv->hv", q[t], state).to(v.dtype)
+        if slot >= 0:
+            ssm_state[slot] = state.to(ssm_state.dtype)
+    return out
+
+
+@gated_delta_rule_varlen.register_fake
+def _(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_state, scale,
+      use_qk_l2norm_in_kernel=False):
+    _check_delta_rule(q, k, v, g, beta, ssm_state)
+    _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k, v=v,
+                  g=g, beta=beta, ssm_state=ssm_state)
+    return torch.empty_like(v)
+
+
+# ---------------------------------------------------------------- selective scan (Mamba, Mamba2's SSD)
+
+
+def _check_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None,
+                ssm_state: Tensor) -> None:
+    op = "selective_scan_varlen"
+    _check_rank(op, "x", x, "[T, num_heads, head_dim]")
+    _check_rank(op, "dt", dt, "[T, num_heads]")
+    _check_rank(op, "B", B, "[T, n_groups, d_state]")
+    _check_rank(op, "C", C, "[T, n_groups, d_state]")
+    _check_rank(op, "ssm_state", ssm_state, "[num_slots, num_heads, head_dim, d_state]")
+    tokens, heads, head_dim = x.shape
+    groups, d_state = B.shape[1:]
+    _require(tuple(dt.shape) == (tokens, heads), op, "dt", f"shape ({tokens}, {heads})", f"shape {tuple(dt.shape)}")
+    _require(A.dim() in (1, 2) and A.shape[0] == heads and (A.dim() == 1 or A.shape[1] == d_state), op, "A",
+             f"shape ({heads},) (Mamba2) or ({heads}, {d_state}) (Mamba)", f"shape {tuple(A.shape)}")
+    _require(B.shape[0] == tokens and groups > 0 and heads % groups == 0, op, "B",
+             f"[{tokens}, n_groups, d_state] with num_heads={heads} a multiple of n_groups", f"shape {tuple(B.shape)}")
+    _require(tuple(C.shape) == tuple(B.shape), op, "C", f"shape {tuple(B.shape)} like B", f"shape {tuple(C.shape)}")
+    for arg, t in (("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            _require(tuple(t.shape) == (heads,), op, arg, f"shape ({heads},)", f"shape {tuple(t.shape)}")
+    _require(tuple(ssm_state.shape[1:]) == (heads, head_dim, d_state), op, "ssm_state",
+             f"[num_slots, {heads}, {head_dim}, {d_state}]", f"shape {tuple(ssm_state.shape)}")
+
+
+@torch.library.custom_op("pagedpack::selective_scan_varlen", mutates_args=("ssm_state",))
+def selective_scan_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                          dt_bias: Tensor | None, ssm_state: Tensor, state_indices: Tensor, cu_seqlens_q: Tensor,
+                          has_initial_state: Tensor, dt_softplus: bool = False, dt_min: float = 0.0,
+                          dt_max: float | None = None) -> Tensor:
+    """The selective state-space scan of each packed sequence, continuing from its state.
+
+    Per token and head ``h`` (of group ``g = h // (num_heads // n_groups)``):
+    ``dt' = clamp(softplus?(dt + dt_bias), dt_min, dt_max)`` (``dt_max=None``: no upper bound);
+    ``h_state = exp(dt' A[h]) h_state + dt' x ⊗ B[g]``; ``y = h_state C[g] + D[h] x``.
+    Mamba (mamba_ssm's ``selective_scan_fn``) is ``num_heads = d_inner``, ``head_dim = 1``,
+    ``A [d_inner, d_state]``; Mamba2's SSD (``mamba_chunk_scan_combined``) is ``A [num_heads]``,
+    one decay per head.
+
+    Args:
+        x: ``[T, num_heads, head_dim]``.
+        dt: ``[T, num_heads]``, the time step before ``dt_bias`` / softplus / the clamp.
+        A: ``[num_heads]`` or ``[num_heads, d_state]`` (negative).
+        B, C: ``[T, n_groups, d_state]``.
+        D: ``[num_heads]`` or None (the skip connection).
+        dt_bias: ``[num_heads]`` or None.
+        ssm_state: ``[num_slots, num_heads, head_dim, d_state]``, mutated.
+        state_indices, cu_seqlens_q, has_initial_state: as in the module docstring.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` in ``x``'s dtype.
+    """
+    _check_scan(x, dt, A, B, C, D, dt_bias, ssm_state)
+    _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
+                  A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
+    dtype = _compute_dtype(x)
+    heads, groups = x.shape[1], B.shape[1]
+    step = dt.to(dtype) + (0 if dt_bias is None else dt_bias.to(dtype))
+    step = (F.softplus(step) if dt_softplus else step).clamp(dt_min, dt_max)  # [T, H]
+    decay_rate = (A.to(dtype) if A.dim() == 2 else A.to(dtype)[:, None].expand(heads, B.shape[2]))  # [H, N]
+    B, C = (t.to(dtype).repeat_interleave(heads // groups, dim=1) for t in (B, C))  # [T, H, N]
+    xs = x.to(dtype)
+    out = torch.empty_like(x)
+    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
+                                                "selective_scan_varlen", x.shape[0], ssm_state.shape[0]):
+        state = ssm_state[slot].to(dtype) if initial else x.new_zeros(ssm_state.shape[1:], dtype=dtype)  # [H, P, N]
+        for t in range(start, end):
+            decay = torch.exp(step[t, :, None] * decay_rate)  # [H, N]
+            state = state * decay[:, None, :] + (step[t, :, None] * xs[t])[:, :, None] * B[t, :, None, :]
+            y = (state * C[t, :, None, :]).sum(-1)  # [H, P]
+            out[t] = (y if D is None else y + D.to(dtype)[:, None] * xs[t]).to(x.dtype)
+        if slot >= 0:
+            ssm_state[slot] = state.to(ssm_state.dtype)
+    return out
+
+
+@selective_scan_varlen.register_fake
+def _(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, cu_seqlens_q, has_initial_state, dt_softplus=False,
+      dt_min=0.0, dt_max=None):
+    _check_scan(x, dt, A, B, C, D, dt_bias, ssm_state)
+    _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
+                  A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
+    return torch.empty_like(x)

@@ -1,0 +1,221 @@
+"""The recurrent ops (kernels/recurrent.py) against references written here or taken from
+``transformers``: each packed sequence, fed in chunks whose state travels through its slot, gives
+what the whole sequence gives in one piece from zeros."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+import pagedpack  # noqa: F401  (registers the ops)
+from pagedpack.kernels import recurrent
+
+DIM, WIDTH = 6, 4
+K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 8, 5
+HEADS, HEAD_DIM, GROUPS, D_STATE = 4, 3, 2, 6
+
+
+def conv_reference(x, weight, bias):
+    """``nn.Conv1d(groups=dim, padding=width - 1)`` over the whole ``[L, dim]`` sequence, cut to its
+    first L outputs (transformers' no-cache path), then SiLU."""
+    y = F.conv1d(x.T[None], weight[:, None, :], bias, padding=weight.shape[1] - 1, groups=weight.shape[0])
+    return F.silu(y[0, :, :x.shape[0]].T)
+
+
+def scan_reference(x, dt, A, B, C, D):
+    """The selective scan in its quadratic (attention-like) form, every state materialised by the
+    sum over earlier tokens: ``y_t = sum_{s<=t} (C_t . (exp(sum_{s<r<=t} dt_r A) ⊙ B_s)) dt_s x_s + D x_t``."""
+    L, H, _ = x.shape
+    rate = A if A.dim() == 2 else A[:, None].expand(H, B.shape[-1])
+    B, C = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (B, C))
+    cum = torch.cumsum(dt, 0)  # [L, H]
+    y = torch.zeros_like(x)
+    for t in range(L):
+        for s in range(t + 1):
+            decay = torch.exp((cum[t] - cum[s])[:, None] * rate)  # [H, N]
+            weight = (C[t] * decay * B[s]).sum(-1) * dt[s]  # [H]
+            y[t] += weight[:, None] * x[s]
+    return y + D[:, None] * x
+
+
+def run_in_chunks(sequences, splits, state, slots, call):
+    """Feed each sequence (a dict of per-token tensors, tokens first) in ``splits`` steps, all
+    sequences packed together per step; ``call(step_inputs, state, slots, cu, initial)`` runs the op.
+    Returns each sequence's outputs, concatenated over its chunks."""
+    outputs = [[] for _ in sequences]
+    done = [0] * len(sequences)
+    for step in range(max(len(s) for s in splits)):
+        active = [i for i, s in enumerate(splits) if step < len(s)]
+        lengths = [splits[i][step] for i in active]
+        inputs = {name: torch.cat([sequences[i][name][done[i]:done[i] + n] for i, n in zip(active, lengths)])
+                  for name in sequences[0]}
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        initial = torch.tensor([done[i] > 0 for i in active])
+        out = call(inputs, state, torch.tensor([slots[i] for i in active], dtype=torch.int32), cu, initial)
+        for j, i in enumerate(active):
+            outputs[i].append(out[cu[j]:cu[j + 1]])
+            done[i] += lengths[j]
+    return [torch.cat(o) for o in outputs]
+
+
+def chunking(length, pieces):
+    """``length`` tokens cut at ``pieces`` (those inside the sequence) into chunk lengths."""
+    cuts = sorted({min(length, max(1, p)) for p in pieces if p < length})
+    bounds = [0, *cuts, length]
+    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a] or [length]
+
+
+@st.composite
+def batches(draw, max_seqs=4, max_len=12):
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_seqs))
+    splits = [chunking(n, draw(st.lists(st.integers(1, max_len), max_size=3))) for n in lengths]
+    slots = draw(st.permutations(range(max_seqs + 2)))[:len(lengths)]
+    return lengths, splits, slots
+
+
+def _garbage_state(shape, dtype=torch.float64):
+    return torch.randn(shape, dtype=dtype) * 100  # a former occupant's: has_initial_state=False must not read it
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches())
+def test_causal_conv1d_in_chunks_equals_the_whole_sequence(batch):
+    lengths, splits, slots = batch
+    g = torch.Generator().manual_seed(len(lengths))
+    weight = torch.randn(DIM, WIDTH, generator=g, dtype=torch.float64)
+    bias = torch.randn(DIM, generator=g, dtype=torch.float64)
+    seqs = [{"x": torch.randn(n, DIM, generator=g, dtype=torch.float64)} for n in lengths]
+    state = _garbage_state((max(slots) + 2, DIM, WIDTH - 1))
+    outs = run_in_chunks(seqs, splits, state, slots, lambda i, s, idx, cu, init: (
+        torch.ops.pagedpack.causal_conv1d_varlen(i["x"], weight, bias, s, idx, cu, init, "silu")))
+    for seq, out, slot in zip(seqs, outs, slots):
+        torch.testing.assert_close(out, conv_reference(seq["x"], weight, bias))
+        tail = torch.cat([torch.zeros(DIM, WIDTH - 1, dtype=torch.float64), seq["x"].T], 1)[:, -(WIDTH - 1):]
+        torch.testing.assert_close(state[slot], tail)  # the last width - 1 inputs, zeros before the first
+
+
+@settings(max_examples=15, deadline=None)
+@given(batches(), st.booleans())
+def test_gated_delta_rule_in_chunks_equals_transformers_chunked_form(batch, l2norm):
+    lengths, splits, slots = batch
+    g = torch.Generator().manual_seed(sum(lengths))
+    seqs = [{"q": torch.randn(n, K_HEADS, K_DIM, generator=g, dtype=torch.float64),
+             "k": torch.randn(n, K_HEADS, K_DIM, generator=g, dtype=torch.float64) * 0.3,
+             "v": torch.randn(n, V_HEADS, V_DIM, generator=g, dtype=torch.float64),
+             "g": -torch.rand(n, V_HEADS, generator=g, dtype=torch.float64),
+             "beta": torch.rand(n, V_HEADS, generator=g, dtype=torch.float64)} for n in lengths]
+    state = _garbage_state((max(slots) + 2, V_HEADS, K_DIM, V_DIM))
+    scale = K_DIM ** -0.5
+    outs = run_in_chunks(seqs, splits, state, slots, lambda i, s, idx, cu, init: (
+        torch.ops.pagedpack.gated_delta_rule_varlen(i["q"], i["k"], i["v"], i["g"], i["beta"], s, idx, cu, init,
+                                                    scale, l2norm)))
+    for seq, out, slot in zip(seqs, outs, slots):
+        expected, final = torch_chunk_gated_delta_rule(
+            *(seq[name][None] for name in ("q", "k", "v", "g", "beta")), chunk_size=4, output_final_state=True,
+            use_qk_l2norm_in_kernel=l2norm)
+        # transformers computes in fp32 whatever comes in: fp32 tolerances
+        torch.testing.assert_close(out, expected[0].to(out.dtype), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state[slot], final[0].to(state.dtype), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["mamba2", "mamba"])
+@settings(max_examples=12, deadline=None)
+@given(batch=batches(max_seqs=3, max_len=9))
+def test_selective_scan_in_chunks_equals_the_quadratic_form(form, batch):
+    lengths, splits, slots = batch
+    g = torch.Generator().manual_seed(sum(lengths) + len(form))
+    A = -torch.rand(HEADS, D_STATE, generator=g, dtype=torch.float64) if form == "mamba" else \
+        -torch.rand(HEADS, generator=g, dtype=torch.float64)
+    D = torch.randn(HEADS, generator=g, dtype=torch.float64)
+    dt_bias = torch.randn(HEADS, generator=g, dtype=torch.float64)
+    seqs = [{"x": torch.randn(n, HEADS, HEAD_DIM, generator=g, dtype=torch.float64),
+             "dt": torch.randn(n, HEADS, generator=g, dtype=torch.float64),
+             "B": torch.randn(n, GROUPS, D_STATE, generator=g, dtype=torch.float64),
+             "C": torch.randn(n, GROUPS, D_STATE, generator=g, dtype=torch.float64)} for n in lengths]
+    state = _garbage_state((max(slots) + 2, HEADS, HEAD_DIM, D_STATE))
+    outs = run_in_chunks(seqs, splits, state, slots, lambda i, s, idx, cu, init: (
+        torch.ops.pagedpack.selective_scan_varlen(i["x"], i["dt"], A, i["B"], i["C"], D, dt_bias, s, idx, cu, init,
+                                                  dt_softplus=True, dt_min=0.0, dt_max=2.0)))
+    for seq, out in zip(seqs, outs):
+        dt = F.softplus(seq["dt"] + dt_bias).clamp(0.0, 2.0)
+        torch.testing.assert_close(out, scan_reference(seq["x"], dt, A, seq["B"], seq["C"], D))
+
+
+def test_a_padding_slot_reads_zeros_and_writes_nothing():
+    x = torch.randn(5, DIM)
+    weight, state = torch.randn(DIM, WIDTH), torch.randn(2, DIM, WIDTH - 1)
+    before = state.clone()
+    out = recurrent.causal_conv1d_varlen(x, weight, None, state, torch.tensor([-1], dtype=torch.int32),
+                                         torch.tensor([0, 5], dtype=torch.int32), torch.tensor([True]))
+    no_activation = F.conv1d(x.T[None], weight[:, None], padding=WIDTH - 1, groups=DIM)[0, :, :5].T
+    torch.testing.assert_close(out, no_activation)
+    assert torch.equal(state, before)
+
+
+def test_bf16_inputs_accumulate_in_fp32_and_keep_their_dtype():
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(7, 1, 4, generator=g) * 0.5 for _ in range(2))
+    v = torch.randn(7, 2, 3, generator=g)
+    gate, beta = -torch.rand(7, 2, generator=g), torch.rand(7, 2, generator=g)
+    meta = (torch.tensor([0], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32), torch.tensor([False]))
+    state32, state16 = torch.zeros(1, 2, 4, 3), torch.zeros(1, 2, 4, 3, dtype=torch.bfloat16)
+    exact = recurrent.gated_delta_rule_varlen(q, k, v, gate, beta, state32, *meta, 0.5)
+    low = recurrent.gated_delta_rule_varlen(*(t.bfloat16() for t in (q, k, v, gate, beta)), state16, *meta, 0.5)
+    assert low.dtype == torch.bfloat16 and state16.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), exact, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(state16.float(), state32, atol=3e-2, rtol=3e-2)
+
+
+def _conv_args():
+    return dict(x=torch.randn(5, DIM), weight=torch.randn(DIM, WIDTH), bias=torch.randn(DIM),
+                conv_state=torch.randn(3, DIM, WIDTH - 1), state_indices=torch.tensor([2, 0], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32), has_initial_state=torch.tensor([True, False]),
+                activation="silu")
+
+
+def _delta_rule_args():
+    return dict(q=torch.randn(5, K_HEADS, K_DIM), k=torch.randn(5, K_HEADS, K_DIM), v=torch.randn(5, V_HEADS, V_DIM),
+                g=-torch.rand(5, V_HEADS), beta=torch.rand(5, V_HEADS), ssm_state=torch.randn(3, V_HEADS, K_DIM, V_DIM),
+                state_indices=torch.tensor([1, -1], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 1, 5], dtype=torch.int32), has_initial_state=torch.tensor([True, False]),
+                scale=0.3, use_qk_l2norm_in_kernel=True)
+
+
+def _scan_args():
+    return dict(x=torch.randn(4, HEADS, HEAD_DIM), dt=torch.randn(4, HEADS), A=-torch.rand(HEADS),
+                B=torch.randn(4, GROUPS, D_STATE), C=torch.randn(4, GROUPS, D_STATE), D=torch.randn(HEADS),
+                dt_bias=None, ssm_state=torch.randn(2, HEADS, HEAD_DIM, D_STATE),
+                state_indices=torch.tensor([1], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), has_initial_state=torch.tensor([True]),
+                dt_softplus=True)
+
+
+OPS = {"causal_conv1d_varlen": _conv_args, "gated_delta_rule_varlen": _delta_rule_args,
+       "selective_scan_varlen": _scan_args}
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(name):
+    torch.library.opcheck(getattr(torch.ops.pagedpack, name).default, (), OPS[name]())
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("causal_conv1d_varlen", {"state_indices": torch.tensor([3, 0], dtype=torch.int32)},
+     "state_indices: expected slots in [0, 3)"),
+    ("causal_conv1d_varlen", {"state_indices": torch.tensor([1, 1], dtype=torch.int32)}, "each slot at most once"),
+    ("causal_conv1d_varlen", {"state_indices": torch.tensor([1, 0])}, "state_indices: expected dtype int32"),
+    ("causal_conv1d_varlen", {"cu_seqlens_q": torch.tensor([0, 4, 3], dtype=torch.int32)},
+     "cu_seqlens_q: expected non-decreasing"),
+    ("causal_conv1d_varlen", {"has_initial_state": torch.tensor([True])}, "has_initial_state: expected B=2 entries"),
+    ("causal_conv1d_varlen", {"conv_state": torch.randn(3, DIM, WIDTH)}, "conv_state: expected [num_slots, 6, 3]"),
+    ("causal_conv1d_varlen", {"activation": "gelu"}, "activation: expected one of"),
+    ("causal_conv1d_varlen", {"x": torch.ones(5, DIM, dtype=torch.int64)}, "x: expected a floating-point tensor"),
+    ("gated_delta_rule_varlen", {"v": torch.randn(5, 3, V_DIM)}, "num_v_heads a multiple of num_k_heads=2"),
+    ("gated_delta_rule_varlen", {"beta": torch.rand(4, V_HEADS)}, "beta: expected shape (5, 4)"),
+    ("selective_scan_varlen", {"A": -torch.rand(HEADS, 2)}, "A: expected shape (4,) (Mamba2) or (4, 6) (Mamba)"),
+    ("selective_scan_varlen", {"C": torch.randn(4, 1, D_STATE)}, "C: expected shape (4, 2, 6) like B"),
+])
+def test_bad_arguments_are_refused_by_name(name, change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        getattr(recurrent, name)(**dict(OPS[name](), **change))
