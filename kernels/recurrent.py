@@ -19,9 +19,11 @@ Common arguments (``B`` sequences, ``T`` packed tokens, ``S`` state slots):
   former occupant's state: it is read as zeros).
 
 The state tensors are updated in place: after the call, slot ``state_indices[b]`` holds the state
-after sequence ``b``'s last token. The reference kernels here run in fp32 (fp64 inputs stay fp64),
-one sequence at a time and token by token: they define the semantics the faster kernels are
-checked against. The outputs come back in the input's dtype, the states in the state's dtype.
+after sequence ``b``'s last token. The outputs come back in the input's dtype, the states in the
+state's dtype. On the CPU, fp32 and bf16 activations and states run the native kernels
+(``kernels/csrc/recurrent_cpu.cpp``, fp32 accumulation, in parallel over sequences and heads) when
+they build; otherwise the reference kernels here run, in fp32 (fp64 inputs stay fp64), one sequence
+at a time and token by token: they define the semantics the native ones are checked against.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedpack.host.devices import is_cpu
+from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import _check_dtype, _check_rank, _require
 
 CONV_ACTIVATIONS = (None, "silu")
@@ -65,6 +69,17 @@ def _sequences(cu_seqlens_q: Tensor, state_indices: Tensor, has_initial_state: T
     used = [s for s in slots if s >= 0]
     _require(len(used) == len(set(used)), op, "state_indices", "each slot at most once", slots)
     return [(cu[b], cu[b + 1], slots[b], bool(initial[b]) and slots[b] >= 0) for b in range(len(slots))]
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native(*tensors: Tensor):
+    """``torch.ops.pagedpack_cpu`` when the native kernels take these activations and state (CPU, fp32
+    or bf16, the library built), else None."""
+    if not is_cpu(tensors[0]) or any(t.dtype not in _NATIVE_DTYPES for t in tensors):
+        return None
+    return native_ops()
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -116,13 +131,18 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     _check_conv(x, weight, bias, conv_state, activation)
     _check_varlen("causal_conv1d_varlen", conv_state, state_indices, cu_seqlens_q, has_initial_state, x=x,
                   weight=weight, bias=bias, conv_state=conv_state)
+    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "causal_conv1d_varlen", x.shape[0],
+                           conv_state.shape[0])
+    native = _native(x, conv_state)
+    if native is not None:
+        return native.causal_conv1d_varlen(x, weight, bias, conv_state, state_indices, cu_seqlens_q,
+                                           has_initial_state, activation == "silu")
     dtype = _compute_dtype(x)
     dim, width = weight.shape
     w = weight.to(dtype)[:, None, :]
     b = None if bias is None else bias.to(dtype)
     out = torch.empty_like(x)
-    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
-                                                "causal_conv1d_varlen", x.shape[0], conv_state.shape[0]):
+    for start, end, slot, initial in sequences:
         state = conv_state[slot].to(dtype) if initial else x.new_zeros(dim, width - 1, dtype=dtype)
         window = torch.cat([state, x[start:end].to(dtype).T], dim=1)  # [dim, width - 1 + L]
         y = F.conv1d(window[None], w, b, groups=dim)[0]  # [dim, L]
@@ -195,6 +215,12 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     _check_delta_rule(q, k, v, g, beta, ssm_state)
     _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k, v=v,
                   g=g, beta=beta, ssm_state=ssm_state)
+    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "gated_delta_rule_varlen", v.shape[0],
+                           ssm_state.shape[0])
+    native = _native(v, ssm_state) if q.dtype == k.dtype == v.dtype else None
+    if native is not None:
+        return native.gated_delta_rule_varlen(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q,
+                                              has_initial_state, scale, use_qk_l2norm_in_kernel)
     dtype = _compute_dtype(v)
     group = v.shape[1] // q.shape[1]
     q, k = (t.to(dtype).repeat_interleave(group, dim=1) for t in (q, k))
@@ -203,8 +229,7 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     q = q * scale
     decay, write = g.to(dtype).exp(), beta.to(dtype)
     out = torch.empty_like(v)
-    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
-                                                "gated_delta_rule_varlen", v.shape[0], ssm_state.shape[0]):
+    for start, end, slot, initial in sequences:
         state = ssm_state[slot].to(dtype) if initial else v.new_zeros(ssm_state.shape[1:], dtype=dtype)
         for t in range(start, end):
             state = state * decay[t, :, None, None]
@@ -281,6 +306,12 @@ def selective_scan_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor
     _check_scan(x, dt, A, B, C, D, dt_bias, ssm_state)
     _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
                   A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
+    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "selective_scan_varlen", x.shape[0],
+                           ssm_state.shape[0])
+    native = _native(x, ssm_state)
+    if native is not None:
+        return native.selective_scan_varlen(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, cu_seqlens_q,
+                                            has_initial_state, dt_softplus, dt_min, dt_max)
     dtype = _compute_dtype(x)
     heads, groups = x.shape[1], B.shape[1]
     step = dt.to(dtype) + (0 if dt_bias is None else dt_bias.to(dtype))
@@ -289,8 +320,7 @@ def selective_scan_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor
     B, C = (t.to(dtype).repeat_interleave(heads // groups, dim=1) for t in (B, C))  # [T, H, N]
     xs = x.to(dtype)
     out = torch.empty_like(x)
-    for start, end, slot, initial in _sequences(cu_seqlens_q, state_indices, has_initial_state,
-                                                "selective_scan_varlen", x.shape[0], ssm_state.shape[0]):
+    for start, end, slot, initial in sequences:
         state = ssm_state[slot].to(dtype) if initial else x.new_zeros(ssm_state.shape[1:], dtype=dtype)  # [H, P, N]
         for t in range(start, end):
             decay = torch.exp(step[t, :, None] * decay_rate)  # [H, N]

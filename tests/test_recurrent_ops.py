@@ -219,3 +219,61 @@ def test_opcheck(name):
 def test_bad_arguments_are_refused_by_name(name, change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         getattr(recurrent, name)(**dict(OPS[name](), **change))
+
+
+
+def _native_sample(kind: str) -> dict:
+    """A step of four sequences for the op ``kind`` names: a decode token, a chunk continuing its
+    state, a first chunk over a former occupant's slot, and a padding sequence (slot -1)."""
+    g = torch.Generator().manual_seed(7)
+    tokens, slots = 10, 5
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    data = {
+        "conv": lambda: dict(x=r(tokens, DIM), weight=r(DIM, WIDTH), bias=r(DIM), conv_state=r(slots, DIM, WIDTH - 1),
+                             activation="silu"),
+        "delta_rule": lambda: dict(q=r(tokens, K_HEADS, K_DIM), k=r(tokens, K_HEADS, K_DIM),
+                                   v=r(tokens, V_HEADS, V_DIM), g=-r(tokens, V_HEADS).abs(),
+                                   beta=r(tokens, V_HEADS).sigmoid(),
+                                   ssm_state=r(slots, V_HEADS, K_DIM, V_DIM), scale=0.3, use_qk_l2norm_in_kernel=True),
+        "mamba2": lambda: dict(x=r(tokens, HEADS, HEAD_DIM), dt=r(tokens, HEADS), A=-r(HEADS).abs(),
+                               B=r(tokens, GROUPS, D_STATE), C=r(tokens, GROUPS, D_STATE), D=r(HEADS), dt_bias=r(HEADS),
+                               ssm_state=r(slots, HEADS, HEAD_DIM, D_STATE), dt_softplus=True, dt_max=3.0),
+        "mamba": lambda: dict(x=r(tokens, HEADS, 1), dt=r(tokens, HEADS), A=-r(HEADS, D_STATE).abs(),
+                              B=r(tokens, 1, D_STATE), C=r(tokens, 1, D_STATE), D=r(HEADS), dt_bias=None,
+                              ssm_state=r(slots, HEADS, 1, D_STATE)),
+    }[kind]()
+    return dict(data, state_indices=torch.tensor([2, 0, 4, -1], dtype=torch.int32),
+                has_initial_state=torch.tensor([True, True, False, False]),
+                cu_seqlens_q=torch.tensor([0, 1, 4, 8, 10], dtype=torch.int32))
+
+
+NATIVE_OPS = {"conv": "causal_conv1d_varlen", "delta_rule": "gated_delta_rule_varlen",
+              "mamba2": "selective_scan_varlen", "mamba": "selective_scan_varlen"}
+PER_TOKEN = {"x", "q", "k", "v", "g", "beta", "dt", "B", "C"}
+
+
+@pytest.mark.parametrize("act_dtype, state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("kind", NATIVE_OPS)
+def test_native_kernels_equal_the_fp64_reference(kind, act_dtype, state_dtype):
+    """The native kernels (fp32 accumulation) against the reference kernel run in fp64 on the same
+    rounded values."""
+    from pagedpack.kernels import native
+
+    if native.native_ops() is None:
+        pytest.skip(f"no native kernels: {native.status()}")
+    args = _native_sample(kind)
+    state_name = "conv_state" if kind == "conv" else "ssm_state"
+    ran = {name: t.to(state_dtype if name == state_name else act_dtype) if name == state_name or name in PER_TOKEN
+           else t for name, t in args.items()}
+    exact = {name: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+             for name, t in ran.items()}
+    out = getattr(recurrent, NATIVE_OPS[kind])(**ran)
+    expected = getattr(recurrent, NATIVE_OPS[kind])(**exact)
+    tol = 1e-5 if act_dtype == state_dtype == torch.float32 else 2e-2
+    assert out.dtype == act_dtype and ran[state_name].dtype == state_dtype
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(ran[state_name].double(), exact[state_name], atol=tol, rtol=tol)
