@@ -129,7 +129,8 @@ class Target:
     may capture in a child process (:mod:`pagedpack.compiler.compile_cache`); ``options_type``: the
     :class:`TargetOptions` subclass of its options; ``formats``: the :class:`FileFormat` s it writes
     and serves; ``supports_tensor_parallel``: it runs a step graph sharded over ranks whose
-    collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo).
+    collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo); ``supports_recurrent_state``: it
+    runs the recurrent ops and their state inputs (:mod:`pagedpack.kernels.recurrent`).
     """
 
     name: str = ""
@@ -140,6 +141,7 @@ class Target:
     options_type: type = TargetOptions
     formats: tuple[FileFormat, ...] = ()
     supports_tensor_parallel: bool = False
+    supports_recurrent_state: bool = False
 
     def options(self, given=None) -> TargetOptions:
         """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or

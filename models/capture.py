@@ -68,7 +68,7 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
     :class:`~pagedpack.step.contract.UnsupportedModelError` for a model feature whose computation
     depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
-    front, as are layers with a recurrent state, :mod:`pagedpack.models.recurrent`; otherwise
+    front, as are layers with a recurrent state pagedpack does not page, :mod:`pagedpack.models.recurrent`; otherwise
     export's data-dependent guard error, kept as the cause) and for any other error of the export
     (its message kept).
     """
@@ -79,7 +79,7 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
         raise ValueError(f"model: expected a position limit >= 2 to capture it, got {limit}")
     if config is not None and rope_type(config) in _CALL_DEPENDENT_ROPE:
         raise UnsupportedModelError(f"rope_type={rope_type(config)!r}: {_CALL_DEPENDENT_ROPE[rope_type(config)]}")
-    recurrent = first_recurrent((path, type(module)) for path, module in model.named_modules())
+    recurrent = first_recurrent(((path, type(module)) for path, module in model.named_modules()), paged=True)
     if recurrent is not None:
         raise UnsupportedModelError(recurrent_refusal(*recurrent))
     device = next(model.parameters()).device

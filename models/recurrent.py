@@ -3,9 +3,11 @@
 State-space layers (Mamba / Mamba2 mixers and the hybrids built on them: Jamba, Bamba, Zamba2,
 Nemotron-H, Falcon-H1, Granite-MoE-hybrid), linear / lightning attention and gated delta nets
 (MiniMax, Qwen3-Next, Kimi-Linear), short convolutions (LFM2), RG-LRU blocks (RecurrentGemma) and
-RWKV keep a per-sequence state that each step carries to the next. pagedpack pages the KV of
-attention only: such a state would have to be paged too. They are known by their class names in
-transformers' modeling code.
+RWKV keep a per-sequence state that each step carries to the next. They are known by their class
+names in transformers' modeling code. pagedpack pages the state of the layers in
+:data:`PAGED_RECURRENT_CLASS` (a state slot per sequence, :mod:`pagedpack.passes.recurrent_state`):
+short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv. The others are
+refused by name.
 """
 from __future__ import annotations
 
@@ -16,14 +18,19 @@ RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|LinearAttention|LightningAttent
                              r"|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
 
 
-def first_recurrent(modules: Iterable[tuple[str, object]]) -> tuple[str, str] | None:
+# the recurrent layers whose state pagedpack pages (the short conv's causal conv1d: passes/recurrent_state.py)
+PAGED_RECURRENT_CLASS = re.compile(r"ShortConv$")
+
+
+def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = False) -> tuple[str, str] | None:
     """``(path, class name)`` of the first of ``modules`` (``(path, class or qualified class
     name)`` pairs, outer modules first) whose class is one of :data:`RECURRENT_CLASS` and holds no
-    other such module (the layer, not ``MambaModel`` around it), or None."""
+    other such module (the layer, not ``MambaModel`` around it), or None. With ``paged``, the
+    layers of :data:`PAGED_RECURRENT_CLASS` are left out (their state is paged)."""
     found = {}
     for path, kind in modules:
         cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
-        if RECURRENT_CLASS.search(cls):
+        if RECURRENT_CLASS.search(cls) and not (paged and PAGED_RECURRENT_CLASS.search(cls)):
             found.setdefault(path, cls)
     inner = [p for p in found if not any(q.startswith(f"{p}.") or (not p and q) for q in found)]
     return (inner[0], found[inner[0]]) if inner else None
@@ -32,4 +39,5 @@ def first_recurrent(modules: Iterable[tuple[str, object]]) -> tuple[str, str] | 
 def recurrent_refusal(path: str, cls: str) -> str:
     """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
     return (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from step "
-            "to step: pagedpack pages attention KV only; hybrid and state-space models are not supported yet")
+            "to step: pagedpack pages attention KV and the state of short convolutions (LFM2) only; the other "
+            "hybrid and state-space models are not supported yet")

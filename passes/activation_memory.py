@@ -39,7 +39,8 @@ T, B = sympy.symbols("T B", integer=True, positive=True)
 # Example sizes for the fake inputs: distinct, and not 0 or 1 (which the ShapeEnv specialises).
 _EXAMPLE_T, _EXAMPLE_B, _EXAMPLE_WIDTH, _EXAMPLE_BLOCKS, _EXAMPLE_BLOCK_SIZE = 37, 3, 5, 8, 16
 _DYNAMIC_DIMS = {"input_ids": (0,), "positions": (0,), "slot_mapping": (0,), "cu_seqlens_q": (0,),
-                 "seq_lens": (0,), "block_table": (0, 1), "logits_indices": (0,)}
+                 "seq_lens": (0,), "block_table": (0, 1), "logits_indices": (0,), "state_indices": (0,),
+                 "has_initial_state": (0,)}
 
 
 @dataclass
@@ -55,15 +56,16 @@ class ActivationPeak:
         return int(self.expr.subs({T: num_tokens, B: num_seqs}))
 
 
-def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> ActivationPeak:
+def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs, state_specs=()) -> ActivationPeak:
     """The symbolic peak activation bytes of one step of a rewritten step graph (module
-    docstring). ``kv_cache_specs``: the graph's :class:`~pagedpack.step.contract.KVCacheSpec` list.
+    docstring). ``kv_cache_specs`` / ``state_specs``: the graph's :class:`~pagedpack.step.contract.KVCacheSpec`
+    and :class:`~pagedpack.step.contract.StateSpec` lists.
     Raises ``ValueError`` naming the node if shape propagation fails. The graph is left as it
     was: the example's fake values the propagation writes into ``node.meta["val"]`` (block size
     16, its own symbols) are replaced by the graph's own afterwards, which later passes read."""
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    inputs = _example_inputs(kv_cache_specs)
+    inputs = _example_inputs(kv_cache_specs, state_specs)
     fake_inputs = [_fake(mode, tensor, _DYNAMIC_DIMS.get(name, ())) for name, tensor in inputs]
     own = {node: node.meta["val"] for node in graph_module.graph.nodes if "val" in node.meta}
     try:
@@ -83,8 +85,8 @@ def activation_peak(graph_module: torch.fx.GraphModule, kv_cache_specs) -> Activ
     return ActivationPeak(sympy.Max(*frontier) if frontier else sympy.Integer(0), frontier)
 
 
-def _example_inputs(kv_cache_specs) -> list[tuple[str, torch.Tensor]]:
-    from pagedpack.step.metadata import example_metadata
+def _example_inputs(kv_cache_specs, state_specs) -> list[tuple[str, torch.Tensor]]:
+    from pagedpack.step.metadata import example_metadata, example_state_inputs
 
     q_lens = [_EXAMPLE_T - 2 * (_EXAMPLE_B - 1)] + [2] * (_EXAMPLE_B - 1)
     context = [0] + [(_EXAMPLE_WIDTH - 1) * _EXAMPLE_BLOCK_SIZE] * (_EXAMPLE_B - 1)
@@ -94,7 +96,8 @@ def _example_inputs(kv_cache_specs) -> list[tuple[str, torch.Tensor]]:
     for spec in kv_cache_specs:
         for shape in spec.cache_shapes(_EXAMPLE_BLOCKS, _EXAMPLE_BLOCK_SIZE):
             inputs.append(("kv_cache", torch.empty(shape, dtype=spec.dtype)))
-    return inputs
+    state = example_state_inputs(state_specs, context)
+    return inputs + list(zip(["state_indices", "has_initial_state", *["state"] * len(state_specs)], state))
 
 
 def _fake(mode: FakeTensorMode, tensor: torch.Tensor, dynamic: tuple[int, ...]) -> torch.Tensor:

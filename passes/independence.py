@@ -23,8 +23,8 @@ from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.passes.report import op_name
 from pagedpack.passes.verify import sample_values
-from pagedpack.step.contract import METADATA_INPUTS
-from pagedpack.step.metadata import paged_metadata
+from pagedpack.step.contract import METADATA_INPUTS, STATE_INPUTS
+from pagedpack.step.metadata import paged_metadata, state_metadata
 
 # Step 1 computes A[:5], B[:11], C[:4]; step 2 computes C[4:9] and A's sixth token (a decode).
 _LENGTHS = {"A": 6, "B": 11, "C": 9}
@@ -99,7 +99,11 @@ class _Sample:
                                    input_ids=[t for name, n in step.items()
                                               for t in self.tokens[name][computed[name]:computed[name] + n]])
             batch = batch._replace(logits_indices=torch.arange(batch.num_tokens)).to(self.device)
-            out.append((list(step), batch.as_inputs()))
+            inputs = batch.as_inputs()
+            if self.ctx.state_specs:  # each sequence in its own slot (A 0, B 1, C 2), continuing its state
+                slots = [list(self.tokens).index(name) for name in step]
+                inputs.update(zip(STATE_INPUTS, state_metadata(slots, [computed[name] for name in step], self.device)))
+            out.append((list(step), inputs))
             for name, n in step.items():
                 computed[name] += n
         return out
@@ -109,9 +113,18 @@ class _Sample:
         return sum(-(-n // _BLOCK_SIZE) for n in _LENGTHS.values())
 
     def empty_caches(self) -> list[torch.Tensor]:
-        """Zeroed KV caches for the sample, one pair per layer."""
-        return [torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
-                for shape in spec.cache_shapes(self.num_blocks, _BLOCK_SIZE)]
+        """Zeroed KV caches for the sample, one pair per layer, then the zeroed recurrent states
+        (a slot per sequence), if any."""
+        return [*(torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
+                  for shape in spec.cache_shapes(self.num_blocks, _BLOCK_SIZE)),
+                *(torch.zeros(spec.state_shape(len(self.tokens)), dtype=spec.dtype, device=self.device)
+                  for spec in self.ctx.state_specs)]
+
+    def arguments(self, inputs: dict, caches: list[torch.Tensor]) -> tuple:
+        """The step graph's positional inputs: metadata, KV caches, then the state inputs, if any."""
+        kv = 2 * len(self.ctx.kv_cache_specs)
+        state = [inputs[name] for name in STATE_INPUTS] if self.ctx.state_specs else []
+        return (*(inputs[name] for name in METADATA_INPUTS), *caches[:kv], *state, *caches[kv:])
 
     def run_packed(self) -> dict[str, torch.Tensor]:
         """Each sequence's ``[n, vocab]`` logits, assembled from the packed steps."""
@@ -119,7 +132,7 @@ class _Sample:
         rows: dict[str, list[torch.Tensor]] = {name: [] for name in self.tokens}
         for order, inputs in self.steps():
             with torch.no_grad():
-                logits = self.ctx.graph_module(*(inputs[name] for name in METADATA_INPUTS), *caches)
+                logits = self.ctx.graph_module(*self.arguments(inputs, caches))
             cu = inputs["cu_seqlens_q"].tolist()
             for b, name in enumerate(order):
                 rows[name].append(logits[cu[b]:cu[b + 1]])
@@ -131,7 +144,7 @@ class _Sample:
         lens = [_STEPS[0][name] for name in order]
         singles = [(torch.tensor([self.tokens[name][:n]], device=self.device),
                     torch.arange(n, device=self.device)[None]) for name, n in zip(order, lens)]
-        packed_inputs = (*(inputs[name] for name in METADATA_INPUTS), *self.empty_caches())
+        packed_inputs = self.arguments(inputs, self.empty_caches())
         return first_differing_node(self.ctx.graph_module, packed_inputs, self.ctx.reference, singles, lens)
 
 

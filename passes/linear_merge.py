@@ -41,7 +41,7 @@ from pagedpack.passes.graph_attrs import attr_tensor, fresh_attr_name, vocab_siz
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy
 from pagedpack.step.contract import METADATA_INPUTS
-from pagedpack.step.metadata import example_metadata
+from pagedpack.step.metadata import example_metadata, example_state_inputs
 
 aten = torch.ops.aten
 _SAMPLE_BLOCK_SIZE = 4
@@ -230,8 +230,9 @@ class _StepSample:
         gm.recompile()
         caches = [torch.zeros(shape, dtype=spec.dtype, device=self.device) for spec in self.ctx.kv_cache_specs
                   for shape in spec.cache_shapes(self.num_blocks, _SAMPLE_BLOCK_SIZE)]
+        states = example_state_inputs(self.ctx.state_specs, [0], self.device)
         with torch.no_grad():
-            return gm(*(self.inputs[name] for name in METADATA_INPUTS), *caches)
+            return gm(*(self.inputs[name] for name in METADATA_INPUTS), *caches, *states)
 
     def check(self, gm: torch.fx.GraphModule, before: torch.Tensor) -> str | None:
         """None if ``gm``'s logits are as close as the rule of the module docstring asks to

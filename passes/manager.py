@@ -30,7 +30,7 @@ from torch.fx import Node
 from pagedpack.formats.files import atomic_write
 from pagedpack.passes.attention_sites import AttentionSite
 from pagedpack.passes.report import PassRecord, PassReport, SiteRecord, op_counts, op_name
-from pagedpack.step.contract import KVCacheSpec
+from pagedpack.step.contract import KVCacheSpec, StateSpec
 
 DUMP_GRAPHS_ENV = "PAGEDPACK_DUMP_GRAPHS"
 
@@ -54,6 +54,7 @@ class PassContext:
     values: dict[Node, torch.Tensor] = field(default_factory=dict)  # verify_attention: sampled values
     inputs: dict[str, Node] = field(default_factory=dict)  # the step's inputs by name (the *_inputs passes)
     kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per layer
+    state_specs: list[StateSpec] = field(default_factory=list)  # recurrent_state: one per state input
     reference: torch.fx.GraphModule | None = None  # the captured graph, kept apart (parameters shared)
     make_sample: Callable[[int], tuple] | None = None  # inputs of one sequence of n tokens (mask probes)
     window_hint: int | None = None  # the model config's sliding window or attention chunk (models.config.mask_reach)

@@ -5,10 +5,12 @@ Rewritten signature (all metadata as graph inputs, docs/design.md terms)::
     forward(input_ids [T] int64, positions [T] int64, cu_seqlens_q [B+1] int32,
             seq_lens [B] int32, block_table [B, max_blocks_per_seq] int32,
             slot_mapping [T] int64, logits_indices [B] int64,
-            key_cache_0, value_cache_0, ..., key_cache_{L-1}, value_cache_{L-1})
+            key_cache_0, value_cache_0, ..., key_cache_{L-1}, value_cache_{L-1}
+            [, state_indices [B] int32, has_initial_state [B] bool, conv_state_0, ...])
         -> logits [B, vocab]
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place.
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place; the
+state inputs come with paged recurrent layers (:mod:`pagedpack.passes.recurrent_state`).
 The rewrite is :data:`STEP_PIPELINE`, run by :class:`~pagedpack.passes.manager.PassManager`. If any
 site cannot be rewritten safely, nothing is changed and the report says why.
 """
@@ -32,11 +34,13 @@ from pagedpack.passes.paged_attention import PagedAttention
 from pagedpack.passes.positions import PositionsInput, maybe_positions
 from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
+from pagedpack.passes.recurrent_state import PagedRecurrentState
 from pagedpack.passes.report import PassReport
 from pagedpack.passes.verify import VerifyAttention
 from pagedpack.step.contract import (
     METADATA_INPUTS,
     KVCacheSpec,
+    StateSpec,
     UnsupportedModelError,
     bytes_per_token,
     cache_input_names,
@@ -55,6 +59,7 @@ class RewrittenModel:
     graph_module: torch.fx.GraphModule
     report: PassReport
     kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)
+    state_specs: list[StateSpec] = field(default_factory=list)  # recurrent states, after the KV caches
 
     @property
     def ok(self) -> bool:
@@ -116,8 +121,9 @@ class AddStepInputs(Pass):
 
 
 STEP_PIPELINE: tuple[Pass, ...] = (
-    RecurrentLayers(), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions), StripExportChecks(),
-    AddStepInputs(), PositionsInput(), PagedAttention(), GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
+    RecurrentLayers(paged=True), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions),
+    StripExportChecks(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedRecurrentState(), GatherLogits(),
+    EliminateDeadCode(), NoAttentionLeft(),
     MergeLinears(), SequenceIndependence(),
 )
 
@@ -150,4 +156,4 @@ def rewrite(captured: CapturedModel, extra_passes: Sequence[Pass] = (), after: s
                       reference=torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)),
                       make_sample=captured.sample, window_hint=captured.window_hint)
     done = manager.run(ctx)
-    return RewrittenModel(gm, ctx.report, ctx.kv_cache_specs if done else [])
+    return RewrittenModel(gm, ctx.report, ctx.kv_cache_specs if done else [], ctx.state_specs if done else [])

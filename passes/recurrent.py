@@ -1,8 +1,10 @@
 """The ``recurrent_layers`` pass: refuse models whose layers carry a recurrent state
 (:mod:`pagedpack.models.recurrent`), by name, before any check runs on a packed sample (which
-such layers fail). ``capture`` refuses them before export already; this pass covers the graphs
-that reach the passes another way (the ``torch.compile`` backend, a user's own capture). The
-layers are read off the module each node was traced in (``node.meta["nn_module_stack"]``).
+such layers fail), except, with ``paged``, the layers whose state the step pipeline pages
+(:mod:`pagedpack.passes.recurrent_state`). ``capture`` refuses the others before export already;
+this pass covers the graphs that reach the passes another way (the ``torch.compile`` backend,
+which pages no state, a user's own capture). The layers are read off the module each node was
+traced in (``node.meta["nn_module_stack"]``).
 """
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ class RecurrentLayers(Pass):
     name = "recurrent_layers"
     mutates = False
 
+    def __init__(self, paged: bool = False):
+        self.paged = paged  # leave the layers whose state is paged to the recurrent_state pass
+
     def __call__(self, ctx: PassContext) -> PassResult:
         stacks = ((node.meta.get("nn_module_stack") or {}).values() for node in ctx.graph.nodes)
-        found = first_recurrent((path.removeprefix("model."), kind) for stack in stacks for path, kind in stack)
+        found = first_recurrent(((path.removeprefix("model."), kind) for stack in stacks for path, kind in stack),
+                                paged=self.paged)
         if found is None:
             return PassResult()
         ctx.report.notes.append(recurrent_refusal(*found))

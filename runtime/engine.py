@@ -26,6 +26,7 @@ from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
 from pagedpack.runtime.scheduler import Scheduler, SchedulerOutput
 from pagedpack.step.contract import ModelDescription, bytes_per_token
+from pagedpack.step.metadata import state_metadata
 
 log = logging.getLogger("pagedpack.engine")
 
@@ -132,9 +133,12 @@ class LLMEngine:
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any."""
+        # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
+        num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
-                             cpu_threads=cpu_threads, workers=workers)
-        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+                             cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots)
+        kv_cache_manager = KVCacheManager(num_blocks, block_size, num_state_slots=num_state_slots,
+                                          enable_prefix_caching=enable_prefix_caching and not num_state_slots)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         return cls(runner, scheduler, description=description)
@@ -247,11 +251,16 @@ class LLMEngine:
         try:
             if output.blocks_to_copy:
                 self.runner.copy_blocks(output.blocks_to_copy)
+            if output.states_to_copy:
+                self.runner.copy_states(output.states_to_copy)
             spans, prompt_logits_rows = prompt_rows(output.scheduled)
             batch = build_batch(output.scheduled, block_size=self.runner.block_size,
                                 num_blocks=self.runner.num_blocks, device=self.runner.device,
                                 extra_logits_rows=prompt_logits_rows)
-            logits = self.runner.execute(batch)
+            state = state_metadata([s.request.state_slot for s in output.scheduled],
+                                   [s.request.num_computed_tokens for s in output.scheduled],
+                                   self.runner.device) if self.runner.state_specs else ()
+            logits = self.runner.execute(batch, *state)
         except EngineDeadError:
             raise
         except Exception as err:  # noqa: BLE001 -- not one request's: the step's requests fail, the others run on

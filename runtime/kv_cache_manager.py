@@ -58,17 +58,34 @@ class KVCacheManager:
     Block copies (``(src, dst)`` pairs: copy-on-write of a shared last block) are registered
     here, handed to the step that performs them by :meth:`take_block_copies`, and their sources
     held (one reference each) until :meth:`end_step`.
+
+    With ``num_state_slots`` (a model with recurrent layers), a request also holds a state slot
+    from its first allocation until it is freed (finished, aborted, preempted: a preempted request
+    recomputes from its first token, so its state starts over). A fork takes a copy of its
+    parent's state (:meth:`take_state_copies`, made before the step that reads it). Prefix caching
+    is off for such models: a cached prefix would skip the tokens whose state the slot lacks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: expected >= 1, got {block_size}")
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: expected False for a model with recurrent state (its state "
+                             "is not cached with the prefix's blocks), got True")
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._pending_state_copies: list[tuple[int, int]] = []
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_cache_stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
         self._copies_in_step: list[tuple[int, int]] = []
         self._named_in_step: set[int] = set()  # blocks cached while the step writing them is scheduled
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -138,6 +155,8 @@ class KVCacheManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
         """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed now."""
+        if self.num_state_slots and request.state_slot < 0 and not self._free_slots:
+            return False
         return self._num_missing_blocks(request, num_new_tokens, prefix) <= self.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
@@ -150,6 +169,8 @@ class KVCacheManager:
         """
         if not self.can_allocate(request, num_new_tokens, prefix):
             return False
+        if self.num_state_slots and request.state_slot < 0:
+            request.state_slot = self._free_slots.pop()
         if prefix is not NO_PREFIX:
             self._take_prefix(request, prefix)
         missing = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
@@ -190,8 +211,11 @@ class KVCacheManager:
         blocks and gets a copy of the partial last one (registered for the next step). Returns
         False, changing nothing, if no block is free for the copy."""
         full, partial = divmod(parent.num_computed_tokens, self.block_size)
-        if partial and not self.num_free_blocks:
+        if partial and not self.num_free_blocks or self.num_state_slots and not self._free_slots:
             return False
+        if self.num_state_slots:
+            child.state_slot = self._free_slots.pop()
+            self._pending_state_copies.append((parent.state_slot, child.state_slot))
         for block_id in parent.block_ids[:full]:
             self.pool.incref(block_id)
         child.block_ids = parent.block_ids[:full]
@@ -208,6 +232,11 @@ class KVCacheManager:
         self.pool.incref(src)
         self._pending_copies.append((src, dst))
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` state-slot copies (forks) the step being scheduled must make before it runs."""
+        copies, self._pending_state_copies = self._pending_state_copies, []
+        return copies
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The ``(src, dst)`` copies the step being scheduled must perform before it runs."""
         copies, self._pending_copies = self._pending_copies, []
@@ -223,11 +252,14 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all blocks of ``request`` (last block first: its tail is evicted before its
-        prefix) and empty its ``block_ids``."""
+        prefix) and its state slot, and empty its ``block_ids``."""
         for block_id in reversed(request.block_ids):
             self.pool.free(block_id)
         request.block_ids.clear()
         request.num_cached_blocks = 0
+        if request.state_slot >= 0:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = -1
 
     def reset(self) -> None:
         """After an abort: drop pending copies (releasing their sources) and uncache the blocks
@@ -235,5 +267,5 @@ class KVCacheManager:
         for block_id in self._named_in_step:
             self.pool.uncache(block_id)
         self._copies_in_step += self._pending_copies
-        self._pending_copies = []
+        self._pending_copies, self._pending_state_copies = [], []
         self.end_step()

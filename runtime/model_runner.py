@@ -28,6 +28,10 @@ class ModelRunner:
     :meth:`commit_kv_memory`). An in-place program writes them during the step; a functional one
     (ONNX) returns ``(logits, *updated caches)``, which replace them.
 
+    A program with recurrent layers (``state_specs``) also gets its state tensors,
+    ``[num_state_slots, *spec.shape]`` each, zeroed once (a sequence's first chunk never reads its
+    slot: ``has_initial_state``), passed after the KV caches with the step's state metadata.
+
     On the CPU, the first step of fewer than :data:`TRIM_AFTER_TOKENS` tokens after longer ones hands
     the heap pages their activations freed back to the OS (``malloc_trim``) before it runs: glibc
     keeps them, and the small allocations of the decode steps that follow would scatter over them, so
@@ -37,7 +41,8 @@ class ModelRunner:
     """
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None, workers=None):
+                 device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None, workers=None,
+                 num_state_slots: int = 0):
         self.program, self.cpu_threads, self.workers = program, cpu_threads, workers
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self._trim_due = False  # the last step was a long one: trim before the next short one
@@ -47,14 +52,20 @@ class ModelRunner:
             for shape in spec.cache_shapes(allocated, block_size):
                 self.kv_caches.append(_zeros(shape, spec.dtype, self.device))
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.state_specs = list(getattr(program, "state_specs", ()))
+        self.states = [torch.zeros(spec.state_shape(num_state_slots), dtype=spec.dtype, device=self.device)
+                       for spec in self.state_specs]
         if workers is not None:
             workers.start(num_blocks)
 
     @torch.inference_mode()
-    def execute(self, batch: StepMetadata) -> torch.Tensor:
+    def execute(self, batch: StepMetadata, *state: torch.Tensor) -> torch.Tensor:
         """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
-        sequence, its last token, then any prompt rows)."""
+        sequence, its last token, then any prompt rows). ``state``: for a program with recurrent
+        layers, the step's ``state_indices, has_initial_state``
+        (:func:`pagedpack.step.metadata.state_metadata`)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
+        states = [*state, *self.states] if self.state_specs else []
         if is_cpu(self.device):
             long_step = batch.num_tokens >= TRIM_AFTER_TOKENS
             if self._trim_due and not long_step:
@@ -66,7 +77,7 @@ class ModelRunner:
             self.cpu_threads.apply()
         with checked_step():
             try:
-                out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches)
+                out = self.program(*(inputs[name] for name in METADATA_INPUTS), *self.kv_caches, *states)
             except RuntimeError as err:  # an all-reduce of a tensor-parallel step: say which rank failed
                 if self.workers is None:
                     raise
@@ -94,6 +105,13 @@ class ModelRunner:
         src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*blocks_to_copy))
         for cache in self.kv_caches:
             cache[dst] = cache[src]
+
+    @torch.inference_mode()
+    def copy_states(self, states_to_copy: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state slot ``src`` into slot ``dst`` in every state tensor (a fork's)."""
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*states_to_copy))
+        for state in self.states:
+            state[dst] = state[src]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -44,6 +44,8 @@ class Request:
         num_computed_tokens: leading tokens of ``all_token_ids`` whose KV is in the cache.
         block_ids: physical KV blocks, in order (block ``j`` holds positions
             ``j * block_size ..``); owned by the ``KVCacheManager``.
+        state_slot: its recurrent-state slot while it holds one (a model with recurrent layers),
+            else -1; owned by the ``KVCacheManager``.
         status / finish_reason ("stop", "length", "error", "abort") / error (message for "error").
         generator: the request's own ``torch.Generator`` when it has a seed (created lazily by
             the sampler).
@@ -75,6 +77,7 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.state_slot = -1
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -29,12 +29,13 @@ from pagedpack.runtime.request import Request, RequestStatus, ScheduledRequest  
 @dataclass
 class SchedulerOutput:
     """One step: what to compute, who was preempted to make room, and the ``(src, dst)`` KV
-    block copies to make (every layer's K and V) before the step runs."""
+    block copies (every layer's K and V) and recurrent-state slot copies to make before the step runs."""
 
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    states_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -139,7 +140,7 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget,
-                               self.kv_cache_manager.take_block_copies())
+                               self.kv_cache_manager.take_block_copies(), self.kv_cache_manager.take_state_copies())
 
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting ``request`` its cached prefix (if any) and blocks for its next chunk;

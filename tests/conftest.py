@@ -127,6 +127,47 @@ def pt2_edited(src, dst, edits: dict) -> str:
     return str(dst)
 
 
+def arrival_schedules(num_prompts: int) -> dict:
+    """``hypothesis`` strategies for :func:`assert_each_as_alone`: an arrival step for every prompt,
+    and up to three of them aborted at a step."""
+    from hypothesis import strategies as st
+
+    return dict(arrival=st.lists(st.integers(0, 12), min_size=num_prompts, max_size=num_prompts),
+                aborted=st.dictionaries(st.integers(0, num_prompts - 1), st.integers(0, 14), max_size=3))
+
+
+def assert_each_as_alone(llm, prompts, arrival: list[int], aborted: dict[int, int], params,
+                         alone: list[list[int]]) -> None:
+    """Step ``llm``'s engine with prompt ``i`` (token ids) arriving before step ``arrival[i]``
+    (``params(i)``) and aborted before step ``aborted[i]``: each finished request's tokens are
+    ``alone[i]``, an aborted one's a prefix of them, and no KV block or state slot is held once
+    all are done."""
+    from pagedpack.runtime.outputs import merge
+
+    engine, whole, step = llm.llm_engine, {}, 0
+    while step <= max([*arrival, *aborted.values()]) or engine.has_unfinished():
+        for i in (i for i, at in enumerate(arrival) if at == step):
+            engine.add_request(f"p{i}", {"prompt_token_ids": prompts[i]}, params(i))
+        for i in (i for i, at in aborted.items() if at == step):
+            out = engine.abort_request(f"p{i}")
+            if out is not None:
+                whole[i] = merge(whole.get(i), out)
+        for delta in engine.step():
+            i = int(delta.request_id[1:])
+            whole[i] = merge(whole.get(i), delta)
+        step += 1
+    for i, expected in enumerate(alone):
+        completion = whole[i].outputs[0]
+        assert whole[i].finished
+        if completion.finish_reason == "abort":
+            assert i in aborted and completion.token_ids == expected[:len(completion.token_ids)]
+        else:
+            assert completion.token_ids == expected, f"prompt {i}"
+    kv = engine.scheduler.kv_cache_manager
+    assert llm.get_stats().kv_blocks_used == 0 and not engine.has_unfinished()
+    assert kv.num_free_state_slots == kv.num_state_slots
+
+
 def random_prompts(lens, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]

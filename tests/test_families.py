@@ -47,6 +47,8 @@ SERVED = {
     "phi": (T.PhiConfig, dict(_BASE, partial_rotary_factor=0.5), BOTH, []),
     "phi3": (T.Phi3Config, dict(_BASE, pad_token_id=0, eos_token_id=V - 1, partial_rotary_factor=0.5), BOTH, []),
     "qwen3": (T.Qwen3Config, dict(_BASE, head_dim=16), BOTH, []),
+    # a short conv (its causal conv1d's state paged, a slot per sequence) and an attention layer
+    "lfm2": (T.Lfm2Config, dict(_BASE, layer_types=["conv", "full_attention"]), BOTH, []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
     # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts
@@ -74,7 +76,7 @@ SERVED = {
 }
 # families whose class is not the AutoModelForCausalLM of their config
 MODEL_CLASS = {"qwen2_vl": T.Qwen2VLForConditionalGeneration}
-_RECURRENT = "state-space / linear-attention layers .* pagedpack pages attention KV only"
+_RECURRENT = "state-space / linear-attention layers .* pagedpack pages attention KV and the state of short convolutions"
 # family: (config class, config, implementations, what the refusal names)
 REFUSED = {
     # build_alibi_tensor rounds slope * key_pos to bfloat16 (modeling_falcon), so in a float32 model the

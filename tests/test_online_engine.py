@@ -6,15 +6,13 @@ import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from pagedpack import LLM, AsyncLLM, SamplingParams
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.detokenizer import IncrementalDetokenizer
 from pagedpack.runtime.engine import RequestRejected
-from pagedpack.runtime.outputs import merge
 
-from conftest import hf_greedy, random_prompts, snapshot
+from conftest import arrival_schedules, assert_each_as_alone, hf_greedy, random_prompts, snapshot
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -40,54 +38,14 @@ def llm(model):
     return LLM(model, num_blocks=24, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
 
 
-def _drive(engine, arrivals: dict[int, list[int]], aborts: dict[int, list[int]], params) -> dict:
-    """Step ``engine``: prompt ``i`` is added before step ``arrivals``' key, aborted before ``aborts``' key;
-    returns the whole output of every request by prompt index."""
-    whole, step = {}, 0
-    while step <= max([*arrivals, *aborts]) or engine.has_unfinished():
-        for i in arrivals.get(step, []):
-            engine.add_request(f"p{i}", {"prompt_token_ids": PROMPTS[i]}, params(i))
-        for i in aborts.get(step, []):
-            out = engine.abort_request(f"p{i}")
-            if out is not None:
-                whole[i] = merge(whole.get(i), out)
-        for delta in engine.step():
-            i = int(delta.request_id[1:])
-            whole[i] = merge(whole.get(i), delta)
-        step += 1
-    return whole
-
-
 # Random arrival steps for every prompt, and up to three of them aborted at a random step.
-_SCHEDULES = dict(arrival=st.lists(st.integers(0, 12), min_size=len(PROMPTS), max_size=len(PROMPTS)),
-                  aborted=st.dictionaries(st.integers(0, len(PROMPTS) - 1), st.integers(0, 14), max_size=3))
-
-
-def _assert_each_as_alone(llm, arrival: list[int], aborted: dict[int, int], params, alone: list[list[int]]) -> None:
-    """Drive ``llm``'s engine with prompt ``i`` arriving before step ``arrival[i]`` (``params(i)``)
-    and aborted before step ``aborted[i]``: each finished request's tokens are ``alone[i]``, an
-    aborted one's a prefix of them, and no KV block is held once all are done."""
-    arrivals, aborts = {}, {}
-    for i, step in enumerate(arrival):
-        arrivals.setdefault(step, []).append(i)
-    for i, step in aborted.items():
-        aborts.setdefault(step, []).append(i)
-    whole = _drive(llm.llm_engine, arrivals, aborts, params)
-    for i, expected in enumerate(alone):
-        completion = whole[i].outputs[0]
-        assert whole[i].finished
-        if completion.finish_reason == "abort":
-            assert i in aborted and completion.token_ids == expected[:len(completion.token_ids)]
-        else:
-            assert completion.token_ids == expected, f"prompt {i}"
-    stats = llm.get_stats()
-    assert stats.kv_blocks_used == 0 and not llm.llm_engine.has_unfinished()
+_SCHEDULES = arrival_schedules(len(PROMPTS))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**_SCHEDULES)
 def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
-    _assert_each_as_alone(llm, arrival, aborted, lambda i: GREEDY, solo)
+    assert_each_as_alone(llm, PROMPTS, arrival, aborted, lambda i: GREEDY, solo)
 
 
 def _seeded(i: int) -> SamplingParams:
@@ -108,15 +66,14 @@ def seeded_alone(model):
 def test_seeded_requests_arriving_and_aborted_while_others_run(llm, seeded_alone, arrival, aborted):
     """Seeded sampling draws from each request's own generator: interleaved with random arrivals,
     aborts, chunked prefill and preemption, every request samples what it sampled alone."""
-    _assert_each_as_alone(llm, arrival, aborted, _seeded, seeded_alone)
+    assert_each_as_alone(llm, PROMPTS, arrival, aborted, _seeded, seeded_alone)
 
 
 def test_seeded_sampling_is_the_same_when_requests_arrive_late(llm):
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS) for i in range(4)]
     alone = [llm.generate({"prompt_token_ids": PROMPTS[i]}, params[i], use_tqdm=False)[0].outputs[0].token_ids
              for i in range(4)]
-    whole = _drive(llm.llm_engine, {0: [0], 2: [1], 3: [2, 3]}, {}, lambda i: params[i])
-    assert [whole[i].outputs[0].token_ids for i in range(4)] == alone
+    assert_each_as_alone(llm, PROMPTS[:4], [0, 2, 3, 3], {}, lambda i: params[i], alone)
 
 
 def test_an_aborted_prefix_goes_back_to_the_prefix_cache(model):

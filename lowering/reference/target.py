@@ -24,6 +24,7 @@ class ReferenceTarget(Target):
     serves_pt2: bool = True
     formats: tuple[FileFormat, ...] = (pt2.FORMAT, tp.MANIFEST)
     supports_tensor_parallel: bool = True
+    supports_recurrent_state: bool = True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize
@@ -35,10 +36,12 @@ class ReferenceTarget(Target):
         """``rewritten`` as it is, except on the CPU: there a copy of its graph with prepacked
         oneDNN linears and direct native kernel calls; the rewritten graph itself, which
         ``LLM.export`` writes, stays as it is."""
-        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len)
+        program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len,
+                                 rewritten.state_specs)
         if program is rewritten.graph_module:
-            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note)
-        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True)
+            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note, state_specs=rewritten.state_specs)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True,
+                           state_specs=rewritten.state_specs)
 
     def load_exported(self, path: str, fmt: FileFormat, *, trust_file: bool, device: torch.device | str,
                       max_model_len: int | None, rank: int = 0) -> LoweredStep:

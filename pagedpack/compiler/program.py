@@ -35,7 +35,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.step.contract import ModelDescription, StepProgram
+from pagedpack.step.contract import ModelDescription, StepProgram, state_layers
 
 # The stages of a build, each a value made by one stage function from the one before:
 # Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
@@ -117,6 +117,9 @@ def shard(source: Source, model: SourceModel, rewritten: RewrittenStep, join_gro
     from pagedpack.passes.tensor_parallel import check_shards, count_all_gathers, count_all_reduces, shard_step_graph
 
     step, tp_size, rank = rewritten.step, source.args.tensor_parallel_size, source.rank
+    if step.state_specs:
+        raise ValueError(f"tensor_parallel_size: the model's recurrent layers ({state_layers(step.state_specs)}) "
+                         f"are not split over ranks yet; expected 1, got {tp_size}")
     if rank == 0:
         check_shards(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size)
     gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size, rank=rank,
@@ -134,6 +137,9 @@ def lower(source: Source, model: SourceModel, rewritten: RewrittenStep, *,
     (derived before lowering, which may change the graph in place)."""
     args, target, step = source.args, source.args.lowering_target, rewritten.step
     bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or model.description.max_model_len)
+    if step.state_specs and not target.supports_recurrent_state:
+        raise ValueError(f"target: the {target.name} target does not run recurrent layers yet "
+                         f"({state_layers(step.state_specs)}); serve the model on the reference target")
     target.check_limits(step, block_size=args.block_size, bounds=bounds)
     peak = _activation_peak(whole or rewritten) if args.memory_budget is not None else None
     program = target.lower(step, args.target_options, block_size=args.block_size, bounds=bounds, device=args.device)
@@ -400,7 +406,7 @@ def load_exported(path, *, trust_file: bool = False, device="cpu", max_model_len
 def _activation_peak(rewritten: RewrittenStep):
     from pagedpack.passes.activation_memory import activation_peak
 
-    return activation_peak(rewritten.step.graph_module, rewritten.step.kv_cache_specs)
+    return activation_peak(rewritten.step.graph_module, rewritten.step.kv_cache_specs, rewritten.step.state_specs)
 
 
 def _serving_weight_bytes(program: StepProgram, rewritten, module: torch.nn.Module, keep: bool) -> int:

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedpack.formats.files import check_file_name
-from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, LoweredStep, ModelDescription, cache_input_names
+from pagedpack.step.contract import (
+    METADATA_INPUTS,
+    KVCacheSpec,
+    LoweredStep,
+    ModelDescription,
+    cache_input_names,
+    state_layers,
+)
 from pagedpack.step.metadata import example_metadata
 
 FORMAT_VERSION = 1
@@ -84,6 +91,9 @@ def check_portable(rewritten) -> None:
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
+    if getattr(rewritten, "state_specs", None):
+        raise ValueError(f"rewritten: the model's recurrent layers ({state_layers(rewritten.state_specs)}) keep a "
+                         "state the export formats do not carry yet; serve it in process (LLM(model))")
     if not any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes):
         raise ValueError("rewritten: its step graph was lowered for another target (no pagedpack.paged_attention "
                          "left); export a model rewritten for target='reference'")

@@ -15,9 +15,15 @@ the runtime all meet here and nowhere else. A *step program* runs one packed, pa
 says why in ``one_logits_row_per_seq`` (:class:`LoweredStep`).
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms").
+
+A program with recurrent layers (``state_specs``, :class:`StateSpec`) takes, after its KV caches,
+``state_indices [B] int32, has_initial_state [B] bool`` and one state tensor per spec,
+``[num_slots, *spec.shape]``, written in place (``conv_state_0, ...``; :func:`state_input_names`):
+sequence ``b`` continues from and writes slot ``state_indices[b]`` (:mod:`pagedpack.kernels.recurrent`).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -26,6 +32,9 @@ import torch
 
 METADATA_INPUTS = ("input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_table",
                    "slot_mapping", "logits_indices")
+
+
+STATE_INPUTS = ("state_indices", "has_initial_state")
 
 
 def cache_input_names(num_layers: int, suffix: str = "") -> list[str]:
@@ -68,6 +77,35 @@ class KVCacheSpec:
                 (num_blocks, block_size, self.num_kv_heads, kv_row_size(self.value_head_size, self.dtype)))
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """One recurrent state tensor of one layer: ``kind`` (``"conv_state"``: a causal conv's last
+    ``width - 1`` inputs; ``"ssm_state"``), its per-sequence ``shape`` (the slot dimension left out)
+    and ``dtype``; the ``layer`` it belongs to (the module path, for reports and refusals)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layer: str = ""
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def state_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, *self.shape)
+
+
+def state_input_names(specs: Sequence[StateSpec]) -> list[str]:
+    """``conv_state_0, conv_state_1, ssm_state_2, ...``: the state inputs, numbered over all specs."""
+    return [f"{spec.kind}_{i}" for i, spec in enumerate(specs)]
+
+
+def state_layers(specs: Sequence[StateSpec]) -> str:
+    """The layers of ``specs``, once each, for messages: ``"model.layers.0.conv, model.layers.2.conv"``."""
+    return ", ".join(dict.fromkeys(spec.layer for spec in specs))
+
+
 def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:
     """KV-cache bytes one token takes over all layers of ``specs``."""
     return sum(spec.bytes_per_token for spec in specs)
@@ -87,6 +125,7 @@ class StepProgram(Protocol):
     """Anything that runs a step with the signature of the module docstring.
 
     ``kv_cache_specs``: one :class:`KVCacheSpec` per layer, in cache-input order.
+    ``state_specs`` (optional attribute, default none): the recurrent states, in state-input order.
     ``functional``: False if the program writes the caches in place and returns the logits
     alone; True if it returns ``(logits, *updated caches)``, which replace the caller's caches.
     """
@@ -123,6 +162,7 @@ class LoweredStep:
     run: Callable
     kv_cache_specs: list[KVCacheSpec]
     functional: bool = False
+    state_specs: list[StateSpec] = field(default_factory=list)
     note: str | None = None
     graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
     padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes

@@ -106,3 +106,24 @@ def example_metadata(q_lens: Sequence[int], context_lens: Sequence[int] | None =
         block_ids.append([(next_block + j) % num_blocks for j in range(needed)])
         next_block += needed
     return paged_metadata(q_lens, context_lens, block_ids, block_size=block_size).to(device)
+
+
+def state_metadata(slots: Sequence[int], context_lens: Sequence[int], device: torch.device | str = "cpu"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(state_indices [B] int32, has_initial_state [B] bool)`` of a step whose sequence ``b`` owns
+    state slot ``slots[b]`` and has ``context_lens[b]`` tokens computed before it (its slot holds
+    their state: True exactly when it has some)."""
+    return (torch.tensor(list(slots), dtype=torch.int32, device=device),
+            torch.tensor([c > 0 for c in context_lens], dtype=torch.bool, device=device).reshape(len(slots)))
+
+
+def example_state_inputs(state_specs: Sequence, context_lens: Sequence[int], device: torch.device | str = "cpu"
+                         ) -> list[torch.Tensor]:
+    """The state inputs of an example step (docs/design.md): sequence ``b`` in slot ``b``, zeroed states of
+    as many slots (a sequence with context starts from zeros, which is a state like any other);
+    ``[]`` for a program without ``state_specs`` (:class:`~pagedpack.step.contract.StateSpec`)."""
+    if not state_specs:
+        return []
+    num_slots = len(context_lens)
+    states = [torch.zeros(spec.state_shape(num_slots), dtype=spec.dtype, device=device) for spec in state_specs]
+    return [*state_metadata(range(num_slots), context_lens, device), *states]

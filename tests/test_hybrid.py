@@ -1,0 +1,139 @@
+"""A hybrid of attention and layers with a recurrent state (LFM2: short convolutions) through the
+pass and the engine: its causal conv1d continues from a state slot per sequence. References: the
+unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
+12-prompt batch with chunked prefill under both attention implementations)."""
+import types
+
+import pytest
+import torch
+import transformers as T
+from hypothesis import HealthCheck, given, settings
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.models.capture import capture
+from pagedpack.passes.pipeline import rewrite
+from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.request import Request
+
+from conftest import arrival_schedules, assert_each_as_alone, hf_greedy, random_prompts, snapshot
+
+V, MAX_TOKENS = 258, 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPTS = random_prompts((3, 17, 40, 5, 29, 64), seed=5, vocab=V)
+LAYERS = ["conv", "full_attention", "conv", "full_attention"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = T.Lfm2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          initializer_range=0.1, layer_types=LAYERS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    reference = snapshot(model)
+    return [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    # a small step budget (chunked prefill) and a small pool (preemption) make arrivals interleave
+    return LLM(model, num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+
+
+def test_the_report_names_the_state_and_prefix_caching_is_off(llm):
+    notes = [n for n in llm.report.notes if n.startswith("recurrent_state:")]
+    assert notes and "model.layers.0.conv, model.layers.2.conv" in notes[0] and "1,024 bytes a sequence" in notes[0]
+    assert [spec.shape for spec in llm.program.state_specs] == [(64, 2), (64, 2)]
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    assert not kv.enable_prefix_caching and kv.num_state_slots == 4
+
+
+def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(llm, solo):
+    """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""
+    before = llm.get_stats().num_preemptions
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0.0, n=2,
+                        max_tokens=MAX_TOKENS), use_tqdm=False)
+    for out, expected in zip(outs, solo, strict=True):
+        assert [c.token_ids for c in out.outputs] == [expected, expected]
+    assert llm.get_stats().num_preemptions > before
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**arrival_schedules(len(PROMPTS)))
+def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
+    assert_each_as_alone(llm, PROMPTS, arrival, aborted, lambda i: GREEDY, solo)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("export", "recurrent layers .*model.layers.0.conv, model.layers.2.conv.* export formats do not carry"),
+    ("onnx", "the onnx target does not run recurrent layers yet"),
+    ("ascend", "the ascend target does not run recurrent layers yet"),
+    ("tp", "tensor_parallel_size: the model's recurrent layers .* are not split over ranks yet"),
+])
+def test_paths_without_recurrent_state_refuse_it_by_name(model, llm, how, message, tmp_path):
+    run = {"export": lambda: llm.export(tmp_path / "m.pt2"), "onnx": lambda: LLM(model, target="onnx"),
+           "ascend": lambda: LLM(model, target="ascend"), "tp": lambda: LLM(model, tensor_parallel_size=2)}
+    with pytest.raises(ValueError, match=message):
+        run[how]()
+    assert not list(tmp_path.iterdir())
+
+
+class ShortConv(torch.nn.Module):
+    """A short conv whose conv1d is padded on both sides: each token sees the next one."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(16, 16, 3, groups=16, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class _Hybrid(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix, self.head = torch.nn.Embedding(32, 16), ShortConv(), torch.nn.Linear(16, 32)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, input_ids, position_ids, use_cache=False):
+        hidden = self.mix(self.embed(input_ids))
+        q, k, v = self.qkv(hidden).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        hidden = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return types.SimpleNamespace(logits=self.head(hidden.transpose(1, 2).reshape(1, -1, 16)))
+
+
+def test_a_conv_of_another_form_is_refused_naming_its_node():
+    result = rewrite(capture(_Hybrid()))
+    assert not result.ok and result.report.stopped_at == "recurrent_state"
+    assert any("recurrent_state: mix: conv1d = conv1d: padding [1] is not width - 1 = 2 (not causal)" in n
+               for n in result.report.notes), result.report.notes
+
+
+def _request(name: str, tokens: int = 5) -> Request:
+    return Request(name, list(range(tokens)), GREEDY)
+
+
+def test_the_kv_manager_hands_out_state_slots_and_copies_them_to_forks():
+    with pytest.raises(ValueError, match="enable_prefix_caching: expected False for a model with recurrent state"):
+        KVCacheManager(8, 4, num_state_slots=2)
+    kv = KVCacheManager(8, 4, num_state_slots=2, enable_prefix_caching=False)
+    a, b, c = _request("a"), _request("b"), _request("c")
+    assert kv.allocate_slots(a, 5) and kv.allocate_slots(b, 5)
+    assert (a.state_slot, b.state_slot, kv.num_free_state_slots) == (0, 1, 0)
+    assert not kv.can_allocate(c, 1) and not kv.allocate_slots(c, 1)  # blocks free, no slot
+    a.num_computed_tokens = 5
+    assert not kv.fork_blocks(a, c)
+    kv.free(b)
+    assert b.state_slot == -1 and kv.fork_blocks(a, c) and c.state_slot == 1
+    assert kv.take_state_copies() == [(0, 1)] and kv.take_state_copies() == []
+    kv.take_block_copies()
+    kv.end_step()  # the step made the copies: their sources are let go
+    for request in (a, c):
+        kv.free(request)
+    assert kv.num_free_state_slots == 2 and kv.num_free_blocks == 8
