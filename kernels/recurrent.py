@@ -39,6 +39,12 @@ CONV_ACTIVATIONS = (None, "silu")
 _INDEX_DTYPES = (torch.int32,)
 
 
+def _check_ranks(op: str, **tensors: tuple[Tensor, str]) -> None:
+    """``_check_rank`` of each ``name=(tensor, layout)``."""
+    for arg, (t, layout) in tensors.items():
+        _check_rank(op, arg, t, layout)
+
+
 def _check_varlen(op: str, state: Tensor, state_indices: Tensor, cu_seqlens_q: Tensor, has_initial_state: Tensor,
                   **floats: Tensor | None) -> None:
     """Shape and dtype checks of the arguments every recurrent op shares, and that ``floats`` (the
@@ -47,9 +53,8 @@ def _check_varlen(op: str, state: Tensor, state_indices: Tensor, cu_seqlens_q: T
     for arg, t in floats.items():
         if t is not None:
             _require(t.is_floating_point(), op, arg, "a floating-point tensor", str(t.dtype).removeprefix("torch."))
-    _check_rank(op, "cu_seqlens_q", cu_seqlens_q, "[B+1]")
-    _check_rank(op, "state_indices", state_indices, "[B]")
-    _check_rank(op, "has_initial_state", has_initial_state, "[B]")
+    _check_ranks(op, cu_seqlens_q=(cu_seqlens_q, "[B+1]"), state_indices=(state_indices, "[B]"),
+                 has_initial_state=(has_initial_state, "[B]"))
     _check_dtype(op, "cu_seqlens_q", cu_seqlens_q, _INDEX_DTYPES)
     _check_dtype(op, "state_indices", state_indices, _INDEX_DTYPES)
     _check_dtype(op, "has_initial_state", has_initial_state, (torch.bool,))
@@ -91,9 +96,8 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def _check_conv(x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, activation: str | None) -> None:
     op = "causal_conv1d_varlen"
-    _check_rank(op, "x", x, "[T, dim]")
-    _check_rank(op, "weight", weight, "[dim, width]")
-    _check_rank(op, "conv_state", conv_state, "[num_slots, dim, width - 1]")
+    _check_ranks(op, x=(x, "[T, dim]"), weight=(weight, "[dim, width]"),
+                 conv_state=(conv_state, "[num_slots, dim, width - 1]"))
     dim, width = weight.shape
     _require(x.shape[1] == dim, op, "x", f"dim={dim} columns like weight", x.shape[1])
     _require(width >= 2, op, "weight", "a kernel width >= 2", width)
@@ -165,12 +169,9 @@ def _(x, weight, bias, conv_state, state_indices, cu_seqlens_q, has_initial_stat
 
 def _check_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor) -> None:
     op = "gated_delta_rule_varlen"
-    _check_rank(op, "q", q, "[T, num_k_heads, k_head_dim]")
-    _check_rank(op, "k", k, "[T, num_k_heads, k_head_dim]")
-    _check_rank(op, "v", v, "[T, num_v_heads, v_head_dim]")
-    _check_rank(op, "g", g, "[T, num_v_heads]")
-    _check_rank(op, "beta", beta, "[T, num_v_heads]")
-    _check_rank(op, "ssm_state", ssm_state, "[num_slots, num_v_heads, k_head_dim, v_head_dim]")
+    _check_ranks(op, q=(q, "[T, num_k_heads, k_head_dim]"), k=(k, "[T, num_k_heads, k_head_dim]"),
+                 v=(v, "[T, num_v_heads, v_head_dim]"), g=(g, "[T, num_v_heads]"), beta=(beta, "[T, num_v_heads]"),
+                 ssm_state=(ssm_state, "[num_slots, num_v_heads, k_head_dim, v_head_dim]"))
     tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
     _require(tuple(k.shape) == tuple(q.shape), op, "k", f"shape {tuple(q.shape)} like q", f"shape {tuple(k.shape)}")
@@ -256,11 +257,8 @@ def _(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_stat
 def _check_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, dt_bias: Tensor | None,
                 ssm_state: Tensor) -> None:
     op = "selective_scan_varlen"
-    _check_rank(op, "x", x, "[T, num_heads, head_dim]")
-    _check_rank(op, "dt", dt, "[T, num_heads]")
-    _check_rank(op, "B", B, "[T, n_groups, d_state]")
-    _check_rank(op, "C", C, "[T, n_groups, d_state]")
-    _check_rank(op, "ssm_state", ssm_state, "[num_slots, num_heads, head_dim, d_state]")
+    _check_ranks(op, x=(x, "[T, num_heads, head_dim]"), dt=(dt, "[T, num_heads]"), B=(B, "[T, n_groups, d_state]"),
+                 C=(C, "[T, n_groups, d_state]"), ssm_state=(ssm_state, "[num_slots, num_heads, head_dim, d_state]"))
     tokens, heads, head_dim = x.shape
     groups, d_state = B.shape[1:]
     _require(tuple(dt.shape) == (tokens, heads), op, "dt", f"shape ({tokens}, {heads})", f"shape {tuple(dt.shape)}")

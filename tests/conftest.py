@@ -198,6 +198,12 @@ def snapshot(model):
     return copy.deepcopy(model)
 
 
+def greedy_alone(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from a snapshot of the unmodified ``model``, run alone."""
+    reference = snapshot(model)
+    return [hf_greedy(reference, p, max_new_tokens) for p in prompts]
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The unmodified model's greedy ``generate`` on ``prompt`` alone: the new tokens. The attention
     mask is given (all ones): otherwise ``generate`` masks every prompt token equal to the pad id."""

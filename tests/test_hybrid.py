@@ -15,7 +15,7 @@ from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
 
-from conftest import arrival_schedules, assert_each_as_alone, hf_greedy, random_prompts, snapshot
+from conftest import arrival_schedules, assert_each_as_alone, greedy_alone, random_prompts
 
 V, MAX_TOKENS = 258, 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -35,8 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def solo(model):
-    reference = snapshot(model)
-    return [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    return greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.detokenizer import IncrementalDetokenizer
 from pagedpack.runtime.engine import RequestRejected
 
-from conftest import arrival_schedules, assert_each_as_alone, hf_greedy, random_prompts, snapshot
+from conftest import arrival_schedules, assert_each_as_alone, greedy_alone, random_prompts
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -27,9 +27,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def solo(model):
-    """Each prompt's greedy tokens from the unmodified model, run alone."""
-    reference = snapshot(model)
-    return [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+    return greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
