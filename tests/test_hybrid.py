@@ -62,7 +62,7 @@ def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(llm, solo):
     assert llm.get_stats().num_preemptions > before
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**arrival_schedules(len(PROMPTS)))
 def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
     assert_each_as_alone(llm, PROMPTS, arrival, aborted, lambda i: GREEDY, solo)

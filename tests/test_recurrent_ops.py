@@ -78,7 +78,7 @@ def _garbage_state(shape, dtype=torch.float64):
     return torch.randn(shape, dtype=dtype) * 100  # a former occupant's: has_initial_state=False must not read it
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(batches())
 def test_causal_conv1d_in_chunks_equals_the_whole_sequence(batch):
     lengths, splits, slots = batch
@@ -95,7 +95,7 @@ def test_causal_conv1d_in_chunks_equals_the_whole_sequence(batch):
         torch.testing.assert_close(state[slot], tail)  # the last width - 1 inputs, zeros before the first
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(batches(), st.booleans())
 def test_gated_delta_rule_in_chunks_equals_transformers_chunked_form(batch, l2norm):
     lengths, splits, slots = batch
@@ -120,7 +120,7 @@ def test_gated_delta_rule_in_chunks_equals_transformers_chunked_form(batch, l2no
 
 
 @pytest.mark.parametrize("form", ["mamba2", "mamba"])
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(batch=batches(max_seqs=3, max_len=9))
 def test_selective_scan_in_chunks_equals_the_quadratic_form(form, batch):
     lengths, splits, slots = batch
