@@ -20,7 +20,10 @@ Common arguments (``B`` sequences, ``T`` packed tokens, ``S`` state slots):
 
 The state tensors are updated in place: after the call, slot ``state_indices[b]`` holds the state
 after sequence ``b``'s last token. The outputs come back in the input's dtype, the states in the
-state's dtype. On the CPU, fp32 and bf16 activations and states run the native kernels
+state's dtype. Arguments and metadata values are checked on every call, except inside the
+runner's step (:func:`pagedpack.kernels.validation.checked_step`: the KV manager made the
+metadata), where the native kernels check only what their memory safety needs (the slots and the
+offsets, always). On the CPU, fp32 and bf16 activations and states run the native kernels
 (``kernels/csrc/recurrent_cpu.cpp``, fp32 accumulation, in parallel over sequences and heads) when
 they build; otherwise the reference kernels here run, in fp32 (fp64 inputs stay fp64), one sequence
 at a time and token by token: they define the semantics the native ones are checked against.
@@ -34,6 +37,7 @@ from torch import Tensor
 from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.native import native_ops
 from pagedpack.kernels.ops import _check_dtype, _check_rank, _require
+from pagedpack.kernels.validation import arguments_checked
 
 CONV_ACTIVATIONS = (None, "silu")
 _INDEX_DTYPES = (torch.int32,)
@@ -132,12 +136,15 @@ def causal_conv1d_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     Raises:
         ValueError: a shape, dtype or metadata value that does not fit (naming the argument).
     """
-    _check_conv(x, weight, bias, conv_state, activation)
-    _check_varlen("causal_conv1d_varlen", conv_state, state_indices, cu_seqlens_q, has_initial_state, x=x,
-                  weight=weight, bias=bias, conv_state=conv_state)
-    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "causal_conv1d_varlen", x.shape[0],
-                           conv_state.shape[0])
+    checked = arguments_checked()
+    if not checked:
+        _check_conv(x, weight, bias, conv_state, activation)
+        _check_varlen("causal_conv1d_varlen", conv_state, state_indices, cu_seqlens_q, has_initial_state, x=x,
+                      weight=weight, bias=bias, conv_state=conv_state)
     native = _native(x, conv_state)
+    if native is None or not checked:
+        sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "causal_conv1d_varlen", x.shape[0],
+                               conv_state.shape[0])
     if native is not None:
         return native.causal_conv1d_varlen(x, weight, bias, conv_state, state_indices, cu_seqlens_q,
                                            has_initial_state, activation == "silu")
@@ -213,12 +220,15 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     Returns:
         ``[T, num_v_heads, v_head_dim]`` in ``v``'s dtype.
     """
-    _check_delta_rule(q, k, v, g, beta, ssm_state)
-    _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k, v=v,
-                  g=g, beta=beta, ssm_state=ssm_state)
-    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "gated_delta_rule_varlen", v.shape[0],
-                           ssm_state.shape[0])
+    checked = arguments_checked()
+    if not checked:
+        _check_delta_rule(q, k, v, g, beta, ssm_state)
+        _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k,
+                      v=v, g=g, beta=beta, ssm_state=ssm_state)
     native = _native(v, ssm_state) if q.dtype == k.dtype == v.dtype else None
+    if native is None or not checked:
+        sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "gated_delta_rule_varlen", v.shape[0],
+                               ssm_state.shape[0])
     if native is not None:
         return native.gated_delta_rule_varlen(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q,
                                               has_initial_state, scale, use_qk_l2norm_in_kernel)
@@ -301,12 +311,15 @@ def selective_scan_varlen(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor
     Returns:
         ``[T, num_heads, head_dim]`` in ``x``'s dtype.
     """
-    _check_scan(x, dt, A, B, C, D, dt_bias, ssm_state)
-    _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
-                  A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
-    sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "selective_scan_varlen", x.shape[0],
-                           ssm_state.shape[0])
+    checked = arguments_checked()
+    if not checked:
+        _check_scan(x, dt, A, B, C, D, dt_bias, ssm_state)
+        _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
+                      A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
     native = _native(x, ssm_state)
+    if native is None or not checked:
+        sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "selective_scan_varlen", x.shape[0],
+                               ssm_state.shape[0])
     if native is not None:
         return native.selective_scan_varlen(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, cu_seqlens_q,
                                             has_initial_state, dt_softplus, dt_min, dt_max)

@@ -277,3 +277,19 @@ def test_native_kernels_equal_the_fp64_reference(kind, act_dtype, state_dtype):
     assert out.dtype == act_dtype and ran[state_name].dtype == state_dtype
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(ran[state_name].double(), exact[state_name], atol=tol, rtol=tol)
+
+
+def test_inside_the_runner_s_step_the_native_kernels_still_check_slots_and_offsets():
+    """In :func:`checked_step` the Python checks are skipped (the KV manager made the metadata); the
+    native kernels keep the checks their memory safety needs."""
+    from pagedpack.kernels import native
+    from pagedpack.kernels.validation import checked_step
+
+    if native.native_ops() is None:
+        pytest.skip(f"no native kernels: {native.status()}")
+    args = _native_sample("conv")
+    with checked_step():
+        for change, message in (({"state_indices": torch.tensor([2, 0, 5, -1], dtype=torch.int32)}, "state_indices"),
+                                ({"cu_seqlens_q": torch.tensor([0, 1, 4, 8, 11], dtype=torch.int32)}, "cu_seqlens_q")):
+            with pytest.raises(ValueError, match=message):
+                recurrent.causal_conv1d_varlen(**dict(args, **change))

@@ -49,9 +49,21 @@ struct Varlen {
   int64_t num_seqs;
 };
 
-Varlen varlen(const at::Tensor& state_indices, const at::Tensor& cu_seqlens_q, const at::Tensor& has_initial_state) {
-  return {cu_seqlens_q.data_ptr<int32_t>(), state_indices.data_ptr<int32_t>(), has_initial_state.data_ptr<bool>(),
-          state_indices.size(0)};
+// The metadata's pointers, after the checks memory safety needs (always: O(B), no sync on the CPU):
+// offsets rising from 0 to num_tokens, slots in [-1, num_slots).
+Varlen varlen(const char* op, const at::Tensor& state_indices, const at::Tensor& cu_seqlens_q,
+              const at::Tensor& has_initial_state, int64_t num_tokens, int64_t num_slots) {
+  const Varlen v{cu_seqlens_q.data_ptr<int32_t>(), state_indices.data_ptr<int32_t>(),
+                 has_initial_state.data_ptr<bool>(), state_indices.size(0)};
+  TORCH_CHECK_VALUE(cu_seqlens_q.numel() == v.num_seqs + 1 && has_initial_state.numel() == v.num_seqs &&
+                        v.cu[0] == 0 && v.cu[v.num_seqs] == num_tokens,
+                    op, ": cu_seqlens_q: expected B+1 offsets from 0 to T=", num_tokens);
+  for (int64_t b = 0; b < v.num_seqs; ++b) {
+    TORCH_CHECK_VALUE(v.cu[b] <= v.cu[b + 1], op, ": cu_seqlens_q: expected non-decreasing offsets");
+    TORCH_CHECK_VALUE(v.slots[b] >= -1 && v.slots[b] < num_slots, op, ": state_indices: expected slots in [0, ",
+                      num_slots, ") or -1, got ", v.slots[b]);
+  }
+  return v;
 }
 
 // ---------------------------------------------------------------- causal depthwise conv1d
@@ -66,7 +78,8 @@ at::Tensor causal_conv1d_varlen_cpu(const at::Tensor& x_in, const at::Tensor& we
   const auto bias = bias_in.has_value() ? bias_in->to(at::kFloat).contiguous() : at::Tensor();
   auto out = at::empty_like(x);
   const int64_t dim = weight.size(0), width = weight.size(1);
-  const Varlen v = varlen(state_indices, cu_seqlens_q, has_initial_state);
+  const Varlen v = varlen("causal_conv1d_varlen", state_indices, cu_seqlens_q, has_initial_state, x.size(0),
+                         conv_state.size(0));
   dispatch("causal_conv1d_varlen", x.scalar_type(), conv_state.scalar_type(), [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
@@ -111,7 +124,8 @@ at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor&
   const auto g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
   auto out = at::empty_like(val);
   const int64_t hk = q.size(1), dk = q.size(2), hv = val.size(1), dv = val.size(2), group = hv / hk;
-  const Varlen v = varlen(state_indices, cu_seqlens_q, has_initial_state);
+  const Varlen v = varlen("gated_delta_rule_varlen", state_indices, cu_seqlens_q, has_initial_state, val.size(0),
+                         ssm_state.size(0));
   dispatch("gated_delta_rule_varlen", val.scalar_type(), ssm_state.scalar_type(), [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
@@ -191,7 +205,8 @@ at::Tensor selective_scan_varlen_cpu(const at::Tensor& x_in, const at::Tensor& d
   const auto D = D_in.has_value() ? D_in->to(at::kFloat).contiguous() : at::Tensor();
   const auto dt_bias = dt_bias_in.has_value() ? dt_bias_in->to(at::kFloat).contiguous() : at::Tensor();
   auto out = at::empty_like(x);
-  const Varlen v = varlen(state_indices, cu_seqlens_q, has_initial_state);
+  const Varlen v = varlen("selective_scan_varlen", state_indices, cu_seqlens_q, has_initial_state, x.size(0),
+                         ssm_state.size(0));
   const float lo_dt = static_cast<float>(dt_min), hi_dt = dt_max.has_value() ? static_cast<float>(*dt_max) : INFINITY;
   dispatch("selective_scan_varlen", x.scalar_type(), ssm_state.scalar_type(), [&](auto t, auto s) {
     using T = decltype(t);
