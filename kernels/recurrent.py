@@ -261,6 +261,36 @@ def _(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_stat
     return torch.empty_like(v)
 
 
+@torch.library.custom_op("pagedpack::chunk_gated_delta_rule", mutates_args=())
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                           use_qk_l2norm_in_kernel: bool = False) -> Tensor:
+    """The gated delta rule of ``B`` sequences of ``T`` tokens each, every one from a zero state, its
+    final state dropped: FLA's ``chunk_gated_delta_rule`` without ``initial_state`` and
+    ``cu_seqlens``, as a gated DeltaNet layer calls it on a prompt. It is the capture's single node for
+    the layer's scan (:mod:`pagedpack.models.seams`), which the ``recurrent_state`` pass rewrites to
+    :func:`gated_delta_rule_varlen`.
+
+    Args: ``q, k [B, T, num_k_heads, k_head_dim]``, ``v [B, T, num_v_heads, v_head_dim]``,
+    ``g, beta [B, T, num_v_heads]``, ``scale`` and ``use_qk_l2norm_in_kernel`` as
+    :func:`gated_delta_rule_varlen`'s. Returns ``[B, T, num_v_heads, v_head_dim]`` in ``v``'s dtype.
+    """
+    _check_ranks("chunk_gated_delta_rule", q=(q, "[B, T, num_k_heads, k_head_dim]"),
+                 v=(v, "[B, T, num_v_heads, v_head_dim]"))
+    batch, tokens = v.shape[:2]
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=v.device) * tokens
+    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=v.device)
+    scratch = v.new_zeros((1, v.shape[2], q.shape[3], v.shape[3]))  # read as zeros, never written (slot -1)
+    out = gated_delta_rule_varlen(*(t.flatten(0, 1) for t in (q, k, v, g, beta)), scratch, no_slots, cu_seqlens,
+                                  torch.zeros(batch, dtype=torch.bool, device=v.device), scale,
+                                  use_qk_l2norm_in_kernel)
+    return out.unflatten(0, (batch, tokens))
+
+
+@chunk_gated_delta_rule.register_fake
+def _(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel=False):
+    return torch.empty_like(v)
+
+
 # ---------------------------------------------------------------- selective scan (Mamba, Mamba2's SSD)
 
 

@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from pagedpack.models.config import mask_reach, position_limit, rope_type
 from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
+from pagedpack.models.seams import kernel_seams
 from pagedpack.step.contract import UnsupportedModelError
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
@@ -87,7 +88,7 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     position_ids = torch.arange(num_tokens, device=device)[None]
     dynamic = torch.export.Dim.DYNAMIC
     try:
-        with torch.no_grad():
+        with torch.no_grad(), kernel_seams(model):
             exported = torch.export.export(_LogitsOnly(model), (input_ids, position_ids),
                                            dynamic_shapes=({1: dynamic}, {1: dynamic}))
     except (GuardOnDataDependentSymNode, UserError) as err:

@@ -6,8 +6,9 @@ Nemotron-H, Falcon-H1, Granite-MoE-hybrid), linear / lightning attention and gat
 RWKV keep a per-sequence state that each step carries to the next. They are known by their class
 names in transformers' modeling code. pagedpack pages the state of the layers in
 :data:`PAGED_RECURRENT_CLASS` (a state slot per sequence, :mod:`pagedpack.passes.recurrent_state`):
-short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv. The others are
-refused by name.
+short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv, and gated
+DeltaNets (Qwen3-Next, Qwen3.5, OLMo-Hybrid: a causal conv and the gated delta rule, captured
+through transformers' kernel seam, :mod:`pagedpack.models.seams`). The others are refused by name.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|LinearAttention|LightningAttent
                              r"|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
 
 
-# the recurrent layers whose state pagedpack pages (the short conv's causal conv1d: passes/recurrent_state.py)
-PAGED_RECURRENT_CLASS = re.compile(r"ShortConv$")
+# the recurrent layers whose state pagedpack pages (passes/recurrent_state.py)
+PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet)$")
 
 
 def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = False) -> tuple[str, str] | None:
@@ -39,5 +40,5 @@ def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = Fals
 def recurrent_refusal(path: str, cls: str) -> str:
     """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
     return (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from step "
-            "to step: pagedpack pages attention KV and the state of short convolutions (LFM2) only; the other "
-            "hybrid and state-space models are not supported yet")
+            "to step: pagedpack pages attention KV and the state of short convolutions (LFM2) and gated DeltaNets "
+            "(Qwen3-Next, Qwen3.5, OLMo-Hybrid) only; the other hybrid and state-space models are not supported yet")

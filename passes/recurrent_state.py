@@ -1,27 +1,35 @@
-"""The ``recurrent_state`` pass: each causal conv1d of a layer whose state pagedpack pages
-(:data:`pagedpack.models.recurrent.PAGED_RECURRENT_CLASS`: LFM2's short conv) -> ``causal_conv1d_varlen``
-over the packed tokens, reading and writing its sequence's state slot.
+"""The ``recurrent_state`` pass: the sequence mixing of each layer whose state pagedpack pages
+(:data:`pagedpack.models.recurrent.PAGED_RECURRENT_CLASS`: LFM2's short conv, the gated DeltaNet of
+Qwen3-Next / Qwen3.5 / OLMo-Hybrid) over the packed tokens, each sequence reading and writing its
+state slot.
 
-Before (one sequence, batch 1; transformers' ``causal_conv1d_fn`` without a cache)::
+A causal conv1d (transformers' ``causal_conv1d_fn`` without a cache; batch 1)::
 
     y [1, dim, T] = conv1d(x [1, dim, T], weight [dim, 1, width], bias, padding=width - 1, groups=dim)[:, :, :T]
+    ->  causal_conv1d_varlen(x[0].T, weight[:, 0], bias, conv_state_i, state_indices, cu_seqlens_q,
+                             has_initial_state).T[None]
 
-After (a packed step)::
+A gated delta rule (the capture's seam, :mod:`pagedpack.models.seams`)::
 
-    y [1, dim, T] = causal_conv1d_varlen(x[0].T, weight[:, 0], bias, conv_state_i, state_indices,
-                                         cu_seqlens_q, has_initial_state).T[None]
+    o [1, T, Hv, Dv] = chunk_gated_delta_rule(q, k [1, T, Hk, Dk], v, g, beta, scale, l2norm)
+    ->  gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], ssm_state_i, state_indices, cu_seqlens_q,
+                                has_initial_state, scale, l2norm)[None]
 
-with ``state_indices``, ``has_initial_state`` and one ``conv_state_i [num_slots, dim, width - 1]``
-per site added as graph inputs after the KV caches (:mod:`pagedpack.step.contract`). A conv1d of
-such a layer in another form (strided, dilated, not depthwise, not cut to the sequence's own
-tokens) is refused naming its node and layer.
+with ``state_indices``, ``has_initial_state`` and one state input per site (``conv_state_i [num_slots,
+dim, width - 1]``, ``ssm_state_i [num_slots, Hv, Dk, Dv]``) added as graph inputs after the KV caches
+(:mod:`pagedpack.step.contract`). A site in another form (a strided, dilated or not depthwise conv,
+one not cut to the sequence's own tokens, a scan over more than one sequence), and a layer without
+the sites its class needs (a gated DeltaNet whose scan did not go through the seam), are refused
+naming the node or layer.
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch.fx import Node
 
-import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack.causal_conv1d_varlen)
+import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack's recurrent ops)
 from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
 from pagedpack.passes.find import token_sizes
 from pagedpack.passes.graph_edit import call_arg, set_fake_empty, set_fake_value
@@ -29,14 +37,20 @@ from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.step.contract import STATE_INPUTS, StateSpec, state_input_names, state_layers
 
 aten = torch.ops.aten
+CONV1D = aten.conv1d.default
+GATED_DELTA_RULE = torch.ops.pagedpack.chunk_gated_delta_rule.default
+
+# the sites each paged layer class holds (a class name's ending -> the site ops it needs)
+_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE}}
+_SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule"}
 
 
-def paged_layer(node: Node) -> str | None:
-    """The path of the innermost paged recurrent layer ``node`` was traced in, or None."""
+def paged_layer(node: Node) -> tuple[str, str] | None:
+    """``(path, class name)`` of the innermost paged recurrent layer ``node`` was traced in, or None."""
     for path, kind in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
         cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
         if PAGED_RECURRENT_CLASS.search(cls):
-            return path.removeprefix("model.")
+            return path.removeprefix("model."), cls
     return None
 
 
@@ -70,11 +84,43 @@ def _why_not_causal(conv: Node, sizes: set) -> str | None:
     return None
 
 
+def _why_not_one_sequence(scan: Node, sizes: set) -> str | None:
+    """None if the gated delta rule ``scan`` runs over one sequence of the step's tokens, else why not."""
+    values = [arg.meta.get("val") if isinstance(arg, Node) else None for arg in scan.args[:5]]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return "no recorded shapes of its inputs"
+    if any(v.shape[0] != 1 or not _is_token_count(v.shape[1], sizes) for v in values):
+        return f"inputs {[tuple(v.shape) for v in values]} are not [1, T, ...]"
+    return None
+
+
+def _state_spec(site: Node, layer: str) -> StateSpec:
+    if site.target is CONV1D:
+        weight = site.args[1].meta["val"]
+        return StateSpec("conv_state", (weight.shape[0], weight.shape[2] - 1), weight.dtype, layer)
+    q, v = site.args[0].meta["val"], site.args[2].meta["val"]
+    return StateSpec("ssm_state", (v.shape[2], q.shape[3], v.shape[3]), v.dtype, layer)
+
+
+def _missing_sites(graph: torch.fx.Graph, sites: list[tuple[Node, str]]) -> list[str]:
+    """The paged layers traced in ``graph`` without a site their class needs (their sequence mixing
+    went another way, which the rewrite would not see), one message each."""
+    layers = {found for n in graph.nodes if (found := paged_layer(n)) is not None}
+    held = {(layer, site.target) for site, layer in sites}
+    missing = []
+    for layer, cls in sorted(layers):
+        need = next((ops for end, ops in _LAYER_SITES.items() if cls.endswith(end)), set())
+        for op in sorted(need - {op for lay, op in held if lay == layer}, key=str):
+            missing.append(f"recurrent_state: {layer} ({cls}): no {_SITE_NAMES[op]} in the captured graph (its "
+                           "kernel was not captured through pagedpack's seam); its state cannot be paged")
+    return missing
+
+
 class PagedRecurrentState(Pass):
-    """``recurrent_state``: the module docstring's rewrite of every conv1d in a paged recurrent layer;
-    fills ``ctx.state_specs`` (one ``conv_state`` per site, in graph order) and ``ctx.inputs``.
-    Counts: matched = conv1d nodes of such layers, rewritten = all of them or refused = those in
-    another form (nothing is rewritten then)."""
+    """``recurrent_state``: the module docstring's rewrite of every site of a paged recurrent layer;
+    fills ``ctx.state_specs`` (one per site, in graph order) and ``ctx.inputs``. Counts: matched =
+    the sites, rewritten = all of them, or refused = those in another form plus the layers missing a
+    site (nothing is rewritten then)."""
 
     name = "recurrent_state"
     requires = ("inputs",)
@@ -82,50 +128,70 @@ class PagedRecurrentState(Pass):
 
     def __call__(self, ctx: PassContext) -> PassResult:
         graph = ctx.graph
-        sites = [(n, layer) for n in graph.nodes if n.op == "call_function" and n.target is aten.conv1d.default
-                 and (layer := paged_layer(n)) is not None]
-        if not sites:
+        sites = [(n, found[0]) for n in graph.nodes if n.op == "call_function" and n.target in _SITE_NAMES
+                 and (found := paged_layer(n)) is not None]
+        missing = _missing_sites(graph, sites)
+        if not sites and not missing:
             return PassResult()
         sizes = token_sizes(graph)
-        refused = [f"recurrent_state: {layer}: {conv.name} = conv1d: {why}" for conv, layer in sites
-                   if (why := _why_not_causal(conv, sizes)) is not None]
+        refused = missing + [f"recurrent_state: {layer}: {site.name} = {_SITE_NAMES[site.target]}: {why}"
+                             for site, layer in sites if (why := self._why_not(site, sizes)) is not None]
         if refused:
             ctx.report.notes.extend(refused)
             return PassResult(matched=len(sites), refused=len(refused))
-        specs = [StateSpec("conv_state", (w.shape[0], w.shape[2] - 1), w.dtype, layer)
-                 for conv, layer in sites for w in [conv.args[1].meta["val"]]]
+        specs = [_state_spec(site, layer) for site, layer in sites]
         last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        for name in (*STATE_INPUTS, *state_input_names(specs)):
+        names = state_input_names(specs)
+        for name in (*STATE_INPUTS, *names):
             with graph.inserting_after(last):
                 last = ctx.inputs[name] = graph.placeholder(name)
-        for index, (conv, _) in enumerate(sites):
-            self._rewrite(graph, conv, ctx.inputs, ctx.inputs[f"conv_state_{index}"])
+        for (site, _), name in zip(sites, names):
+            rewrite = self._rewrite_conv if site.target is CONV1D else self._rewrite_scan
+            rewrite(graph, site, ctx.inputs, ctx.inputs[name])
         ctx.state_specs = specs
         ctx.report.notes.append(
-            f"recurrent_state: {len(sites)} causal conv1d ({state_layers(specs)}) continue from a state slot per "
-            f"sequence ({sum(spec.bytes_per_slot for spec in specs):,} bytes a sequence); prefix caching is off for "
+            f"recurrent_state: {len(sites)} sites ({', '.join(f'{n} {k}' for k, n in Counter(spec.kind for spec in specs).items())}; "
+            f"{state_layers(specs)}) continue from a state slot per sequence "
+            f"({sum(spec.bytes_per_slot for spec in specs):,} bytes a sequence); prefix caching is off for "
             "this model (its state is not cached with the prefix's KV blocks)")
         return PassResult(matched=len(sites), rewritten=len(sites))
 
     @staticmethod
-    def _rewrite(graph: torch.fx.Graph, conv: Node, inputs: dict[str, Node], conv_state: Node) -> None:
+    def _why_not(site: Node, sizes: set) -> str | None:
+        return _why_not_causal(site, sizes) if site.target is CONV1D else _why_not_one_sequence(site, sizes)
+
+    @staticmethod
+    def _rewrite_conv(graph: torch.fx.Graph, conv: Node, inputs: dict[str, Node], conv_state: Node) -> None:
         cut = next(iter(conv.users))
-
-        def call(op, *args):
-            node = graph.call_function(op, args)
-            set_fake_value(node)
-            return node
-
         with graph.inserting_before(cut):
-            x = call(aten.transpose.int, call(aten.select.int, conv.args[0], 0, 0), 0, 1)  # [T, dim]
-            weight = call(aten.select.int, conv.args[1], 1, 0)  # [dim, width]
-            bias = call_arg(conv, 2, "bias", None)
+            x = _call(graph, aten.transpose.int, _call(graph, aten.select.int, conv.args[0], 0, 0), 0, 1)  # [T, dim]
+            weight = _call(graph, aten.select.int, conv.args[1], 1, 0)  # [dim, width]
             y = graph.call_function(torch.ops.pagedpack.causal_conv1d_varlen.default,
-                                    (x, weight, bias, conv_state, inputs["state_indices"], inputs["cu_seqlens_q"],
-                                     inputs["has_initial_state"]))
+                                    (x, weight, call_arg(conv, 2, "bias", None), conv_state, inputs["state_indices"],
+                                     inputs["cu_seqlens_q"], inputs["has_initial_state"]))
             if "val" in x.meta:
                 set_fake_empty(y, x, x.meta["val"].shape)
-            out = call(aten.unsqueeze.default, call(aten.transpose.int, y, 0, 1), 0)  # [1, dim, T]
+            out = _call(graph, aten.unsqueeze.default, _call(graph, aten.transpose.int, y, 0, 1), 0)  # [1, dim, T]
         cut.replace_all_uses_with(out)
         graph.erase_node(cut)
         graph.erase_node(conv)
+
+    @staticmethod
+    def _rewrite_scan(graph: torch.fx.Graph, scan: Node, inputs: dict[str, Node], ssm_state: Node) -> None:
+        q, k, v, g, beta, scale, *l2norm = scan.args
+        with graph.inserting_before(scan):
+            q, k, v, g, beta = (_call(graph, aten.select.int, t, 0, 0) for t in (q, k, v, g, beta))
+            o = graph.call_function(torch.ops.pagedpack.gated_delta_rule_varlen.default,
+                                    (q, k, v, g, beta, ssm_state, inputs["state_indices"], inputs["cu_seqlens_q"],
+                                     inputs["has_initial_state"], scale, *l2norm))
+            if "val" in v.meta:
+                set_fake_empty(o, v, v.meta["val"].shape)
+            out = _call(graph, aten.unsqueeze.default, o, 0)
+        scan.replace_all_uses_with(out)
+        graph.erase_node(scan)
+
+
+def _call(graph: torch.fx.Graph, op, *args) -> Node:
+    node = graph.call_function(op, args)
+    set_fake_value(node)
+    return node

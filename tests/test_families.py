@@ -23,6 +23,9 @@ _BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
 WINDOW = 24  # smaller than most prompts, not a multiple of the block size
 BOTH, EAGER = ("sdpa", "eager"), ("eager",)
+# gated DeltaNet sizes: 2 key heads serving 4 value heads, as Qwen3-Next's grouping
+_GDN = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
 
 # family: (config class, config, attention implementations transformers offers, what the report shows)
 SERVED = {
@@ -49,6 +52,10 @@ SERVED = {
     "qwen3": (T.Qwen3Config, dict(_BASE, head_dim=16), BOTH, []),
     # a short conv (its causal conv1d's state paged, a slot per sequence) and an attention layer
     "lfm2": (T.Lfm2Config, dict(_BASE, layer_types=["conv", "full_attention"]), BOTH, []),
+    # gated DeltaNet layers (a causal conv1d and the gated delta rule, both states paged) and an attention layer
+    "qwen3_next": (T.Qwen3NextConfig, dict(_BASE, head_dim=16, **_GDN, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=32), BOTH, []),
+    "qwen3_5_text": (T.Qwen3_5TextConfig, dict(_BASE, head_dim=16, **_GDN), BOTH, []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
     # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts

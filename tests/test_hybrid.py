@@ -1,5 +1,6 @@
-"""A hybrid of attention and layers with a recurrent state (LFM2: short convolutions) through the
-pass and the engine: its causal conv1d continues from a state slot per sequence. References: the
+"""Hybrids of attention and layers with a recurrent state (LFM2's short convolutions, Qwen3.5's gated
+DeltaNet) through the pass and the engine: each causal conv1d and gated delta rule continues from a
+state slot per sequence. References: the
 unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
 12-prompt batch with chunked prefill under both attention implementations)."""
 import types
@@ -38,10 +39,32 @@ def solo(model):
     return greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def llm(model):
+def _small_llm(model) -> LLM:
     # a small step budget (chunked prefill) and a small pool (preemption) make arrivals interleave
     return LLM(model, num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return _small_llm(model)
+
+
+@pytest.fixture(scope="module")
+def short_conv(llm, solo):
+    return llm, solo
+
+
+@pytest.fixture(scope="module")
+def deltanet():
+    """``(llm, solo)`` of a Qwen3.5 text model: gated DeltaNet layers (2 key heads, 4 value heads) and attention."""
+    config = T.Qwen3_5TextConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+                                 layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_config(config).eval()
+    return _small_llm(model), greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
 def test_the_report_names_the_state_and_prefix_caching_is_off(llm):
@@ -52,8 +75,10 @@ def test_the_report_names_the_state_and_prefix_caching_is_off(llm):
     assert not kv.enable_prefix_caching and kv.num_state_slots == 4
 
 
-def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(llm, solo):
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet"])
+def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, request):
     """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""
+    llm, solo = request.getfixturevalue(hybrid)
     before = llm.get_stats().num_preemptions
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0.0, n=2,
                         max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -93,11 +118,22 @@ class ShortConv(torch.nn.Module):
         return self.conv(x.transpose(1, 2)).transpose(1, 2)
 
 
-class _Hybrid(torch.nn.Module):
+class GatedDeltaNet(torch.nn.Module):
+    """A causal conv, then a recurrence in plain ops (a cumulative sum), not through transformers' seam."""
+
     def __init__(self):
         super().__init__()
+        self.conv = torch.nn.Conv1d(16, 16, 3, groups=16, padding=2)
+
+    def forward(self, x):
+        return self.conv(x.transpose(1, 2))[:, :, :x.shape[1]].transpose(1, 2).cumsum(1)
+
+
+class _Hybrid(torch.nn.Module):
+    def __init__(self, mix: torch.nn.Module):
+        super().__init__()
         torch.manual_seed(0)
-        self.embed, self.mix, self.head = torch.nn.Embedding(32, 16), ShortConv(), torch.nn.Linear(16, 32)
+        self.embed, self.mix, self.head = torch.nn.Embedding(32, 16), mix, torch.nn.Linear(16, 32)
         self.qkv = torch.nn.Linear(16, 48)
 
     def forward(self, input_ids, position_ids, use_cache=False):
@@ -107,11 +143,14 @@ class _Hybrid(torch.nn.Module):
         return types.SimpleNamespace(logits=self.head(hidden.transpose(1, 2).reshape(1, -1, 16)))
 
 
-def test_a_conv_of_another_form_is_refused_naming_its_node():
-    result = rewrite(capture(_Hybrid()))
+@pytest.mark.parametrize("mix, message", [
+    (ShortConv, "recurrent_state: mix: conv1d = conv1d: padding [1] is not width - 1 = 2 (not causal)"),
+    (GatedDeltaNet, "recurrent_state: mix (GatedDeltaNet): no chunk_gated_delta_rule in the captured graph"),
+])
+def test_a_recurrent_layer_of_another_form_is_refused_naming_its_node_or_layer(mix, message):
+    result = rewrite(capture(_Hybrid(mix())))
     assert not result.ok and result.report.stopped_at == "recurrent_state"
-    assert any("recurrent_state: mix: conv1d = conv1d: padding [1] is not width - 1 = 2 (not causal)" in n
-               for n in result.report.notes), result.report.notes
+    assert any(message in n for n in result.report.notes), result.report.notes
 
 
 def _request(name: str, tokens: int = 5) -> Request:

@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 import pagedpack  # noqa: F401  (registers the ops)
 from pagedpack.kernels import recurrent
+from pagedpack.models.seams import kernel_seams
 
 DIM, WIDTH = 6, 4
 K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 8, 5
@@ -119,6 +122,25 @@ def test_gated_delta_rule_in_chunks_equals_transformers_chunked_form(batch, l2no
         torch.testing.assert_close(state[slot], final[0].to(state.dtype), atol=1e-5, rtol=1e-5)
 
 
+def test_the_capture_seam_is_transformers_chunked_form_on_a_batch():
+    """The seam (models/seams.py) answers transformers' ``torch_chunk_gated_delta_rule`` called as a
+    prompt calls it (no initial state, no final state) with pagedpack's op; other calls go through."""
+    args = _chunk_delta_rule_args()
+    inputs = [args[name].double() for name in ("q", "k", "v", "g", "beta")]
+    expected, _ = torch_chunk_gated_delta_rule(*inputs, chunk_size=2, use_qk_l2norm_in_kernel=True)
+    config = Qwen3NextConfig(hidden_size=16, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=4,
+                             linear_value_head_dim=4, layer_types=["linear_attention"], num_hidden_layers=1)
+    with kernel_seams(qwen3_next.Qwen3NextGatedDeltaNet(config, 0)):
+        seam = qwen3_next.torch_chunk_gated_delta_rule
+        assert seam is not torch_chunk_gated_delta_rule
+        got, final = seam(*inputs, use_qk_l2norm_in_kernel=True)
+        assert final is None
+        _, final = seam(*inputs, output_final_state=True)  # not the seam's form: transformers' own function
+        assert final is not None
+    assert qwen3_next.torch_chunk_gated_delta_rule is torch_chunk_gated_delta_rule
+    torch.testing.assert_close(got, expected.to(got.dtype))
+
+
 @pytest.mark.parametrize("form", ["mamba2", "mamba"])
 @settings(max_examples=6, deadline=None)
 @given(batch=batches(max_seqs=3, max_len=9))
@@ -191,8 +213,14 @@ def _scan_args():
                 dt_softplus=True)
 
 
+def _chunk_delta_rule_args():
+    return dict(q=torch.randn(2, 3, K_HEADS, K_DIM), k=torch.randn(2, 3, K_HEADS, K_DIM),
+                v=torch.randn(2, 3, V_HEADS, V_DIM), g=-torch.rand(2, 3, V_HEADS), beta=torch.rand(2, 3, V_HEADS),
+                scale=0.3, use_qk_l2norm_in_kernel=True)
+
+
 OPS = {"causal_conv1d_varlen": _conv_args, "gated_delta_rule_varlen": _delta_rule_args,
-       "selective_scan_varlen": _scan_args}
+       "selective_scan_varlen": _scan_args, "chunk_gated_delta_rule": _chunk_delta_rule_args}
 
 
 @pytest.mark.parametrize("name", OPS)
