@@ -380,3 +380,36 @@ def _(x, dt, A, B, C, D, dt_bias, ssm_state, state_indices, cu_seqlens_q, has_in
     _check_varlen("selective_scan_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, x=x, dt=dt,
                   A=A, B=B, C=C, D=D, dt_bias=dt_bias, ssm_state=ssm_state)
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("pagedpack::chunk_selective_scan", mutates_args=())
+def chunk_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+                         dt_bias: Tensor | None, dt_softplus: bool = False, dt_min: float = 0.0,
+                         dt_max: float | None = None) -> Tensor:
+    """The selective scan of ``batch`` sequences of ``T`` tokens each, every one from a zero state, its
+    final state dropped (mamba_ssm's ``mamba_chunk_scan_combined`` / ``selective_scan_fn`` on a
+    prompt): the capture's single node for a Mamba or Mamba2 layer's scan
+    (:mod:`pagedpack.models.seams`), which the ``recurrent_state`` pass rewrites to
+    :func:`selective_scan_varlen`.
+
+    Args: ``x [batch, T, num_heads, head_dim]``, ``dt [batch, T, num_heads]``,
+    ``B, C [batch, T, n_groups, d_state]``, the rest as :func:`selective_scan_varlen`'s. Returns
+    ``[batch, T, num_heads, head_dim]`` in ``x``'s dtype.
+    """
+    _check_ranks("chunk_selective_scan", x=(x, "[batch, T, num_heads, head_dim]"),
+                 B=(B, "[batch, T, n_groups, d_state]"))
+    batch, tokens, heads, head_dim = x.shape
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * tokens
+    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=x.device)
+    scratch = x.new_zeros((1, heads, head_dim, B.shape[3]))  # read as zeros, never written (slot -1)
+    out = selective_scan_varlen(*(t.flatten(0, 1) for t in (x, dt)), A, *(t.flatten(0, 1) for t in (B, C)), D,
+                                dt_bias, scratch, no_slots, cu_seqlens, torch.zeros(batch, dtype=torch.bool,
+                                                                                    device=x.device),
+                                dt_softplus, dt_min, dt_max)
+    return out.unflatten(0, (batch, tokens))
+
+
+@chunk_selective_scan.register_fake
+def _(x, dt, A, B, C, D, dt_bias, dt_softplus=False, dt_min=0.0, dt_max=None):
+    return torch.empty_like(x)
+

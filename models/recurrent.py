@@ -20,7 +20,7 @@ RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|LinearAttention|LightningAttent
 
 
 # the recurrent layers whose state pagedpack pages (passes/recurrent_state.py)
-PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet)$")
+PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet|Mixer|MambaLayer)$")
 
 
 def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = False) -> tuple[str, str] | None:
@@ -42,3 +42,13 @@ def recurrent_refusal(path: str, cls: str) -> str:
     return (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from step "
             "to step: pagedpack pages attention KV and the state of short convolutions (LFM2) and gated DeltaNets "
             "(Qwen3-Next, Qwen3.5, OLMo-Hybrid) only; the other hybrid and state-space models are not supported yet")
+
+
+def paged_layer(node) -> tuple[str, str] | None:
+    """``(path, class name)`` of the innermost paged recurrent layer an FX ``node`` was traced in (its
+    ``nn_module_stack``), or None."""
+    for path, kind in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
+        if PAGED_RECURRENT_CLASS.search(cls):
+            return path.removeprefix("model."), cls
+    return None

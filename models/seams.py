@@ -11,14 +11,16 @@ causal conv1d needs no seam: its fallback (``conv1d(padding=width - 1)[..., :T]`
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
-import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack.chunk_gated_delta_rule)
+import pagedpack.kernels.recurrent  # noqa: F401  (registers the seams' ops)
 from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
 
 
@@ -39,8 +41,48 @@ def _gated_delta_rule_seam(original: Callable) -> Callable:
     return seam
 
 
+def _dt_limit(low: float, high: float) -> tuple[float, float | None]:
+    return float(low), (None if math.isinf(high) else float(high))
+
+
+def _ssd_seam(original: Callable) -> Callable:
+    """transformers' ``mamba2_chunk_scan(hidden_states [B, T, H, P], dt [B, T, H], A [H], B, C [B, T,
+    G, N], chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False, dt_limit=(0, inf),
+    return_final_states=False, **kwargs)`` (Mamba2's SSD) -> ``[B, T, H, P]`` in fp32, as it computes."""
+
+    def seam(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        if initial_states is not None or return_final_states or kwargs.get("z") is not None:
+            return original(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, initial_states, dt_softplus,
+                            dt_limit, return_final_states, **kwargs)
+        return torch.ops.pagedpack.chunk_selective_scan(hidden_states.float(), dt, A, B, C, D, dt_bias, dt_softplus,
+                                                        *_dt_limit(*dt_limit))
+
+    return seam
+
+
+def _selective_scan_seam(original: Callable) -> Callable:
+    """transformers' ``mamba_selective_scan(hidden_states [B, D, T], dt [B, D, T], A [D, N], B, C [B, N,
+    T], D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False, **kwargs)``
+    (Mamba's, mamba_ssm's ``selective_scan_fn`` layout) -> ``[B, D, T]``, times ``silu(z)`` if given."""
+
+    def seam(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+             return_last_state=False, **kwargs):
+        if return_last_state:
+            return original(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, **kwargs)
+        out = torch.ops.pagedpack.chunk_selective_scan(
+            hidden_states.transpose(1, 2)[..., None], dt.transpose(1, 2), A, B.transpose(1, 2)[:, :, None],
+            C.transpose(1, 2)[:, :, None], D, delta_bias, delta_softplus)
+        out = out[..., 0].transpose(1, 2)
+        return out if z is None else out * F.silu(z)
+
+    return seam
+
+
 # the modeling modules' function names and their seams
-_SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_rule": _gated_delta_rule_seam}
+_SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_rule": _gated_delta_rule_seam,
+                                                     "mamba2_chunk_scan": _ssd_seam,
+                                                     "mamba_selective_scan": _selective_scan_seam}
 _PATCHING = threading.Lock()  # one capture at a time patches (a second would restore the first's seam)
 
 

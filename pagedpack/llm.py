@@ -19,7 +19,7 @@ from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
 from pagedpack.runtime.tensor_parallel import TensorParallelRanks
-from pagedpack.step.contract import bytes_per_token
+from pagedpack.step.contract import bytes_per_token, state_bytes_per_seq
 
 
 class LLM:
@@ -133,17 +133,17 @@ class LLM:
         (None: as this LLM was built), with the model and the rewritten graph. ``kv_cache_dtype``
         (a name as ``EngineArgs.kv_cache_dtype``; None: this LLM's) sizes the KV cache in that dtype.
         ``ValueError`` for an LLM served from a file (no graph to plan from)."""
-        peak = self._builder.activation_peak()  # ValueError for a file
-        args = self.engine_args
+        peak, args = self._builder.activation_peak(), self.engine_args  # ValueError for a file
         keep = args.keep_source_model if keep_source_model is None else keep_source_model
         if not isinstance(keep, bool):
             raise ValueError(f"keep_source_model: expected a bool or None, got {keep_source_model!r}")
         per_token = self.bytes_per_token if kv_cache_dtype is None else bytes_per_token(
             self._builder.kv_cache_specs(kv_cache_dtype))
-        return plan_memory(peak, bytes_per_token=per_token,
-                           memory=parse_bytes("memory", memory), block_size=self.block_size,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                           max_model_len=self.max_model_len, weight_bytes=self._builder.weight_bytes(keep))
+        return plan_memory(peak, bytes_per_token=per_token, memory=parse_bytes("memory", memory),
+                           block_size=self.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                           weight_bytes=self._builder.weight_bytes(keep),
+                           state_bytes_per_seq=state_bytes_per_seq(self.program))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, stream: bool = False):

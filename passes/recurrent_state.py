@@ -25,12 +25,13 @@ naming the node or layer.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
 import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack's recurrent ops)
-from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
+from pagedpack.models.recurrent import paged_layer
 from pagedpack.passes.find import token_sizes
 from pagedpack.passes.graph_edit import call_arg, set_fake_empty, set_fake_value
 from pagedpack.passes.manager import Pass, PassContext, PassResult
@@ -39,19 +40,28 @@ from pagedpack.step.contract import STATE_INPUTS, StateSpec, state_input_names, 
 aten = torch.ops.aten
 CONV1D = aten.conv1d.default
 GATED_DELTA_RULE = torch.ops.pagedpack.chunk_gated_delta_rule.default
+SELECTIVE_SCAN = torch.ops.pagedpack.chunk_selective_scan.default
 
 # the sites each paged layer class holds (a class name's ending -> the site ops it needs)
-_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE}}
-_SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule"}
+_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE}, "Mixer": {CONV1D, SELECTIVE_SCAN},
+                "MambaLayer": {CONV1D, SELECTIVE_SCAN}}
+_SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule", SELECTIVE_SCAN: "chunk_selective_scan"}
 
 
-def paged_layer(node: Node) -> tuple[str, str] | None:
-    """``(path, class name)`` of the innermost paged recurrent layer ``node`` was traced in, or None."""
-    for path, kind in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
-        cls = kind.__name__ if isinstance(kind, type) else str(kind).rsplit(".", 1)[-1]
-        if PAGED_RECURRENT_CLASS.search(cls):
-            return path.removeprefix("model."), cls
-    return None
+@dataclass(frozen=True)
+class _Scan:
+    """A scan seam's rewrite: its varlen op, which of its arguments are ``[1, T, ...]`` token tensors,
+    how many come before the state and metadata the varlen op inserts, and where its output's
+    ``[1, T, ...]`` shape is read (the argument whose shape and dtype it has)."""
+
+    varlen: torch._ops.OpOverload
+    token_args: tuple[int, ...]
+    num_data_args: int
+    like: int
+
+
+_SCANS = {GATED_DELTA_RULE: _Scan(torch.ops.pagedpack.gated_delta_rule_varlen.default, (0, 1, 2, 3, 4), 5, 2),
+          SELECTIVE_SCAN: _Scan(torch.ops.pagedpack.selective_scan_varlen.default, (0, 1, 3, 4), 7, 0)}
 
 
 def _is_token_count(value, sizes: set) -> bool:
@@ -85,8 +95,9 @@ def _why_not_causal(conv: Node, sizes: set) -> str | None:
 
 
 def _why_not_one_sequence(scan: Node, sizes: set) -> str | None:
-    """None if the gated delta rule ``scan`` runs over one sequence of the step's tokens, else why not."""
-    values = [arg.meta.get("val") if isinstance(arg, Node) else None for arg in scan.args[:5]]
+    """None if the scan seam ``scan`` runs over one sequence of the step's tokens, else why not."""
+    values = [arg.meta.get("val") if isinstance(arg, Node) else None
+              for arg in (scan.args[i] for i in _SCANS[scan.target].token_args)]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "no recorded shapes of its inputs"
     if any(v.shape[0] != 1 or not _is_token_count(v.shape[1], sizes) for v in values):
@@ -98,8 +109,11 @@ def _state_spec(site: Node, layer: str) -> StateSpec:
     if site.target is CONV1D:
         weight = site.args[1].meta["val"]
         return StateSpec("conv_state", (weight.shape[0], weight.shape[2] - 1), weight.dtype, layer)
-    q, v = site.args[0].meta["val"], site.args[2].meta["val"]
-    return StateSpec("ssm_state", (v.shape[2], q.shape[3], v.shape[3]), v.dtype, layer)
+    if site.target is GATED_DELTA_RULE:  # [Hv, Dk, Dv]
+        q, v = site.args[0].meta["val"], site.args[2].meta["val"]
+        return StateSpec("ssm_state", (v.shape[2], q.shape[3], v.shape[3]), v.dtype, layer)
+    x, b = site.args[0].meta["val"], site.args[3].meta["val"]  # selective scan: [H, P, N]
+    return StateSpec("ssm_state", (x.shape[2], x.shape[3], b.shape[3]), x.dtype, layer)
 
 
 def _missing_sites(graph: torch.fx.Graph, sites: list[tuple[Node, str]]) -> list[str]:
@@ -149,8 +163,9 @@ class PagedRecurrentState(Pass):
             rewrite = self._rewrite_conv if site.target is CONV1D else self._rewrite_scan
             rewrite(graph, site, ctx.inputs, ctx.inputs[name])
         ctx.state_specs = specs
+        kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(spec.kind for spec in specs).items())
         ctx.report.notes.append(
-            f"recurrent_state: {len(sites)} sites ({', '.join(f'{n} {k}' for k, n in Counter(spec.kind for spec in specs).items())}; "
+            f"recurrent_state: {len(sites)} sites ({kinds}; "
             f"{state_layers(specs)}) continue from a state slot per sequence "
             f"({sum(spec.bytes_per_slot for spec in specs):,} bytes a sequence); prefix caching is off for "
             "this model (its state is not cached with the prefix's KV blocks)")
@@ -178,14 +193,16 @@ class PagedRecurrentState(Pass):
 
     @staticmethod
     def _rewrite_scan(graph: torch.fx.Graph, scan: Node, inputs: dict[str, Node], ssm_state: Node) -> None:
-        q, k, v, g, beta, scale, *l2norm = scan.args
+        form = _SCANS[scan.target]
         with graph.inserting_before(scan):
-            q, k, v, g, beta = (_call(graph, aten.select.int, t, 0, 0) for t in (q, k, v, g, beta))
-            o = graph.call_function(torch.ops.pagedpack.gated_delta_rule_varlen.default,
-                                    (q, k, v, g, beta, ssm_state, inputs["state_indices"], inputs["cu_seqlens_q"],
-                                     inputs["has_initial_state"], scale, *l2norm))
-            if "val" in v.meta:
-                set_fake_empty(o, v, v.meta["val"].shape)
+            data = [_call(graph, aten.select.int, arg, 0, 0) if i in form.token_args else arg
+                    for i, arg in enumerate(scan.args[:form.num_data_args])]
+            o = graph.call_function(form.varlen, (*data, ssm_state, inputs["state_indices"], inputs["cu_seqlens_q"],
+                                                  inputs["has_initial_state"], *scan.args[form.num_data_args:]),
+                                    dict(scan.kwargs))
+            like = data[form.like]
+            if "val" in like.meta:
+                set_fake_empty(o, like, like.meta["val"].shape)
             out = _call(graph, aten.unsqueeze.default, o, 0)
         scan.replace_all_uses_with(out)
         graph.erase_node(scan)

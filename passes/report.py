@@ -105,8 +105,11 @@ class PassReport:
 
     @property
     def ok(self) -> bool:
-        """Every site found was rewritten (and at least one was found)."""
-        return bool(self.sites) and all(s.rewritten for s in self.sites)
+        """The pipeline ran to its end, and every attention site found was rewritten (at least one was
+        found, or the model is a state-space model whose recurrent layers the ``recurrent_state`` pass
+        rewrote)."""
+        recurrent = any(p.name == "recurrent_state" and p.rewritten for p in self.passes)
+        return self.stopped_at is None and bool(self.sites or recurrent) and all(s.rewritten for s in self.sites)
 
     def stop(self, pass_name: str) -> None:
         """The pipeline stopped at ``pass_name`` and the graph is as captured: nothing is rewritten or added."""

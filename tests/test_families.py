@@ -2,7 +2,9 @@
 the unmodified model's ``generate`` run one prompt at a time, on 12 prompts of lengths 1 to 300
 batched together (block 16, a 96-token step budget, so long prompts are chunked and sliding
 windows cross block boundaries); families the pass cannot serve exactly are refused with a reason.
-Each family runs under every ``attn_implementation`` transformers offers it (``sdpa``, ``eager``)."""
+Each family runs under every ``attn_implementation`` transformers offers it (``sdpa``, ``eager``),
+except the state-space models and Mamba hybrids (:data:`STATE_SPACE`: eager only, their attention
+layers are those of families served under both)."""
 import json
 import subprocess
 import sys
@@ -26,6 +28,10 @@ BOTH, EAGER = ("sdpa", "eager"), ("eager",)
 # gated DeltaNet sizes: 2 key heads serving 4 value heads, as Qwen3-Next's grouping
 _GDN = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+# Mamba2 mixer sizes: 8 heads of 16 in 2 groups, a state of 8, chunks of 16 (prompts span several)
+_SSD = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16)
+_SSM_BASE = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, initializer_range=0.1)
 
 # family: (config class, config, attention implementations transformers offers, what the report shows)
 SERVED = {
@@ -91,15 +97,34 @@ REFUSED = {
     "falcon-alibi": (T.FalconConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           new_decoder_architecture=False, multi_query=True, alibi=True), BOTH,
                      "score bias is not ALiBi .* at T=261"),
-    # hybrids of attention and layers with a recurrent state (their packed sample run used to raise)
-    "bamba": (T.BambaConfig, dict(_BASE, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
-                                  mamba_chunk_size=16), ("sdpa",), _RECURRENT),
+    # lightning attention and an attention layer (their packed sample run used to raise)
     "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=2, num_experts_per_tok=1, block_size=16,
                                       layer_types=["linear_attention", "full_attention"]), ("sdpa",), _RECURRENT),
     # a per-head sink as sigmoid(logsumexp(scores) - sink) times the output: the scores have a second
     # reader, which the rewrite used to leave reading the packed step (an IndexError in its check)
     "granite_swa": (T.GraniteSWAConfig, dict(_BASE, layer_types=["full_attention", "sliding_attention"],
                                              sliding_window=8), ("eager",), "also read outside the softmax"),
+}
+
+
+# state-space models and Mamba hybrids: a causal conv1d and a selective scan (Mamba) or SSD (Mamba2) per mixer, both
+# states paged; their attention layers (if any) are those of families above, so they run eager only
+STATE_SPACE = {
+    "mamba": (T.MambaConfig, dict(_SSM_BASE, state_size=8, expand=2, conv_kernel=4)),
+    "falcon_mamba": (T.FalconMambaConfig, dict(_SSM_BASE, state_size=8, expand=2, conv_kernel=4)),
+    "mamba2": (T.Mamba2Config, dict(_SSM_BASE, num_heads=8, head_dim=16, n_groups=2, state_size=8, expand=2,
+                                    conv_kernel=4, chunk_size=16)),
+    "bamba": (T.BambaConfig, dict(_BASE, **_SSD, attn_layer_indices=[1])),
+    "granitemoehybrid": (T.GraniteMoeHybridConfig, dict(_BASE, **_SSD, layer_types=["mamba", "attention"])),
+    "falcon_h1": (T.FalconH1Config, dict(_BASE, **_SSD, mamba_d_ssm=128)),
+    "zamba2": (T.Zamba2Config, dict(_BASE, layers_block_type=["linear_attention", "hybrid"], mamba_d_state=8,
+                                    mamba_ngroups=2, n_mamba_heads=8, mamba_headdim=16, attention_head_dim=16)),
+    "nemotron_h": (T.NemotronHConfig, dict(_BASE, num_hidden_layers=4, ssm_state_size=8, mamba_num_heads=8,
+                                           mamba_head_dim=16, n_groups=2, n_routed_experts=4, moe_intermediate_size=32,
+                                           moe_shared_expert_intermediate_size=32,
+                                           layers_block_type=["linear_attention", "moe", "full_attention", "mlp"])),
+    "jamba": (T.JambaConfig, dict(_BASE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                  num_experts=2, mamba_d_state=8)),
 }
 
 
@@ -113,11 +138,19 @@ def family_model(table, family, attn):
 
 @pytest.mark.parametrize("family, attn", [(f, a) for f, entry in SERVED.items() for a in entry[2]])
 def test_family_is_served_token_for_token(family, attn):
-    model = family_model(SERVED, family, attn)
+    _assert_served_token_for_token(family_model(SERVED, family, attn), SERVED[family][3])
+
+
+@pytest.mark.parametrize("family", STATE_SPACE)
+def test_state_space_family_is_served_token_for_token(family):
+    _assert_served_token_for_token(family_model(STATE_SPACE, family, "eager"), [])
+
+
+def _assert_served_token_for_token(model, site_params: list[str]) -> None:
     reference = snapshot(model)
     llm = LLM(model, block_size=16, num_blocks=512, max_num_batched_tokens=96)
     params = [s.params for s in llm.report.sites]
-    assert params == (SERVED[family][3] or [""] * len(params)), llm.report.format()
+    assert params == (site_params or [""] * len(params)), llm.report.format()
     prompts = random_prompts(MIXED_PROMPT_LENS, seed=1, vocab=V)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):

@@ -1,6 +1,6 @@
 """Hybrids of attention and layers with a recurrent state (LFM2's short convolutions, Qwen3.5's gated
-DeltaNet) through the pass and the engine: each causal conv1d and gated delta rule continues from a
-state slot per sequence. References: the
+DeltaNet, Bamba's Mamba2 mixers) through the pass and the engine: each causal conv1d, gated delta rule
+and selective scan continues from a state slot per sequence. References: the
 unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
 12-prompt batch with chunked prefill under both attention implementations)."""
 import types
@@ -54,28 +54,43 @@ def short_conv(llm, solo):
     return llm, solo
 
 
-@pytest.fixture(scope="module")
-def deltanet():
-    """``(llm, solo)`` of a Qwen3.5 text model: gated DeltaNet layers (2 key heads, 4 value heads) and attention."""
-    config = T.Qwen3_5TextConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
-                                 layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-                                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+def _built(config) -> tuple[LLM, list[list[int]]]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = T.AutoModelForCausalLM.from_config(config).eval()
     return _small_llm(model), greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
-def test_the_report_names_the_state_and_prefix_caching_is_off(llm):
+@pytest.fixture(scope="module")
+def deltanet():
+    """``(llm, solo)`` of a Qwen3.5 text model: gated DeltaNet layers (2 key heads, 4 value heads) and attention."""
+    return _built(T.Qwen3_5TextConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16))
+
+
+@pytest.fixture(scope="module")
+def ssd():
+    """``(llm, solo)`` of a Bamba model: Mamba2 mixers (8 heads in 2 groups, SSD chunks of 16) and attention."""
+    return _built(T.BambaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.1, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16))
+
+
+def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
     notes = [n for n in llm.report.notes if n.startswith("recurrent_state:")]
     assert notes and "model.layers.0.conv, model.layers.2.conv" in notes[0] and "1,024 bytes a sequence" in notes[0]
     assert [spec.shape for spec in llm.program.state_specs] == [(64, 2), (64, 2)]
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert not kv.enable_prefix_caching and kv.num_state_slots == 4
+    assert dict(llm.plan_memory("64MiB").rows())["recurrent state"].startswith(
+        "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
 
 
-@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet"])
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd"])
 def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, request):
     """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""
     llm, solo = request.getfixturevalue(hybrid)

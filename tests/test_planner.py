@@ -8,9 +8,15 @@ import sympy
 import torch
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.compiler.planner import DEFAULT_KV_CACHE_LIMIT, DEFAULT_KV_CACHE_MEMORY, pool_notice, pool_num_blocks
+from pagedpack.compiler.planner import (
+    DEFAULT_KV_CACHE_LIMIT,
+    DEFAULT_KV_CACHE_MEMORY,
+    plan_memory,
+    pool_notice,
+    pool_num_blocks,
+)
 from pagedpack.models.tiny import tiny_model
-from pagedpack.passes.activation_memory import B, T, activation_peak
+from pagedpack.passes.activation_memory import ActivationPeak, B, T, activation_peak
 from pagedpack.step.contract import METADATA_INPUTS
 from pagedpack.step.metadata import example_metadata
 
@@ -194,3 +200,20 @@ def test_a_model_s_default_pool_holds_its_context_and_an_explicit_pool_is_kept()
                       "64.0 MiB), fewer than one request of the model's context (131072 tokens need 8192 blocks, "
                       "512.0 MiB): requests get up to 16384 tokens. For the whole context: --kv-cache-memory 512MiB "
                       "(or --num-blocks 8192); or --max-model-len 16384 to ask for no more")
+
+
+def test_a_model_with_recurrent_state_is_planned_with_a_slot_per_sequence_and_no_kv_is_not_divided_by():
+    """A state-space model has no KV (0 bytes a token: the default pool divided by it) and holds a state
+    slot for each of ``max_num_seqs``: the plan charges those slots, and its blocks are bookkeeping."""
+    peak = ActivationPeak(1000 * T + 10 * B, [])
+    sizes = dict(memory=1 << 20, block_size=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=100,
+                 weight_bytes=200_000)
+    stateless = plan_memory(peak, bytes_per_token=64, **sizes)
+    hybrid = plan_memory(peak, bytes_per_token=64, state_bytes_per_seq=4096, **sizes)
+    assert stateless.num_blocks - hybrid.num_blocks == 4 * 4096 // (64 * 16)
+    assert dict(hybrid.rows())["recurrent state"].startswith("4096 bytes per sequence, a slot for each of "
+                                                             "max_num_seqs = 4")
+    ssm = plan_memory(peak, bytes_per_token=0, state_bytes_per_seq=4096, **sizes)
+    assert ssm.num_blocks == 4 * 7  # 4 requests of 100 tokens in blocks of 16
+    assert plan_memory(peak, bytes_per_token=0, state_bytes_per_seq=1 << 20, **sizes).num_blocks == 0  # no room
+    assert default_blocks(0, 100, max_num_seqs=4) == default_blocks(0, 100, max_num_seqs=4, kv_cache_memory=1) == 28

@@ -4,10 +4,12 @@ what the whole sequence gives in one piece from zeros."""
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers.models.mamba.modeling_mamba as mamba
+import transformers.models.mamba2.modeling_mamba2 as mamba2
+import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
-from transformers import Qwen3NextConfig
+from transformers import Mamba2Config, MambaConfig, Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 import pagedpack  # noqa: F401  (registers the ops)
@@ -142,6 +144,38 @@ def test_the_capture_seam_is_transformers_chunked_form_on_a_batch():
 
 
 @pytest.mark.parametrize("form", ["mamba2", "mamba"])
+def test_the_scan_seams_are_transformers_scans_on_a_batch(form):
+    """Mamba2's ``mamba2_chunk_scan`` (SSD, chunks of 2) and Mamba's ``mamba_selective_scan`` (with its
+    gate ``z``) answer a prompt's call through pagedpack's ``chunk_selective_scan`` as transformers does."""
+    g = torch.Generator().manual_seed(3)
+    batch, tokens, heads, head_dim, groups, d_state = 2, 5, 4, 3, 2, 6
+    if form == "mamba2":
+        module, layer = mamba2, mamba2.Mamba2Mixer(Mamba2Config(hidden_size=6, num_heads=heads, head_dim=head_dim,
+                                                                n_groups=groups, state_size=d_state), 0)
+        args = (torch.randn(batch, tokens, heads, head_dim, generator=g),
+                torch.randn(batch, tokens, heads, generator=g), -torch.rand(heads, generator=g),
+                *torch.randn(2, batch, tokens, groups, d_state, generator=g), 2)
+        kwargs = dict(D=torch.randn(heads, generator=g), dt_bias=torch.randn(heads, generator=g), dt_softplus=True,
+                      dt_limit=(0.01, 2.0))
+        name = "mamba2_chunk_scan"
+    else:
+        module, layer = mamba, mamba.MambaMixer(MambaConfig(hidden_size=8, state_size=d_state), 0)
+        channels = 16
+        args = (torch.randn(batch, channels, tokens, generator=g), torch.randn(batch, channels, tokens, generator=g),
+                -torch.rand(channels, d_state, generator=g), *torch.randn(2, batch, d_state, tokens, generator=g))
+        kwargs = dict(D=torch.randn(channels, generator=g), z=torch.randn(batch, channels, tokens, generator=g),
+                      delta_bias=torch.randn(channels, generator=g), delta_softplus=True)
+        name = "mamba_selective_scan"
+    original = getattr(module, name)
+    expected = original(*args, **kwargs)
+    with kernel_seams(layer):
+        assert getattr(module, name) is not original
+        got = getattr(module, name)(*args, **kwargs)
+    assert getattr(module, name) is original
+    torch.testing.assert_close(got, expected.to(got.dtype), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["mamba2", "mamba"])
 @settings(max_examples=6, deadline=None)
 @given(batch=batches(max_seqs=3, max_len=9))
 def test_selective_scan_in_chunks_equals_the_quadratic_form(form, batch):
@@ -219,8 +253,16 @@ def _chunk_delta_rule_args():
                 scale=0.3, use_qk_l2norm_in_kernel=True)
 
 
+def _chunk_scan_args():
+    scan = _scan_args()
+    return dict(x=torch.randn(2, 2, HEADS, HEAD_DIM), dt=torch.randn(2, 2, HEADS), A=scan["A"],
+                B=torch.randn(2, 2, GROUPS, D_STATE), C=torch.randn(2, 2, GROUPS, D_STATE), D=scan["D"],
+                dt_bias=torch.randn(HEADS), dt_softplus=True, dt_min=0.0, dt_max=4.0)
+
+
 OPS = {"causal_conv1d_varlen": _conv_args, "gated_delta_rule_varlen": _delta_rule_args,
-       "selective_scan_varlen": _scan_args, "chunk_gated_delta_rule": _chunk_delta_rule_args}
+       "selective_scan_varlen": _scan_args, "chunk_gated_delta_rule": _chunk_delta_rule_args,
+       "chunk_selective_scan": _chunk_scan_args}
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -2,13 +2,17 @@
 
 A budget of ``memory`` bytes holds the weights, one step's activations and the KV pool:
 
-    memory >= weights + activation_peak(T, B) + kv_bytes_per_token * block_size * num_blocks
+    memory >= weights + activation_peak(T, B) + state_bytes_per_seq * max_num_seqs
+              + kv_bytes_per_token * block_size * num_blocks
 
 ``activation_peak`` is the sympy expression of :mod:`pagedpack.passes.activation_memory` (peak
 live bytes of one step of ``T`` tokens over ``B`` sequences); ``kv_bytes_per_token`` is
 ``sum over layers of (num_kv_heads * (key_head_size + value_head_size) * itemsize)``. A step never
 has more than ``T = max_num_batched_tokens`` tokens or ``B = min(T, max_num_seqs)`` sequences, so
-the plan charges ``activation_peak`` there. This is what vLLM does by profiling one dummy step
+the plan charges ``activation_peak`` there. A model with recurrent layers also holds a state slot per
+sequence (``state_bytes_per_seq``: its conv and SSM states, :class:`pagedpack.step.contract.StateSpec`),
+``max_num_seqs`` of them, whatever their lengths; a state-space model without attention has no KV
+(its blocks are bookkeeping only: :func:`bookkeeping_blocks`). This is what vLLM does by profiling one dummy step
 of ``max_num_batched_tokens`` before sizing its pool (``gpu_memory_utilization``); here it is read
 off the graph instead of measured.
 """
@@ -59,6 +63,7 @@ class MemoryPlan:
     num_blocks: int
     largest_batched_tokens: int
     concurrent_seqs: int
+    state_bytes_per_seq: int = 0
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -75,6 +80,9 @@ class MemoryPlan:
                         f"its linears as oneDNN-prepacked copies)"),
             ("KV bytes", f"{self.kv_bytes_per_token * tokens} ({self.kv_bytes_per_token} bytes per token, "
                          f"{_mib(self.kv_bytes_per_token * self.block_size)} per block of {self.block_size})"),
+            *([("recurrent state", f"{self.state_bytes_per_seq} bytes per sequence, a slot for each of max_num_seqs = "
+                                   f"{self.max_num_seqs}: {_mib(self.state_bytes_per_seq * self.max_num_seqs)}")]
+              if self.state_bytes_per_seq else []),
             ("activation peak(T, B)", str(self.peak.expr)),
             ("activation peak", f"{_mib(self.activation_bytes)} at T = max_num_batched_tokens = "
                                 f"{self.max_num_batched_tokens}, B = {num_seqs}"),
@@ -87,11 +95,13 @@ class MemoryPlan:
 
 
 def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, block_size: int,
-                max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, weight_bytes: int) -> MemoryPlan:
+                max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, weight_bytes: int,
+                state_bytes_per_seq: int = 0) -> MemoryPlan:
     """The :class:`MemoryPlan` of a rewritten model whose step graph has activation peak ``peak``
-    (:func:`pagedpack.passes.activation_memory.activation_peak`) and whose KV cache takes
-    ``bytes_per_token``, under a budget of ``memory`` bytes with ``weight_bytes`` of weights
-    resident (:func:`resident_weight_bytes`). ``ValueError`` for a non-positive size."""
+    (:func:`pagedpack.passes.activation_memory.activation_peak`), whose KV cache takes
+    ``bytes_per_token`` and whose recurrent state ``state_bytes_per_seq``, under a budget of
+    ``memory`` bytes with ``weight_bytes`` of weights resident (:func:`resident_weight_bytes`).
+    ``ValueError`` for a non-positive size."""
     for name, value in (("memory", memory), ("block_size", block_size), ("max_num_batched_tokens",
                         max_num_batched_tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
         if value < 1:
@@ -99,11 +109,15 @@ def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, bloc
     per_token = bytes_per_token
     per_block = per_token * block_size
     activation = peak.bytes(max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
-    num_blocks = (memory - weight_bytes - activation) // per_block
+    fixed = weight_bytes + state_bytes_per_seq * max_num_seqs
+    if per_block:
+        num_blocks = (memory - fixed - activation) // per_block
+    else:
+        num_blocks = bookkeeping_blocks(block_size, max_model_len, max_num_seqs) if fixed + activation <= memory else 0
     one_sequence = math.ceil(max_model_len / block_size) * per_block
 
     def fits(tokens: int) -> bool:
-        return weight_bytes + peak.bytes(tokens, min(tokens, max_num_seqs)) + one_sequence <= memory
+        return fixed + peak.bytes(tokens, min(tokens, max_num_seqs)) + one_sequence <= memory
 
     largest, step = 0, MAX_TOKENS_SEARCHED // 2  # the peak grows with T: binary search for the last T that fits
     while step:
@@ -114,7 +128,13 @@ def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, bloc
         largest = MAX_TOKENS_SEARCHED
     seqs = max(0, num_blocks) // math.ceil(max_model_len / block_size)
     return MemoryPlan(memory, weight_bytes, per_token, block_size, max_num_batched_tokens, max_num_seqs,
-                      max_model_len, peak, activation, num_blocks, largest, seqs)
+                      max_model_len, peak, activation, num_blocks, largest, seqs, state_bytes_per_seq)
+
+
+def bookkeeping_blocks(block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The pool of a model without KV (a state-space model: its blocks hold no bytes, the scheduler
+    still counts tokens in them): ``max_num_seqs`` requests of ``max_model_len`` tokens."""
+    return max_num_seqs * -(-max_model_len // block_size)
 
 
 def resident_weight_bytes(*modules: torch.nn.Module) -> int:
@@ -178,6 +198,8 @@ def pool_num_blocks(args, *, bytes_per_token: int, max_model_len: int, plan) -> 
                              f"max_num_batched_tokens={memory_plan.max_num_batched_tokens} "
                              f"({memory_plan.activation_bytes} bytes)")
         num_blocks = memory_plan.num_blocks
+    elif not bytes_per_block:
+        num_blocks = bookkeeping_blocks(block_size, max_model_len, args.max_num_seqs)
     elif args.kv_cache_memory is not None:
         if args.kv_cache_memory < bytes_per_block:
             raise ValueError(f"kv_cache_memory: expected at least one block ({bytes_per_block} bytes), "

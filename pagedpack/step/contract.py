@@ -106,6 +106,11 @@ def state_layers(specs: Sequence[StateSpec]) -> str:
     return ", ".join(dict.fromkeys(spec.layer for spec in specs))
 
 
+def state_bytes_per_seq(program) -> int:
+    """Recurrent-state bytes one sequence's slot takes over all of ``program``'s ``state_specs`` (0 without)."""
+    return sum(spec.bytes_per_slot for spec in getattr(program, "state_specs", ()))
+
+
 def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:
     """KV-cache bytes one token takes over all layers of ``specs``."""
     return sum(spec.bytes_per_token for spec in specs)
