@@ -4,7 +4,7 @@ sequence reading and writing its own **state slot** (vLLM's and FLA's contract f
 * ``causal_conv1d_varlen``: the causal depthwise conv1d over the sequence (Mamba, Mamba2, the
   gated DeltaNet's q/k/v conv, LFM2's short conv); semantics of vLLM's / Dao-AILab's
   ``causal_conv1d_fn`` with ``query_start_loc``, ``cache_indices`` and ``has_initial_state``.
-* ``gated_delta_rule_varlen``: the gated delta rule (Qwen3-Next, Qwen3.5, Kimi-Linear); semantics
+* ``gated_delta_rule_varlen``: the gated delta rule (Qwen3-Next, Qwen3.5; Kimi-Linear's per-channel decay); semantics
   of FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` with ``cu_seqlens``,
   the initial states gathered and the final states scattered by ``ssm_state_indices`` (vLLM).
 * ``selective_scan_varlen``: the selective state-space scan of Mamba (``A [H, N]``,
@@ -177,7 +177,7 @@ def _(x, weight, bias, conv_state, state_indices, cu_seqlens_q, has_initial_stat
 def _check_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor) -> None:
     op = "gated_delta_rule_varlen"
     _check_ranks(op, q=(q, "[T, num_k_heads, k_head_dim]"), k=(k, "[T, num_k_heads, k_head_dim]"),
-                 v=(v, "[T, num_v_heads, v_head_dim]"), g=(g, "[T, num_v_heads]"), beta=(beta, "[T, num_v_heads]"),
+                 v=(v, "[T, num_v_heads, v_head_dim]"), beta=(beta, "[T, num_v_heads]"),
                  ssm_state=(ssm_state, "[num_slots, num_v_heads, k_head_dim, v_head_dim]"))
     tokens, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1:]
@@ -185,9 +185,10 @@ def _check_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     _require(v.shape[0] == tokens, op, "v", f"T={tokens} rows like q", v.shape[0])
     _require(num_k_heads > 0 and num_v_heads % num_k_heads == 0, op, "v",
              f"num_v_heads a multiple of num_k_heads={num_k_heads}", num_v_heads)
-    for arg, t in (("g", g), ("beta", beta)):
-        _require(tuple(t.shape) == (tokens, num_v_heads), op, arg, f"shape ({tokens}, {num_v_heads})",
-                 f"shape {tuple(t.shape)}")
+    _require(tuple(beta.shape) == (tokens, num_v_heads), op, "beta", f"shape ({tokens}, {num_v_heads})",
+             f"shape {tuple(beta.shape)}")
+    _require(tuple(g.shape) in ((tokens, num_v_heads), (tokens, num_v_heads, k_dim)), op, "g",
+             f"shape ({tokens}, {num_v_heads}) or ({tokens}, {num_v_heads}, {k_dim})", f"shape {tuple(g.shape)}")
     _require(tuple(ssm_state.shape[1:]) == (num_v_heads, k_dim, v_dim), op, "ssm_state",
              f"[num_slots, {num_v_heads}, {k_dim}, {v_dim}]", f"shape {tuple(ssm_state.shape)}")
 
@@ -206,12 +207,13 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     Per token, per value head (query and key heads serve ``num_v_heads // num_k_heads``
     consecutive value heads): ``S = S * exp(g)``; ``S = S + k (beta (v - k^T S))^T``;
     ``o = (scale q)^T S``, with ``S`` the ``[k_head_dim, v_head_dim]`` state, after ``q`` and ``k``
-    are L2-normalised if ``use_qk_l2norm_in_kernel``.
+    are L2-normalised if ``use_qk_l2norm_in_kernel``. A ``g`` per key channel decays each row of
+    ``S`` by its own factor (Kimi Delta Attention: FLA's ``chunk_kda``).
 
     Args:
         q, k: ``[T, num_k_heads, k_head_dim]``.
         v: ``[T, num_v_heads, v_head_dim]``.
-        g: ``[T, num_v_heads]``, the log of the decay (``<= 0``).
+        g: ``[T, num_v_heads]`` or ``[T, num_v_heads, k_head_dim]``, the log of the decay (``<= 0``).
         beta: ``[T, num_v_heads]``, the write strength.
         ssm_state: ``[num_slots, num_v_heads, k_head_dim, v_head_dim]``, mutated.
         state_indices, cu_seqlens_q, has_initial_state: as in the module docstring.
@@ -243,7 +245,7 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     for start, end, slot, initial in sequences:
         state = ssm_state[slot].to(dtype) if initial else v.new_zeros(ssm_state.shape[1:], dtype=dtype)
         for t in range(start, end):
-            state = state * decay[t, :, None, None]
+            state = state * (decay[t, :, None, None] if decay.dim() == 2 else decay[t, :, :, None])
             delta = (v[t].to(dtype) - torch.einsum("hk,hkv->hv", k[t], state)) * write[t, :, None]
             state = state + k[t, :, :, None] * delta[:, None, :]
             out[t] = torch.einsum("hk,hkv->hv", q[t], state).to(v.dtype)
@@ -271,7 +273,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     :func:`gated_delta_rule_varlen`.
 
     Args: ``q, k [B, T, num_k_heads, k_head_dim]``, ``v [B, T, num_v_heads, v_head_dim]``,
-    ``g, beta [B, T, num_v_heads]``, ``scale`` and ``use_qk_l2norm_in_kernel`` as
+    ``g [B, T, num_v_heads (, k_head_dim)]``, ``beta [B, T, num_v_heads]``, ``scale`` and ``use_qk_l2norm_in_kernel`` as
     :func:`gated_delta_rule_varlen`'s. Returns ``[B, T, num_v_heads, v_head_dim]`` in ``v``'s dtype.
     """
     _check_ranks("chunk_gated_delta_rule", q=(q, "[B, T, num_k_heads, k_head_dim]"),

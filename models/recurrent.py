@@ -15,12 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|LinearAttention|LightningAttention|DeltaNet|ShortConv|RecurrentBlock"
-                             r"|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
+# (KimiLinearAttention is Kimi-Linear's full-attention (MLA) layer, despite its name)
+RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|(?<!^Kimi)LinearAttention|DeltaAttention|LightningAttention|DeltaNet"
+                             r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
 
 
 # the recurrent layers whose state pagedpack pages (passes/recurrent_state.py)
-PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet|Mixer|MambaLayer)$")
+PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet|DeltaAttention|Glm5NextTextLinearAttention|Mixer"
+                                   r"|MambaLayer)$")
 
 
 def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = False) -> tuple[str, str] | None:

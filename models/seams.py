@@ -27,7 +27,8 @@ from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
 def _gated_delta_rule_seam(original: Callable) -> Callable:
     """transformers' ``torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs)`` ->
-    ``(out [B, T, num_v_heads, v_head_dim], final state or None)``, its scale ``k_head_dim ** -0.5``."""
+    ``(out [B, T, num_v_heads, v_head_dim], final state or None)``, its scale ``k_head_dim ** -0.5``;
+    also ``chunk_kimi_delta_attention`` (the same arguments, ``g`` per key channel)."""
 
     def seam(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, **kwargs):
@@ -81,6 +82,7 @@ def _selective_scan_seam(original: Callable) -> Callable:
 
 # the modeling modules' function names and their seams
 _SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_rule": _gated_delta_rule_seam,
+                                                     "chunk_kimi_delta_attention": _gated_delta_rule_seam,
                                                      "mamba2_chunk_scan": _ssd_seam,
                                                      "mamba_selective_scan": _selective_scan_seam}
 _PATCHING = threading.Lock()  # one capture at a time patches (a second would restore the first's seam)

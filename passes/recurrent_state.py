@@ -43,8 +43,9 @@ GATED_DELTA_RULE = torch.ops.pagedpack.chunk_gated_delta_rule.default
 SELECTIVE_SCAN = torch.ops.pagedpack.chunk_selective_scan.default
 
 # the sites each paged layer class holds (a class name's ending -> the site ops it needs)
-_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE}, "Mixer": {CONV1D, SELECTIVE_SCAN},
-                "MambaLayer": {CONV1D, SELECTIVE_SCAN}}
+_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE},
+                "DeltaAttention": {CONV1D, GATED_DELTA_RULE}, "LinearAttention": {CONV1D, GATED_DELTA_RULE},
+                "Mixer": {CONV1D, SELECTIVE_SCAN}, "MambaLayer": {CONV1D, SELECTIVE_SCAN}}
 _SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule", SELECTIVE_SCAN: "chunk_selective_scan"}
 
 

@@ -62,6 +62,12 @@ SERVED = {
     "qwen3_next": (T.Qwen3NextConfig, dict(_BASE, head_dim=16, **_GDN, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=32, shared_expert_intermediate_size=32), BOTH, []),
     "qwen3_5_text": (T.Qwen3_5TextConfig, dict(_BASE, head_dim=16, **_GDN), BOTH, []),
+    # Kimi Delta Attention (the gated delta rule with a decay per key channel) and an MLA attention layer
+    "kimi_linear": (T.KimiLinearConfig, dict(_BASE, layer_types=["linear_attention", "full_attention"],
+                                             mlp_layer_types=["dense", "dense"], linear_num_heads=4,
+                                             linear_head_dim=16, kv_lora_rank=32, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, pad_token_id=0),
+                    BOTH, []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
     # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts

@@ -308,6 +308,9 @@ def _native_sample(kind: str) -> dict:
                                    v=r(tokens, V_HEADS, V_DIM), g=-r(tokens, V_HEADS).abs(),
                                    beta=r(tokens, V_HEADS).sigmoid(),
                                    ssm_state=r(slots, V_HEADS, K_DIM, V_DIM), scale=0.3, use_qk_l2norm_in_kernel=True),
+        "kda": lambda: dict(q=r(tokens, V_HEADS, K_DIM), k=r(tokens, V_HEADS, K_DIM), v=r(tokens, V_HEADS, V_DIM),
+                            g=-r(tokens, V_HEADS, K_DIM).abs(), beta=r(tokens, V_HEADS).sigmoid(),
+                            ssm_state=r(slots, V_HEADS, K_DIM, V_DIM), scale=0.3, use_qk_l2norm_in_kernel=True),
         "mamba2": lambda: dict(x=r(tokens, HEADS, HEAD_DIM), dt=r(tokens, HEADS), A=-r(HEADS).abs(),
                                B=r(tokens, GROUPS, D_STATE), C=r(tokens, GROUPS, D_STATE), D=r(HEADS), dt_bias=r(HEADS),
                                ssm_state=r(slots, HEADS, HEAD_DIM, D_STATE), dt_softplus=True, dt_max=3.0),
@@ -320,7 +323,7 @@ def _native_sample(kind: str) -> dict:
                 cu_seqlens_q=torch.tensor([0, 1, 4, 8, 10], dtype=torch.int32))
 
 
-NATIVE_OPS = {"conv": "causal_conv1d_varlen", "delta_rule": "gated_delta_rule_varlen",
+NATIVE_OPS = {"conv": "causal_conv1d_varlen", "delta_rule": "gated_delta_rule_varlen", "kda": "gated_delta_rule_varlen",
               "mamba2": "selective_scan_varlen", "mamba": "selective_scan_varlen"}
 PER_TOKEN = {"x", "q", "k", "v", "g", "beta", "dt", "B", "C"}
 

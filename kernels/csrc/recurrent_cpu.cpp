@@ -124,6 +124,9 @@ at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor&
   const auto g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
   auto out = at::empty_like(val);
   const int64_t hk = q.size(1), dk = q.size(2), hv = val.size(1), dv = val.size(2), group = hv / hk;
+  const bool per_channel = g.dim() == 3;  // [T, hv, dk]: a decay per key channel (KDA); else [T, hv]
+  TORCH_CHECK_VALUE(g.numel() == val.size(0) * hv * (per_channel ? dk : 1),
+                    "gated_delta_rule_varlen: g: expected [T, num_v_heads] or [T, num_v_heads, k_head_dim]");
   const Varlen v = varlen("gated_delta_rule_varlen", state_indices, cu_seqlens_q, has_initial_state, val.size(0),
                          ssm_state.size(0));
   dispatch("gated_delta_rule_varlen", val.scalar_type(), ssm_state.scalar_type(), [&](auto t, auto s) {
@@ -157,11 +160,14 @@ at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor&
             qf[d] *= qs;
             kf[d] *= ks;
           }
-          const float decay = std::exp(gp[tok * hv + h]), w = bp[tok * hv + h];
+          const float w = bp[tok * hv + h];
+          const float* gt = per_channel ? gp + (tok * hv + h) * dk : gp + tok * hv + h;
+          const float head_decay = per_channel ? 0.f : std::exp(*gt);
           const T* vt = vp + (tok * hv + h) * dv;
           for (int64_t e = 0; e < dv; ++e) delta[e] = 0.f;
           for (int64_t d = 0; d < dk; ++d) {
             float* row = mem.data() + d * dv;
+            const float decay = per_channel ? std::exp(gt[d]) : head_decay;
             for (int64_t e = 0; e < dv; ++e) {
               row[e] *= decay;
               delta[e] += kf[d] * row[e];
