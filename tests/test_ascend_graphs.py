@@ -52,16 +52,32 @@ def test_pad_decode_keeps_t_equal_to_the_last_cumulative_length_and_writes_only_
                    width=4, padding_block=8, block_size=BLOCK)
 
 
-def _runners(tnd_model, num_blocks, max_model_len, **ascend):
-    """The ascend target's runner, the reference target's, and an fp32 reference's, by name."""
-    llms = {"ascend": LLM(tnd_model, target="ascend", **ascend, block_size=BLOCK, num_blocks=num_blocks,
-                          max_model_len=max_model_len),
-            "reference": LLM(tnd_model, target="reference", block_size=BLOCK, num_blocks=num_blocks,
-                             max_model_len=max_model_len),
-            # the exact reference the two bf16 runs are measured against
-            "fp32": LLM(snapshot(tnd_model).float(), block_size=BLOCK, num_blocks=num_blocks,
-                        max_model_len=max_model_len)}
-    return llms["ascend"].program, {target: llm.llm_engine.runner for target, llm in llms.items()}
+@pytest.fixture(scope="module")
+def references(tnd_model):
+    """``references(num_blocks, max_model_len)``: the reference target's runner and an fp32 reference's
+    (the exact reference the two bf16 runs are measured against), by name; built once per pool for
+    the module, their KV caches zeroed for each test (as a new runner's)."""
+    built = {}
+
+    def runners(num_blocks, max_model_len):
+        if (num_blocks, max_model_len) not in built:
+            llms = {"reference": LLM(tnd_model, target="reference", block_size=BLOCK, num_blocks=num_blocks,
+                                     max_model_len=max_model_len),
+                    "fp32": LLM(snapshot(tnd_model).float(), block_size=BLOCK, num_blocks=num_blocks,
+                                max_model_len=max_model_len)}
+            built[num_blocks, max_model_len] = {target: llm.llm_engine.runner for target, llm in llms.items()}
+        for runner in built[num_blocks, max_model_len].values():
+            for cache in runner.kv_caches:
+                cache.zero_()
+        return built[num_blocks, max_model_len]
+    return runners
+
+
+def _runners(tnd_model, references, num_blocks, max_model_len, **ascend):
+    """The ascend target's program, and its runner, the reference target's and an fp32 reference's, by name."""
+    llm = LLM(tnd_model, target="ascend", **ascend, block_size=BLOCK, num_blocks=num_blocks,
+              max_model_len=max_model_len)
+    return llm.program, {"ascend": llm.llm_engine.runner, **references(num_blocks, max_model_len)}
 
 
 def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_within_own_error):
@@ -82,7 +98,7 @@ def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_
 
 
 @pytest.mark.parametrize("mode", ["aclgraph", "decode_buckets"])
-def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, monkeypatch, mode):
+def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, references, monkeypatch, mode):
     """40 steps: prefills and a mixed step (eager), then decode batches of every size 1..37 in a
     shuffled order (graphs): one ACL graph captured per bucket used and replayed for every decode
     step, or one TorchAir graph compiled per bucket (a recording backend counts what dynamo
@@ -91,7 +107,7 @@ def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, m
     recorded = []
     monkeypatch.setattr(ascend_target, "emulation_backend", lambda gm, inputs: recorded.append(gm) or gm.forward)
     num_blocks, max_model_len = 96, 512
-    program, runners = _runners(tnd_model, num_blocks, max_model_len, target_options={"graph_mode": mode})
+    program, runners = _runners(tnd_model, references, num_blocks, max_model_len, target_options={"graph_mode": mode})
     sentinel = float("nan")
     for cache in runners["ascend"].kv_caches:
         cache.fill_(sentinel)
@@ -127,14 +143,15 @@ def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, m
         assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
 
 
-def test_a_replay_needs_this_steps_kv_lengths(tnd_model, monkeypatch):
+def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, monkeypatch):
     """Decode steps in one bucket with different sequences: each replays the graph the first
     captured. With the length refresh the logits are the reference's; without it FIA reads the
     capture's KV lengths and the logits are wrong, so a missing refresh cannot pass."""
     from pagedpack.lowering.ascend.graphs import ACLGraphBuckets
 
     num_blocks, max_model_len = 16, 512
-    program, runners = _runners(tnd_model, num_blocks, max_model_len, target_options={"graph_batch_sizes": [2]})
+    program, runners = _runners(tnd_model, references, num_blocks, max_model_len,
+                                target_options={"graph_batch_sizes": [2]})
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
     requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(random_prompts([5, 150, 40, 260], seed=3))]

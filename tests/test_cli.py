@@ -108,14 +108,14 @@ def test_plan_prints_the_memory_plan():
     result = run("plan", "--model", "tiny", "--memory", "64MiB", "--max-model-len", "512")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    served = dict(LLM("tiny", num_blocks=8).plan_memory("64MiB").rows())["weights"]  # as `generate` serves it
+    plan = LLM("tiny", num_blocks=8, max_model_len=512).plan_memory("64MiB", keep_source_model=False)
+    served = dict(plan.rows())["weights"]  # the source let go, as `generate` serves it
     weights = f"weights │ {served.split(' resident')[0]} resident"
     for field in ("memory budget │ 64.0 MiB", weights, "KV bytes │ 1024*tokens", "activation peak(T, B) │ Max(",
                   "KV pool", "largest max_num_batched_tokens", "sequences of 512 tokens"):
         assert field in text, field
     # the KV pool per --kv-cache-dtype: the budget less weights and activations over each dtype's bytes a
     # block (int8: 4 layers x 2 KV heads x K and V x 16 values and a 4-byte scale)
-    plan = LLM("tiny", num_blocks=8, max_model_len=512).plan_memory("64MiB", keep_source_model=False)
     free = plan.memory - plan.weight_bytes - plan.activation_bytes
     for name, per_token in (("auto", 1024), ("bfloat16", 512), ("float16", 512), ("int8", 320)):
         blocks = free // (per_token * plan.block_size)

@@ -34,6 +34,13 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def unmodified(checkpoint):
+    """The unmodified model's greedy tokens of each of PROMPTS, run alone."""
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    return [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
 def built(checkpoint, tmp_path_factory):
     """A ``$PAGEDPACK_CACHE`` folder built once for the module: ``compiled/`` holds ``checkpoint``'s
     entry, ``native/`` the native CPU kernels (this process's build)."""
@@ -84,13 +91,13 @@ def tokens(llm):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cache, children):
+def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cache, children,
+                                                                            unmodified):
     llm = LLM(str(checkpoint), num_blocks=32)
     (entry,) = cache.iterdir()
     assert len(children) == 1 and {p.name for p in entry.iterdir()} == {"step.pt2", "info.json"}
     assert llm.report.notes[-1].startswith(f"loaded from {entry / 'step.pt2'}; cpu lowering: ")
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert tokens(llm) == unmodified
 
     os.environ["PAGEDPACK_COMPILE_CACHE"] = "0"  # the same LLM captured in this process (monkeypatch restores)
     in_process = LLM(str(checkpoint), num_blocks=32)
@@ -141,7 +148,8 @@ def test_a_refused_checkpoint_raises_as_in_process_and_is_remembered(cache, chil
     assert "UnsupportedModelError" in json.loads((entry / "info.json").read_text())["error"]
 
 
-def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpoint, warm, children, capfd):
+def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpoint, warm, children, capfd,
+                                                                         unmodified):
     # Regression (trust and faults, 5): a flipped byte in step.pt2 was served as garbage text.
     (entry,) = warm.iterdir()
     step = entry / "step.pt2"
@@ -151,8 +159,7 @@ def test_a_flipped_byte_in_an_entry_is_refused_and_the_entry_built_again(checkpo
     llm = LLM(str(checkpoint), num_blocks=32)
     err = capfd.readouterr().err
     assert f"path: {str(step)!r} is damaged" in err and "building it again" in err and len(children) == 1
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert tokens(llm) == unmodified
     assert llm._builder.source_model is None and step.read_bytes() != data  # let go after lowering; the entry is new
 
 
@@ -224,14 +231,13 @@ def test_what_killed_builds_and_gone_checkpoints_left_is_removed(checkpoint, war
     assert json.loads((entry / "info.json").read_text())["key"]["checkpoint"][0] == str(checkpoint)
 
 
-def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd):
+def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd, unmodified):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "a-file"))
     monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
     llm = LLM(str(checkpoint), num_blocks=32)
     assert "cannot write the compile cache" in capfd.readouterr().err and not children
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    assert tokens(llm) == [hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert tokens(llm) == unmodified
 
 
 @pytest.mark.parametrize("kwargs", [dict(keep_source_model=True, num_blocks=32), dict(memory_budget="64MiB"),

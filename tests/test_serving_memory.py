@@ -97,10 +97,15 @@ def test_loading_again_refuses_a_changed_or_missing_checkpoint(tmp_path, monkeyp
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
-def test_a_served_file_is_still_served_once_deleted(tmp_path):
-    source = LLM("tiny", num_blocks=32, keep_source_model=True)
-    expected = [hf_greedy(source.model, p, GREEDY.max_tokens) for p in PROMPTS]
-    path = source.export(tmp_path / "x.pt2")
+@pytest.fixture(scope="module")
+def kept():
+    """``LLM("tiny")`` with its source kept, for the tests that read it (its model, rewritten graph, export)."""
+    return LLM("tiny", num_blocks=32, keep_source_model=True)
+
+
+def test_a_served_file_is_still_served_once_deleted(kept, tmp_path):
+    expected = [hf_greedy(kept.model, p, GREEDY.max_tokens) for p in PROMPTS]
+    path = kept.export(tmp_path / "x.pt2")
     served = LLM.from_exported(path, num_blocks=32)
     os.remove(path)
     assert served.model is None and served.rewritten is None and served.report is None
@@ -136,9 +141,8 @@ def test_memory_budget_on_a_target_that_lowers_in_place():
     assert llm.num_blocks == llm.plan_memory("64MiB").num_blocks > 0
 
 
-def test_keep_source_model_keeps_them():
-    llm = LLM("tiny", num_blocks=32, keep_source_model=True)
-    assert llm.rewritten is llm.rewritten and llm.model is llm.model
+def test_keep_source_model_keeps_them(kept):
+    assert kept.rewritten is kept.rewritten and kept.model is kept.model
     with pytest.raises(ValueError, match="keep_source_model: expected a bool, got 'yes'"):
         LLM("tiny", keep_source_model="yes")
 

@@ -167,17 +167,25 @@ def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worke
 
 
 @pytest.fixture(scope="module")
+def one_rank():
+    """qwen2 on one rank (its source kept, to export) and its tokens for ``_requests()``: the tensor-parallel
+    runs' reference, built and run once for the module."""
+    one = LLM(tiny_model("qwen2"), keep_source_model=True, **SERVING)
+    prompts, params = _requests()
+    return one, [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
 def tp2():
     llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, **SERVING)
     yield llm
     llm.ranks.workers.close()
 
 
-def test_two_ranks_generate_the_tokens_of_one(tp2):
+def test_two_ranks_generate_the_tokens_of_one(tp2, one_rank):
     """Prefix caching, chunked prefill, preemption and a parallel-sampling fork (copy-on-write) on."""
     prompts, params = _requests()
-    one = LLM(tiny_model("qwen2"), **SERVING)
-    want = [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params, use_tqdm=False)]
+    one, want = one_rank
     got = [[c.token_ids for c in o.outputs] for o in tp2.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert tp2.plan_memory("64MiB").kv_bytes_per_token * 2 == one.plan_memory("64MiB").kv_bytes_per_token
@@ -221,13 +229,11 @@ def test_rank_zero_leaves_the_thread_count_to_num_threads():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """qwen2 exported for 2 ranks, and one rank's greedy tokens to compare with."""
-    one = LLM(tiny_model("qwen2"), keep_source_model=True, **SERVING)
+def exported(one_rank, tmp_path_factory):
+    """qwen2 exported for 2 ranks, and one rank's tokens to compare with."""
+    one, want = one_rank
     path = one.export(tmp_path_factory.mktemp("tp") / "qwen2-tp2.json", tensor_parallel_size=2)
-    prompts, params = _requests()
-    return path, prompts, params, [[c.token_ids for c in o.outputs] for o in one.generate(prompts, params,
-                                                                                            use_tqdm=False)]
+    return path, *_requests(), want
 
 
 def test_an_export_for_two_ranks_is_served_by_two_processes(exported):
