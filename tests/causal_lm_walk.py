@@ -47,7 +47,8 @@ _SIZES = {
 }
 _TINY = {name: size for size, names in _SIZES.items() for name in names}
 # fields the generic shrinking cannot derive, by class
-EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]])}
+EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+         "mamba2": dict(num_heads=8)}  # num_heads * head_dim = expand * hidden_size
 
 
 @dataclass
@@ -58,15 +59,22 @@ class Outcome:
     detail: str = ""
 
 
-def tiny_overrides(config: T.PretrainedConfig) -> dict:
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False) -> dict:
     """The fields of ``config`` (a default instance) set to :data:`_TINY` sizes: token ids kept
     inside the tiny vocabulary, per-layer lists and layer-indexed dicts cut to two layers
-    (``layer_types``: one of each kind where there are several), nested configs likewise."""
+    (``layer_types``: one of each kind where there are several), nested configs likewise. With
+    ``keep_layers``, the layer count and the per-layer fields stay the config's own (a hybrid whose
+    layer kinds follow from fields the cut would lose: indices, periods, patterns)."""
     fields = config.to_dict()
-    layers = next((fields[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-                   if isinstance(fields.get(k), int)), None)
+    layers = next((fields[k] for k in _LAYER_COUNTS if isinstance(fields.get(k), int)), None)
     out = {}
     for key, value in fields.items():
+        if keep_layers and (key in _LAYER_COUNTS or key == "layer_types" or isinstance(value, (list, dict))
+                            and not isinstance(getattr(config, key, None), T.PretrainedConfig)):
+            continue
         if key in _TINY and isinstance(value, int) and not isinstance(value, bool):
             out[key] = _TINY[key]
         elif key.endswith("token_id") and isinstance(value, int) and value >= V:
@@ -78,7 +86,7 @@ def tiny_overrides(config: T.PretrainedConfig) -> dict:
         elif isinstance(value, list) and layers and len(value) == layers:
             out[key] = value[:2]
         elif isinstance(value, dict) and isinstance(getattr(config, key, None), T.PretrainedConfig):
-            out[key] = {**value, **tiny_overrides(getattr(config, key))}
+            out[key] = {**value, **tiny_overrides(getattr(config, key), keep_layers=keep_layers)}
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             out[key] = {k: v for k, v in value.items() if int(k) < 2}
     if "qk_rope_head_dim" in out and "head_dim" in out:  # multi-head latent attention: head_dim is the rotary part
@@ -89,13 +97,25 @@ def tiny_overrides(config: T.PretrainedConfig) -> dict:
 
 
 def tiny_model(model_type: str) -> torch.nn.Module:
-    """The model of ``model_type`` from a tiny random config (seed 0); raises if it does not
-    construct, is larger than :data:`MAX_PARAMETERS` (counted on the meta device first: some
-    defaults the walk cannot shrink would take the machine's memory) or does not run a forward
-    on three tokens."""
+    """The model of ``model_type`` from a tiny random config (seed 0): two layers, or, where two
+    layers lose a layer class or do not run, the config's own layer count and per-layer fields
+    (:func:`tiny_overrides`); raises the two-layer attempt's error if neither works."""
+    try:
+        return _tiny_model(model_type, keep_layers=False)
+    except Exception as two_layers:
+        try:
+            return _tiny_model(model_type, keep_layers=True)
+        except Exception:
+            raise two_layers from None
+
+
+def _tiny_model(model_type: str, *, keep_layers: bool) -> torch.nn.Module:
+    """The tiny model; raises if it does not construct, is larger than :data:`MAX_PARAMETERS`
+    (counted on the meta device first: some defaults the walk cannot shrink would take the
+    machine's memory) or does not run a forward on three tokens."""
     config_class = T.CONFIG_MAPPING[model_type]
     default = config_class()
-    config = config_class(**{**tiny_overrides(default), **EXTRA.get(model_type, {})})
+    config = config_class(**{**tiny_overrides(default, keep_layers=keep_layers), **EXTRA.get(model_type, {})})
     with torch.device("meta"):
         tiny, full = (T.AutoModelForCausalLM.from_config(c) for c in (config, default))
     lost = {type(m).__name__ for m in full.modules()} - {type(m).__name__ for m in tiny.modules()}

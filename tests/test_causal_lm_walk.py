@@ -18,7 +18,8 @@ SAMPLE = {
     "codegen": "exact",
     "gemma3": "exact",  # a ...ForConditionalGeneration on token ids
     "glm4_moe": "exact",
-    "falcon_h1": "refused",  # state-space hybrid
+    "falcon_h1": "exact",  # a Mamba2 hybrid: its recurrent state paged
+    "minimax": "refused",  # lightning attention: a recurrent state pagedpack does not page
     "bert": "refused",  # bidirectional
     "gpt_oss": "exact",  # attention sinks (the eager_sinks pattern), experts
 }
