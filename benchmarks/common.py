@@ -60,6 +60,10 @@ def w1_workload(args) -> tuple[str, list[list[int]]]:
     spec = importlib.util.spec_from_file_location("workload", source)
     workload = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(workload)
+    if args.workload == "w1-hybrid":
+        from pagedpack.models.aliases import cache_dir
+
+        return w1_hybrid_model(workload, Path(args.w1_dir or cache_dir() / "w1-hybrid")), workload.prompts_w1()
     if args.model is None:
         from pagedpack.models.aliases import cache_dir
 
@@ -77,6 +81,33 @@ def w1_workload(args) -> tuple[str, list[list[int]]]:
         prompts.append(ids[start:start + n])
         start = (start + n) % (len(ids) - 512)
     return model_dir, prompts
+
+
+def w1_hybrid_model(workload, folder: Path) -> str:
+    """W1's model as a hybrid (written to ``folder`` on first use): Qwen3-Next's architecture at W1's
+    sizes (hidden 512, 8 layers, 8 query / 2 KV heads of 64, W1's vocabulary), every fourth layer
+    attention and the others gated DeltaNets (4 key / 8 value heads of 64: Qwen3-Next's ratio and
+    grouping), each layer's MLP 8 experts of 704 (2 a token) and a shared one of 704, seed-0 random
+    weights, fp32. (vLLM's Qwen3-Next needs its experts; Qwen3.5's text class has the same layers, and
+    vLLM CPU does not load it without torchvision, which its CPU recipe removes.)"""
+    if not (folder / "config.json").is_file():
+        import torch
+        import transformers as T
+
+        w1 = workload.model_config()
+        layers = w1.num_hidden_layers
+        config = T.Qwen3NextConfig(
+            vocab_size=w1.vocab_size, hidden_size=w1.hidden_size,
+            num_hidden_layers=layers, num_attention_heads=w1.num_attention_heads,
+            num_key_value_heads=w1.num_key_value_heads, head_dim=64, max_position_embeddings=4096,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4), num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=704, shared_expert_intermediate_size=704,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+            linear_value_head_dim=64, tie_word_embeddings=False, bos_token_id=w1.bos_token_id,
+            eos_token_id=w1.eos_token_id, pad_token_id=w1.pad_token_id)
+        torch.manual_seed(0)
+        T.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    return str(folder)
 
 
 def reset_peak_rss(pid: int | str = "self") -> None:

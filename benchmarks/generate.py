@@ -6,6 +6,8 @@ Workloads:
     shape with seed-0 random weights, 32 prompts of lengths 32, 50, 128, 256, 512, 64, 16, 256 x4,
     32 greedy tokens each, EOS ignored). With ``--model smollm2-135m`` (or any model), the same
     prompt lengths cut from English text (Python's own documentation) through the model's tokenizer.
+  * ``--workload w1-hybrid``: W1's prompts on W1's model as a hybrid (Qwen3-Next's architecture, dense,
+    at W1's sizes, three gated DeltaNet layers to one attention layer: ``common.w1_hybrid_model``).
   * ``--workload random``: ``--model`` on random token ids of those lengths, ``--repeat`` times.
 
 Timing follows ``../shared/bench/SETUP.md``: load and capture excluded, one warm-up run over all
@@ -54,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=("w1", "random"), default="w1")
+    parser.add_argument("--workload", choices=("w1", "w1-hybrid", "random"), default="w1")
     parser.add_argument("--model", default=None,
                         help="an alias (tiny, smollm2-135m, gemma3-270m) or a Hugging Face directory; "
                              "default: W1's model for --workload w1, tiny otherwise")

@@ -1,4 +1,4 @@
-"""Layers that keep a recurrent state from step to step, which pagedpack does not serve.
+"""Layers that keep a recurrent state from step to step, and which of them pagedpack serves.
 
 State-space layers (Mamba / Mamba2 mixers and the hybrids built on them: Jamba, Bamba, Zamba2,
 Nemotron-H, Falcon-H1, Granite-MoE-hybrid), linear / lightning attention and gated delta nets
@@ -6,9 +6,11 @@ Nemotron-H, Falcon-H1, Granite-MoE-hybrid), linear / lightning attention and gat
 RWKV keep a per-sequence state that each step carries to the next. They are known by their class
 names in transformers' modeling code. pagedpack pages the state of the layers in
 :data:`PAGED_RECURRENT_CLASS` (a state slot per sequence, :mod:`pagedpack.passes.recurrent_state`):
-short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv, and gated
-DeltaNets (Qwen3-Next, Qwen3.5, OLMo-Hybrid: a causal conv and the gated delta rule, captured
-through transformers' kernel seam, :mod:`pagedpack.models.seams`). The others are refused by name.
+short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv; gated DeltaNets
+(Qwen3-Next, Qwen3.5, OLMo-Hybrid) and Kimi Delta Attention: a causal conv and the gated delta rule;
+Mamba and Mamba2 mixers (and the hybrids built on them): a causal conv and the selective scan / SSD,
+the scans captured through transformers' kernel seams (:mod:`pagedpack.models.seams`). The others
+(lightning attention, RG-LRU, RWKV, xLSTM) are refused by name.
 """
 from __future__ import annotations
 
@@ -41,9 +43,13 @@ def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = Fals
 
 def recurrent_refusal(path: str, cls: str) -> str:
     """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
-    return (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from step "
-            "to step: pagedpack pages attention KV and the state of short convolutions (LFM2) and gated DeltaNets "
-            "(Qwen3-Next, Qwen3.5, OLMo-Hybrid) only; the other hybrid and state-space models are not supported yet")
+    where = (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from "
+             "step to step")
+    if PAGED_RECURRENT_CLASS.search(cls):  # refused where no state is paged: the torch.compile backend
+        return (f"{where}: the torch.compile backend does not page it (Dynamo captures outside pagedpack's kernel "
+                "seams); LLM and serve do")
+    return (f"{where}: pagedpack pages the state of short convolutions, gated DeltaNets (and Kimi Delta Attention) "
+            "and Mamba / Mamba2 mixers; not yet this layer's (no seam for its kernels)")
 
 
 def paged_layer(node) -> tuple[str, str] | None:

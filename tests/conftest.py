@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-
 import transformers  # noqa: F401  (imported before the freeze below)
 
 from pagedpack.serve.remote import RemoteServer as _RemoteServer

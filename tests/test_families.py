@@ -95,7 +95,7 @@ SERVED = {
 }
 # families whose class is not the AutoModelForCausalLM of their config
 MODEL_CLASS = {"qwen2_vl": T.Qwen2VLForConditionalGeneration}
-_RECURRENT = "state-space / linear-attention layers .* pagedpack pages attention KV and the state of short convolutions"
+_RECURRENT = "state-space / linear-attention layers .* pagedpack pages the state of short convolutions"
 # family: (config class, config, implementations, what the refusal names)
 REFUSED = {
     # build_alibi_tensor rounds slope * key_pos to bfloat16 (modeling_falcon), so in a float32 model the

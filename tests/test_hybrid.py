@@ -190,3 +190,20 @@ def test_the_kv_manager_hands_out_state_slots_and_copies_them_to_forks():
     for request in (a, c):
         kv.free(request)
     assert kv.num_free_state_slots == 2 and kv.num_free_blocks == 8
+
+
+def test_the_torch_compile_backend_runs_a_hybrid_as_captured_and_says_why(model):
+    """Dynamo captures outside pagedpack's kernel seams: the backend pages no state, runs the graph as
+    captured (the unmodified model's logits) and its report names the layer."""
+    from pagedpack.compiler import backend
+
+    torch._dynamo.reset()
+    backend.LAST_REPORTS.clear()
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        logits = torch.compile(model, backend="pagedpack", dynamic=True)(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected)
+    assert any("model.layers.0.conv: Lfm2ShortConv) keep a recurrent state from step to step: the torch.compile "
+               "backend does not page it" in note for report in backend.LAST_REPORTS for note in report.notes), \
+        [report.notes for report in backend.LAST_REPORTS]
