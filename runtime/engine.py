@@ -65,7 +65,9 @@ class Stats:
     reusable by a hit) + ``kv_blocks_free`` (neither) == ``kv_blocks_total``; ``kv_blocks_cached``
     (owned or not); ``kv_blocks_peak_used``. KV memory: ``kv_cache_dtype`` (the caches' dtype name),
     ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype);
-    ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that.
+    ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that. ``prefix_caching``: whether the prefix cache
+    is on (off for a model with recurrent layers: their state is not cached with a prefix's blocks);
+    ``state_slots_total`` / ``state_slots_used``: the recurrent-state slots (0 without such layers).
     """
 
     num_steps: int
@@ -85,6 +87,9 @@ class Stats:
     kv_cache_dtype: str
     kv_cache_bytes_per_block: int
     kv_cache_bytes_used: int
+    prefix_caching: bool
+    state_slots_total: int
+    state_slots_used: int
 
 
 class RequestRejected(ValueError):
@@ -236,7 +241,9 @@ class LLMEngine:
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_cached_free=cached_free,
             kv_blocks_free=pool.num_free_blocks - cached_free, kv_blocks_peak_used=pool.peak_used_blocks,
             kv_cache_dtype=", ".join(sorted({str(s.dtype).removeprefix("torch.") for s in specs})),
-            kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks)
+            kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks,
+            prefix_caching=kv.enable_prefix_caching, state_slots_total=kv.num_state_slots,
+            state_slots_used=kv.num_state_slots - kv.num_free_state_slots)
 
     def step(self) -> list[RequestOutput]:
         """One scheduled step; returns a delta for every request that advanced or finished in it.

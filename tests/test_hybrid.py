@@ -86,6 +86,8 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
     assert [spec.shape for spec in llm.program.state_specs] == [(64, 2), (64, 2)]
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert not kv.enable_prefix_caching and kv.num_state_slots == 4
+    stats = llm.get_stats()
+    assert not stats.prefix_caching and (stats.state_slots_total, stats.state_slots_used) == (4, 0)
     assert dict(llm.plan_memory("64MiB").rows())["recurrent state"].startswith(
         "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
 
