@@ -1,7 +1,7 @@
 """The ``recurrent_state`` pass: the sequence mixing of each layer whose state pagedpack pages
-(:data:`pagedpack.models.recurrent.PAGED_RECURRENT_CLASS`: LFM2's short conv, the gated DeltaNet of
-Qwen3-Next / Qwen3.5 / OLMo-Hybrid) over the packed tokens, each sequence reading and writing its
-state slot.
+(:data:`pagedpack.models.recurrent.PAGED_RECURRENT_CLASS`: LFM2's short conv, the gated DeltaNets and
+Kimi Delta Attention, the Mamba and Mamba2 mixers) over the packed tokens, each sequence reading and
+writing its state slot.
 
 A causal conv1d (transformers' ``causal_conv1d_fn`` without a cache; batch 1)::
 
@@ -15,12 +15,18 @@ A gated delta rule (the capture's seam, :mod:`pagedpack.models.seams`)::
     ->  gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], ssm_state_i, state_indices, cu_seqlens_q,
                                 has_initial_state, scale, l2norm)[None]
 
+A selective scan (Mamba's or Mamba2's SSD, the seam's ``chunk_selective_scan``)::
+
+    y [1, T, H, P] = chunk_selective_scan(x, dt [1, T, H], A, B, C [1, T, G, N], D, dt_bias, ...)
+    ->  selective_scan_varlen(x[0], dt[0], A, B[0], C[0], D, dt_bias, ssm_state_i, state_indices,
+                              cu_seqlens_q, has_initial_state, ...)[None]
+
 with ``state_indices``, ``has_initial_state`` and one state input per site (``conv_state_i [num_slots,
-dim, width - 1]``, ``ssm_state_i [num_slots, Hv, Dk, Dv]``) added as graph inputs after the KV caches
-(:mod:`pagedpack.step.contract`). A site in another form (a strided, dilated or not depthwise conv,
-one not cut to the sequence's own tokens, a scan over more than one sequence), and a layer without
-the sites its class needs (a gated DeltaNet whose scan did not go through the seam), are refused
-naming the node or layer.
+dim, width - 1]``, ``ssm_state_i [num_slots, Hv, Dk, Dv]`` or ``[num_slots, H, P, N]``) added as graph
+inputs after the KV caches (:mod:`pagedpack.step.contract`). A site in another form (a strided,
+dilated or not depthwise conv, one not cut to the sequence's own tokens, a scan over more than one
+sequence), and a layer without the sites its class needs (a gated DeltaNet whose scan did not go
+through the seam), are refused naming the node or layer.
 """
 from __future__ import annotations
 
