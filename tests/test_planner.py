@@ -211,6 +211,7 @@ def test_a_model_with_recurrent_state_is_planned_with_a_slot_per_sequence_and_no
     stateless = plan_memory(peak, bytes_per_token=64, **sizes)
     hybrid = plan_memory(peak, bytes_per_token=64, state_bytes_per_seq=4096, **sizes)
     assert stateless.num_blocks - hybrid.num_blocks == 4 * 4096 // (64 * 16)
+    assert stateless.concurrent_seqs > 4 and hybrid.concurrent_seqs == 4  # a state slot each
     assert dict(hybrid.rows())["recurrent state"].startswith("4096 bytes per sequence, a slot for each of "
                                                              "max_num_seqs = 4")
     ssm = plan_memory(peak, bytes_per_token=0, state_bytes_per_seq=4096, **sizes)

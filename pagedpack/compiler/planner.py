@@ -48,7 +48,8 @@ class MemoryPlan:
     largest_batched_tokens: the largest ``max_num_batched_tokens`` whose activation peak still
         fits beside the weights and the KV of one ``max_model_len`` sequence (0 if none; the search
         stops at :data:`MAX_TOKENS_SEARCHED`).
-    concurrent_seqs: sequences of ``max_model_len`` tokens the pool holds at once.
+    concurrent_seqs: sequences of ``max_model_len`` tokens the pool holds at once (with recurrent
+        state, at most ``max_num_seqs``: a slot each).
     """
 
     memory: int
@@ -127,6 +128,8 @@ def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, bloc
     if fits(MAX_TOKENS_SEARCHED):
         largest = MAX_TOKENS_SEARCHED
     seqs = max(0, num_blocks) // math.ceil(max_model_len / block_size)
+    if state_bytes_per_seq:  # a sequence also needs one of the max_num_seqs state slots
+        seqs = min(seqs, max_num_seqs)
     return MemoryPlan(memory, weight_bytes, per_token, block_size, max_num_batched_tokens, max_num_seqs,
                       max_model_len, peak, activation, num_blocks, largest, seqs, state_bytes_per_seq)
 
