@@ -263,6 +263,16 @@ def _(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_stat
     return torch.empty_like(v)
 
 
+def _fresh_sequences(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(state_indices, cu_seqlens_q, has_initial_state)`` for the rows of ``t [batch, T, ...]`` as
+    ``batch`` sequences of ``T`` tokens, each from a zero state and none written back (slot -1: the
+    capture ops' one-slot scratch state is read as zeros, never written)."""
+    batch, tokens = t.shape[:2]
+    return (torch.full((batch,), -1, dtype=torch.int32, device=t.device),
+            torch.arange(batch + 1, dtype=torch.int32, device=t.device) * tokens,
+            torch.zeros(batch, dtype=torch.bool, device=t.device))
+
+
 @torch.library.custom_op("pagedpack::chunk_gated_delta_rule", mutates_args=())
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                            use_qk_l2norm_in_kernel: bool = False) -> Tensor:
@@ -278,14 +288,10 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     """
     _check_ranks("chunk_gated_delta_rule", q=(q, "[B, T, num_k_heads, k_head_dim]"),
                  v=(v, "[B, T, num_v_heads, v_head_dim]"))
-    batch, tokens = v.shape[:2]
-    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=v.device) * tokens
-    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=v.device)
-    scratch = v.new_zeros((1, v.shape[2], q.shape[3], v.shape[3]))  # read as zeros, never written (slot -1)
-    out = gated_delta_rule_varlen(*(t.flatten(0, 1) for t in (q, k, v, g, beta)), scratch, no_slots, cu_seqlens,
-                                  torch.zeros(batch, dtype=torch.bool, device=v.device), scale,
-                                  use_qk_l2norm_in_kernel)
-    return out.unflatten(0, (batch, tokens))
+    scratch = v.new_zeros((1, v.shape[2], q.shape[3], v.shape[3]))
+    out = gated_delta_rule_varlen(*(t.flatten(0, 1) for t in (q, k, v, g, beta)), scratch,
+                                  *_fresh_sequences(v), scale, use_qk_l2norm_in_kernel)
+    return out.unflatten(0, v.shape[:2])
 
 
 @chunk_gated_delta_rule.register_fake
@@ -400,15 +406,10 @@ def chunk_selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     """
     _check_ranks("chunk_selective_scan", x=(x, "[batch, T, num_heads, head_dim]"),
                  B=(B, "[batch, T, n_groups, d_state]"))
-    batch, tokens, heads, head_dim = x.shape
-    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=x.device) * tokens
-    no_slots = torch.full((batch,), -1, dtype=torch.int32, device=x.device)
-    scratch = x.new_zeros((1, heads, head_dim, B.shape[3]))  # read as zeros, never written (slot -1)
+    scratch = x.new_zeros((1, *x.shape[2:], B.shape[3]))
     out = selective_scan_varlen(*(t.flatten(0, 1) for t in (x, dt)), A, *(t.flatten(0, 1) for t in (B, C)), D,
-                                dt_bias, scratch, no_slots, cu_seqlens, torch.zeros(batch, dtype=torch.bool,
-                                                                                    device=x.device),
-                                dt_softplus, dt_min, dt_max)
-    return out.unflatten(0, (batch, tokens))
+                                dt_bias, scratch, *_fresh_sequences(x), dt_softplus, dt_min, dt_max)
+    return out.unflatten(0, x.shape[:2])
 
 
 @chunk_selective_scan.register_fake

@@ -22,9 +22,13 @@ RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|(?<!^Kimi)LinearAttention|Delta
                              r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
 
 
-# the recurrent layers whose state pagedpack pages (passes/recurrent_state.py)
-PAGED_RECURRENT_CLASS = re.compile(r"(ShortConv|GatedDeltaNet|DeltaAttention|Glm5NextTextLinearAttention|Mixer"
-                                   r"|MambaLayer)$")
+# the recurrent layers whose state pagedpack pages, by class-name ending, with the sites each holds
+# (passes/recurrent_state.py: a causal conv1d and the scan the capture's seam records, models/seams.py)
+PAGED_LAYERS = {"ShortConv": ("conv1d",), "GatedDeltaNet": ("conv1d", "gated_delta_rule"),
+                "DeltaAttention": ("conv1d", "gated_delta_rule"),
+                "Glm5NextTextLinearAttention": ("conv1d", "gated_delta_rule"),
+                "Mixer": ("conv1d", "selective_scan"), "MambaLayer": ("conv1d", "selective_scan")}
+PAGED_RECURRENT_CLASS = re.compile(f"({'|'.join(PAGED_LAYERS)})$")
 
 
 def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = False) -> tuple[str, str] | None:

@@ -37,7 +37,7 @@ import torch
 from torch.fx import Node
 
 import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack's recurrent ops)
-from pagedpack.models.recurrent import paged_layer
+from pagedpack.models.recurrent import PAGED_LAYERS, paged_layer
 from pagedpack.passes.find import token_sizes
 from pagedpack.passes.graph_edit import call_arg, set_fake_empty, set_fake_value
 from pagedpack.passes.manager import Pass, PassContext, PassResult
@@ -48,10 +48,7 @@ CONV1D = aten.conv1d.default
 GATED_DELTA_RULE = torch.ops.pagedpack.chunk_gated_delta_rule.default
 SELECTIVE_SCAN = torch.ops.pagedpack.chunk_selective_scan.default
 
-# the sites each paged layer class holds (a class name's ending -> the site ops it needs)
-_LAYER_SITES = {"ShortConv": {CONV1D}, "GatedDeltaNet": {CONV1D, GATED_DELTA_RULE},
-                "DeltaAttention": {CONV1D, GATED_DELTA_RULE}, "LinearAttention": {CONV1D, GATED_DELTA_RULE},
-                "Mixer": {CONV1D, SELECTIVE_SCAN}, "MambaLayer": {CONV1D, SELECTIVE_SCAN}}
+_SITE_OPS = {"conv1d": CONV1D, "gated_delta_rule": GATED_DELTA_RULE, "selective_scan": SELECTIVE_SCAN}
 _SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule", SELECTIVE_SCAN: "chunk_selective_scan"}
 
 
@@ -130,7 +127,7 @@ def _missing_sites(graph: torch.fx.Graph, sites: list[tuple[Node, str]]) -> list
     held = {(layer, site.target) for site, layer in sites}
     missing = []
     for layer, cls in sorted(layers):
-        need = next((ops for end, ops in _LAYER_SITES.items() if cls.endswith(end)), set())
+        need = {_SITE_OPS[site] for end, sites in PAGED_LAYERS.items() if cls.endswith(end) for site in sites}
         for op in sorted(need - {op for lay, op in held if lay == layer}, key=str):
             missing.append(f"recurrent_state: {layer} ({cls}): no {_SITE_NAMES[op]} in the captured graph (its "
                            "kernel was not captured through pagedpack's seam); its state cannot be paged")
