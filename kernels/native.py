@@ -6,8 +6,9 @@ libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library re
 prefill path in ``flash_prefill_cpu.cpp``),
 ``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``), ``rotate_half_rope`` (``rotary_cpu.cpp``) and
 ``silu_and_mul`` (``silu_and_mul_cpu.cpp``), which the CPU lowering calls, and the recurrent ops'
-kernels (``recurrent_cpu.cpp``: ``causal_conv1d_varlen``, ``gated_delta_rule_varlen``,
-``selective_scan_varlen``, which :mod:`pagedpack.kernels.recurrent` calls), and loaded with
+kernels (``recurrent_cpu.cpp``: ``causal_conv1d_varlen``, ``gated_delta_rule_varlen`` (lightning
+attention's too, without the delta term), ``selective_scan_varlen``, which
+:mod:`pagedpack.kernels.recurrent` calls), and loaded with
 ``torch.ops.load_library``. The library is cached under ``$PAGEDPACK_CACHE`` (default
 ``~/.cache/pagedpack``) ``/native/<key>/``, the key hashing the sources, the torch version, the
 compiler flags and the CPU capability, so a change of any of them rebuilds (about 30 s on two

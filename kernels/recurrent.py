@@ -9,6 +9,9 @@ sequence reading and writing its own **state slot** (vLLM's and FLA's contract f
   the initial states gathered and the final states scattered by ``ssm_state_indices`` (vLLM).
 * ``selective_scan_varlen``: the selective state-space scan of Mamba (``A [H, N]``,
   mamba_ssm's ``selective_scan_fn``) and Mamba2's SSD (``A [H]``, ``mamba_chunk_scan_combined``).
+* ``lightning_attention_varlen``: MiniMax's lightning attention, linear attention with a decay per
+  head (vLLM's ``lightning_attention`` / ``linear_decode_forward_triton``); the gated delta rule's
+  kernel without its delta term.
 
 Common arguments (``B`` sequences, ``T`` packed tokens, ``S`` state slots):
 
@@ -222,22 +225,31 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     Returns:
         ``[T, num_v_heads, v_head_dim]`` in ``v``'s dtype.
     """
-    checked = arguments_checked()
-    if not checked:
+    if not arguments_checked():
         _check_delta_rule(q, k, v, g, beta, ssm_state)
         _check_varlen("gated_delta_rule_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k,
                       v=v, g=g, beta=beta, ssm_state=ssm_state)
+    return _decayed_scan("gated_delta_rule_varlen", q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q,
+                         has_initial_state, scale, use_qk_l2norm_in_kernel, delta_rule=True)
+
+
+def _decayed_scan(op: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ssm_state: Tensor,
+                  state_indices: Tensor, cu_seqlens_q: Tensor, has_initial_state: Tensor, scale: float, l2norm: bool,
+                  delta_rule: bool) -> Tensor:
+    """The recurrence of :func:`gated_delta_rule_varlen` (``delta_rule``) and of
+    :func:`lightning_attention_varlen` (not: ``S = S * exp(g) + k (beta v)^T``), after ``op``'s
+    checks: the native kernel (one, with the flag) or the reference loop here."""
+    checked = arguments_checked()
     native = _native(v, ssm_state) if q.dtype == k.dtype == v.dtype else None
     if native is None or not checked:
-        sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, "gated_delta_rule_varlen", v.shape[0],
-                               ssm_state.shape[0])
+        sequences = _sequences(cu_seqlens_q, state_indices, has_initial_state, op, v.shape[0], ssm_state.shape[0])
     if native is not None:
         return native.gated_delta_rule_varlen(q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q,
-                                              has_initial_state, scale, use_qk_l2norm_in_kernel)
+                                              has_initial_state, scale, l2norm, delta_rule)
     dtype = _compute_dtype(v)
     group = v.shape[1] // q.shape[1]
     q, k = (t.to(dtype).repeat_interleave(group, dim=1) for t in (q, k))
-    if use_qk_l2norm_in_kernel:
+    if l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
     decay, write = g.to(dtype).exp(), beta.to(dtype)
@@ -246,8 +258,10 @@ def gated_delta_rule_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         state = ssm_state[slot].to(dtype) if initial else v.new_zeros(ssm_state.shape[1:], dtype=dtype)
         for t in range(start, end):
             state = state * (decay[t, :, None, None] if decay.dim() == 2 else decay[t, :, :, None])
-            delta = (v[t].to(dtype) - torch.einsum("hk,hkv->hv", k[t], state)) * write[t, :, None]
-            state = state + k[t, :, :, None] * delta[:, None, :]
+            value = v[t].to(dtype)
+            if delta_rule:
+                value = value - torch.einsum("hk,hkv->hv", k[t], state)
+            state = state + k[t, :, :, None] * (value * write[t, :, None])[:, None, :]
             out[t] = torch.einsum("hk,hkv->hv", q[t], state).to(v.dtype)
         if slot >= 0:
             ssm_state[slot] = state.to(ssm_state.dtype)
@@ -296,6 +310,88 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 @chunk_gated_delta_rule.register_fake
 def _(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel=False):
+    return torch.empty_like(v)
+
+
+# ---------------------------------------------------------------- lightning attention (MiniMax)
+
+
+def _check_lightning(q: Tensor, k: Tensor, v: Tensor, slope_rate: Tensor, ssm_state: Tensor) -> None:
+    op = "lightning_attention_varlen"
+    _check_ranks(op, q=(q, "[T, num_heads, head_dim]"), k=(k, "[T, num_heads, head_dim]"),
+                 v=(v, "[T, num_heads, v_head_dim]"), slope_rate=(slope_rate, "[num_heads]"),
+                 ssm_state=(ssm_state, "[num_slots, num_heads, head_dim, v_head_dim]"))
+    tokens, heads, dim = q.shape
+    _require(tuple(k.shape) == tuple(q.shape), op, "k", f"shape {tuple(q.shape)} like q", f"shape {tuple(k.shape)}")
+    _require(tuple(v.shape[:2]) == (tokens, heads), op, "v", f"[{tokens}, {heads}, v_head_dim] like q",
+             f"shape {tuple(v.shape)}")
+    _require(tuple(slope_rate.shape) == (heads,), op, "slope_rate", f"shape ({heads},)",
+             f"shape {tuple(slope_rate.shape)}")
+    _require(tuple(ssm_state.shape[1:]) == (heads, dim, v.shape[2]), op, "ssm_state",
+             f"[num_slots, {heads}, {dim}, {v.shape[2]}]", f"shape {tuple(ssm_state.shape)}")
+
+
+@torch.library.custom_op("pagedpack::lightning_attention_varlen", mutates_args=("ssm_state",))
+def lightning_attention_varlen(q: Tensor, k: Tensor, v: Tensor, slope_rate: Tensor, ssm_state: Tensor,
+                               state_indices: Tensor, cu_seqlens_q: Tensor, has_initial_state: Tensor) -> Tensor:
+    """MiniMax's lightning attention of each packed sequence, continuing from its state.
+
+    Per token and head ``h``: ``S = exp(-slope_rate[h]) S + k v^T``; ``o = q^T S`` (no softmax,
+    no scale), ``S`` the ``[head_dim, v_head_dim]`` state: transformers' ``MiniMaxLightningAttention``
+    (its decode path token by token; its prefill computes the same blockwise with ``query_decay``,
+    ``key_decay`` and ``diagonal_decay``) and vLLM's ``lightning_attention`` (prefill, ``kv_history``)
+    and ``linear_decode_forward_triton`` (decode, ``slot_idx``). It runs the gated delta rule's
+    kernel without the delta term (``g = -slope_rate``, ``beta = 1``, scale 1).
+
+    Args:
+        q, k: ``[T, num_heads, head_dim]``.
+        v: ``[T, num_heads, v_head_dim]``.
+        slope_rate: ``[num_heads]``, the decay rate (``> 0``; transformers' ``slope_rate`` buffer
+            ``[num_heads, 1, 1]`` flattened).
+        ssm_state: ``[num_slots, num_heads, head_dim, v_head_dim]``, mutated.
+        state_indices, cu_seqlens_q, has_initial_state: as in the module docstring.
+
+    Returns:
+        ``[T, num_heads, v_head_dim]`` in ``v``'s dtype.
+    """
+    if not arguments_checked():
+        _check_lightning(q, k, v, slope_rate, ssm_state)
+        _check_varlen("lightning_attention_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q,
+                      k=k, v=v, slope_rate=slope_rate, ssm_state=ssm_state)
+    tokens, heads = v.shape[:2]
+    return _decayed_scan("lightning_attention_varlen", q, k, v, (-slope_rate).expand(tokens, heads),
+                         v.new_ones(tokens, heads), ssm_state, state_indices, cu_seqlens_q, has_initial_state, 1.0,
+                         False, delta_rule=False)
+
+
+@lightning_attention_varlen.register_fake
+def _(q, k, v, slope_rate, ssm_state, state_indices, cu_seqlens_q, has_initial_state):
+    _check_lightning(q, k, v, slope_rate, ssm_state)
+    _check_varlen("lightning_attention_varlen", ssm_state, state_indices, cu_seqlens_q, has_initial_state, q=q, k=k,
+                  v=v, slope_rate=slope_rate, ssm_state=ssm_state)
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("pagedpack::chunk_lightning_attention", mutates_args=())
+def chunk_lightning_attention(q: Tensor, k: Tensor, v: Tensor, slope_rate: Tensor) -> Tensor:
+    """Lightning attention of ``B`` sequences of ``T`` tokens each, every one from a zero state, its
+    final state dropped: ``MiniMaxLightningAttention.forward``'s loop over blocks on a prompt without
+    a cache, the capture's single node for it (:mod:`pagedpack.models.seams`), which the
+    ``recurrent_state`` pass rewrites to :func:`lightning_attention_varlen`.
+
+    Args: ``q, k [B, T, num_heads, head_dim]``, ``v [B, T, num_heads, v_head_dim]``, ``slope_rate
+    [num_heads]``. Returns ``[B, T, num_heads, v_head_dim]`` in ``v``'s dtype.
+    """
+    _check_ranks("chunk_lightning_attention", q=(q, "[B, T, num_heads, head_dim]"),
+                 v=(v, "[B, T, num_heads, v_head_dim]"))
+    scratch = v.new_zeros((1, v.shape[2], q.shape[3], v.shape[3]))
+    out = lightning_attention_varlen(*(t.flatten(0, 1) for t in (q, k, v)), slope_rate, scratch,
+                                     *_fresh_sequences(v))
+    return out.unflatten(0, v.shape[:2])
+
+
+@chunk_lightning_attention.register_fake
+def _(q, k, v, slope_rate):
     return torch.empty_like(v)
 
 

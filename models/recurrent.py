@@ -8,9 +8,10 @@ names in transformers' modeling code. pagedpack pages the state of the layers in
 :data:`PAGED_RECURRENT_CLASS` (a state slot per sequence, :mod:`pagedpack.passes.recurrent_state`):
 short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv; gated DeltaNets
 (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and Kimi Delta Attention: a causal conv and the gated delta rule;
-Mamba and Mamba2 mixers (and the hybrids built on them): a causal conv and the selective scan / SSD,
-the scans captured through transformers' kernel seams (:mod:`pagedpack.models.seams`). The others
-(lightning attention, RG-LRU, RWKV, xLSTM) are refused by name.
+Mamba and Mamba2 mixers (and the hybrids built on them): a causal conv and the selective scan / SSD;
+MiniMax's lightning attention: a linear attention with a decay per head; the scans captured through
+transformers' kernel seams (:mod:`pagedpack.models.seams`). The others (RG-LRU, RWKV, xLSTM) are
+refused by name.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|(?<!^Kimi)LinearAttention|Delta
 PAGED_LAYERS = {"ShortConv": ("conv1d",), "GatedDeltaNet": ("conv1d", "gated_delta_rule"),
                 "DeltaAttention": ("conv1d", "gated_delta_rule"),
                 "Glm5NextTextLinearAttention": ("conv1d", "gated_delta_rule"),
-                "Mixer": ("conv1d", "selective_scan"), "MambaLayer": ("conv1d", "selective_scan")}
+                "Mixer": ("conv1d", "selective_scan"), "MambaLayer": ("conv1d", "selective_scan"),
+                "MiniMaxLightningAttention": ("lightning_attention",)}
 PAGED_RECURRENT_CLASS = re.compile(f"({'|'.join(PAGED_LAYERS)})$")
 
 
@@ -52,8 +54,8 @@ def recurrent_refusal(path: str, cls: str) -> str:
     if PAGED_RECURRENT_CLASS.search(cls):  # refused where no state is paged: the torch.compile backend
         return (f"{where}: the torch.compile backend does not page it (Dynamo captures outside pagedpack's kernel "
                 "seams); LLM and serve do")
-    return (f"{where}: pagedpack pages the state of short convolutions, gated DeltaNets (and Kimi Delta Attention) "
-            "and Mamba / Mamba2 mixers; not yet this layer's (no seam for its kernels)")
+    return (f"{where}: pagedpack pages the state of short convolutions, gated DeltaNets (and Kimi Delta Attention), "
+            "Mamba / Mamba2 mixers and MiniMax's lightning attention; not yet this layer's (no seam for its kernels)")
 
 
 def paged_layer(node) -> tuple[str, str] | None:

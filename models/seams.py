@@ -8,6 +8,9 @@ of the model's paged recurrent layers (:data:`pagedpack.models.recurrent.PAGED_R
 call a pagedpack op with the same semantics instead, for the form a prompt takes without a cache
 (no initial state, no final state); any other call goes to the original function. The layer's
 causal conv1d needs no seam: its fallback (``conv1d(padding=width - 1)[..., :T]``) captures as is.
+A layer whose recurrence is inline in its ``forward`` (MiniMax's lightning attention: a Python loop
+over blocks) has its class's ``forward`` replaced instead, by one that computes every line of the
+original but the loop, which is one pagedpack op (:data:`_FORWARD_SEAMS`).
 """
 from __future__ import annotations
 
@@ -80,32 +83,68 @@ def _selective_scan_seam(original: Callable) -> Callable:
     return seam
 
 
+def _lightning_attention_seam(original: Callable) -> Callable:
+    """transformers' ``MiniMaxLightningAttention.forward(hidden_states [B, T, hidden], position_embeddings,
+    attention_mask, cache=None, **kwargs) -> (out [B, T, hidden], final state)`` (modeling_minimax,
+    transformers 5.25): without a cache (a prompt), its lines with the loop over blocks (the
+    ``attn_weights_inter is None`` branch and its ``torch.cat``) as one ``chunk_lightning_attention``
+    on the ``[B, T, H, D]`` q, k, v before their transposes (the ``transpose(1, 2)`` after the loop
+    undoes them); the final state is not returned (None). With a cache, the original."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            return original(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        apply_mask_to_padding_states = sys.modules[type(self).__module__].apply_mask_to_padding_states
+        batch_size, seq_len, _ = hidden_states.shape
+
+        qkv_states = self.act_fn(self.qkv_proj(hidden_states))
+        qkv_states = apply_mask_to_padding_states(qkv_states, attention_mask)
+        qkv_states = qkv_states.reshape(batch_size, seq_len, self.num_attention_heads, 3 * self.head_dim)
+
+        query_states, key_states, value_states = torch.split(qkv_states, self.head_dim, dim=3)
+        attn_output = torch.ops.pagedpack.chunk_lightning_attention(query_states, key_states, value_states,
+                                                                     self.slope_rate.reshape(-1))
+
+        attn_output = attn_output.reshape(batch_size, seq_len, self.num_attention_heads * self.head_dim)
+        attn_output = self.norm(attn_output)
+        attn_output = F.sigmoid(self.output_gate(hidden_states)) * attn_output
+        attn_output = self.out_proj(attn_output)
+        return attn_output, None
+
+    return forward
+
+
 # the modeling modules' function names and their seams
 _SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_rule": _gated_delta_rule_seam,
                                                      "chunk_kimi_delta_attention": _gated_delta_rule_seam,
                                                      "mamba2_chunk_scan": _ssd_seam,
                                                      "mamba_selective_scan": _selective_scan_seam}
+# the paged layer classes (by name) whose recurrence is inline in their own forward, and its seam
+_FORWARD_SEAMS: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_attention_seam}
 _PATCHING = threading.Lock()  # one capture at a time patches (a second would restore the first's seam)
 
 
 @contextmanager
 def kernel_seams(model: torch.nn.Module) -> Iterator[None]:
     """Route the seams of :data:`_SEAMS` in the modeling modules of ``model``'s paged recurrent
-    layers to pagedpack's ops for the duration of the block (the originals are restored after)."""
+    layers, and the ``forward`` of its layer classes in :data:`_FORWARD_SEAMS`, to pagedpack's ops
+    for the duration of the block (the originals are restored after)."""
     with _PATCHING, _patched(model):
         yield
 
 
 @contextmanager
 def _patched(model: torch.nn.Module) -> Iterator[None]:
-    modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if PAGED_RECURRENT_CLASS.search(type(m).__name__)}
-    originals = [(module, name, getattr(module, name)) for module in modules for name in _SEAMS
-                 if hasattr(module, name)]
+    layers = {type(m) for m in model.modules() if PAGED_RECURRENT_CLASS.search(type(m).__name__)}
+    modules = {sys.modules[cls.__module__] for cls in layers}
+    patches = [(module, name, getattr(module, name), _SEAMS[name]) for module in modules for name in _SEAMS
+               if hasattr(module, name)]
+    patches += [(cls, "forward", vars(cls)["forward"], _FORWARD_SEAMS[cls.__name__]) for cls in layers
+                if cls.__name__ in _FORWARD_SEAMS and "forward" in vars(cls)]
     try:
-        for module, name, original in originals:
-            setattr(module, name, _SEAMS[name](original))
+        for owner, name, original, seam in patches:
+            setattr(owner, name, seam(original))
         yield
     finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
+        for owner, name, original, _ in patches:
+            setattr(owner, name, original)

@@ -1,7 +1,7 @@
 """The ``recurrent_state`` pass: the sequence mixing of each layer whose state pagedpack pages
 (:data:`pagedpack.models.recurrent.PAGED_RECURRENT_CLASS`: LFM2's short conv, the gated DeltaNets and
-Kimi Delta Attention, the Mamba and Mamba2 mixers) over the packed tokens, each sequence reading and
-writing its state slot.
+Kimi Delta Attention, the Mamba and Mamba2 mixers, MiniMax's lightning attention) over the packed
+tokens, each sequence reading and writing its state slot.
 
 A causal conv1d (transformers' ``causal_conv1d_fn`` without a cache; batch 1)::
 
@@ -21,9 +21,15 @@ A selective scan (Mamba's or Mamba2's SSD, the seam's ``chunk_selective_scan``):
     ->  selective_scan_varlen(x[0], dt[0], A, B[0], C[0], D, dt_bias, ssm_state_i, state_indices,
                               cu_seqlens_q, has_initial_state, ...)[None]
 
+Lightning attention (MiniMax; the seam's ``chunk_lightning_attention``)::
+
+    o [1, T, H, Dv] = chunk_lightning_attention(q, k [1, T, H, D], v, slope_rate [H])
+    ->  lightning_attention_varlen(q[0], k[0], v[0], slope_rate, ssm_state_i, state_indices, cu_seqlens_q,
+                                   has_initial_state)[None]
+
 with ``state_indices``, ``has_initial_state`` and one state input per site (``conv_state_i [num_slots,
-dim, width - 1]``, ``ssm_state_i [num_slots, Hv, Dk, Dv]`` or ``[num_slots, H, P, N]``) added as graph
-inputs after the KV caches (:mod:`pagedpack.step.contract`). A site in another form (a strided,
+dim, width - 1]``, ``ssm_state_i [num_slots, Hv, Dk, Dv]``, ``[num_slots, H, P, N]`` or ``[num_slots, H, D,
+Dv]``) added as graph inputs after the KV caches (:mod:`pagedpack.step.contract`). A site in another form (a strided,
 dilated or not depthwise conv, one not cut to the sequence's own tokens, a scan over more than one
 sequence), and a layer without the sites its class needs (a gated DeltaNet whose scan did not go
 through the seam), are refused naming the node or layer.
@@ -47,9 +53,12 @@ aten = torch.ops.aten
 CONV1D = aten.conv1d.default
 GATED_DELTA_RULE = torch.ops.pagedpack.chunk_gated_delta_rule.default
 SELECTIVE_SCAN = torch.ops.pagedpack.chunk_selective_scan.default
+LIGHTNING_ATTENTION = torch.ops.pagedpack.chunk_lightning_attention.default
 
-_SITE_OPS = {"conv1d": CONV1D, "gated_delta_rule": GATED_DELTA_RULE, "selective_scan": SELECTIVE_SCAN}
-_SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule", SELECTIVE_SCAN: "chunk_selective_scan"}
+_SITE_OPS = {"conv1d": CONV1D, "gated_delta_rule": GATED_DELTA_RULE, "selective_scan": SELECTIVE_SCAN,
+             "lightning_attention": LIGHTNING_ATTENTION}
+_SITE_NAMES = {CONV1D: "conv1d", GATED_DELTA_RULE: "chunk_gated_delta_rule", SELECTIVE_SCAN: "chunk_selective_scan",
+               LIGHTNING_ATTENTION: "chunk_lightning_attention"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class _Scan:
 
 
 _SCANS = {GATED_DELTA_RULE: _Scan(torch.ops.pagedpack.gated_delta_rule_varlen.default, (0, 1, 2, 3, 4), 5, 2),
-          SELECTIVE_SCAN: _Scan(torch.ops.pagedpack.selective_scan_varlen.default, (0, 1, 3, 4), 7, 0)}
+          SELECTIVE_SCAN: _Scan(torch.ops.pagedpack.selective_scan_varlen.default, (0, 1, 3, 4), 7, 0),
+          LIGHTNING_ATTENTION: _Scan(torch.ops.pagedpack.lightning_attention_varlen.default, (0, 1, 2), 4, 2)}
 
 
 def _is_token_count(value, sizes: set) -> bool:
@@ -113,7 +123,7 @@ def _state_spec(site: Node, layer: str) -> StateSpec:
     if site.target is CONV1D:
         weight = site.args[1].meta["val"]
         return StateSpec("conv_state", (weight.shape[0], weight.shape[2] - 1), weight.dtype, layer)
-    if site.target is GATED_DELTA_RULE:  # [Hv, Dk, Dv]
+    if site.target in (GATED_DELTA_RULE, LIGHTNING_ATTENTION):  # [Hv, Dk, Dv]
         q, v = site.args[0].meta["val"], site.args[2].meta["val"]
         return StateSpec("ssm_state", (v.shape[2], q.shape[3], v.shape[3]), v.dtype, layer)
     x, b = site.args[0].meta["val"], site.args[3].meta["val"]  # selective scan: [H, P, N]

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 import transformers.models.mamba.modeling_mamba as mamba
 import transformers.models.mamba2.modeling_mamba2 as mamba2
+import transformers.models.minimax.modeling_minimax as minimax
 import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Mamba2Config, MambaConfig, Qwen3NextConfig
+from transformers import Mamba2Config, MambaConfig, MiniMaxConfig, Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 import pagedpack  # noqa: F401  (registers the ops)
@@ -42,6 +43,17 @@ def scan_reference(x, dt, A, B, C, D):
             weight = (C[t] * decay * B[s]).sum(-1) * dt[s]  # [H]
             y[t] += weight[:, None] * x[s]
     return y + D[:, None] * x
+
+
+def lightning_reference(q, k, v, slope_rate):
+    """Lightning attention of one ``[L, H, D]`` sequence in its quadratic form, from the definition
+    ``S_t = exp(-slope) S_{t-1} + k_t v_t^T``, ``o_t = q_t S_t``: ``o_t = sum_{s<=t} exp(-slope (t - s))
+    (q_t . k_s) v_s``; the state after the last token ``sum_s exp(-slope (L - 1 - s)) k_s v_s^T``."""
+    age = torch.arange(q.shape[0])[:, None] - torch.arange(q.shape[0])[None, :]  # t - s
+    decay = torch.where(age >= 0, torch.exp(-slope_rate[:, None, None] * age.clamp(min=0)), 0.0)  # [H, L, L]
+    out = torch.einsum("hts,thd,shd,she->the", decay, q, k, v)
+    final = torch.einsum("hs,shd,she->hde", decay[:, -1], k, v)
+    return out, final
 
 
 def run_in_chunks(sequences, splits, state, slots, call):
@@ -122,6 +134,46 @@ def test_gated_delta_rule_in_chunks_equals_transformers_chunked_form(batch, l2no
         # transformers computes in fp32 whatever comes in: fp32 tolerances
         torch.testing.assert_close(out, expected[0].to(out.dtype), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state[slot], final[0].to(state.dtype), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(batches())
+def test_lightning_attention_in_chunks_equals_the_quadratic_form(batch):
+    lengths, splits, slots = batch
+    g = torch.Generator().manual_seed(sum(lengths) + 1)
+    slope_rate = torch.rand(HEADS, generator=g, dtype=torch.float64)
+    seqs = [{"q": torch.randn(n, HEADS, K_DIM, generator=g, dtype=torch.float64),
+             "k": torch.randn(n, HEADS, K_DIM, generator=g, dtype=torch.float64),
+             "v": torch.randn(n, HEADS, V_DIM, generator=g, dtype=torch.float64)} for n in lengths]
+    state = _garbage_state((max(slots) + 2, HEADS, K_DIM, V_DIM))
+    outs = run_in_chunks(seqs, splits, state, slots, lambda i, s, idx, cu, init: (
+        torch.ops.pagedpack.lightning_attention_varlen(i["q"], i["k"], i["v"], slope_rate, s, idx, cu, init)))
+    for seq, out, slot in zip(seqs, outs, slots):
+        expected, final = lightning_reference(seq["q"], seq["k"], seq["v"], slope_rate)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(state[slot], final)
+
+
+def test_the_lightning_attention_seam_is_minimax_s_forward_on_a_batch():
+    """MiniMax's forward without a cache (its loop over blocks of 4: 11 tokens end in a partial one)
+    and the seam's, the loop as ``chunk_lightning_attention``, give the same output; a call with a
+    cache goes to the original; the original forward is restored after."""
+    config = MiniMaxConfig(hidden_size=32, num_attention_heads=2, head_dim=8, num_hidden_layers=2, block_size=4,
+                           layer_types=["linear_attention", "full_attention"])
+    original = minimax.MiniMaxLightningAttention.forward
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = minimax.MiniMaxLightningAttention(config, 0).double()
+        hidden = torch.randn(2, 11, 32, dtype=torch.float64)
+    expected, _ = layer(hidden, None, None)
+    with kernel_seams(layer):
+        assert minimax.MiniMaxLightningAttention.forward is not original
+        got, final = layer(hidden, None, None)
+        assert final is None
+        _, final = layer(hidden, None, None, cache=minimax.MiniMaxCache())  # not the seam's form
+        assert final is not None
+    assert minimax.MiniMaxLightningAttention.forward is original
+    torch.testing.assert_close(got, expected)
 
 
 def test_the_capture_seam_is_transformers_chunked_form_on_a_batch():
@@ -247,6 +299,18 @@ def _scan_args():
                 dt_softplus=True)
 
 
+def _lightning_args():
+    return dict(q=torch.randn(5, HEADS, K_DIM), k=torch.randn(5, HEADS, K_DIM), v=torch.randn(5, HEADS, V_DIM),
+                slope_rate=torch.rand(HEADS), ssm_state=torch.randn(3, HEADS, K_DIM, V_DIM),
+                state_indices=torch.tensor([2, 0], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 4, 5], dtype=torch.int32), has_initial_state=torch.tensor([False, True]))
+
+
+def _chunk_lightning_args():
+    return dict(q=torch.randn(2, 3, HEADS, K_DIM), k=torch.randn(2, 3, HEADS, K_DIM),
+                v=torch.randn(2, 3, HEADS, V_DIM), slope_rate=torch.rand(HEADS))
+
+
 def _chunk_delta_rule_args():
     return dict(q=torch.randn(2, 3, K_HEADS, K_DIM), k=torch.randn(2, 3, K_HEADS, K_DIM),
                 v=torch.randn(2, 3, V_HEADS, V_DIM), g=-torch.rand(2, 3, V_HEADS), beta=torch.rand(2, 3, V_HEADS),
@@ -261,8 +325,9 @@ def _chunk_scan_args():
 
 
 OPS = {"causal_conv1d_varlen": _conv_args, "gated_delta_rule_varlen": _delta_rule_args,
-       "selective_scan_varlen": _scan_args, "chunk_gated_delta_rule": _chunk_delta_rule_args,
-       "chunk_selective_scan": _chunk_scan_args}
+       "selective_scan_varlen": _scan_args, "lightning_attention_varlen": _lightning_args,
+       "chunk_gated_delta_rule": _chunk_delta_rule_args, "chunk_selective_scan": _chunk_scan_args,
+       "chunk_lightning_attention": _chunk_lightning_args}
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -285,6 +350,9 @@ def test_opcheck(name):
     ("gated_delta_rule_varlen", {"beta": torch.rand(4, V_HEADS)}, "beta: expected shape (5, 4)"),
     ("selective_scan_varlen", {"A": -torch.rand(HEADS, 2)}, "A: expected shape (4,) (Mamba2) or (4, 6) (Mamba)"),
     ("selective_scan_varlen", {"C": torch.randn(4, 1, D_STATE)}, "C: expected shape (4, 2, 6) like B"),
+    ("lightning_attention_varlen", {"slope_rate": torch.rand(HEADS, 1, 1)},
+     "slope_rate: expected a rank-1 tensor [num_heads]"),
+    ("lightning_attention_varlen", {"v": torch.randn(5, 2, V_DIM)}, "v: expected [5, 4, v_head_dim] like q"),
 ])
 def test_bad_arguments_are_refused_by_name(name, change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -311,6 +379,8 @@ def _native_sample(kind: str) -> dict:
         "kda": lambda: dict(q=r(tokens, V_HEADS, K_DIM), k=r(tokens, V_HEADS, K_DIM), v=r(tokens, V_HEADS, V_DIM),
                             g=-r(tokens, V_HEADS, K_DIM).abs(), beta=r(tokens, V_HEADS).sigmoid(),
                             ssm_state=r(slots, V_HEADS, K_DIM, V_DIM), scale=0.3, use_qk_l2norm_in_kernel=True),
+        "lightning": lambda: dict(q=r(tokens, HEADS, K_DIM), k=r(tokens, HEADS, K_DIM), v=r(tokens, HEADS, V_DIM),
+                                  slope_rate=r(HEADS).abs(), ssm_state=r(slots, HEADS, K_DIM, V_DIM)),
         "mamba2": lambda: dict(x=r(tokens, HEADS, HEAD_DIM), dt=r(tokens, HEADS), A=-r(HEADS).abs(),
                                B=r(tokens, GROUPS, D_STATE), C=r(tokens, GROUPS, D_STATE), D=r(HEADS), dt_bias=r(HEADS),
                                ssm_state=r(slots, HEADS, HEAD_DIM, D_STATE), dt_softplus=True, dt_max=3.0),
@@ -324,7 +394,8 @@ def _native_sample(kind: str) -> dict:
 
 
 NATIVE_OPS = {"conv": "causal_conv1d_varlen", "delta_rule": "gated_delta_rule_varlen", "kda": "gated_delta_rule_varlen",
-              "mamba2": "selective_scan_varlen", "mamba": "selective_scan_varlen"}
+              "lightning": "lightning_attention_varlen", "mamba2": "selective_scan_varlen",
+              "mamba": "selective_scan_varlen"}
 PER_TOKEN = {"x", "q", "k", "v", "g", "beta", "dt", "B", "C"}
 
 

@@ -1,9 +1,9 @@
 // CPU kernels of the recurrent ops (kernels/recurrent.py): pagedpack_cpu::causal_conv1d_varlen,
-// gated_delta_rule_varlen and selective_scan_varlen over packed varlen tokens, each sequence
-// continuing from and writing back its state slot. Semantics and argument checks are those of the
-// Python ops (their docstrings; vLLM's causal_conv1d_fn, FLA's gated delta rule, mamba_ssm's
-// selective scan); the Python op checks shapes, dtypes and the metadata's values before it calls
-// these. Activations fp32 or bf16, states fp32 or bf16, everything accumulated in fp32; the
+// gated_delta_rule_varlen (also lightning_attention_varlen's, without the delta term) and
+// selective_scan_varlen over packed varlen tokens, each sequence continuing from and writing back its
+// state slot. Semantics and argument checks are those of the Python ops (their docstrings; vLLM's
+// causal_conv1d_fn, FLA's gated delta rule, MiniMax's lightning attention, mamba_ssm's selective
+// scan); the Python op checks shapes, dtypes and the metadata's values before it calls these. Activations fp32 or bf16, states fp32 or bf16, everything accumulated in fp32; the
 // per-sequence recurrence runs token by token (a decode step's one token, a prefill chunk's many),
 // in parallel over (sequence, channel or head).
 #include <ATen/ATen.h>
@@ -115,10 +115,13 @@ at::Tensor causal_conv1d_varlen_cpu(const at::Tensor& x_in, const at::Tensor& we
 
 // ---------------------------------------------------------------- gated delta rule
 
+// Per token and value head: S = S * exp(g); S += k (beta (v - k^T S))^T with delta_rule, else
+// S += k (beta v)^T (lightning attention: g = -slope, beta = 1, scale 1); o = (scale q)^T S.
 at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                        const at::Tensor& g_in, const at::Tensor& beta_in, at::Tensor ssm_state,
                                        const at::Tensor& state_indices, const at::Tensor& cu_seqlens_q,
-                                       const at::Tensor& has_initial_state, double scale, bool l2norm) {
+                                       const at::Tensor& has_initial_state, double scale, bool l2norm,
+                                       bool delta_rule) {
   TORCH_CHECK_VALUE(ssm_state.is_contiguous(), "gated_delta_rule_varlen: ssm_state: expected a contiguous tensor");
   const auto q = q_in.contiguous(), k = k_in.contiguous(), val = v_in.contiguous();
   const auto g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
@@ -170,7 +173,7 @@ at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor&
             const float decay = per_channel ? std::exp(gt[d]) : head_decay;
             for (int64_t e = 0; e < dv; ++e) {
               row[e] *= decay;
-              delta[e] += kf[d] * row[e];
+              if (delta_rule) delta[e] += kf[d] * row[e];  // a loop invariant: -O3 unswitches it
             }
           }
           for (int64_t e = 0; e < dv; ++e) delta[e] = (f(vt[e]) - delta[e]) * w;
@@ -263,7 +266,8 @@ TORCH_LIBRARY_FRAGMENT(pagedpack_cpu, m) {
   m.def("causal_conv1d_varlen(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_state, Tensor state_indices, "
         "Tensor cu_seqlens_q, Tensor has_initial_state, bool silu) -> Tensor");
   m.def("gated_delta_rule_varlen(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) ssm_state, "
-        "Tensor state_indices, Tensor cu_seqlens_q, Tensor has_initial_state, float scale, bool l2norm) -> Tensor");
+        "Tensor state_indices, Tensor cu_seqlens_q, Tensor has_initial_state, float scale, bool l2norm, "
+        "bool delta_rule) -> Tensor");
   m.def("selective_scan_varlen(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? dt_bias, "
         "Tensor(a!) ssm_state, Tensor state_indices, Tensor cu_seqlens_q, Tensor has_initial_state, bool dt_softplus, "
         "float dt_min, float? dt_max) -> Tensor");
