@@ -19,7 +19,7 @@ SAMPLE = {
     "gemma3": "exact",  # a ...ForConditionalGeneration on token ids
     "glm4_moe": "exact",
     "falcon_h1": "exact",  # a Mamba2 hybrid: its recurrent state paged
-    "minimax": "refused",  # lightning attention: a recurrent state pagedpack does not page
+    "recurrent_gemma": "refused",  # RG-LRU: a recurrent state pagedpack does not page (MiniMax's is paged now)
     "bert": "refused",  # bidirectional
     "gpt_oss": "exact",  # attention sinks (the eager_sinks pattern), experts
 }

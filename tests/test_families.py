@@ -68,6 +68,10 @@ SERVED = {
                                              linear_head_dim=16, kv_lora_rank=32, qk_rope_head_dim=8,
                                              qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4, pad_token_id=0),
                     BOTH, []),
+    # lightning attention (a linear attention with a decay per head, its state paged) and an attention layer, experts;
+    # prompts span several of its 16-token blocks; sdpa only: its attention layer is Mixtral's (served under both)
+    "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+                                      layer_types=["linear_attention", "full_attention"]), ("sdpa",), []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
     # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts
@@ -103,9 +107,9 @@ REFUSED = {
     "falcon-alibi": (T.FalconConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           new_decoder_architecture=False, multi_query=True, alibi=True), BOTH,
                      "score bias is not ALiBi .* at T=261"),
-    # lightning attention and an attention layer (their packed sample run used to raise)
-    "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=2, num_experts_per_tok=1, block_size=16,
-                                      layer_types=["linear_attention", "full_attention"]), ("sdpa",), _RECURRENT),
+    # RG-LRU blocks and an attention layer: a recurrent state pagedpack does not page, refused before export
+    "recurrent_gemma": (T.RecurrentGemmaConfig, dict(_BASE, lru_width=64, block_types=["recurrent", "attention"]),
+                        ("sdpa",), _RECURRENT),
     # a per-head sink as sigmoid(logsumexp(scores) - sink) times the output: the scores have a second
     # reader, which the rewrite used to leave reading the packed step (an IndexError in its check)
     "granite_swa": (T.GraniteSWAConfig, dict(_BASE, layer_types=["full_attention", "sliding_attention"],

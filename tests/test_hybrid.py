@@ -1,6 +1,7 @@
 """Hybrids of attention and layers with a recurrent state (LFM2's short convolutions, Qwen3.5's gated
-DeltaNet, Bamba's Mamba2 mixers) through the pass and the engine: each causal conv1d, gated delta rule
-and selective scan continues from a state slot per sequence. References: the
+DeltaNet, Bamba's Mamba2 mixers, MiniMax's lightning attention) through the pass and the engine: each
+causal conv1d, gated delta rule, selective scan and lightning attention continues from a state slot
+per sequence. References: the
 unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
 12-prompt batch with chunked prefill under both attention implementations)."""
 import types
@@ -80,6 +81,16 @@ def ssd():
         mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16))
 
 
+@pytest.fixture(scope="module")
+def lightning():
+    """``(llm, solo)`` of a MiniMax model: lightning attention (blocks of 8: the prompts span up to 8),
+    attention, experts."""
+    return _built(T.MiniMaxConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, initializer_range=0.1, layer_types=["linear_attention", "full_attention"],
+        num_local_experts=4, num_experts_per_tok=2, block_size=8))
+
+
 def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
     notes = [n for n in llm.report.notes if n.startswith("recurrent_state:")]
     assert notes and "model.layers.0.conv, model.layers.2.conv" in notes[0] and "1,024 bytes a sequence" in notes[0]
@@ -92,7 +103,7 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
         "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
 
 
-@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd"])
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "lightning"])
 def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, request):
     """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""
     llm, solo = request.getfixturevalue(hybrid)
