@@ -29,8 +29,9 @@ class PositionsInput(Pass):
         graph, positions = ctx.graph, ctx.inputs["positions"]
         arange = torch.arange(ctx.num_tokens)
         site_nodes = {n for s in ctx.sites for n in s.sampled_nodes}
-        sources = [n for n, v in ctx.values.items() if n not in site_nodes and maybe_positions(n, ctx.num_tokens)
-                   and torch.equal(v.reshape(-1).cpu(), arange)]
+        orderings = _token_orderings(graph)
+        sources = [n for n, v in ctx.values.items() if n not in site_nodes and n not in orderings
+                   and maybe_positions(n, ctx.num_tokens) and torch.equal(v.reshape(-1).cpu(), arange)]
         for node in sources:
             with graph.inserting_before(node):
                 shape = [1, -1] if ctx.values[node].dim() == 2 else [-1]
@@ -39,6 +40,27 @@ class PositionsInput(Pass):
         ctx.report.notes.append(f"position ids: {len(sources)} node(s) computing arange(T) replaced by the positions "
                                 "input" if sources else "no position-id computation found")
         return PassResult(matched=len(sources), rewritten=len(sources))
+
+
+# ops whose index output orders the tokens by their data (a mixture of experts' dispatch by expert id)
+_ORDERING_OPS = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable, aten.topk.default}
+_SCATTERS = {aten.index_put_.default, aten.index_put.default, aten.scatter.src, aten.scatter_.src}
+
+
+def _token_orderings(graph: torch.fx.Graph) -> set[Node]:
+    """The nodes that hold an ordering of the tokens rather than their positions, however their sampled
+    value looks (with one expert a token, a sort of the experts' ids can be ``arange(T)``): those computed
+    from a sort / top-k, and what is scattered by an index (``inverse[order] = arange(T)``: the
+    inverse of an ordering), with everything computed from them."""
+    found: set[Node] = set()
+    for node in graph.nodes:
+        args = node.all_input_nodes
+        scattered = node.target in _SCATTERS and len(node.args) > 2 and isinstance(node.args[2], Node)
+        if node.target in _ORDERING_OPS or any(a in found for a in args):
+            found.add(node)
+        if scattered:
+            found.update((node, node.args[2]))
+    return found
 
 
 def maybe_positions(node: Node, n: int) -> bool:

