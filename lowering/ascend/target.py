@@ -31,7 +31,7 @@ from pagedpack.lowering.ascend.graphs import (
     copy_module,
     max_blocks_per_seq,
 )
-from pagedpack.lowering.ascend.limits import MAX_TND_SEQS, check_supported
+from pagedpack.lowering.ascend.limits import MAX_TND_SEQS, AscendLoweringError, check_supported
 from pagedpack.lowering.ascend.lower import (
     describe,
     emulated_ops,
@@ -42,6 +42,15 @@ from pagedpack.lowering.ascend.lower import (
     npu_ops,
     site_shapes,
     step_example_inputs,
+)
+from pagedpack.lowering.ascend.recurrent import (
+    MISSING_OPS,
+    SUPPORTED_OPS,
+    ascend_state_specs,
+    emulated_recurrent_ops,
+    lower_recurrent,
+    npu_recurrent_ops,
+    violations,
 )
 from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
 from pagedpack.lowering.targets import StepBounds, Target, TargetOptions
@@ -96,6 +105,10 @@ class AscendTarget(Target):
     builtin_model: dict = field(default_factory=lambda: dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, dtype=torch.bfloat16))
     options_type: type = AscendOptions
+    recurrent_ops: frozenset[str] = SUPPORTED_OPS
+
+    def missing_recurrent_op(self, op: str) -> str:
+        return MISSING_OPS.get(op) or super().missing_recurrent_op(op)
 
     def prepare_device(self, device: torch.device | str) -> None:
         """Import torch_npu before an ``npu`` device is used (``torch.device("npu")`` needs it)."""
@@ -106,6 +119,9 @@ class AscendTarget(Target):
         """:class:`~pagedpack.lowering.ascend.limits.AscendLoweringError` citing each broken limit."""
         for shape in site_shapes(rewritten, block_size=block_size):
             check_supported(shape, bounds)
+        broken = violations(rewritten.graph_module, rewritten.state_specs)
+        if broken:
+            raise AscendLoweringError("the Ascend recurrent ops cannot serve these layers:\n  " + "\n  ".join(broken))
 
     def lower(self, rewritten, options: AscendOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
@@ -117,9 +133,15 @@ class AscendTarget(Target):
         :mod:`pagedpack.kernels.npu_graph_emulation`)."""
         emulated = self.emulated(device)
         ops = emulated_ops() if emulated else npu_ops()
-        mode = options.graph_mode
-        buckets = dict(batch_sizes=list(options.graph_batch_sizes),
-                       max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
+        mode, states = options.graph_mode, rewritten.state_specs
+        if states and mode != "aclgraph":
+            raise ValueError(f"target_options: graph_mode={mode!r} compiles the step, and the recurrent layers' "
+                             f"conv op (npu_causal_conv1d_custom) writes its state without declaring it in its "
+                             f"schema, which compiled graphs would drop; the default graph_mode='aclgraph' runs "
+                             f"this model eagerly")
+        # no decode graphs with recurrent state: a padded bucket has no state slots for its padding rows
+        sizes = [] if states else list(options.graph_batch_sizes)
+        buckets = dict(batch_sizes=sizes, max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
             if mode in BUCKET_MODES else {}
         if mode == "aclgraph":
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device,
@@ -138,10 +160,17 @@ class AscendTarget(Target):
                                 eager=True)
                 program = DecodeBuckets(rewritten.graph_module, eager, backend=backend, **buckets)
         note = f"{describe(shapes, ops)}; graph mode {mode}"
-        note += f" {list(options.graph_batch_sizes)}" if buckets else ""
+        note += f" {sizes}" if buckets else ""
+        if states:
+            recurrent = emulated_recurrent_ops() if emulated else npu_recurrent_ops()
+            sites = lower_recurrent(rewritten.graph_module, states, recurrent)
+            rewritten.graph_module.recompile()
+            note += (f"; {sites} recurrent site(s) -> {recurrent.causal_conv1d} (run_mode=0) and "
+                     f"{recurrent.chunk_gated_delta_rule}, every step eager (no decode graphs: their padding "
+                     "rows would have no state slot)")
         note += f"; emulated on {device}" if emulated else ""
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, graphs=program.stats,
-                           padding_blocks=program.padding_blocks)
+                           padding_blocks=program.padding_blocks, state_specs=ascend_state_specs(states))
 
     def emulated(self, device: torch.device | str) -> bool:
         return not is_npu(device)
