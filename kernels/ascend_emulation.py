@@ -759,3 +759,88 @@ def npu_chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, *, bet
 def _(query, key, value, *, beta=None, initial_state=None, actual_seq_lengths=None, scale=None, g=None):
     _check_chunk_gdr(query, key, value, beta, initial_state, actual_seq_lengths, scale, g)
     return value.new_empty(value.shape, dtype=torch.bfloat16), torch.empty_like(initial_state)
+
+
+RECURRENT_GDR = "npu_recurrent_gated_delta_rule"
+MAX_MTP = 16  # csrc/attention/recurrent_gated_delta_rule: past 16 rows a sequence the kernel returns, computing nothing
+_C_ASCEND.define(
+    f"{RECURRENT_GDR}(Tensor query, Tensor key, Tensor value, Tensor(a!) state, *, Tensor? beta=None, "
+    "float? scale=None, Tensor? actual_seq_lengths=None, Tensor? ssm_state_indices=None, "
+    "Tensor? num_accepted_tokens=None, Tensor? g=None, Tensor? gk=None) -> Tensor")
+
+
+def _check_recurrent_gdr(query, key, value, state, beta, scale, actual_seq_lengths, ssm_state_indices,
+                         num_accepted_tokens, g, gk) -> None:
+    """The tiling's rules (recurrent_gated_delta_rule_tiling.cpp: bfloat16 query/key/value/beta, a
+    bfloat16 or float32 state, float32 g, int32 lengths and indices, N <= 256, D <= 512; the adapter:
+    scale required), as far as the emulation goes."""
+    for name, t in (("query", query), ("key", key), ("value", value), ("beta", beta)):
+        _require(t is not None and t.dtype == torch.bfloat16, RECURRENT_GDR, f"{name} must be bfloat16")
+    _require(state.dtype in (torch.bfloat16, torch.float32), RECURRENT_GDR, "state must be bfloat16 or float32")
+    _require(g is None or g.dtype == torch.float32, RECURRENT_GDR, "g must be float32")
+    _require(scale is not None, RECURRENT_GDR, "scale cannot be empty")
+    for name, t in (("actual_seq_lengths", actual_seq_lengths), ("ssm_state_indices", ssm_state_indices)):
+        _require(t is not None and t.dtype == torch.int32, RECURRENT_GDR, f"{name} must be int32")
+    _require(num_accepted_tokens is None and gk is None, RECURRENT_GDR,
+             "num_accepted_tokens (speculative decoding) and gk (a decay per key channel) are not emulated")
+    _require(query.dim() == key.dim() == value.dim() == 3 and query.shape == key.shape and state.dim() == 4,
+             RECURRENT_GDR, "query/key [T, N_k, D_k], value [T, N_v, D_v], state [slots, N_v, D_v, D_k]")
+    tokens, num_k, dk = query.shape
+    num_v, dv = value.shape[1:]
+    _require(num_k <= 256 and num_v <= 256 and dk <= 512 and dv <= 512 and num_v % num_k == 0, RECURRENT_GDR,
+             f"N_k, N_v <= 256, D_k, D_v <= 512, N_v a multiple of N_k; got {num_k}, {num_v}, {dk}, {dv}")
+    _require(tuple(state.shape[1:]) == (num_v, dv, dk), RECURRENT_GDR,
+             f"state is [slots, N_v, D_v, D_k] = [slots, {num_v}, {dv}, {dk}], got {tuple(state.shape)}")
+    _require(tuple(beta.shape) == (tokens, num_v) and (g is None or tuple(g.shape) == (tokens, num_v)),
+             RECURRENT_GDR, f"beta and g are [T, N_v] = ({tokens}, {num_v})")
+    _require(tuple(ssm_state_indices.shape) == (tokens,), RECURRENT_GDR, f"ssm_state_indices is [T] = ({tokens},)")
+
+
+@torch.library.impl(f"pagedpack_C_ascend::{RECURRENT_GDR}", "CompositeExplicitAutograd")
+def npu_recurrent_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, state: Tensor, *,
+                                   beta: Tensor | None = None, scale: float | None = None,
+                                   actual_seq_lengths: Tensor | None = None, ssm_state_indices: Tensor | None = None,
+                                   num_accepted_tokens: Tensor | None = None, g: Tensor | None = None,
+                                   gk: Tensor | None = None) -> Tensor:
+    """vllm-ascend's token-by-token gated delta rule (decodes, speculative rows): ``out [T, N_v, D_v]``
+    in bfloat16, ``state [slots, N_v, D_v, D_k]`` written in place.
+
+    ``actual_seq_lengths [B + 1]``: the first row's offset, then each sequence's row count
+    (gdn_attn_builder.py, ``_build_actual_seq_lengths``); ``ssm_state_indices [T]``: a slot per row.
+    Semantics (the kernel, op_kernel/recurrent_gated_delta_rule.h, and the golden of vllm-ascend's
+    test_recurrent_gated_delta_rule.py): a sequence starts from the slot of its first row, and after
+    each row ``t`` writes its state to slot ``ssm_state_indices[t]``; per row and value head
+    ``S = exp(g) S``; ``S = S + beta (v - S k) k^T``; ``o = S (scale q)``, ``S [D_v, D_k]``, fp32
+    accumulation. A sequence of more than 16 rows (``MAX_MTP``) makes the kernel return without
+    computing the rest: refused here.
+    """
+    _check_recurrent_gdr(query, key, value, state, beta, scale, actual_seq_lengths, ssm_state_indices,
+                         num_accepted_tokens, g, gk)
+    start, *lengths = actual_seq_lengths.tolist()
+    _require(all(0 <= n <= MAX_MTP for n in lengths) and start + sum(lengths) <= query.shape[0], RECURRENT_GDR,
+             f"sequences of 0..{MAX_MTP} rows within T={query.shape[0]}, got offset {start}, lengths {lengths}")
+    slots = ssm_state_indices.tolist()
+    _require(all(0 <= s < state.shape[0] for s in slots[start:start + sum(lengths)]), RECURRENT_GDR,
+             f"state indices in [0, {state.shape[0]})")
+    group = value.shape[1] // query.shape[1]
+    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
+    q, v, write = q * scale, value.float(), beta.float()
+    decay = torch.ones_like(write) if g is None else g.float().exp()
+    out = torch.zeros(value.shape, dtype=torch.bfloat16, device=value.device)
+    for length in lengths:
+        if length:
+            s = state[slots[start]].float()
+        for t in range(start, start + length):
+            s = s * decay[t, :, None, None]
+            delta = (v[t] - torch.einsum("hvk,hk->hv", s, k[t])) * write[t, :, None]
+            s = s + delta[:, :, None] * k[t, :, None, :]
+            out[t] = torch.einsum("hvk,hk->hv", s, q[t]).to(out.dtype)
+            state[slots[t]] = s.to(state.dtype)
+        start += length
+    return out
+
+
+@torch.library.register_fake(f"pagedpack_C_ascend::{RECURRENT_GDR}")
+def _(query, key, value, state, *, beta=None, scale=None, actual_seq_lengths=None, ssm_state_indices=None,
+      num_accepted_tokens=None, g=None, gk=None):
+    return value.new_empty(value.shape, dtype=torch.bfloat16)

@@ -7,7 +7,12 @@ import types
 import pytest
 import torch
 import transformers as T
-from test_ascend_schema import C_ASCEND_CAUSAL_CONV, NPU_CHUNK_GATED_DELTA_RULE, assert_only_real_arguments
+from test_ascend_schema import (
+    C_ASCEND_CAUSAL_CONV,
+    C_ASCEND_RECURRENT_GATED_DELTA_RULE,
+    NPU_CHUNK_GATED_DELTA_RULE,
+    assert_only_real_arguments,
+)
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.ascend.recurrent import emulated_recurrent_ops
@@ -85,6 +90,30 @@ def test_chunk_gated_delta_rule_is_the_reference_rule_in_production_s_layouts():
     torch.testing.assert_close(final.transpose(-1, -2).double(), expected_state[slots.long()], atol=3e-2, rtol=2e-2)
 
 
+def test_recurrent_gated_delta_rule_is_the_reference_rule_row_by_row():
+    """Two sequences of 2 and 1 rows continuing their slots (the first's rows both name its slot):
+    outputs and states equal the reference op's in fp64; a sequence past 16 rows is refused."""
+    torch.manual_seed(1)
+    num_k, num_v, d = 1, 2, 32
+    q, k = (torch.nn.functional.normalize(torch.randn(3, num_k, d), dim=-1).to(torch.bfloat16) for _ in "qk")
+    v, beta, g = _bf16(3, num_v, d), torch.rand(3, num_v).to(torch.bfloat16), -torch.rand(3, num_v)
+    state = (torch.randn(4, num_v, d, d) / d).to(torch.bfloat16)  # [slots, N_v, D_k, D_v]
+    cu, slots, initial = _metadata([2, 1], [3, 1], [True, True])
+    expected_state = state.double()
+    expected = torch.ops.pagedpack.gated_delta_rule_varlen(q.double(), k.double(), v.double(), g.double(),
+                                                           beta.double(), expected_state, slots, cu, initial, 0.25)
+    ascend_state = state.transpose(-1, -2).contiguous()
+    out = OPS.recurrent_gated_delta_rule(q, k, v, ascend_state, beta=beta, scale=0.25,
+                                         actual_seq_lengths=torch.tensor([0, 2, 1], dtype=torch.int32),
+                                         ssm_state_indices=torch.tensor([3, 3, 1], dtype=torch.int32), g=g)
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(ascend_state.transpose(-1, -2).double(), expected_state, atol=3e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="sequences of 0..16 rows"):
+        OPS.recurrent_gated_delta_rule(*(t.repeat(6, 1, 1) for t in (q, k, v)), ascend_state, beta=beta.repeat(6, 1),
+                                       scale=0.25, actual_seq_lengths=torch.tensor([0, 18], dtype=torch.int32),
+                                       ssm_state_indices=torch.ones(18, dtype=torch.int32), g=g.repeat(6, 1))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(query=lambda t: t.float()), "query must be bfloat16"),
     (dict(value=lambda t: t[..., :64]), "D_k == D_v == 128"),
@@ -132,8 +161,8 @@ def test_hybrids_on_ascend_give_each_prompt_its_own_greedy_tokens(hybrid, reques
                         max_tokens=MAX_TOKENS), use_tqdm=False)
     for prompt, out, expected in zip(PROMPTS, outs, solo, strict=True):
         assert_greedy_tokens_or_tie(model, prompt, out.outputs[0].token_ids, expected)
-    graphs = llm.program.graphs  # no decode graphs with state (the note says why)
-    assert graphs.graph_steps == 0 and graphs.eager_steps > 0
+    graphs, run = llm.program.graphs, llm.program.run  # no decode graphs with state (the note says why)
+    assert graphs.graph_steps == 0 and graphs.eager_steps > run.decode_steps > 0  # both forms ran
     assert "every step eager (no decode graphs" in next(n for n in llm.report.notes if n.startswith("ascend lowering"))
 
 
@@ -141,9 +170,10 @@ def test_the_state_has_production_s_layouts_and_the_calls_only_real_arguments(de
     _, llm, _ = deltanet
     conv, ssm = llm.program.state_specs
     assert (conv.kind, conv.shape, ssm.kind, ssm.shape) == ("conv_state", (3, 512), "ssm_state", (2, 128, 128))
-    assert_only_real_arguments([llm.program.run.eager], {
+    assert_only_real_arguments([llm.program.run.prefill, llm.program.run.decode], {
         OPS.causal_conv1d: torch._C.parse_schema(C_ASCEND_CAUSAL_CONV),
-        OPS.chunk_gated_delta_rule: torch._C.parse_schema(NPU_CHUNK_GATED_DELTA_RULE)})
+        OPS.chunk_gated_delta_rule: torch._C.parse_schema(NPU_CHUNK_GATED_DELTA_RULE),
+        OPS.recurrent_gated_delta_rule: torch._C.parse_schema(C_ASCEND_RECURRENT_GATED_DELTA_RULE)})
 
 
 @pytest.mark.parametrize("mode", ["decode_buckets", "dynamic"])

@@ -9,7 +9,8 @@ documentation, ``torch_npu-npu_fused_infer_attention_score.md``) and
 as of 2026-08, the entry every torch_npu from 2.1 to the newest, 2.10, is generated from), and
 ``npu_scatter_nd_update_`` (as TorchAir's converter ``_npu_scatter_nd_update_.py`` quotes it),
 with its functional twin; for recurrent layers (vllm-ascend main @ 182b75ea, 2026-08-22), vllm-ascend's
-``torch.ops._C_ascend.npu_causal_conv1d_custom`` (``csrc/torch_binding.cpp``, ``ops.def``) and torch_npu's
+``torch.ops._C_ascend.npu_causal_conv1d_custom`` and ``npu_recurrent_gated_delta_rule``
+(``csrc/torch_binding.cpp``, ``ops.def``) and torch_npu's
 ``npu_chunk_gated_delta_rule`` (op-plugin's ``op_plugin_functions.yaml``, as TorchAir's converter
 ``_npu_chunk_gated_delta_rule.py`` quotes it).
 If TorchAir renames or retypes an argument the lowering passes, update the copy and this test
@@ -86,6 +87,11 @@ C_ASCEND_CAUSAL_CONV = (
     "Tensor? query_start_loc_opt, Tensor? cache_indices_opt, Tensor? initial_state_mode_opt, "
     "Tensor? num_accepted_tokens_opt, int activation_mode, int pad_slot_id, int run_mode) -> (Tensor output)"
 )
+C_ASCEND_RECURRENT_GATED_DELTA_RULE = (
+    "npu_recurrent_gated_delta_rule(Tensor query, Tensor key, Tensor value, Tensor(a!) state, *, Tensor? beta=None, "
+    "float? scale=None, Tensor? actual_seq_lengths=None, Tensor? ssm_state_indices=None, "
+    "Tensor? num_accepted_tokens=None, Tensor? g=None, Tensor? gk=None) -> Tensor"
+)
 NPU_CHUNK_GATED_DELTA_RULE = (
     "npu_chunk_gated_delta_rule(Tensor query, Tensor key, Tensor value, *, Tensor? beta=None, "
     "Tensor? initial_state=None, Tensor? actual_seq_lengths=None, float? scale=None, Tensor? g=None) "
@@ -108,8 +114,9 @@ def arguments(schema: torch._C.FunctionSchema) -> dict[str, torch.Argument]:
     (NPU_SCATTER_FUNCTIONAL, torch.ops.pagedpack_npu.npu_scatter_nd_update.default),
     (C_ASCEND_CAUSAL_CONV, emulated_recurrent_ops().causal_conv1d),
     (NPU_CHUNK_GATED_DELTA_RULE, emulated_recurrent_ops().chunk_gated_delta_rule),
+    (C_ASCEND_RECURRENT_GATED_DELTA_RULE, emulated_recurrent_ops().recurrent_gated_delta_rule),
 ], ids=["air FIA", "npu FIA", "air FIA v2", "npu FIA v2", "scatter_nd_update_", "scatter_nd_update",
-        "causal_conv1d_custom", "chunk_gated_delta_rule"])
+        "causal_conv1d_custom", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"])
 def test_the_emulation_has_the_real_signature(real, emulated):
     """Every argument of the emulated op exists in the real one, in the same position kind (positional
     or keyword-only), type and default; the returns and the mutation annotation agree."""

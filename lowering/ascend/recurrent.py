@@ -17,14 +17,18 @@ Per site, over the whole packed step (``T`` rows, ``B`` sequences)::
              actual_seq_lengths=diff(cu_seqlens_q), scale=scale, g=g.float())
          ssm_state[state_indices] = final
 
-vllm-ascend calls the conv with ``run_mode=0`` on every step that has a prefill (its decodes ride
-along as one-row sequences with ``initial_state_mode`` True) and ``run_mode=1`` on decode-only
-steps; it calls ``npu_chunk_gated_delta_rule`` for prefills (when its probe call succeeds, PR
-#12647; a Triton kernel otherwise) and its ``_C_ascend.npu_recurrent_gated_delta_rule`` for decodes
-(at most 16 tokens a sequence, ``csrc/attention/recurrent_gated_delta_rule``: ``MAX_MTP``). Here
-every step runs its prefill form: one conv call with ``run_mode=0`` and one chunk call over all
-rows, decodes included as one-row sequences (the same recurrence); the decode-only forms are not
-emitted (see docs/ascend.md).
+vllm-ascend splits a step by kind, and so does the lowering (two graphs, :class:`pagedpack.lowering.
+ascend.graphs.RecurrentSteps` picks one per step): a step with a prefill runs the form above (the
+conv with ``run_mode=0``, its decodes riding along as one-row sequences with ``initial_state_mode``
+True; vllm-ascend calls ``npu_chunk_gated_delta_rule`` for its prefills when its probe call succeeds,
+PR #12647, a Triton kernel otherwise, and splits the decodes of a mixed step off to the decode op,
+which computes the same recurrence: here the chunk op takes every row); a decode-only step (every
+sequence one row, continuing its state) runs the **decode form** (``decode=True``)::
+
+      -> _C_ascend.npu_causal_conv1d_custom(..., initial_state_mode_opt=None, run_mode=1)
+         out = _C_ascend.npu_recurrent_gated_delta_rule(l2norm(q), l2norm(k), v, ssm_state, beta=beta,
+             scale=scale, actual_seq_lengths=[cu_seqlens_q[0], diff(cu_seqlens_q)...], ssm_state_indices=
+             state_indices (a slot per row: one row a sequence), g=g.float())          (writes ssm_state)
 
 State layouts are production's, not the reference ops': ``conv_state [slots, width - 1, dim]``
 (vllm-ascend writes ``conv_state[idx, :state_len, :]``) and ``ssm_state [slots, N_v, D_v, D_k]``
@@ -69,7 +73,8 @@ class RecurrentOps:
     emulation (:func:`emulated_recurrent_ops`)."""
 
     causal_conv1d: OpOverload  # _C_ascend.npu_causal_conv1d_custom
-    chunk_gated_delta_rule: OpOverload  # npu.npu_chunk_gated_delta_rule
+    chunk_gated_delta_rule: OpOverload  # npu.npu_chunk_gated_delta_rule (steps with a prefill)
+    recurrent_gated_delta_rule: OpOverload  # _C_ascend.npu_recurrent_gated_delta_rule (decode-only steps)
 
 
 def npu_recurrent_ops() -> RecurrentOps:
@@ -81,14 +86,16 @@ def npu_recurrent_ops() -> RecurrentOps:
         raise ImportError(f"the ascend target runs recurrent layers with vllm-ascend's custom ops "
                           f"(torch.ops._C_ascend.npu_causal_conv1d_custom); install vllm-ascend ({err})") from None
     return RecurrentOps(torch.ops._C_ascend.npu_causal_conv1d_custom.default,
-                        torch.ops.npu.npu_chunk_gated_delta_rule.default)
+                        torch.ops.npu.npu_chunk_gated_delta_rule.default,
+                        torch.ops._C_ascend.npu_recurrent_gated_delta_rule.default)
 
 
 def emulated_recurrent_ops() -> RecurrentOps:
     """The same ops from :mod:`pagedpack.kernels.ascend_emulation`."""
     importlib.import_module("pagedpack.kernels.ascend_emulation")
     return RecurrentOps(torch.ops.pagedpack_C_ascend.npu_causal_conv1d_custom.default,
-                        torch.ops.pagedpack_npu.npu_chunk_gated_delta_rule.default)
+                        torch.ops.pagedpack_npu.npu_chunk_gated_delta_rule.default,
+                        torch.ops.pagedpack_C_ascend.npu_recurrent_gated_delta_rule.default)
 
 
 def ascend_state_specs(specs: list[StateSpec]) -> list[StateSpec]:
@@ -142,14 +149,19 @@ def violations(gm: torch.fx.GraphModule, specs: list[StateSpec]) -> list[str]:
     return out
 
 
-def lower_recurrent(gm: torch.fx.GraphModule, specs: list[StateSpec], ops: RecurrentOps) -> int:
-    """Replace every conv / gated-delta-rule site of ``gm`` as the module docstring shows (the state
-    inputs then hold :func:`ascend_state_specs` layouts); returns the number of sites. The caller has
-    checked :func:`violations`."""
+def lower_recurrent(gm: torch.fx.GraphModule, specs: list[StateSpec], ops: RecurrentOps, *,
+                    decode: bool = False) -> int:
+    """Replace every conv / gated-delta-rule site of ``gm`` as the module docstring shows, in the form
+    of steps with a prefill or (``decode``) of decode-only steps (the state inputs then hold
+    :func:`ascend_state_specs` layouts); returns the number of sites. The caller has checked
+    :func:`violations`."""
     sites = _sites(gm, specs)
     for node, _ in sites:
         with gm.graph.inserting_before(node):
-            out = _conv(gm.graph, node, ops) if node.target is CONV else _gated_delta_rule(gm.graph, node, ops)
+            if node.target is CONV:
+                out = _conv(gm.graph, node, ops, decode)
+            else:
+                out = (_decode_delta_rule if decode else _gated_delta_rule)(gm.graph, node, ops)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     return len(sites)
@@ -159,12 +171,13 @@ def _call(graph: torch.fx.Graph, target, *args, **kwargs) -> Node:
     return graph.call_function(target, args, kwargs)
 
 
-def _conv(graph: torch.fx.Graph, node: Node, ops: RecurrentOps) -> Node:
+def _conv(graph: torch.fx.Graph, node: Node, ops: RecurrentOps, decode: bool) -> Node:
     x, weight, bias, conv_state, state_indices, cu_seqlens_q, has_initial_state, *rest = node.args
     activation = rest[0] if rest else node.kwargs.get("activation")
     weight_t = _call(graph, aten.t.default, weight)  # [width, dim]; the op makes it contiguous (AutoContiguous)
     return _call(graph, ops.causal_conv1d, _call(graph, aten.empty_like.default, x), x, weight_t, conv_state, bias,
-                 cu_seqlens_q, state_indices, has_initial_state, None, int(activation == "silu"), -1, 0)
+                 cu_seqlens_q, state_indices, None if decode else has_initial_state, None,
+                 int(activation == "silu"), -1, int(decode))
 
 
 def _l2norm(graph: torch.fx.Graph, t: Node) -> Node:
@@ -176,11 +189,27 @@ def _l2norm(graph: torch.fx.Graph, t: Node) -> Node:
     return _call(graph, aten._to_copy.default, scaled, dtype=torch.bfloat16)
 
 
-def _gated_delta_rule(graph: torch.fx.Graph, node: Node, ops: RecurrentOps) -> Node:
-    q, k, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_state, scale, *rest = node.args
+def _normed_qk(graph: torch.fx.Graph, node: Node) -> tuple[Node, Node]:
+    q, k, *_ = node.args
+    rest = node.args[10:]
     l2norm = rest[0] if rest else node.kwargs.get("use_qk_l2norm_in_kernel", False)
-    if l2norm:
-        q, k = _l2norm(graph, q), _l2norm(graph, k)
+    return (_l2norm(graph, q), _l2norm(graph, k)) if l2norm else (q, k)
+
+
+def _decode_delta_rule(graph: torch.fx.Graph, node: Node, ops: RecurrentOps) -> Node:
+    _, _, v, g, beta, ssm_state, state_indices, cu_seqlens_q, _, scale, *_ = node.args
+    q, k = _normed_qk(graph, node)
+    lengths = _call(graph, aten.cat.default, [_call(graph, aten.slice.Tensor, cu_seqlens_q, 0, 0, 1),
+                                              _call(graph, aten.diff.default, cu_seqlens_q)])  # [offset, len...]
+    return _call(graph, ops.recurrent_gated_delta_rule, q, k, v, ssm_state,
+                 beta=_call(graph, aten._to_copy.default, beta, dtype=torch.bfloat16), scale=float(scale),
+                 actual_seq_lengths=lengths, ssm_state_indices=state_indices,
+                 g=_call(graph, aten._to_copy.default, g, dtype=torch.float32))
+
+
+def _gated_delta_rule(graph: torch.fx.Graph, node: Node, ops: RecurrentOps) -> Node:
+    _, _, v, g, beta, ssm_state, state_indices, cu_seqlens_q, has_initial_state, scale, *_ = node.args
+    q, k = _normed_qk(graph, node)
     slots = _call(graph, aten._to_copy.default, state_indices, dtype=torch.int64)
     gathered = _call(graph, aten.index_select.default, ssm_state, 0, slots)  # [B, N_v, D_v, D_k]
     fresh = _call(graph, aten.view.default, _call(graph, aten.logical_not.default, has_initial_state), [-1, 1, 1, 1])

@@ -27,6 +27,7 @@ from pagedpack.lowering.ascend.graphs import (
     ACLGraphBuckets,
     DecodeBuckets,
     DynamicGraph,
+    RecurrentSteps,
     check_graph_batch_sizes,
     copy_module,
     max_blocks_per_seq,
@@ -139,16 +140,18 @@ class AscendTarget(Target):
                              f"conv op (npu_causal_conv1d_custom) writes its state without declaring it in its "
                              f"schema, which compiled graphs would drop; the default graph_mode='aclgraph' runs "
                              f"this model eagerly")
-        # no decode graphs with recurrent state: a padded bucket has no state slots for its padding rows
-        sizes = [] if states else list(options.graph_batch_sizes)
-        buckets = dict(batch_sizes=sizes, max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
-            if mode in BUCKET_MODES else {}
+        buckets = dict(batch_sizes=list(options.graph_batch_sizes),
+                       max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
+            if mode in BUCKET_MODES and not states else {}
         if mode == "aclgraph":
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device,
                                      eager=True)
-            program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
-                                      kv_updates=[(kv_lengths_argument(s), s.sliding_window is not None)
-                                                  for s in shapes], **buckets)
+            if states:
+                program, recurrent_note = self._recurrent_steps(rewritten, emulated)
+            else:
+                program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
+                                          kv_updates=[(kv_lengths_argument(s), s.sliding_window is not None)
+                                                      for s in shapes], **buckets)
         else:
             eager = copy_module(rewritten.graph_module) if mode == "decode_buckets" else None
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
@@ -160,17 +163,30 @@ class AscendTarget(Target):
                                 eager=True)
                 program = DecodeBuckets(rewritten.graph_module, eager, backend=backend, **buckets)
         note = f"{describe(shapes, ops)}; graph mode {mode}"
-        note += f" {sizes}" if buckets else ""
-        if states:
-            recurrent = emulated_recurrent_ops() if emulated else npu_recurrent_ops()
-            sites = lower_recurrent(rewritten.graph_module, states, recurrent)
-            rewritten.graph_module.recompile()
-            note += (f"; {sites} recurrent site(s) -> {recurrent.causal_conv1d} (run_mode=0) and "
-                     f"{recurrent.chunk_gated_delta_rule}, every step eager (no decode graphs: their padding "
-                     "rows would have no state slot)")
+        note += f" {list(options.graph_batch_sizes)}" if buckets else ""
+        note += f"; {recurrent_note}" if states else ""
         note += f"; emulated on {device}" if emulated else ""
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, graphs=program.stats,
                            padding_blocks=program.padding_blocks, state_specs=ascend_state_specs(states))
+
+    @staticmethod
+    def _recurrent_steps(rewritten, emulated: bool) -> tuple[RecurrentSteps, str]:
+        """The eager program of a model with recurrent state (already lowered for attention), the
+        recurrent sites lowered in the form of steps with a prefill and in a copy in the decode form,
+        and its line for the note."""
+        recurrent = emulated_recurrent_ops() if emulated else npu_recurrent_ops()
+        prefill, states = rewritten.graph_module, rewritten.state_specs
+        decode = copy_module(prefill)
+        sites = lower_recurrent(prefill, states, recurrent)
+        lower_recurrent(decode, states, recurrent, decode=True)
+        for gm in (prefill, decode):
+            gm.recompile()
+        program = RecurrentSteps(prefill, decode, num_caches=sum(len(spec.cache_shapes(1, 1))
+                                                                 for spec in rewritten.kv_cache_specs))
+        return program, (f"{sites} recurrent site(s) -> {recurrent.causal_conv1d} (run_mode=0) and "
+                         f"{recurrent.chunk_gated_delta_rule}; decode-only steps: run_mode=1 and "
+                         f"{recurrent.recurrent_gated_delta_rule}; every step eager (no decode graphs: their "
+                         "padding rows would have no state slot)")
 
     def emulated(self, device: torch.device | str) -> bool:
         return not is_npu(device)
