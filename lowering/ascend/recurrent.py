@@ -50,6 +50,7 @@ from torch._ops import OpOverload
 from torch.fx import Node
 
 import pagedpack.kernels.recurrent  # noqa: F401  (registers torch.ops.pagedpack's recurrent ops)
+from pagedpack.lowering.ascend.lower import AscendUnavailableError
 from pagedpack.step.contract import StateSpec, state_input_names
 
 aten = torch.ops.aten
@@ -79,12 +80,14 @@ class RecurrentOps:
 
 def npu_recurrent_ops() -> RecurrentOps:
     """vllm-ascend's ``torch.ops._C_ascend`` library (loaded by ``vllm_ascend.utils.enable_custom_op``)
-    and torch_npu's op; ``ImportError`` naming vllm-ascend without it."""
+    and torch_npu's op; :class:`~pagedpack.lowering.ascend.lower.AscendUnavailableError` naming
+    vllm-ascend without it."""
     try:
         importlib.import_module("vllm_ascend.utils").enable_custom_op()
     except ImportError as err:
-        raise ImportError(f"the ascend target runs recurrent layers with vllm-ascend's custom ops "
-                          f"(torch.ops._C_ascend.npu_causal_conv1d_custom); install vllm-ascend ({err})") from None
+        raise AscendUnavailableError(f"the ascend target runs recurrent layers with vllm-ascend's custom ops "
+                                     f"(torch.ops._C_ascend.npu_causal_conv1d_custom, npu_recurrent_gated_delta_rule);"
+                                     f" install vllm-ascend ({err})") from None
     return RecurrentOps(torch.ops._C_ascend.npu_causal_conv1d_custom.default,
                         torch.ops.npu.npu_chunk_gated_delta_rule.default,
                         torch.ops._C_ascend.npu_recurrent_gated_delta_rule.default)

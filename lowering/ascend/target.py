@@ -131,7 +131,9 @@ class AscendTarget(Target):
         ``dynamic`` with TorchAir's tensor-length ops; ``decode_buckets`` both (a copy for eager
         steps). On an NPU, ACL graphs are ``torch.npu.NPUGraph`` and TorchAir graphs compile with its
         GE backend; elsewhere the emulations stand in (:func:`emulation_backend`,
-        :mod:`pagedpack.kernels.npu_graph_emulation`)."""
+        :mod:`pagedpack.kernels.npu_graph_emulation`). A model with recurrent state runs in
+        ``aclgraph`` mode only, every step eagerly (:class:`~pagedpack.lowering.ascend.graphs.RecurrentSteps`,
+        :mod:`pagedpack.lowering.ascend.recurrent`)."""
         emulated = self.emulated(device)
         ops = emulated_ops() if emulated else npu_ops()
         mode, states = options.graph_mode, rewritten.state_specs
