@@ -15,7 +15,7 @@ from test_ascend_schema import (
 )
 
 from pagedpack import LLM, SamplingParams
-from pagedpack.lowering.ascend.recurrent import emulated_recurrent_ops
+from pagedpack.lowering.ascend.recurrent import emulated_recurrent_ops, violations
 from pagedpack.lowering.ascend.target import AscendOptions, AscendTarget
 from pagedpack.lowering.targets import StepBounds
 from pagedpack.step.contract import StateSpec
@@ -127,6 +127,36 @@ def test_chunk_gated_delta_rule_refuses_what_production_rejects(change, message)
         args[name] = f(args[name])
     with pytest.raises(ValueError, match=message):
         OPS.chunk_gated_delta_rule(args.pop("query"), args.pop("key"), args.pop("value"), **args)
+
+
+def test_sites_outside_the_ops_limits_are_refused_naming_the_layer():
+    """A decay per key channel (Kimi Delta Attention), fp32 activations and state, head dims other
+    than 128, and an fp32 conv: each named with its layer (``violations`` reads the recorded shapes)."""
+    graph = torch.fx.Graph()
+    values = dict(q=torch.empty(2, 1, 64), k=torch.empty(2, 1, 64), v=torch.empty(2, 2, 64), g=torch.empty(2, 2, 64),
+                  beta=torch.empty(2, 2), ssm_state_0=torch.empty(1, 2, 64, 64), state_indices=None,
+                  cu_seqlens_q=None, has_initial_state=None, x=torch.empty(2, 8), weight=torch.empty(8, 4),
+                  conv_state_1=torch.empty(1, 8, 3))
+    n = {}
+    for name, value in values.items():
+        n[name] = graph.placeholder(name)
+        n[name].meta["val"] = value
+    graph.call_function(torch.ops.pagedpack.gated_delta_rule_varlen.default,
+                        tuple(n[a] for a in ("q", "k", "v", "g", "beta", "ssm_state_0", "state_indices",
+                                             "cu_seqlens_q", "has_initial_state")) + (0.125,))
+    graph.call_function(torch.ops.pagedpack.causal_conv1d_varlen.default,
+                        tuple(n[a] for a in ("x", "weight")) + (None,) + tuple(
+                            n[a] for a in ("conv_state_1", "state_indices", "cu_seqlens_q", "has_initial_state")))
+    specs = [StateSpec("ssm_state", (2, 64, 64), torch.float32, "layers.0.attn"),
+             StateSpec("conv_state", (8, 3), torch.float32, "layers.1.conv")]
+    found = violations(torch.fx.GraphModule(torch.nn.Module(), graph), specs)
+    expected = [("layers.0.attn", "a decay per key channel (Kimi Delta Attention)"),
+                ("layers.0.attn", "takes bfloat16 query/key/value, got float32"),
+                ("layers.0.attn", "takes a bfloat16 initial_state, the state is float32"),
+                ("layers.0.attn", "needs D_k == D_v == 128, got 64 and 64"),
+                ("layers.1.conv", "npu_causal_conv1d_custom takes float16 or bfloat16, got float32")]
+    assert len(found) == len(expected) and all(line.startswith(f"{layer}: ") and why in line
+                                               for line, (layer, why) in zip(found, expected)), found
 
 
 def _hybrid(config) -> tuple[T.PreTrainedModel, LLM, list[list[int]]]:
