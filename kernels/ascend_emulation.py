@@ -584,3 +584,263 @@ for _namespace in ("pagedpack_air", "pagedpack_npu"):
     torch.library.register_fake(f"{_namespace}::{FIA}")(_fake_fia)
     torch.library.impl(f"{_namespace}::{FIA_V2}", "CompositeExplicitAutograd")(npu_fused_infer_attention_score_v2)
     torch.library.register_fake(f"{_namespace}::{FIA_V2}")(_fake_fia_v2)
+
+
+# ---------------------------------------------------------------- the recurrent layers' ops
+#
+# vllm-ascend main @ 182b75ea (2026-08-22) runs Qwen3-Next / Qwen3.5 gated DeltaNets
+# (vllm_ascend/ops/gdn.py, AscendGatedDeltaNetAttention._forward_core) with
+# - its own AscendC causal conv, ``torch.ops._C_ascend.npu_causal_conv1d_custom`` (schema:
+#   csrc/torch_binding.cpp; kernel aclnnCausalConv1d, csrc/moe/causal_conv1d), ``run_mode=0`` over
+#   every sequence of a step with prefills, ``run_mode=1`` for decode-only steps;
+# - torch_npu's ``npu_chunk_gated_delta_rule`` (CANN's ChunkGatedDeltaRule; schema: op-plugin's
+#   ``op_plugin_functions.yaml`` as TorchAir's converter ``_npu_chunk_gated_delta_rule.py`` quotes
+#   it) for the prefills when a probe call succeeds (PR #12647), else a Triton kernel, and its own
+#   ``npu_recurrent_gated_delta_rule`` for decodes.
+# ``pagedpack_C_ascend.*`` stands for ``torch.ops._C_ascend.*``.
+
+CAUSAL_CONV = "npu_causal_conv1d_custom"
+CHUNK_GDR = "npu_chunk_gated_delta_rule"
+PAD_SLOT_ID = -1  # vLLM's PAD_SLOT_ID, what vllm-ascend passes as pad_slot_id
+_C_ASCEND = torch.library.Library("pagedpack_C_ascend", "DEF")
+# As production registers it: ``output`` and ``conv_state`` are written in place, which the schema
+# does not declare (no ``(a!)``), so a functionalising compiler would not see the writes.
+_C_ASCEND.define(
+    f"{CAUSAL_CONV}(Tensor output, Tensor x, Tensor weight, Tensor conv_state, Tensor? bias_opt, "
+    "Tensor? query_start_loc_opt, Tensor? cache_indices_opt, Tensor? initial_state_mode_opt, "
+    "Tensor? num_accepted_tokens_opt, int activation_mode, int pad_slot_id, int run_mode) -> Tensor output")
+_NPU.define(f"{CHUNK_GDR}(Tensor query, Tensor key, Tensor value, *, Tensor? beta=None, Tensor? initial_state=None, "
+            "Tensor? actual_seq_lengths=None, float? scale=None, Tensor? g=None) -> (Tensor, Tensor)")
+
+
+def _check_conv(output, x, weight, conv_state, bias, query_start_loc, cache_indices, initial_state_mode,
+                num_accepted_tokens, activation_mode, run_mode) -> None:
+    """aclnnCausalConv1d's input rules (csrc/moe/causal_conv1d/op_host/causal_conv1d_def.cpp: float16 or
+    bfloat16 tensors, int32/int64 metadata) as far as the emulation goes."""
+    for name, t in (("x", x), ("weight", weight), ("conv_state", conv_state), ("bias_opt", bias), ("output", output)):
+        if t is not None:
+            _require(t.dtype in _FLOATS, CAUSAL_CONV, f"{name} must be float16 or bfloat16, got {t.dtype}")
+    _require(x.dim() == 2 and weight.dim() == 2 and conv_state.dim() == 3, CAUSAL_CONV,
+             f"x [T, dim], weight [width, dim] and conv_state [slots, width - 1, dim] expected, got shapes "
+             f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(conv_state.shape)}")
+    width, dim = weight.shape
+    _require(x.shape[1] == dim and tuple(conv_state.shape[1:]) == (width - 1, dim), CAUSAL_CONV,
+             f"x [T, {dim}] and conv_state [slots, {width - 1}, {dim}] for weight [{width}, {dim}] (a longer state "
+             f"is not emulated), got {tuple(x.shape)} and {tuple(conv_state.shape)}")
+    _require(tuple(output.shape) == tuple(x.shape) and output.dtype == x.dtype, CAUSAL_CONV,
+             "output must have x's shape and dtype")
+    _require(bias is None or tuple(bias.shape) == (dim,), CAUSAL_CONV, f"bias_opt must be ({dim},)")
+    for name, t in (("query_start_loc_opt", query_start_loc), ("cache_indices_opt", cache_indices)):
+        _require(t is not None and t.dtype in (torch.int32, torch.int64), CAUSAL_CONV,
+                 f"{name}: an int32/int64 tensor (the emulation needs it)")
+    _require(cache_indices.shape[0] == query_start_loc.shape[0] - 1, CAUSAL_CONV,
+             "cache_indices_opt needs one entry per sequence (query_start_loc_opt has B + 1)")
+    _require(run_mode in (0, 1), CAUSAL_CONV, f"run_mode 0 (prefill, causal_conv1d_fn) or 1 (update), got {run_mode}")
+    _require(activation_mode in (0, 1), CAUSAL_CONV, f"activation_mode 0 (none) or 1 (silu), got {activation_mode}")
+    _require(num_accepted_tokens is None, CAUSAL_CONV, "num_accepted_tokens_opt (speculative decoding) is not emulated")
+    _require(initial_state_mode is None or initial_state_mode.dtype == torch.bool, CAUSAL_CONV,
+             "initial_state_mode_opt: the emulation takes the bool has_initial_state form")
+
+
+@torch.library.impl(f"pagedpack_C_ascend::{CAUSAL_CONV}", "CompositeExplicitAutograd")
+def npu_causal_conv1d_custom(output: Tensor, x: Tensor, weight: Tensor, conv_state: Tensor, bias_opt: Tensor | None,
+                             query_start_loc_opt: Tensor | None, cache_indices_opt: Tensor | None,
+                             initial_state_mode_opt: Tensor | None, num_accepted_tokens_opt: Tensor | None,
+                             activation_mode: int, pad_slot_id: int, run_mode: int) -> Tensor:
+    """vllm-ascend's causal depthwise conv1d over packed sequences, writing ``output`` and the conv
+    states in place and returning ``output``.
+
+    Token-major layouts (vllm-ascend's ``[dim, T]`` vLLM tensors transposed back): ``x, output
+    [T, dim]``, ``weight [width, dim]`` (the conv weight transposed), ``conv_state [slots, width - 1,
+    dim]``; ``query_start_loc_opt [B + 1]``, ``cache_indices_opt [B]`` (each sequence's state slot),
+    ``initial_state_mode_opt [B]`` bool (vLLM's ``has_initial_state``).
+
+    Semantics (vLLM's ``causal_conv1d_fn`` / ``causal_conv1d_update``, the references vllm-ascend's
+    tests hold the kernel to: tests/e2e/nightly/.../triton/test_causal_conv1d.py): sequence ``b``'s
+    window is its slot's state (``run_mode=0``: zeros unless ``initial_state_mode_opt[b]``, zeros for all
+    without it;
+    ``run_mode=1``: always the slot) followed by its rows of ``x``; ``output[t, c] = bias[c] + sum_j
+    weight[j, c] * window[t + j, c]``, SiLU-ed when ``activation_mode == 1``; the slot then holds the
+    window's last ``width - 1`` rows. A sequence whose slot is ``pad_slot_id`` is skipped (its output
+    rows are left as they are). Accumulates in fp32 and rounds to ``x``'s dtype.
+    """
+    _check_conv(output, x, weight, conv_state, bias_opt, query_start_loc_opt, cache_indices_opt,
+                initial_state_mode_opt, num_accepted_tokens_opt, activation_mode, run_mode)
+    width, dim = weight.shape
+    w = weight.float().T[:, None, :]  # [dim, 1, width]
+    b = None if bias_opt is None else bias_opt.float()
+    starts, slots = query_start_loc_opt.tolist(), cache_indices_opt.tolist()
+    if run_mode == 1 or initial_state_mode_opt is None:  # causal_conv1d_fn without has_initial_state: zeros
+        initial = [run_mode == 1] * len(slots)
+    else:
+        initial = initial_state_mode_opt.tolist()
+    for seq, slot in enumerate(slots):
+        if slot == pad_slot_id:
+            continue
+        _require(0 <= slot < conv_state.shape[0], CAUSAL_CONV, f"cache index {slot} outside [0, {conv_state.shape[0]})")
+        start, end = starts[seq], starts[seq + 1]
+        state = conv_state[slot].float() if initial[seq] else x.new_zeros(width - 1, dim, dtype=torch.float32)
+        window = torch.cat([state, x[start:end].float()])  # [width - 1 + L, dim]
+        y = torch.nn.functional.conv1d(window.T[None], w, b, groups=dim)[0].T  # [L, dim]
+        output[start:end] = (torch.nn.functional.silu(y) if activation_mode == 1 else y).to(output.dtype)
+        conv_state[slot] = window[window.shape[0] - (width - 1):].to(conv_state.dtype)
+    return output
+
+
+@torch.library.register_fake(f"pagedpack_C_ascend::{CAUSAL_CONV}")
+def _(output, x, weight, conv_state, bias_opt, query_start_loc_opt, cache_indices_opt, initial_state_mode_opt,
+      num_accepted_tokens_opt, activation_mode, pad_slot_id, run_mode):
+    return torch.empty_like(output)
+
+
+def _check_chunk_gdr(query, key, value, beta, initial_state, actual_seq_lengths, scale, g) -> None:
+    """ChunkGatedDeltaRule's rules: bfloat16 query/key/value/beta, float32 ``g``, int32 lengths
+    (ops-transformer's REG_OP(ChunkGatedDeltaRule)); a bfloat16 ``initial_state`` (vllm-ascend casts to
+    it: "the fused op only supports a bfloat16 initial_state"); ``D_k == D_v == 128`` and ``N_v`` a
+    multiple of ``N_k`` (vllm-ascend's probe: "matching the op constraints")."""
+    for name, t in (("query", query), ("key", key), ("value", value), ("beta", beta), ("initial_state", initial_state)):
+        _require(t is not None and t.dtype == torch.bfloat16, CHUNK_GDR, f"{name} must be bfloat16")
+    _require(g is None or g.dtype == torch.float32, CHUNK_GDR, "g must be float32")
+    _require(actual_seq_lengths is not None and actual_seq_lengths.dtype == torch.int32, CHUNK_GDR,
+             "actual_seq_lengths must be int32 [B]")
+    _require(scale is not None, CHUNK_GDR, "scale is required")
+    _require(query.dim() == key.dim() == value.dim() == 3 and query.shape == key.shape, CHUNK_GDR,
+             "TND layout: query/key [T, N_k, D_k], value [T, N_v, D_v]")
+    tokens, num_k, dk = query.shape
+    num_v, dv = value.shape[1:]
+    _require(dk == dv == 128, CHUNK_GDR, f"D_k == D_v == 128, got {dk} and {dv}")
+    _require(num_v % num_k == 0, CHUNK_GDR, f"N_v={num_v} must be a multiple of N_k={num_k}")
+    _require(tuple(beta.shape) == (tokens, num_v) and (g is None or tuple(g.shape) == (tokens, num_v)), CHUNK_GDR,
+             f"beta and g are [T, N_v] = ({tokens}, {num_v})")
+    batch = actual_seq_lengths.shape[0]
+    _require(tuple(initial_state.shape) == (batch, num_v, dv, dk), CHUNK_GDR,
+             f"initial_state is [B, N_v, D_v, D_k] = ({batch}, {num_v}, {dv}, {dk}), got {tuple(initial_state.shape)}")
+
+
+@torch.library.impl(f"pagedpack_npu::{CHUNK_GDR}", "CompositeExplicitAutograd")
+def npu_chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, *, beta: Tensor | None = None,
+                               initial_state: Tensor | None = None, actual_seq_lengths: Tensor | None = None,
+                               scale: float | None = None, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """torch_npu's chunked gated delta rule over packed sequences: ``(out [T, N_v, D_v], final_state
+    [B, N_v, D_v, D_k])``.
+
+    ``query, key [T, N_k, D_k]``, ``value [T, N_v, D_v]``, ``beta, g [T, N_v]`` (``g`` the log decay),
+    ``initial_state [B, N_v, D_v, D_k]`` (value-major: vllm-ascend's ``ssm_state`` layout),
+    ``actual_seq_lengths [B]`` per-sequence token counts (sequence ``b`` owns the next
+    ``actual_seq_lengths[b]`` rows). Per token and value head (key head ``h // (N_v // N_k)``), the
+    aclnnChunkGatedDeltaRule formula: ``S = exp(g) S``; ``S = S + beta (v - S k) k^T``; ``o = S (scale q)``
+    with ``S [D_v, D_k]``. No L2 norm inside (vllm-ascend normalises q and k before the call). fp32
+    accumulation; ``out`` in bfloat16, ``final_state`` in ``initial_state``'s dtype.
+    """
+    _check_chunk_gdr(query, key, value, beta, initial_state, actual_seq_lengths, scale, g)
+    lengths = actual_seq_lengths.tolist()
+    _require(min(lengths, default=0) >= 0 and sum(lengths) == query.shape[0], CHUNK_GDR,
+             f"actual_seq_lengths must be >= 0 and sum to T={query.shape[0]}, got {lengths}")
+    group = value.shape[1] // query.shape[1]
+    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
+    q, v, write = q * scale, value.float(), beta.float()
+    decay = torch.ones_like(write) if g is None else g.float().exp()
+    out = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
+    final = torch.empty_like(initial_state)
+    start = 0
+    for seq, length in enumerate(lengths):
+        state = initial_state[seq].float()  # [N_v, D_v, D_k]
+        for t in range(start, start + length):
+            state = state * decay[t, :, None, None]
+            delta = (v[t] - torch.einsum("hvk,hk->hv", state, k[t])) * write[t, :, None]
+            state = state + delta[:, :, None] * k[t, :, None, :]
+            out[t] = torch.einsum("hvk,hk->hv", state, q[t]).to(out.dtype)
+        final[seq] = state.to(final.dtype)
+        start += length
+    return out, final
+
+
+@torch.library.register_fake(f"pagedpack_npu::{CHUNK_GDR}")
+def _(query, key, value, *, beta=None, initial_state=None, actual_seq_lengths=None, scale=None, g=None):
+    _check_chunk_gdr(query, key, value, beta, initial_state, actual_seq_lengths, scale, g)
+    return value.new_empty(value.shape, dtype=torch.bfloat16), torch.empty_like(initial_state)
+
+
+RECURRENT_GDR = "npu_recurrent_gated_delta_rule"
+MAX_MTP = 16  # csrc/attention/recurrent_gated_delta_rule: past 16 rows a sequence the kernel returns, computing nothing
+_C_ASCEND.define(
+    f"{RECURRENT_GDR}(Tensor query, Tensor key, Tensor value, Tensor(a!) state, *, Tensor? beta=None, "
+    "float? scale=None, Tensor? actual_seq_lengths=None, Tensor? ssm_state_indices=None, "
+    "Tensor? num_accepted_tokens=None, Tensor? g=None, Tensor? gk=None) -> Tensor")
+
+
+def _check_recurrent_gdr(query, key, value, state, beta, scale, actual_seq_lengths, ssm_state_indices,
+                         num_accepted_tokens, g, gk) -> None:
+    """The tiling's rules (recurrent_gated_delta_rule_tiling.cpp: bfloat16 query/key/value/beta, a
+    bfloat16 or float32 state, float32 g, int32 lengths and indices, N <= 256, D <= 512; the adapter:
+    scale required), as far as the emulation goes."""
+    for name, t in (("query", query), ("key", key), ("value", value), ("beta", beta)):
+        _require(t is not None and t.dtype == torch.bfloat16, RECURRENT_GDR, f"{name} must be bfloat16")
+    _require(state.dtype in (torch.bfloat16, torch.float32), RECURRENT_GDR, "state must be bfloat16 or float32")
+    _require(g is None or g.dtype == torch.float32, RECURRENT_GDR, "g must be float32")
+    _require(scale is not None, RECURRENT_GDR, "scale cannot be empty")
+    for name, t in (("actual_seq_lengths", actual_seq_lengths), ("ssm_state_indices", ssm_state_indices)):
+        _require(t is not None and t.dtype == torch.int32, RECURRENT_GDR, f"{name} must be int32")
+    _require(num_accepted_tokens is None and gk is None, RECURRENT_GDR,
+             "num_accepted_tokens (speculative decoding) and gk (a decay per key channel) are not emulated")
+    _require(query.dim() == key.dim() == value.dim() == 3 and query.shape == key.shape and state.dim() == 4,
+             RECURRENT_GDR, "query/key [T, N_k, D_k], value [T, N_v, D_v], state [slots, N_v, D_v, D_k]")
+    tokens, num_k, dk = query.shape
+    num_v, dv = value.shape[1:]
+    _require(num_k <= 256 and num_v <= 256 and dk <= 512 and dv <= 512 and num_v % num_k == 0, RECURRENT_GDR,
+             f"N_k, N_v <= 256, D_k, D_v <= 512, N_v a multiple of N_k; got {num_k}, {num_v}, {dk}, {dv}")
+    _require(tuple(state.shape[1:]) == (num_v, dv, dk), RECURRENT_GDR,
+             f"state is [slots, N_v, D_v, D_k] = [slots, {num_v}, {dv}, {dk}], got {tuple(state.shape)}")
+    _require(tuple(beta.shape) == (tokens, num_v) and (g is None or tuple(g.shape) == (tokens, num_v)),
+             RECURRENT_GDR, f"beta and g are [T, N_v] = ({tokens}, {num_v})")
+    _require(tuple(ssm_state_indices.shape) == (tokens,), RECURRENT_GDR, f"ssm_state_indices is [T] = ({tokens},)")
+
+
+@torch.library.impl(f"pagedpack_C_ascend::{RECURRENT_GDR}", "CompositeExplicitAutograd")
+def npu_recurrent_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, state: Tensor, *,
+                                   beta: Tensor | None = None, scale: float | None = None,
+                                   actual_seq_lengths: Tensor | None = None, ssm_state_indices: Tensor | None = None,
+                                   num_accepted_tokens: Tensor | None = None, g: Tensor | None = None,
+                                   gk: Tensor | None = None) -> Tensor:
+    """vllm-ascend's token-by-token gated delta rule (decodes, speculative rows): ``out [T, N_v, D_v]``
+    in bfloat16, ``state [slots, N_v, D_v, D_k]`` written in place.
+
+    ``actual_seq_lengths [B + 1]``: the first row's offset, then each sequence's row count
+    (gdn_attn_builder.py, ``_build_actual_seq_lengths``); ``ssm_state_indices [T]``: a slot per row.
+    Semantics (the kernel, op_kernel/recurrent_gated_delta_rule.h, and the golden of vllm-ascend's
+    test_recurrent_gated_delta_rule.py): a sequence starts from the slot of its first row, and after
+    each row ``t`` writes its state to slot ``ssm_state_indices[t]``; per row and value head
+    ``S = exp(g) S``; ``S = S + beta (v - S k) k^T``; ``o = S (scale q)``, ``S [D_v, D_k]``, fp32
+    accumulation. A sequence of more than 16 rows (``MAX_MTP``) makes the kernel return without
+    computing the rest: refused here.
+    """
+    _check_recurrent_gdr(query, key, value, state, beta, scale, actual_seq_lengths, ssm_state_indices,
+                         num_accepted_tokens, g, gk)
+    start, *lengths = actual_seq_lengths.tolist()
+    _require(all(0 <= n <= MAX_MTP for n in lengths) and start + sum(lengths) <= query.shape[0], RECURRENT_GDR,
+             f"sequences of 0..{MAX_MTP} rows within T={query.shape[0]}, got offset {start}, lengths {lengths}")
+    slots = ssm_state_indices.tolist()
+    _require(all(0 <= s < state.shape[0] for s in slots[start:start + sum(lengths)]), RECURRENT_GDR,
+             f"state indices in [0, {state.shape[0]})")
+    group = value.shape[1] // query.shape[1]
+    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
+    q, v, write = q * scale, value.float(), beta.float()
+    decay = torch.ones_like(write) if g is None else g.float().exp()
+    out = torch.zeros(value.shape, dtype=torch.bfloat16, device=value.device)
+    for length in lengths:
+        if length:
+            s = state[slots[start]].float()
+        for t in range(start, start + length):
+            s = s * decay[t, :, None, None]
+            delta = (v[t] - torch.einsum("hvk,hk->hv", s, k[t])) * write[t, :, None]
+            s = s + delta[:, :, None] * k[t, :, None, :]
+            out[t] = torch.einsum("hvk,hk->hv", s, q[t]).to(out.dtype)
+            state[slots[t]] = s.to(state.dtype)
+        start += length
+    return out
+
+
+@torch.library.register_fake(f"pagedpack_C_ascend::{RECURRENT_GDR}")
+def _(query, key, value, state, *, beta=None, scale=None, actual_seq_lengths=None, ssm_state_indices=None,
+      num_accepted_tokens=None, g=None, gk=None):
+    return value.new_empty(value.shape, dtype=torch.bfloat16)

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
+import torch.fx
 
 from pagedpack.formats.export import check_export_file
-from pagedpack.step.contract import LoweredStep
+from pagedpack.step.contract import LoweredStep, state_input_names
 
 
 class TargetUnavailableError(RuntimeError):
@@ -129,8 +130,10 @@ class Target:
     may capture in a child process (:mod:`pagedpack.compiler.compile_cache`); ``options_type``: the
     :class:`TargetOptions` subclass of its options; ``formats``: the :class:`FileFormat` s it writes
     and serves; ``supports_tensor_parallel``: it runs a step graph sharded over ranks whose
-    collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo); ``supports_recurrent_state``: it
-    runs the recurrent ops and their state inputs (:mod:`pagedpack.kernels.recurrent`).
+    collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo); ``recurrent_ops``: the recurrent
+    ops (:mod:`pagedpack.kernels.recurrent`, by name: :data:`RECURRENT_OPS`) it runs, with their state
+    inputs; a model with a layer of another one is refused naming the layer and the op
+    (:meth:`recurrent_refusals`).
     """
 
     name: str = ""
@@ -141,7 +144,7 @@ class Target:
     options_type: type = TargetOptions
     formats: tuple[FileFormat, ...] = ()
     supports_tensor_parallel: bool = False
-    supports_recurrent_state: bool = False
+    recurrent_ops: frozenset[str] = frozenset()
 
     def options(self, given=None) -> TargetOptions:
         """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or
@@ -170,6 +173,16 @@ class Target:
     def check_limits(self, rewritten, *, block_size: int, bounds: StepBounds) -> None:
         """Raise ``ValueError`` naming every limit ``rewritten`` (a ``RewrittenModel``) breaks."""
 
+    def recurrent_refusals(self, rewritten) -> list[str]:
+        """One line per recurrent site of ``rewritten`` whose op is not one of :attr:`recurrent_ops`:
+        its layer, the op and why (:meth:`missing_recurrent_op`)."""
+        return [f"{layer}: {op}: {self.missing_recurrent_op(op)}" for op, layer in recurrent_sites(rewritten)
+                if op not in self.recurrent_ops]
+
+    def missing_recurrent_op(self, op: str) -> str:
+        """Why this target does not run the recurrent op ``op`` (one of :data:`RECURRENT_OPS`)."""
+        return f"the {self.name} target does not run it yet"
+
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
         """The program that runs ``rewritten``'s steps on this target (may lower it in place);
@@ -186,6 +199,25 @@ class Target:
     def emulated(self, device: torch.device | str) -> bool:
         """True if on ``device`` the target's ops run as an emulation of the real ones."""
         return False
+
+
+# the recurrent ops a rewritten step may hold (pagedpack.kernels.recurrent), by name
+RECURRENT_OPS = ("causal_conv1d_varlen", "gated_delta_rule_varlen", "selective_scan_varlen",
+                 "lightning_attention_varlen")
+
+
+def recurrent_sites(rewritten) -> list[tuple[str, str]]:
+    """``(op name, layer)`` of each recurrent op call in ``rewritten``'s step graph, in graph order; the
+    layer is that of the state input it reads (``rewritten.state_specs``, in state-input order)."""
+    specs = list(getattr(rewritten, "state_specs", ()))
+    layers = dict(zip(state_input_names(specs), (spec.layer for spec in specs)))
+    sites = []
+    for node in rewritten.graph_module.graph.nodes:
+        op = getattr(node.target, "_opname", None)
+        if node.op == "call_function" and op in RECURRENT_OPS and node.target.namespace == "pagedpack":
+            state = next(a.name for a in node.args if isinstance(a, torch.fx.Node) and a.name in layers)
+            sites.append((op, layers[state]))
+    return sites
 
 
 def _name(dtype: torch.dtype) -> str:

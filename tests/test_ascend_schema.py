@@ -8,7 +8,11 @@ documentation, ``torch_npu-npu_fused_infer_attention_score.md``) and
 ``npu_fused_infer_attention_score_v2`` (Ascend/op-plugin ``op_plugin/config/op_plugin_functions.yaml``
 as of 2026-08, the entry every torch_npu from 2.1 to the newest, 2.10, is generated from), and
 ``npu_scatter_nd_update_`` (as TorchAir's converter ``_npu_scatter_nd_update_.py`` quotes it),
-with its functional twin.
+with its functional twin; for recurrent layers (vllm-ascend main @ 182b75ea, 2026-08-22), vllm-ascend's
+``torch.ops._C_ascend.npu_causal_conv1d_custom`` and ``npu_recurrent_gated_delta_rule``
+(``csrc/torch_binding.cpp``, ``ops.def``) and torch_npu's
+``npu_chunk_gated_delta_rule`` (op-plugin's ``op_plugin_functions.yaml``, as TorchAir's converter
+``_npu_chunk_gated_delta_rule.py`` quotes it).
 If TorchAir renames or retypes an argument the lowering passes, update the copy and this test
 fails until the lowering follows.
 """
@@ -17,6 +21,7 @@ import torch
 
 from pagedpack import LLM
 from pagedpack.lowering.ascend.lower import emulated_ops
+from pagedpack.lowering.ascend.recurrent import emulated_recurrent_ops
 from pagedpack.models.tiny import tiny_model
 
 AIR_FIA = (
@@ -77,6 +82,21 @@ NPU_FIA_V2 = (
     "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, "
     "int? out_dtype=None) -> (Tensor, Tensor)"
 )
+C_ASCEND_CAUSAL_CONV = (
+    "npu_causal_conv1d_custom(Tensor output, Tensor x, Tensor weight, Tensor conv_state, Tensor? bias_opt, "
+    "Tensor? query_start_loc_opt, Tensor? cache_indices_opt, Tensor? initial_state_mode_opt, "
+    "Tensor? num_accepted_tokens_opt, int activation_mode, int pad_slot_id, int run_mode) -> (Tensor output)"
+)
+C_ASCEND_RECURRENT_GATED_DELTA_RULE = (
+    "npu_recurrent_gated_delta_rule(Tensor query, Tensor key, Tensor value, Tensor(a!) state, *, Tensor? beta=None, "
+    "float? scale=None, Tensor? actual_seq_lengths=None, Tensor? ssm_state_indices=None, "
+    "Tensor? num_accepted_tokens=None, Tensor? g=None, Tensor? gk=None) -> Tensor"
+)
+NPU_CHUNK_GATED_DELTA_RULE = (
+    "npu_chunk_gated_delta_rule(Tensor query, Tensor key, Tensor value, *, Tensor? beta=None, "
+    "Tensor? initial_state=None, Tensor? actual_seq_lengths=None, float? scale=None, Tensor? g=None) "
+    "-> (Tensor, Tensor)"
+)
 NPU_SCATTER = "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)"
 NPU_SCATTER_FUNCTIONAL = "npu_scatter_nd_update(Tensor input, Tensor indices, Tensor updates) -> Tensor"
 
@@ -92,7 +112,11 @@ def arguments(schema: torch._C.FunctionSchema) -> dict[str, torch.Argument]:
     (NPU_FIA_V2, emulated_ops().fused_infer_attention_score_v2_eager),
     (NPU_SCATTER, emulated_ops().scatter_nd_update_),
     (NPU_SCATTER_FUNCTIONAL, torch.ops.pagedpack_npu.npu_scatter_nd_update.default),
-], ids=["air FIA", "npu FIA", "air FIA v2", "npu FIA v2", "scatter_nd_update_", "scatter_nd_update"])
+    (C_ASCEND_CAUSAL_CONV, emulated_recurrent_ops().causal_conv1d),
+    (NPU_CHUNK_GATED_DELTA_RULE, emulated_recurrent_ops().chunk_gated_delta_rule),
+    (C_ASCEND_RECURRENT_GATED_DELTA_RULE, emulated_recurrent_ops().recurrent_gated_delta_rule),
+], ids=["air FIA", "npu FIA", "air FIA v2", "npu FIA v2", "scatter_nd_update_", "scatter_nd_update",
+        "causal_conv1d_custom", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"])
 def test_the_emulation_has_the_real_signature(real, emulated):
     """Every argument of the emulated op exists in the real one, in the same position kind (positional
     or keyword-only), type and default; the returns and the mutation annotation agree."""
@@ -125,8 +149,13 @@ def test_the_lowering_emits_only_arguments_the_real_ops_take(family, fia):
     else:
         schemas[ops.fused_infer_attention_score_v2] = torch._C.parse_schema(AIR_FIA_V2)
         schemas[ops.fused_infer_attention_score_v2_eager] = torch._C.parse_schema(NPU_FIA_V2)
-    calls = [n for gm in (llm.program.run.graph, llm.program.run.eager) for n in gm.graph.nodes
-             if n.op == "call_function" and n.target in schemas]
+    assert_only_real_arguments([llm.program.run.graph, llm.program.run.eager], schemas)
+
+
+def assert_only_real_arguments(graphs, schemas) -> None:
+    """Every op of ``schemas`` (emulated op -> the real one's schema) is called in ``graphs``, with
+    positional arguments the real op has and keywords it takes."""
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in schemas]
     assert {n.target for n in calls} == set(schemas)
     for node in calls:
         schema = schemas[node.target]

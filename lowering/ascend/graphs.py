@@ -260,6 +260,32 @@ class ACLGraphBuckets(_DecodeBucketProgram):
                                                     for name, dummy in self.kv_updates])
 
 
+class RecurrentSteps:
+    """The ``aclgraph`` mode of a model with recurrent state: no decode graphs are captured (a padded
+    bucket's padding rows would need state slots the runner does not have), every step runs eagerly
+    with host lengths, in one of two lowerings (:mod:`pagedpack.lowering.ascend.recurrent`): a
+    decode-only step (``T == B``, every sequence continuing its state) ``decode``, the recurrent ops'
+    decode form; any other step ``prefill``. Reading ``has_initial_state`` is one device-to-host read
+    a step, beside the host lengths'. ``num_caches``: the KV cache inputs (the state inputs follow
+    them: ``state_indices, has_initial_state``, the states)."""
+
+    padding_blocks = 0
+
+    def __init__(self, prefill: Callable, decode: Callable, *, num_caches: int):
+        self.prefill, self.decode, self.num_caches = prefill, decode, num_caches
+        self.stats = GraphStats("aclgraph")
+        self.decode_steps = 0
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        metadata = StepMetadata(*inputs[:len(METADATA_INPUTS)])
+        has_initial_state = inputs[len(METADATA_INPUTS) + self.num_caches + 1]
+        decode = metadata.num_tokens == metadata.num_seqs and bool(has_initial_state.all())
+        self.stats.eager_steps += 1
+        self.decode_steps += decode
+        return (self.decode if decode else self.prefill)(*inputs, *host_lengths(metadata.cu_seqlens_q,
+                                                                                 metadata.seq_lens))
+
+
 class DynamicGraph:
     """The ``dynamic`` graph mode: every step in one graph compiled by ``compile`` (``compile_step``)."""
 

@@ -85,7 +85,7 @@ from pagedpack.lowering.ascend.limits import (
 )
 from pagedpack.lowering.targets import StepBounds, TargetUnavailableError
 from pagedpack.step.contract import METADATA_INPUTS
-from pagedpack.step.metadata import example_metadata
+from pagedpack.step.metadata import example_metadata, example_state_inputs
 
 aten = torch.ops.aten
 COMPRESSED_MASK_SIZE = 2048
@@ -295,11 +295,12 @@ def _attention_shape(node: Node, values: dict[Node, object]) -> AttentionShape:
 
 def step_example_inputs(rewritten, block_size: int, device) -> list[torch.Tensor]:
     """Inputs of ``rewritten``'s step graph for reading its sites' shapes: one sequence of two
-    tokens and one-block caches."""
+    tokens, one-block caches and (a model with recurrent layers) one zeroed state slot."""
     inputs = example_metadata([2], block_size=block_size, num_blocks=1, device=device).as_inputs()
     caches = [torch.zeros(shape, dtype=spec.dtype, device=device)
               for spec in rewritten.kv_cache_specs for shape in spec.cache_shapes(1, block_size)]
-    return [inputs[name] for name in METADATA_INPUTS] + caches
+    states = example_state_inputs(getattr(rewritten, "state_specs", ()), [0], device)
+    return [inputs[name] for name in METADATA_INPUTS] + caches + states
 
 
 def uses_fia_v2(shape: AttentionShape) -> bool:

@@ -27,11 +27,12 @@ from pagedpack.lowering.ascend.graphs import (
     ACLGraphBuckets,
     DecodeBuckets,
     DynamicGraph,
+    RecurrentSteps,
     check_graph_batch_sizes,
     copy_module,
     max_blocks_per_seq,
 )
-from pagedpack.lowering.ascend.limits import MAX_TND_SEQS, check_supported
+from pagedpack.lowering.ascend.limits import MAX_TND_SEQS, AscendLoweringError, check_supported
 from pagedpack.lowering.ascend.lower import (
     describe,
     emulated_ops,
@@ -42,6 +43,15 @@ from pagedpack.lowering.ascend.lower import (
     npu_ops,
     site_shapes,
     step_example_inputs,
+)
+from pagedpack.lowering.ascend.recurrent import (
+    MISSING_OPS,
+    SUPPORTED_OPS,
+    ascend_state_specs,
+    emulated_recurrent_ops,
+    lower_recurrent,
+    npu_recurrent_ops,
+    violations,
 )
 from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
 from pagedpack.lowering.targets import StepBounds, Target, TargetOptions
@@ -96,6 +106,10 @@ class AscendTarget(Target):
     builtin_model: dict = field(default_factory=lambda: dict(
         hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1, dtype=torch.bfloat16))
     options_type: type = AscendOptions
+    recurrent_ops: frozenset[str] = SUPPORTED_OPS
+
+    def missing_recurrent_op(self, op: str) -> str:
+        return MISSING_OPS.get(op) or super().missing_recurrent_op(op)
 
     def prepare_device(self, device: torch.device | str) -> None:
         """Import torch_npu before an ``npu`` device is used (``torch.device("npu")`` needs it)."""
@@ -106,6 +120,9 @@ class AscendTarget(Target):
         """:class:`~pagedpack.lowering.ascend.limits.AscendLoweringError` citing each broken limit."""
         for shape in site_shapes(rewritten, block_size=block_size):
             check_supported(shape, bounds)
+        broken = violations(rewritten.graph_module, rewritten.state_specs)
+        if broken:
+            raise AscendLoweringError("the Ascend recurrent ops cannot serve these layers:\n  " + "\n  ".join(broken))
 
     def lower(self, rewritten, options: AscendOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:
@@ -114,19 +131,29 @@ class AscendTarget(Target):
         ``dynamic`` with TorchAir's tensor-length ops; ``decode_buckets`` both (a copy for eager
         steps). On an NPU, ACL graphs are ``torch.npu.NPUGraph`` and TorchAir graphs compile with its
         GE backend; elsewhere the emulations stand in (:func:`emulation_backend`,
-        :mod:`pagedpack.kernels.npu_graph_emulation`)."""
+        :mod:`pagedpack.kernels.npu_graph_emulation`). A model with recurrent state runs in
+        ``aclgraph`` mode only, every step eagerly (:class:`~pagedpack.lowering.ascend.graphs.RecurrentSteps`,
+        :mod:`pagedpack.lowering.ascend.recurrent`)."""
         emulated = self.emulated(device)
         ops = emulated_ops() if emulated else npu_ops()
-        mode = options.graph_mode
+        mode, states = options.graph_mode, rewritten.state_specs
+        if states and mode != "aclgraph":
+            raise ValueError(f"target_options: graph_mode={mode!r} compiles the step, and the recurrent layers' "
+                             f"conv op (npu_causal_conv1d_custom) writes its state without declaring it in its "
+                             f"schema, which compiled graphs would drop; the default graph_mode='aclgraph' runs "
+                             f"this model eagerly")
         buckets = dict(batch_sizes=list(options.graph_batch_sizes),
                        max_blocks_per_seq=max_blocks_per_seq(bounds.max_model_len, block_size)) \
-            if mode in BUCKET_MODES else {}
+            if mode in BUCKET_MODES and not states else {}
         if mode == "aclgraph":
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device,
                                      eager=True)
-            program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
-                                      kv_updates=[(kv_lengths_argument(s), s.sliding_window is not None)
-                                                  for s in shapes], **buckets)
+            if states:
+                program, recurrent_note = self._recurrent_steps(rewritten, emulated)
+            else:
+                program = ACLGraphBuckets(rewritten.graph_module, graph_api=npu_graph_api(emulated),
+                                          kv_updates=[(kv_lengths_argument(s), s.sliding_window is not None)
+                                                      for s in shapes], **buckets)
         else:
             eager = copy_module(rewritten.graph_module) if mode == "decode_buckets" else None
             shapes = lower_rewritten(rewritten, block_size=block_size, ops=ops, bounds=bounds, device=device)
@@ -139,9 +166,29 @@ class AscendTarget(Target):
                 program = DecodeBuckets(rewritten.graph_module, eager, backend=backend, **buckets)
         note = f"{describe(shapes, ops)}; graph mode {mode}"
         note += f" {list(options.graph_batch_sizes)}" if buckets else ""
+        note += f"; {recurrent_note}" if states else ""
         note += f"; emulated on {device}" if emulated else ""
         return LoweredStep(program, rewritten.kv_cache_specs, note=note, graphs=program.stats,
-                           padding_blocks=program.padding_blocks)
+                           padding_blocks=program.padding_blocks, state_specs=ascend_state_specs(states))
+
+    @staticmethod
+    def _recurrent_steps(rewritten, emulated: bool) -> tuple[RecurrentSteps, str]:
+        """The eager program of a model with recurrent state (already lowered for attention), the
+        recurrent sites lowered in the form of steps with a prefill and in a copy in the decode form,
+        and its line for the note."""
+        recurrent = emulated_recurrent_ops() if emulated else npu_recurrent_ops()
+        prefill, states = rewritten.graph_module, rewritten.state_specs
+        decode = copy_module(prefill)
+        sites = lower_recurrent(prefill, states, recurrent)
+        lower_recurrent(decode, states, recurrent, decode=True)
+        for gm in (prefill, decode):
+            gm.recompile()
+        program = RecurrentSteps(prefill, decode, num_caches=sum(len(spec.cache_shapes(1, 1))
+                                                                 for spec in rewritten.kv_cache_specs))
+        return program, (f"{sites} recurrent site(s) -> {recurrent.causal_conv1d} (run_mode=0) and "
+                         f"{recurrent.chunk_gated_delta_rule}; decode-only steps: run_mode=1 and "
+                         f"{recurrent.recurrent_gated_delta_rule}; every step eager (no decode graphs: their "
+                         "padding rows would have no state slot)")
 
     def emulated(self, device: torch.device | str) -> bool:
         return not is_npu(device)

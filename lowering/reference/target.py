@@ -10,7 +10,7 @@ import torch
 
 from pagedpack.lowering.reference import pt2, tp
 from pagedpack.lowering.reference.cpu import cpu_step
-from pagedpack.lowering.targets import FileFormat, StepBounds, Target, TargetOptions
+from pagedpack.lowering.targets import RECURRENT_OPS, FileFormat, StepBounds, Target, TargetOptions
 from pagedpack.step.contract import LoweredStep
 
 
@@ -24,7 +24,7 @@ class ReferenceTarget(Target):
     serves_pt2: bool = True
     formats: tuple[FileFormat, ...] = (pt2.FORMAT, tp.MANIFEST)
     supports_tensor_parallel: bool = True
-    supports_recurrent_state: bool = True
+    recurrent_ops: frozenset[str] = frozenset(RECURRENT_OPS)
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize

@@ -137,9 +137,10 @@ def lower(source: Source, model: SourceModel, rewritten: RewrittenStep, *,
     (derived before lowering, which may change the graph in place)."""
     args, target, step = source.args, source.args.lowering_target, rewritten.step
     bounds = dataclasses.replace(args.step_bounds, max_model_len=args.max_model_len or model.description.max_model_len)
-    if step.state_specs and not target.supports_recurrent_state:
-        raise ValueError(f"target: the {target.name} target does not run recurrent layers yet "
-                         f"({state_layers(step.state_specs)}); serve the model on the reference target")
+    refused = target.recurrent_refusals(step) if step.state_specs else []
+    if refused:
+        raise ValueError(f"target: the {target.name} target does not run these recurrent layers (serve the model "
+                         "on the reference target):\n  " + "\n  ".join(refused))
     target.check_limits(step, block_size=args.block_size, bounds=bounds)
     peak = _activation_peak(whole or rewritten) if args.memory_budget is not None else None
     program = target.lower(step, args.target_options, block_size=args.block_size, bounds=bounds, device=args.device)
