@@ -3,8 +3,9 @@ the unmodified model's ``generate`` run one prompt at a time, on 12 prompts of l
 batched together (block 16, a 96-token step budget, so long prompts are chunked and sliding
 windows cross block boundaries); families the pass cannot serve exactly are refused with a reason.
 Each family runs under every ``attn_implementation`` transformers offers it (``sdpa``, ``eager``),
-except the state-space models and Mamba hybrids (:data:`STATE_SPACE`: eager only, their attention
-layers are those of families served under both)."""
+except the state-space models and Mamba hybrids (:data:`STATE_SPACE`: eager only) and the hybrids
+with Qwen3's or Mixtral's attention (sdpa only): their attention layers are those of families served
+under both, and their recurrent layers are the same under both."""
 import json
 import subprocess
 import sys
@@ -24,7 +25,7 @@ V = 258
 _BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
 WINDOW = 24  # smaller than most prompts, not a multiple of the block size
-BOTH, EAGER = ("sdpa", "eager"), ("eager",)
+BOTH, EAGER, SDPA = ("sdpa", "eager"), ("eager",), ("sdpa",)
 # gated DeltaNet sizes: 2 key heads serving 4 value heads, as Qwen3-Next's grouping
 _GDN = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
@@ -57,11 +58,13 @@ SERVED = {
     "phi3": (T.Phi3Config, dict(_BASE, pad_token_id=0, eos_token_id=V - 1, partial_rotary_factor=0.5), BOTH, []),
     "qwen3": (T.Qwen3Config, dict(_BASE, head_dim=16), BOTH, []),
     # a short conv (its causal conv1d's state paged, a slot per sequence) and an attention layer
-    "lfm2": (T.Lfm2Config, dict(_BASE, layer_types=["conv", "full_attention"]), BOTH, []),
+    # the hybrids with attention of a family above (Qwen3's) run sdpa only: their recurrent layers are the same
+    # under both implementations
+    "lfm2": (T.Lfm2Config, dict(_BASE, layer_types=["conv", "full_attention"]), SDPA, []),
     # gated DeltaNet layers (a causal conv1d and the gated delta rule, both states paged) and an attention layer
     "qwen3_next": (T.Qwen3NextConfig, dict(_BASE, head_dim=16, **_GDN, num_experts=4, num_experts_per_tok=2,
-                                           moe_intermediate_size=32, shared_expert_intermediate_size=32), BOTH, []),
-    "qwen3_5_text": (T.Qwen3_5TextConfig, dict(_BASE, head_dim=16, **_GDN), BOTH, []),
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=32), SDPA, []),
+    "qwen3_5_text": (T.Qwen3_5TextConfig, dict(_BASE, head_dim=16, **_GDN), SDPA, []),
     # Kimi Delta Attention (the gated delta rule with a decay per key channel) and an MLA attention layer
     "kimi_linear": (T.KimiLinearConfig, dict(_BASE, layer_types=["linear_attention", "full_attention"],
                                              mlp_layer_types=["dense", "dense"], linear_num_heads=4,
@@ -71,7 +74,7 @@ SERVED = {
     # lightning attention (a linear attention with a decay per head, its state paged) and an attention layer, experts;
     # prompts span several of its 16-token blocks; sdpa only: its attention layer is Mixtral's (served under both)
     "minimax": (T.MiniMaxConfig, dict(_BASE, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
-                                      layer_types=["linear_attention", "full_attention"]), ("sdpa",), []),
+                                      layer_types=["linear_attention", "full_attention"]), SDPA, []),
     "cohere": (T.CohereConfig, dict(_BASE, use_qk_norm=True, eos_token_id=V - 1), BOTH, []),
     # one expert a token: the dispatch's sort of expert ids samples as arange(T), not positions (a regression)
     "mixtral": (T.MixtralConfig, dict(_BASE, num_local_experts=4, num_experts_per_tok=1), BOTH, []),
