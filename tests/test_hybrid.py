@@ -115,6 +115,23 @@ def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, req
     assert llm.get_stats().num_preemptions > before
 
 
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "lightning"])
+def test_seeded_samples_of_prompts_sharing_a_prefix_equal_each_seed_run_alone(hybrid, request):
+    """``n=2`` seeded sampling of three prompts sharing a 40-token prefix (prefix caching asked for, the
+    default; the engine keeps it off for these models), batched and preempted: completion ``i`` equals the prompt
+    run alone with seed ``seed + i``."""
+    llm, _ = request.getfixturevalue(hybrid)
+    shared = PROMPTS[5][:40]
+    prompts = [shared + tail for tail in random_prompts((3, 9, 1), seed=6, vocab=V)]
+    params = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        alone = [llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=7 + i,
+                              max_tokens=MAX_TOKENS), use_tqdm=False)[0].outputs[0].token_ids for i in range(2)]
+        assert [c.token_ids for c in out.outputs] == alone
+    assert llm.get_stats().prefix_cache_hits == 0
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**arrival_schedules(len(PROMPTS)))
 def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
