@@ -236,6 +236,13 @@ def test_the_torch_compile_backend_runs_a_hybrid_as_captured_and_says_why(model)
         [report.notes for report in backend.LAST_REPORTS]
 
 
+@pytest.fixture(scope="module")
+def mamba():
+    """``(llm, solo)`` of a Mamba model: no attention layers (no KV caches), a conv and a selective scan per mixer."""
+    return _built(T.MambaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, initializer_range=0.1,
+                                state_size=8, expand=2, conv_kernel=4))
+
+
 # Runs in a fresh interpreter: `import pagedpack` alone registers the recurrent ops the archives call.
 _SERVE_SCRIPT = """
 import json, sys
@@ -255,17 +262,18 @@ print(json.dumps(served))
 
 
 @pytest.fixture(scope="module")
-def exported(short_conv, deltanet, tmp_path_factory):
-    """``{hybrid: (llm, solo, path)}``: the LFM2 and Qwen3.5 hybrids, each exported once as ``.pt2``."""
+def exported(short_conv, deltanet, mamba, tmp_path_factory):
+    """``{model: (llm, solo, path)}``: the LFM2 and Qwen3.5 hybrids and the Mamba model, each exported once
+    as ``.pt2``."""
     folder = tmp_path_factory.mktemp("exports")
     return {name: (llm, solo, llm.export(folder / f"{name}.pt2"))
-            for name, (llm, solo) in (("short_conv", short_conv), ("deltanet", deltanet))}
+            for name, (llm, solo) in (("short_conv", short_conv), ("deltanet", deltanet), ("mamba", mamba))}
 
 
 def test_pt2_exports_served_in_a_fresh_process_give_each_prompt_its_own_tokens(exported, tmp_path):
-    """The archives keep the recurrent ops and their state inputs: loaded in a fresh process (lowered for
-    the CPU, its check run with the states), with chunked prefill, four sequences at once, ``n=2`` forks
-    and preemption, each prompt's tokens are the unmodified model's alone."""
+    """The archives keep the recurrent ops and their state inputs (Mamba's without any KV cache): loaded in
+    a fresh process (lowered for the CPU, its check run with the states), with chunked prefill, four
+    sequences at once, ``n=2`` forks and preemption, each prompt's tokens are the unmodified model's alone."""
     hybrids = list(exported.values())
     result = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, json.dumps([SMALL, PROMPTS, MAX_TOKENS]),
                              *(path for _, _, path in hybrids)], capture_output=True, text=True, timeout=300,
@@ -300,6 +308,8 @@ MALFORMED_STATE_METADATA = {
     "a field more": (dict(state_specs=[{**_CONV, "init": "zeros"}, _CONV2]), _INVALID),
     "no state_specs": (dict(state_specs=...), " has invalid pagedpack metadata: signature: expected"),
     "one state short": (dict(state_specs=[_CONV]), " has invalid pagedpack metadata: signature: expected"),
+    "neither caches nor states": (dict(kv_cache_specs=[], state_specs=[], signature=step_input_names(0)),
+                                  " has invalid pagedpack metadata: signature: expected"),
 }
 # valid metadata describing another program than the archive's
 NOT_ITS_PROGRAMS = {

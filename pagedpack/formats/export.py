@@ -94,13 +94,15 @@ def export_metadata(rewritten, description: ModelDescription | None = None) -> d
 
 def check_portable(rewritten) -> None:
     """``rewritten`` is a rewritten model whose step graph calls the reference ``pagedpack`` ops
-    (what the export formats translate); ``ValueError`` naming what it is otherwise."""
+    (what the export formats translate: ``paged_attention``, or the recurrent ops of a model without
+    attention); ``ValueError`` naming what it is otherwise."""
     graph = getattr(getattr(rewritten, "graph_module", None), "graph", None)
     if not (callable(getattr(rewritten, "raise_if_refused", None)) and isinstance(graph, torch.fx.Graph)):
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
-    if not any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes):
+    # a model without attention layers (Mamba) calls only the recurrent ops, which no other target lowers
+    if not (rewritten.state_specs or any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes)):
         raise ValueError("rewritten: its step graph was lowered for another target (no pagedpack.paged_attention "
                          "left); export a model rewritten for target='reference'")
 
@@ -240,7 +242,7 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
         specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
     states = [_state_spec(spec, invalid) for spec in meta.get("state_specs") or []]
     signature = step_input_names(len(specs), states)
-    if not specs or meta["signature"] != signature:
+    if not (specs or states) or meta["signature"] != signature:
         raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry, then "
                       f"{list(STATE_INPUTS)} and one input per state_specs entry, if any)", meta["signature"])
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["eos_token_ids"]):
