@@ -90,8 +90,9 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
     it: its sha256 record (:mod:`pagedpack.formats.checksum`) and, unless ``trust_file``, that nothing in it
     would run code (:mod:`pagedpack.formats.pt2_check`: pickled members, non-operator node targets, ...;
     refused with :class:`~pagedpack.formats.pt2_check.UntrustedFileError`); after: that its metadata
-    matches the program's own signature. ``ValueError`` if ``path`` is missing or is not such an
-    archive. The libraries that register ops the program calls besides pagedpack's
+    (:func:`~pagedpack.formats.export.step_from_metadata`: KV cache and recurrent state specs, ...)
+    is valid and matches the program's own inputs and logits. ``ValueError`` if ``path`` is missing or
+    is not such an archive. The libraries that register ops the program calls besides pagedpack's
     (:data:`_OP_LIBRARIES`) are imported first."""
     path = check_export_file(path)
     extra = {META_FILE: ""}
