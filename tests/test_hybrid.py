@@ -308,6 +308,8 @@ MALFORMED_STATE_METADATA = {
     "a field more": (dict(state_specs=[{**_CONV, "init": "zeros"}, _CONV2]), _INVALID),
     "no state_specs": (dict(state_specs=...), " has invalid pagedpack metadata: signature: expected"),
     "one state short": (dict(state_specs=[_CONV]), " has invalid pagedpack metadata: signature: expected"),
+    "one rank's shard": (dict(tensor_parallel={"rank": 0, "size": 2, "export_id": "e"}),
+                         " has invalid pagedpack metadata: tensor_parallel: expected null with state_specs"),
     "neither caches nor states": (dict(kv_cache_specs=[], state_specs=[], signature=step_input_names(0)),
                                   " has invalid pagedpack metadata: signature: expected"),
 }

@@ -190,6 +190,7 @@ def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
 _OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict,
              "state_specs": list}  # a file written before recurrent layers were exported has no state_specs
+_REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
 _MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
@@ -200,8 +201,8 @@ def _positive(n) -> bool:
 def _state_spec(spec, invalid) -> StateSpec:
     """The :class:`StateSpec` of one ``state_specs`` entry of a file's metadata (``{"kind", "shape",
     "dtype", "layer"}``); ``invalid(field, expected, got)``'s error for anything else."""
-    expected = (f"{{'kind', 'shape', 'dtype', 'layer'}}: a kind in {list(STATE_KINDS)} with a shape of "
-                f"{STATE_KINDS} positive sizes, a dtype in {_CACHE_DTYPES} and a module path")
+    expected = (f"{{'kind', 'shape', 'dtype', 'layer'}}: a kind of {STATE_KINDS} with a shape of that many "
+                f"positive sizes, a dtype in {_CACHE_DTYPES} and a module path")
     if not (isinstance(spec, dict) and set(spec) == {"kind", "shape", "dtype", "layer"}
             and isinstance(spec["kind"], str) and spec["kind"] in STATE_KINDS and isinstance(spec["shape"], list)
             and len(spec["shape"]) == STATE_KINDS[spec["kind"]] and all(map(_positive, spec["shape"]))
@@ -209,13 +210,15 @@ def _state_spec(spec, invalid) -> StateSpec:
             and _MODULE_PATH.fullmatch(spec["layer"])):
         raise invalid("state_specs", expected, spec)
     return StateSpec(spec["kind"], tuple(spec["shape"]), getattr(torch, spec["dtype"]), spec["layer"])
-_REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
 
 
 def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
     """An :class:`ExportedStep` calling ``run``, from the metadata JSON
-    :func:`export_metadata` wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
-    that does not describe a pagedpack step program."""
+    :func:`export_metadata` wrote (untrusted: nothing in it is run or unpickled); ``ValueError`` naming
+    ``path`` and the field for another format version or metadata that does not describe a pagedpack
+    step program (e.g. a ``state_specs`` entry of an unknown kind, of a shape of another rank, or
+    beside a ``tensor_parallel`` shard). Whether the specs are those of the file's program is
+    :func:`check_program_signature`'s check."""
     def invalid(name, expected, got):
         return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
                           f"got {got!r:.80}")
@@ -255,6 +258,8 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
                                   and all(type(shard[k]) is int for k in ("rank", "size"))
                                   and 0 <= shard["rank"] < shard["size"]):
         raise invalid("tensor_parallel", "{'rank', 'size', 'export_id'} of one rank's shard", shard)
+    if shard is not None and states:
+        raise invalid("tensor_parallel", "null with state_specs (recurrent layers are not split over ranks)", shard)
     try:
         check_tokenizer_files(meta.get("tokenizer_files"))
     except ValueError as err:
