@@ -35,7 +35,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.step.contract import ModelDescription, StepProgram, state_layers
+from pagedpack.step.contract import ModelDescription, StepProgram
 
 # The stages of a build, each a value made by one stage function from the one before:
 # Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
