@@ -255,33 +255,34 @@ for path in sys.argv[2:]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, n=2, max_tokens=max_tokens), use_tqdm=False)
     served.append({"note": llm.program.note, "preemptions": llm.get_stats().num_preemptions,
+                   "imported": sorted(m for m in sys.modules if m.startswith("transformers")),
                    "state_specs": [[s.kind, list(s.shape), str(s.dtype), s.layer] for s in llm.program.state_specs],
                    "tokens": [[c.token_ids for c in o.outputs] for o in outs]})
-print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("transformers")), "served": served}))
+print(json.dumps(served))
 """
 
 
 @pytest.fixture(scope="module")
-def exported(short_conv, deltanet, mamba, tmp_path_factory):
-    """``{model: (llm, solo, path)}``: the LFM2 and Qwen3.5 hybrids and the Mamba model, each exported once
-    as ``.pt2``."""
+def exported(short_conv, deltanet, lightning, mamba, tmp_path_factory):
+    """``{model: (llm, solo, path)}``: the LFM2, Qwen3.5 and MiniMax hybrids and the Mamba model, each
+    exported once as ``.pt2`` (a conv, a gated delta rule, a lightning attention and a selective scan)."""
     folder = tmp_path_factory.mktemp("exports")
-    return {name: (llm, solo, llm.export(folder / f"{name}.pt2"))
-            for name, (llm, solo) in (("short_conv", short_conv), ("deltanet", deltanet), ("mamba", mamba))}
+    models = {"short_conv": short_conv, "deltanet": deltanet, "mamba": mamba, "lightning": lightning}
+    return {name: (llm, solo, llm.export(folder / f"{name}.pt2")) for name, (llm, solo) in models.items()}
 
 
 def test_pt2_exports_served_in_a_fresh_process_give_each_prompt_its_own_tokens(exported, tmp_path):
-    """The archives keep the recurrent ops and their state inputs (Mamba's without any KV cache): loaded in
+    """The archives keep the recurrent ops and their state inputs (Mamba's beside no KV cache): loaded in
     a fresh process (lowered for the CPU, its check run with the states), with chunked prefill, four
     sequences at once, ``n=2`` forks and preemption, each prompt's tokens are the unmodified model's alone."""
-    hybrids = list(exported.values())
     result = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, json.dumps([SMALL, PROMPTS, MAX_TOKENS]),
-                             *(path for _, _, path in hybrids)], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path)
+                             *(path for _, _, path in exported.values())], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["imported"] == []  # serving the files needs no transformers
-    for (llm, solo, path), served in zip(hybrids, out["served"], strict=True):
+    served_files = json.loads(result.stdout.strip().splitlines()[-1])
+    for (name, (llm, solo, path)), served in zip(exported.items(), served_files, strict=True):
+        # serving a file needs no transformers; MiniMax's experts (served last) call its grouped_mm op
+        assert name == "lightning" or served["imported"] == [], served["imported"]
         assert served["state_specs"] == [[s.kind, list(s.shape), str(s.dtype), s.layer]
                                          for s in llm.program.state_specs]
         assert served["note"].startswith(f"loaded from {path}; cpu lowering: ") and "kept the graph" not in \
