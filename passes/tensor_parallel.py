@@ -48,7 +48,7 @@ from torch.fx import Node
 from pagedpack.kernels.attention_params import op_arguments
 from pagedpack.passes.graph_attrs import attr_tensor, vocab_size
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
-from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec
+from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, StateSpec, state_layers
 from pagedpack.step.metadata import example_metadata
 
 aten = torch.ops.aten
@@ -453,6 +453,14 @@ def run_in_lockstep(graphs: list[torch.fx.GraphModule], inputs: list[tuple]) -> 
             else:
                 interpreter.env[node] = value
     return outputs
+
+
+def check_no_recurrent_state(state_specs: list[StateSpec], tp_size) -> None:
+    """``ValueError`` naming ``tensor_parallel_size`` and the layers if the step graph keeps recurrent
+    state (``state_specs``): its layers are not split over ranks yet."""
+    if state_specs:
+        raise ValueError(f"tensor_parallel_size: the model's recurrent layers ({state_layers(state_specs)}) are not "
+                         f"split over ranks yet; expected 1, got {tp_size}")
 
 
 def check_shards(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: torch.nn.Module, *, tp_size: int,

@@ -28,7 +28,7 @@ from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
-from pagedpack.step.contract import ModelDescription
+from pagedpack.step.contract import ModelDescription, StateSpec, step_input_names
 
 from conftest import onnx_sealed, onnx_with_meta, pt2_edited, random_prompts
 
@@ -287,7 +287,9 @@ def test_load_another_format_version(fmt, version, files, tmp_path):
 # The metadata record as pagedpack wrote it (format_version 1) before the formats moved into their targets'
 # packages (pagedpack.lowering.reference.pt2, .tp, pagedpack.lowering.onnx.export): its fields in the order
 # written. The move left it as it was, so files written before load (checked by hand too: a .pt2 and an
-# .onnx written by the code before the move serve the same greedy tokens).
+# .onnx written by the code before the move serve the same greedy tokens). Since .pt2 exports carry recurrent
+# layers, every file also has state_specs (after kv_cache_specs; [] without such layers), which the old layout
+# lacks: it still loads.
 OLD_LAYOUT = {"pt2": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
                       "vocab_size", "model_name", "tokenizer_files", "tensor_parallel", "cache_mutation"),
               "onnx": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
@@ -298,7 +300,8 @@ OLD_LAYOUT = {"pt2": ("format_version", "signature", "kv_cache_specs", "eos_toke
 def test_a_file_in_the_layout_written_before_the_formats_moved_loads(fmt, files, llm, tmp_path):
     def old_layout(text: str) -> str:
         meta = json.loads(text)
-        assert tuple(meta) == OLD_LAYOUT[fmt]  # what this pagedpack writes is still that layout
+        assert meta.pop("state_specs") == []
+        assert tuple(meta) == OLD_LAYOUT[fmt]  # what this pagedpack writes is still that layout, but state_specs
         return json.dumps({"format_version": 1, **{key: meta[key] for key in OLD_LAYOUT[fmt][1:]}})
 
     with_meta = onnx_with_meta if fmt == "onnx" else pt2_with_meta
@@ -347,6 +350,17 @@ def test_load_metadata_disagreeing_with_the_graph(files, tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_specs: the metadata says key_cache_0 is torch.float32 "
                                          r"\[num_blocks, block_size, 3, 16\], its program takes torch.float32 "
                                          r"\[None, None, 2, 16\]"):
+        LLM.from_exported(path)
+
+
+def test_load_an_onnx_model_describing_recurrent_state(files, tmp_path):
+    # metadata and signature consistent, as a file written by another exporter could be: the format carries no state
+    state = StateSpec("conv_state", (64, 2), torch.float32, "model.layers.0.conv")
+    edit = json_edit(state_specs=[{"kind": "conv_state", "shape": [64, 2], "dtype": "float32", "layer": state.layer}],
+                     signature=step_input_names(2, [state]))
+    path = onnx_with_meta(files["onnx"], tmp_path / "m.onnx", edit)
+    with pytest.raises(ValueError, match=re.escape(f"path: {path!r}: state_specs: expected none (the onnx format "
+                                                   "carries no recurrent state), got 1 of model.layers.0.conv")):
         LLM.from_exported(path)
 
 

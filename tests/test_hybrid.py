@@ -1,10 +1,16 @@
 """Hybrids of attention and layers with a recurrent state (LFM2's short convolutions, Qwen3.5's gated
 DeltaNet, Bamba's Mamba2 mixers, MiniMax's lightning attention) through the pass and the engine: each
 causal conv1d, gated delta rule, selective scan and lightning attention continues from a state slot
-per sequence. References: the
+per sequence; their ``.pt2`` exports, served in a fresh process, and crafted ones whose state metadata
+is refused. References: the
 unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
 12-prompt batch with chunked prefill under both attention implementations)."""
+import json
+import re
+import subprocess
+import sys
 import types
+import zipfile
 
 import pytest
 import torch
@@ -12,12 +18,14 @@ import transformers as T
 from hypothesis import HealthCheck, given, settings
 
 from pagedpack import LLM, SamplingParams
+from pagedpack.formats.export import META_FILE, step_from_metadata
 from pagedpack.models.capture import capture
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.request import Request
+from pagedpack.step.contract import StateSpec, step_input_names
 
-from conftest import arrival_schedules, assert_each_as_alone, greedy_alone, random_prompts
+from conftest import arrival_schedules, assert_each_as_alone, greedy_alone, pt2_edited, random_prompts
 
 V, MAX_TOKENS = 258, 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -40,9 +48,12 @@ def solo(model):
     return greedy_alone(model, PROMPTS, MAX_TOKENS)
 
 
+# a small step budget (chunked prefill) and a small pool (preemption) make arrivals interleave
+SMALL = dict(num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+
+
 def _small_llm(model) -> LLM:
-    # a small step budget (chunked prefill) and a small pool (preemption) make arrivals interleave
-    return LLM(model, num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
+    return LLM(model, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +150,17 @@ def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, abor
 
 
 @pytest.mark.parametrize("how, message", [
-    ("export", "recurrent layers .*model.layers.0.conv, model.layers.2.conv.* export formats do not carry"),
+    ("onnx-export", "rewritten: the model's recurrent layers \\(model.layers.0.conv, model.layers.2.conv\\) keep a "
+                    "state the onnx format does not carry yet; export it as pt2"),
     ("onnx", "the onnx target does not run these recurrent layers .*\n  model.layers.0.conv: causal_conv1d_varlen: "
              "the onnx target does not run it yet\n  model.layers.2.conv: causal_conv1d_varlen"),
     ("tp", "tensor_parallel_size: the model's recurrent layers .* are not split over ranks yet"),
+    ("tp-export", "tensor_parallel_size: the model's recurrent layers .* are not split over ranks yet"),
 ])
 def test_paths_without_recurrent_state_refuse_it_by_name(model, llm, how, message, tmp_path):
-    run = {"export": lambda: llm.export(tmp_path / "m.pt2"), "onnx": lambda: LLM(model, target="onnx"),
-           "tp": lambda: LLM(model, tensor_parallel_size=2)}
+    run = {"onnx-export": lambda: llm.export(tmp_path / "m.onnx", format="onnx"),
+           "onnx": lambda: LLM(model, target="onnx"), "tp": lambda: LLM(model, tensor_parallel_size=2),
+           "tp-export": lambda: llm.export(tmp_path / "m.json", tensor_parallel_size=2)}
     with pytest.raises(ValueError, match=message):
         run[how]()
     assert not list(tmp_path.iterdir())
@@ -237,3 +251,127 @@ def test_the_torch_compile_backend_runs_a_hybrid_as_captured_and_says_why(model)
     assert any("model.layers.0.conv: Lfm2ShortConv) keep a recurrent state from step to step: the torch.compile "
                "backend does not page it" in note for report in backend.LAST_REPORTS for note in report.notes), \
         [report.notes for report in backend.LAST_REPORTS]
+
+
+@pytest.fixture(scope="module")
+def mamba():
+    """``(llm, solo)`` of a Mamba model: no attention layers (no KV caches), a conv and a selective scan per mixer."""
+    return _built(T.MambaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, initializer_range=0.1,
+                                state_size=8, expand=2, conv_kernel=4))
+
+
+# Runs in a fresh interpreter: `import pagedpack` alone registers the recurrent ops the archives call.
+_SERVE_SCRIPT = """
+import json, sys
+import pagedpack
+from pagedpack import LLM, SamplingParams
+engine, prompts, max_tokens = json.loads(sys.argv[1])
+served = []
+for path in sys.argv[2:]:
+    llm = LLM.from_exported(path, **engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, n=2, max_tokens=max_tokens), use_tqdm=False)
+    served.append({"note": llm.program.note, "preemptions": llm.get_stats().num_preemptions,
+                   "imported": sorted(m for m in sys.modules if m.startswith("transformers")),
+                   "state_specs": [[s.kind, list(s.shape), str(s.dtype), s.layer] for s in llm.program.state_specs],
+                   "tokens": [[c.token_ids for c in o.outputs] for o in outs]})
+print(json.dumps(served))
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(short_conv, deltanet, lightning, mamba, tmp_path_factory):
+    """``{model: (llm, solo, path)}``: the LFM2, Qwen3.5 and MiniMax hybrids and the Mamba model, each
+    exported once as ``.pt2`` (a conv, a gated delta rule, a lightning attention and a selective scan)."""
+    folder = tmp_path_factory.mktemp("exports")
+    models = {"short_conv": short_conv, "deltanet": deltanet, "mamba": mamba, "lightning": lightning}
+    return {name: (llm, solo, llm.export(folder / f"{name}.pt2")) for name, (llm, solo) in models.items()}
+
+
+def test_pt2_exports_served_in_a_fresh_process_give_each_prompt_its_own_tokens(exported, tmp_path):
+    """The archives keep the recurrent ops and their state inputs (Mamba's beside no KV cache): loaded in
+    a fresh process (lowered for the CPU, its check run with the states), with chunked prefill, four
+    sequences at once, ``n=2`` forks and preemption, each prompt's tokens are the unmodified model's alone."""
+    result = subprocess.run([sys.executable, "-c", _SERVE_SCRIPT, json.dumps([SMALL, PROMPTS, MAX_TOKENS]),
+                             *(path for _, _, path in exported.values())], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    served_files = json.loads(result.stdout.strip().splitlines()[-1])
+    for (name, (llm, solo, path)), served in zip(exported.items(), served_files, strict=True):
+        # serving a file needs no transformers; MiniMax's experts (served last) call its grouped_mm op
+        assert name == "lightning" or served["imported"] == [], served["imported"]
+        assert served["state_specs"] == [[s.kind, list(s.shape), str(s.dtype), s.layer]
+                                         for s in llm.program.state_specs]
+        assert served["note"].startswith(f"loaded from {path}; cpu lowering: ") and "kept the graph" not in \
+            served["note"], served["note"]
+        assert served["tokens"] == [[expected, expected] for expected in solo]
+        assert served["preemptions"] > 0
+
+
+_CONV = {"kind": "conv_state", "shape": [64, 2], "dtype": "float32", "layer": "model.layers.0.conv"}
+_CONV2 = {**_CONV, "layer": "model.layers.2.conv"}
+_INVALID = " has invalid pagedpack metadata: state_specs: expected {'kind', 'shape', 'dtype', 'layer'}: "
+_SCAN = StateSpec("ssm_state", (4, 16, 16), torch.float32)
+
+
+# edit of the LFM2 archive's metadata -> the start of the error
+MALFORMED_STATE_METADATA = {
+    "state_specs an object": (dict(state_specs={"conv_state_0": _CONV}),
+                              " has invalid pagedpack metadata: state_specs: expected list or null"),
+    "an unknown kind": (dict(state_specs=[{**_CONV, "kind": "lstm_state"}, _CONV2]), _INVALID),
+    "a list as kind": (dict(state_specs=[{**_CONV, "kind": ["conv_state"]}, _CONV2]), _INVALID),
+    "a shape of another rank": (dict(state_specs=[{**_CONV, "shape": [64, 2, 1]}, _CONV2]), _INVALID),
+    "a zero size": (dict(state_specs=[{**_CONV, "shape": [64, 0]}, _CONV2]), _INVALID),
+    "a bool size": (dict(state_specs=[{**_CONV, "shape": [64, True]}, _CONV2]), _INVALID),
+    "a float64 state": (dict(state_specs=[{**_CONV, "dtype": "float64"}, _CONV2]), _INVALID),
+    "code as the layer": (dict(state_specs=[{**_CONV, "layer": "__import__('os').system('x')"}, _CONV2]), _INVALID),
+    "a field more": (dict(state_specs=[{**_CONV, "init": "zeros"}, _CONV2]), _INVALID),
+    "no state_specs": (dict(state_specs=...), " has invalid pagedpack metadata: signature: expected"),
+    "one state short": (dict(state_specs=[_CONV]), " has invalid pagedpack metadata: signature: expected"),
+    "one rank's shard": (dict(tensor_parallel={"rank": 0, "size": 2, "export_id": "e"}),
+                         " has invalid pagedpack metadata: tensor_parallel: expected null with state_specs"),
+    "neither caches nor states": (dict(kv_cache_specs=[], state_specs=[], signature=step_input_names(0)),
+                                  " has invalid pagedpack metadata: signature: expected"),
+}
+# valid metadata describing another program than the archive's
+NOT_ITS_PROGRAMS = {
+    "a wider conv": (dict(state_specs=[{**_CONV, "shape": [64, 3]}, _CONV2]),
+                     ": state_specs: the metadata says conv_state_0 is torch.float32 [num_slots, 64, 3], its "
+                     "program takes torch.float32 [None, 64, 2]"),
+    "a bfloat16 state": (dict(state_specs=[_CONV, {**_CONV2, "dtype": "bfloat16"}]),
+                         ": state_specs: the metadata says conv_state_1 is torch.bfloat16 [num_slots, 64, 2], its "
+                         "program takes torch.float32 [None, 64, 2]"),
+    "scans, not convs": (dict(state_specs=[{**_CONV, "kind": "ssm_state", "shape": [4, 16, 16]}] * 2,
+                              signature=step_input_names(2, [_SCAN, _SCAN])),
+                         ": its metadata describes the inputs"),
+    "no state at all": (dict(state_specs=[], signature=step_input_names(2)), ": its metadata describes the inputs"),
+}
+# the cases loaded as files (each loads the archive's program); the other malformed ones are read as metadata only
+AS_FILES = {**NOT_ITS_PROGRAMS, **{case: MALFORMED_STATE_METADATA[case]
+                                   for case in ("state_specs an object", "code as the layer", "one state short")}}
+
+
+def _edited(changes: dict):
+    """The archive's metadata text with ``changes`` (a value of ``...`` drops the field)."""
+    def edit(data: bytes) -> bytes:
+        meta = {**json.loads(data), **changes}
+        return json.dumps({key: value for key, value in meta.items() if value is not ...}).encode()
+    return edit
+
+
+@pytest.mark.parametrize("case", sorted(AS_FILES))
+def test_a_pt2_whose_state_metadata_is_malformed_or_not_its_programs_is_refused(exported, case, tmp_path):
+    changes, message = AS_FILES[case]
+    path = pt2_edited(exported["short_conv"][2], tmp_path / "m.pt2", {f"extra/{META_FILE}": _edited(changes)})
+    with pytest.raises(ValueError, match=re.escape(f"path: {path!r}{message}")):
+        LLM.from_exported(path)
+
+
+def test_malformed_state_metadata_is_refused_naming_the_field(exported):
+    with zipfile.ZipFile(exported["short_conv"][2]) as archive:
+        text = next(archive.read(n) for n in archive.namelist() if n.endswith(f"/extra/{META_FILE}"))
+    assert step_from_metadata(None, text.decode(), "m.pt2").state_specs == exported["short_conv"][0].program.state_specs
+    for case, (changes, message) in MALFORMED_STATE_METADATA.items():
+        with pytest.raises(ValueError) as refused:
+            step_from_metadata(None, _edited(changes)(text).decode(), "m.pt2")
+        assert str(refused.value).startswith(f"path: 'm.pt2'{message}"), (case, str(refused.value))

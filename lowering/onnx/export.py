@@ -44,7 +44,7 @@ from pagedpack.formats.export import (
 from pagedpack.formats.files import publish, temp_path
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
 from pagedpack.lowering.targets import FileFormat
-from pagedpack.step.contract import METADATA_INPUTS, ModelDescription, cache_input_names
+from pagedpack.step.contract import METADATA_INPUTS, ModelDescription, cache_input_names, state_layers
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
 
@@ -60,8 +60,9 @@ def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescriptio
 
     Raises:
         ValueError: an unknown ``attention``; ``"com.microsoft"`` with a KV dtype the op's schema
-            does not take; a source that is not a rewritten reference-target model; a ``path``
-            that cannot be written (checked before exporting).
+            does not take; a source that is not a rewritten reference-target model, or one with
+            recurrent layers (``state_specs``: the format carries no state); a ``path`` that cannot
+            be written (checked before exporting).
         TypeError: ``path`` is not a path.
     """
     check_attention(attention, rewritten)
@@ -99,10 +100,16 @@ def _save(program: torch.onnx.ONNXProgram, path: str) -> None:
 
 
 def check_attention(attention, rewritten) -> None:
-    """``attention`` is one of :data:`ATTENTIONS` and takes ``rewritten``'s KV dtypes; ``ValueError`` otherwise."""
+    """``attention`` is one of :data:`ATTENTIONS` and takes ``rewritten``'s KV dtypes, and ``rewritten`` is
+    a reference-target model the format carries (no recurrent state, no complex tensors); ``ValueError``
+    otherwise."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
     check_portable(rewritten)
+    if rewritten.state_specs:
+        raise ValueError(f"rewritten: the model's recurrent layers ({state_layers(rewritten.state_specs)}) keep a "
+                         f"state the onnx format does not carry yet; export it as pt2 (format='pt2', --format pt2) "
+                         f"or serve it in process (LLM(model))")
     check_real_valued(rewritten)
     dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in rewritten.kv_cache_specs})
     if attention == "pagedpack" and "bfloat16" in dtypes:
@@ -177,7 +184,8 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     data: loading one runs no code of the file's.)
 
     Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
-    graph, or its attention is ``com.microsoft.PagedAttention``, which onnxruntime implements for
+    graph or describes recurrent state (``state_specs``), or its attention is
+    ``com.microsoft.PagedAttention``, which onnxruntime implements for
     CUDA only.
     """
     import onnx
@@ -198,6 +206,9 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     verify_onnx_data(model, props, path)
     del data, model
     step = step_from_metadata(None, props[META_FILE], path)  # the session is attached below
+    if step.state_specs:
+        raise ValueError(f"path: {path!r}: state_specs: expected none (the onnx format carries no recurrent state), "
+                         f"got {len(step.state_specs)} of {state_layers(step.state_specs)}")
     if step.attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")

@@ -2,7 +2,9 @@
 
 The archive holds one ``ExportedProgram`` of the step graph (the signature of
 :mod:`pagedpack.step.contract`, dynamic in ``T``, ``B``, ``R``, ``max_blocks_per_seq``, ``num_blocks``
-and ``block_size``: the block size is a runtime choice, not baked in). An archive written before
+and ``block_size``: the block size is a runtime choice, not baked in; with recurrent layers, the
+recurrent ops and the state inputs after the caches, dynamic in the number of state slots, written in
+place as the caches are). An archive written before
 ``R`` had a dimension of its own takes ``R == B`` only (:func:`load_pt2` marks its program so).
 
 KV caches: the program is kept in export's default IR, where ``pagedpack::reshape_and_cache``
@@ -11,8 +13,9 @@ caches); the loaded ``.module()`` therefore updates the caller's cache tensors, 
 graph does, and the runner passes its own caches exactly as for the un-exported graph.
 
 Besides the program, ``extra_files["pagedpack.json"]`` stores the format-neutral metadata
-(:func:`pagedpack.formats.export.export_metadata`). ``import pagedpack`` registers the custom ops the program
-calls, which is all a fresh process needs before :func:`load_pt2` (or
+(:func:`pagedpack.formats.export.export_metadata`, the recurrent state specs among it). ``import pagedpack``
+registers the custom ops the program calls (:mod:`pagedpack.kernels.recurrent`'s too), which is all a fresh
+process needs before :func:`load_pt2` (or
 :func:`pagedpack.compiler.program.load_exported`, for any format). :data:`FORMAT` registers it (a zip file:
 ``PK\\x03\\x04``) with :class:`~pagedpack.lowering.reference.target.ReferenceTarget`.
 """
@@ -87,8 +90,9 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
     it: its sha256 record (:mod:`pagedpack.formats.checksum`) and, unless ``trust_file``, that nothing in it
     would run code (:mod:`pagedpack.formats.pt2_check`: pickled members, non-operator node targets, ...;
     refused with :class:`~pagedpack.formats.pt2_check.UntrustedFileError`); after: that its metadata
-    matches the program's own signature. ``ValueError`` if ``path`` is missing or is not such an
-    archive. The libraries that register ops the program calls besides pagedpack's
+    (:func:`~pagedpack.formats.export.step_from_metadata`: KV cache and recurrent state specs, ...)
+    is valid and matches the program's own inputs and logits. ``ValueError`` if ``path`` is missing or
+    is not such an archive. The libraries that register ops the program calls besides pagedpack's
     (:data:`_OP_LIBRARIES`) are imported first."""
     path = check_export_file(path)
     extra = {META_FILE: ""}

@@ -35,7 +35,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.step.contract import ModelDescription, StepProgram, state_layers
+from pagedpack.step.contract import ModelDescription, StepProgram
 
 # The stages of a build, each a value made by one stage function from the one before:
 # Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
@@ -114,12 +114,16 @@ def shard(source: Source, model: SourceModel, rewritten: RewrittenStep, join_gro
     checks the split on a sample first; then ``join_group()`` gives the process group's name (the
     runtime joins it, starting the other ranks: :mod:`pagedpack.runtime.tensor_parallel`)."""
     from pagedpack.passes.pipeline import RewrittenModel
-    from pagedpack.passes.tensor_parallel import check_shards, count_all_gathers, count_all_reduces, shard_step_graph
+    from pagedpack.passes.tensor_parallel import (
+        check_no_recurrent_state,
+        check_shards,
+        count_all_gathers,
+        count_all_reduces,
+        shard_step_graph,
+    )
 
     step, tp_size, rank = rewritten.step, source.args.tensor_parallel_size, source.rank
-    if step.state_specs:
-        raise ValueError(f"tensor_parallel_size: the model's recurrent layers ({state_layers(step.state_specs)}) "
-                         f"are not split over ranks yet; expected 1, got {tp_size}")
+    check_no_recurrent_state(step.state_specs, tp_size)
     if rank == 0:
         check_shards(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size)
     gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size, rank=rank,

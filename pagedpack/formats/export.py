@@ -1,6 +1,6 @@
 """What every export format stores besides its program, format-neutral: the metadata record
 (``pagedpack.json``: format version, the step signature of :mod:`pagedpack.step.contract`, KV cache specs,
-eos ids, ``max_model_len``, vocabulary size, model name, the tokenizer's files), the loaded
+recurrent state specs, eos ids, ``max_model_len``, vocabulary size, model name, the tokenizer's files), the loaded
 :class:`ExportedStep`, the example step exporters trace with, and the checks of paths, metadata and
 tokenizer files.
 
@@ -15,10 +15,13 @@ The step program every format holds, dynamic in every size::
 
     forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
             block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [R],
-            key_cache_0, value_cache_0, ...)            # [num_blocks, block_size, H_kv, D]
+            key_cache_0, value_cache_0, ...,            # [num_blocks, block_size, H_kv, D]
+            [state_indices [B], has_initial_state [B], conv_state_0, ssm_state_1, ...])
         -> logits [R, vocab]
 
-``R``: the logits rows (``B``, plus the prompt rows of requests asking for ``prompt_logprobs``).
+``R``: the logits rows (``B``, plus the prompt rows of requests asking for ``prompt_logprobs``). The
+state inputs (``[num_slots, *StateSpec.shape]``) are those of a model with recurrent layers, which only
+the ``.pt2`` format carries (ONNX refuses such a model, naming its layers).
 :data:`FORMAT_VERSION` versions the metadata record; a file of another version is refused, naming
 the version found and the one this pagedpack reads.
 """
@@ -28,6 +31,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -36,13 +40,16 @@ import torch
 from pagedpack.formats.files import check_file_name
 from pagedpack.step.contract import (
     METADATA_INPUTS,
+    STATE_INPUTS,
+    STATE_KINDS,
     KVCacheSpec,
     LoweredStep,
     ModelDescription,
-    cache_input_names,
-    state_layers,
+    StateSpec,
+    state_input_names,
+    step_input_names,
 )
-from pagedpack.step.metadata import example_metadata
+from pagedpack.step.metadata import example_metadata, example_state_inputs
 
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
@@ -63,18 +70,20 @@ class ExportedStep(LoweredStep):
 
 def export_metadata(rewritten, description: ModelDescription | None = None) -> dict:
     """The metadata record stored with an export of ``rewritten`` (what :func:`step_from_metadata`
-    reads back): format version, input names, KV cache specs, and ``description``'s eos ids,
-    ``max_model_len``, vocabulary size (None: the exporter reads it off its program), model name
-    and the tokenizer's files (base64). ``ValueError`` if ``rewritten`` is not a rewritten
-    reference-target model."""
+    reads back): format version, input names, KV cache specs, recurrent state specs (``[]`` without
+    recurrent layers), and ``description``'s eos ids, ``max_model_len``, vocabulary size (None: the
+    exporter reads it off its program), model name and the tokenizer's files (base64). ``ValueError``
+    if ``rewritten`` is not a rewritten reference-target model."""
     check_portable(rewritten)
     description = description or ModelDescription()
     return {
         "format_version": FORMAT_VERSION,
-        "signature": [*METADATA_INPUTS, *cache_input_names(len(rewritten.kv_cache_specs))],
+        "signature": step_input_names(len(rewritten.kv_cache_specs), rewritten.state_specs),
         "kv_cache_specs": [{"num_kv_heads": s.num_kv_heads, "key_head_size": s.key_head_size,
-                            "value_head_size": s.value_head_size, "dtype": str(s.dtype).removeprefix("torch.")}
+                            "value_head_size": s.value_head_size, "dtype": _dtype_name(s.dtype)}
                            for s in rewritten.kv_cache_specs],
+        "state_specs": [{"kind": s.kind, "shape": list(s.shape), "dtype": _dtype_name(s.dtype), "layer": s.layer}
+                        for s in rewritten.state_specs],
         "eos_token_ids": [int(i) for i in description.eos_token_ids],
         "max_model_len": description.max_model_len,
         "vocab_size": description.vocab_size,
@@ -85,16 +94,15 @@ def export_metadata(rewritten, description: ModelDescription | None = None) -> d
 
 def check_portable(rewritten) -> None:
     """``rewritten`` is a rewritten model whose step graph calls the reference ``pagedpack`` ops
-    (what the export formats translate); ``ValueError`` naming what it is otherwise."""
+    (what the export formats translate: ``paged_attention``, or the recurrent ops of a model without
+    attention); ``ValueError`` naming what it is otherwise."""
     graph = getattr(getattr(rewritten, "graph_module", None), "graph", None)
     if not (callable(getattr(rewritten, "raise_if_refused", None)) and isinstance(graph, torch.fx.Graph)):
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
-    if getattr(rewritten, "state_specs", None):
-        raise ValueError(f"rewritten: the model's recurrent layers ({state_layers(rewritten.state_specs)}) keep a "
-                         "state the export formats do not carry yet; serve it in process (LLM(model))")
-    if not any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes):
+    # a model without attention layers (Mamba) calls only the recurrent ops, which no other target lowers
+    if not (rewritten.state_specs or any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes)):
         raise ValueError("rewritten: its step graph was lowered for another target (no pagedpack.paged_attention "
                          "left); export a model rewritten for target='reference'")
 
@@ -123,6 +131,10 @@ def writing(path: str):
         raise ValueError(f"path: cannot write {path!r} ({type(err).__name__}: {err})") from err
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _path_arg(path, arg: str = "path") -> str:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise TypeError(f"{arg}: expected a non-empty str or os.PathLike, got {path!r}")
@@ -147,16 +159,21 @@ def static_shape(sizes) -> tuple:
 
 
 def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple], tuple], path: str) -> None:
-    """The metadata of ``step`` (KV cache specs, vocabulary) matches its program's own inputs and
-    logits (``signature``: ``({input name: (shape, dtype)}, logits shape)``, a shape entry None where
-    symbolic, as each format reads it off its program);
+    """The metadata of ``step`` (KV cache specs, recurrent state specs, vocabulary) matches its
+    program's own inputs and logits (``signature``: ``({input name: (shape, dtype)}, logits shape)``,
+    a shape entry None where symbolic, as each format reads it off its program);
     ``ValueError`` naming the field, what the program has and what the metadata says."""
     inputs, logits = signature
-    expected = [*METADATA_INPUTS, *cache_input_names(len(step.kv_cache_specs))]
+    expected = step_input_names(len(step.kv_cache_specs), step.state_specs)
     if list(inputs) != expected:
         raise ValueError(f"path: {path!r}: its metadata describes the inputs {expected}, its program has "
                          f"{list(inputs)}")
-    caches = expected[len(METADATA_INPUTS):]
+    caches = expected[len(METADATA_INPUTS):len(METADATA_INPUTS) + 2 * len(step.kv_cache_specs)]
+    for spec, name in zip(step.state_specs, state_input_names(step.state_specs)):
+        shape, dtype = inputs[name]
+        if tuple(shape[1:]) != spec.shape or dtype != spec.dtype:
+            raise ValueError(f"path: {path!r}: state_specs: the metadata says {name} is {spec.dtype} "
+                             f"[num_slots, {', '.join(map(str, spec.shape))}], its program takes {dtype} {list(shape)}")
     for spec, names in zip(step.kv_cache_specs, zip(caches[::2], caches[1::2])):
         for name, head_size in zip(names, (spec.key_head_size, spec.value_head_size)):
             shape, dtype = inputs[name]
@@ -171,14 +188,37 @@ def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
-_OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict}
+_OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict,
+             "state_specs": list}  # a file written before recurrent layers were exported has no state_specs
 _REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
+_MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def _positive(n) -> bool:
+    return type(n) is int and n > 0
+
+
+def _state_spec(spec, invalid) -> StateSpec:
+    """The :class:`StateSpec` of one ``state_specs`` entry of a file's metadata (``{"kind", "shape",
+    "dtype", "layer"}``); ``invalid(field, expected, got)``'s error for anything else."""
+    expected = (f"{{'kind', 'shape', 'dtype', 'layer'}}: a kind of {STATE_KINDS} with a shape of that many "
+                f"positive sizes, a dtype in {_CACHE_DTYPES} and a module path")
+    if not (isinstance(spec, dict) and set(spec) == {"kind", "shape", "dtype", "layer"}
+            and isinstance(spec["kind"], str) and spec["kind"] in STATE_KINDS and isinstance(spec["shape"], list)
+            and len(spec["shape"]) == STATE_KINDS[spec["kind"]] and all(map(_positive, spec["shape"]))
+            and spec["dtype"] in _CACHE_DTYPES and isinstance(spec["layer"], str)
+            and _MODULE_PATH.fullmatch(spec["layer"])):
+        raise invalid("state_specs", expected, spec)
+    return StateSpec(spec["kind"], tuple(spec["shape"]), getattr(torch, spec["dtype"]), spec["layer"])
 
 
 def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
     """An :class:`ExportedStep` calling ``run``, from the metadata JSON
-    :func:`export_metadata` wrote; ``ValueError`` naming ``path`` and the field for another format version or metadata
-    that does not describe a pagedpack step program."""
+    :func:`export_metadata` wrote (untrusted: nothing in it is run or unpickled); ``ValueError`` naming
+    ``path`` and the field for another format version or metadata that does not describe a pagedpack
+    step program (e.g. a ``state_specs`` entry of an unknown kind, of a shape of another rank, or
+    beside a ``tensor_parallel`` shard). Whether the specs are those of the file's program is
+    :func:`check_program_signature`'s check."""
     def invalid(name, expected, got):
         return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
                           f"got {got!r:.80}")
@@ -200,12 +240,14 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
     for spec in meta["kv_cache_specs"]:
         sizes = [spec.get(k) if isinstance(spec, dict) else None
                  for k in ("num_kv_heads", "key_head_size", "value_head_size")]
-        if not all(isinstance(n, int) and n > 0 for n in sizes) or spec.get("dtype") not in _CACHE_DTYPES:
+        if not all(_positive(n) for n in sizes) or spec.get("dtype") not in _CACHE_DTYPES:
             raise invalid("kv_cache_specs", f"positive head counts/sizes and a dtype in {_CACHE_DTYPES}", spec)
         specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
-    signature = [*METADATA_INPUTS, *cache_input_names(len(specs))]
-    if not specs or meta["signature"] != signature:
-        raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry)", meta["signature"])
+    states = [_state_spec(spec, invalid) for spec in meta.get("state_specs") or []]
+    signature = step_input_names(len(specs), states)
+    if not (specs or states) or meta["signature"] != signature:
+        raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry, then "
+                      f"{list(STATE_INPUTS)} and one input per state_specs entry, if any)", meta["signature"])
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["eos_token_ids"]):
         raise invalid("eos_token_ids", "a list of ints", meta["eos_token_ids"])
     for name in ("max_model_len", "vocab_size"):
@@ -216,6 +258,8 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
                                   and all(type(shard[k]) is int for k in ("rank", "size"))
                                   and 0 <= shard["rank"] < shard["size"]):
         raise invalid("tensor_parallel", "{'rank', 'size', 'export_id'} of one rank's shard", shard)
+    if shard is not None and states:
+        raise invalid("tensor_parallel", "null with state_specs (recurrent layers are not split over ranks)", shard)
     try:
         check_tokenizer_files(meta.get("tokenizer_files"))
     except ValueError as err:
@@ -226,15 +270,16 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
         raise invalid("tokenizer_files", "a saved tokenizer", f"{type(err).__name__}: {err}") from err
     description = ModelDescription(meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
                                    meta.get("model_name"), tokenizer)
-    return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", note=f"loaded from {path}",
-                        description=description, attention=meta.get("attention"),
+    return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", state_specs=states,
+                        note=f"loaded from {path}", description=description, attention=meta.get("attention"),
                         tensor_parallel=shard)
 
 
 def example_step(rewritten) -> tuple[tuple, tuple]:
     """``(args, dynamic_shapes)``: a small valid step for the rewritten graph (from the batch
-    builder), and the ``torch.export`` dims that make every size dynamic (tokens, sequences,
-    blocks per sequence, number of blocks, block size; ``cu_seqlens_q`` is sequences + 1).
+    builder; with recurrent layers, sequence ``b`` in state slot ``b`` of 4, the first one fresh),
+    and the ``torch.export`` dims that make every size dynamic (tokens, sequences, blocks per
+    sequence, number of blocks, block size, state slots; ``cu_seqlens_q`` is sequences + 1).
 
     Example sizes are >= 2 (export specialises 0 and 1) and the token, block and block-size
     counts distinct; the dims' minimum is 1, so a step of one token of one sequence runs too. The
@@ -243,19 +288,24 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     """
     device = next(rewritten.graph_module.parameters()).device
     block_size, num_blocks = 6, 11  # T=11 tokens of B=3 sequences, KV lengths 2, 14, 7 (blocks 1, 3, 2)
-    batch = example_metadata([2, 5, 4], [0, 9, 3], block_size=block_size, num_blocks=num_blocks, device=device)
+    context_lens = [0, 9, 3]
+    batch = example_metadata([2, 5, 4], context_lens, block_size=block_size, num_blocks=num_blocks, device=device)
     batch = batch._replace(logits_indices=torch.tensor([1, 6, 10, 2, 3], device=device))
     inputs = batch.as_inputs()
     args = [inputs[name] for name in METADATA_INPUTS]
     for spec in rewritten.kv_cache_specs:
         args += [torch.zeros(shape, dtype=spec.dtype, device=device)
                  for shape in spec.cache_shapes(num_blocks, block_size)]
+    args += example_state_inputs(rewritten.state_specs, context_lens, device, num_slots=4)
 
     dim = torch.export.Dim
     t, b, r = dim("num_tokens", min=1), dim("num_seqs", min=1), dim("num_logits_rows", min=1)
     m, n, bs = dim("max_blocks_per_seq", min=1), dim("num_blocks", min=1), dim("block_size", min=1)
     dynamic_shapes = [{0: t}, {0: t}, {0: b + 1}, {0: b}, {0: b, 1: m}, {0: t}, {0: r}]
     dynamic_shapes += [{0: n, 1: bs}] * (2 * len(rewritten.kv_cache_specs))
+    if rewritten.state_specs:
+        slots = dim("num_state_slots", min=1)
+        dynamic_shapes += [{0: b}, {0: b}, *[{0: slots}] * len(rewritten.state_specs)]
     return tuple(args), tuple(dynamic_shapes)
 
 

@@ -77,11 +77,16 @@ class KVCacheSpec:
                 (num_blocks, block_size, self.num_kv_heads, kv_row_size(self.value_head_size, self.dtype)))
 
 
+# The kinds of recurrent state, each with the rank of its per-sequence shape (:class:`StateSpec`).
+STATE_KINDS = {"conv_state": 2, "ssm_state": 3}
+
+
 @dataclass(frozen=True)
 class StateSpec:
-    """One recurrent state tensor of one layer: ``kind`` (``"conv_state"``: a causal conv's last
-    ``width - 1`` inputs; ``"ssm_state"``), its per-sequence ``shape`` (the slot dimension left out)
-    and ``dtype``; the ``layer`` it belongs to (the module path, for reports and refusals)."""
+    """One recurrent state tensor of one layer: ``kind`` (:data:`STATE_KINDS`; ``"conv_state"``: a
+    causal conv's last ``width - 1`` inputs, ``[dim, width - 1]``; ``"ssm_state"``: a scan's,
+    ``[heads, key or head dim, value or state dim]``), its per-sequence ``shape`` (the slot dimension
+    left out) and ``dtype``; the ``layer`` it belongs to (the module path, for reports and refusals)."""
 
     kind: str
     shape: tuple[int, ...]
@@ -99,6 +104,13 @@ class StateSpec:
 def state_input_names(specs: Sequence[StateSpec]) -> list[str]:
     """``conv_state_0, conv_state_1, ssm_state_2, ...``: the state inputs, numbered over all specs."""
     return [f"{spec.kind}_{i}" for i, spec in enumerate(specs)]
+
+
+def step_input_names(num_layers: int, state_specs: Sequence[StateSpec] = ()) -> list[str]:
+    """Every input of a step program, in order (module docstring): the metadata, the cache pairs of
+    ``num_layers`` layers, then, with ``state_specs``, the state metadata and the states."""
+    states = [*STATE_INPUTS, *state_input_names(state_specs)] if state_specs else []
+    return [*METADATA_INPUTS, *cache_input_names(num_layers), *states]
 
 
 def state_layers(specs: Sequence[StateSpec]) -> str:

@@ -117,13 +117,14 @@ def state_metadata(slots: Sequence[int], context_lens: Sequence[int], device: to
             torch.tensor([c > 0 for c in context_lens], dtype=torch.bool, device=device).reshape(len(slots)))
 
 
-def example_state_inputs(state_specs: Sequence, context_lens: Sequence[int], device: torch.device | str = "cpu"
-                         ) -> list[torch.Tensor]:
+def example_state_inputs(state_specs: Sequence, context_lens: Sequence[int], device: torch.device | str = "cpu",
+                         num_slots: int | None = None) -> list[torch.Tensor]:
     """The state inputs of an example step (docs/design.md): sequence ``b`` in slot ``b``, zeroed states of
-    as many slots (a sequence with context starts from zeros, which is a state like any other);
-    ``[]`` for a program without ``state_specs`` (:class:`~pagedpack.step.contract.StateSpec`)."""
+    ``num_slots`` slots (default: one a sequence; a sequence with context starts from zeros, which is a
+    state like any other); ``[]`` for a program without ``state_specs``
+    (:class:`~pagedpack.step.contract.StateSpec`)."""
     if not state_specs:
         return []
-    num_slots = len(context_lens)
+    num_slots = len(context_lens) if num_slots is None else num_slots
     states = [torch.zeros(spec.state_shape(num_slots), dtype=spec.dtype, device=device) for spec in state_specs]
-    return [*state_metadata(range(num_slots), context_lens, device), *states]
+    return [*state_metadata(range(len(context_lens)), context_lens, device), *states]
