@@ -1,10 +1,11 @@
 """Hybrids of attention and layers with a recurrent state (LFM2's short convolutions, Qwen3.5's gated
-DeltaNet, Bamba's Mamba2 mixers, MiniMax's lightning attention) through the pass and the engine: each
-causal conv1d, gated delta rule, selective scan and lightning attention continues from a state slot
-per sequence; their ``.pt2`` exports, served in a fresh process, and crafted ones whose state metadata
-is refused. References: the
-unmodified model's greedy ``generate`` run one prompt at a time (tests/test_families.py runs the
-12-prompt batch with chunked prefill under both attention implementations)."""
+DeltaNet, Bamba's Mamba2 mixers, MiniMax's lightning attention) and Mamba (no attention) through the
+pass and the engine: each causal conv1d, gated delta rule, selective scan and lightning attention
+continues from a state slot per sequence, through forks, preemption and chunked prefill; their
+``.pt2`` exports, served in a fresh process, and crafted ones whose state metadata is refused.
+References: the unmodified model's greedy ``generate`` run one prompt at a time, and for seeded
+sampling each seed run alone (tests/test_families.py runs every family's 12-prompt batch with
+chunked prefill)."""
 import json
 import re
 import subprocess
@@ -93,6 +94,13 @@ def ssd():
 
 
 @pytest.fixture(scope="module")
+def scan():
+    """``(llm, solo)`` of a Mamba model: selective scans only, no attention (the pool's blocks hold no KV)."""
+    return _built(T.MambaConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, initializer_range=0.1,
+                                state_size=8, expand=2, conv_kernel=4))
+
+
+@pytest.fixture(scope="module")
 def lightning():
     """``(llm, solo)`` of a MiniMax model: lightning attention (blocks of 8: the prompts span up to 8),
     attention, experts."""
@@ -114,7 +122,7 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
         "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
 
 
-@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "lightning"])
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "scan", "lightning"])
 def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, request):
     """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""
     llm, solo = request.getfixturevalue(hybrid)
@@ -126,7 +134,7 @@ def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, req
     assert llm.get_stats().num_preemptions > before
 
 
-@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "lightning"])
+@pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "scan", "lightning"])
 def test_seeded_samples_of_prompts_sharing_a_prefix_equal_each_seed_run_alone(hybrid, request):
     """``n=2`` seeded sampling of three prompts sharing a 40-token prefix (prefix caching asked for, the
     default; the engine keeps it off for these models), batched and preempted: completion ``i`` equals the prompt
