@@ -151,6 +151,19 @@ def test_seeded_samples_of_prompts_sharing_a_prefix_equal_each_seed_run_alone(hy
     assert llm.get_stats().prefix_cache_hits == 0
 
 
+def test_an_int8_kv_cache_quantizes_the_attention_layers_and_leaves_the_state_in_the_model_dtype(model):
+    """``kv_cache_dtype="int8"`` applies to the attention layers' caches; the conv states stay fp32. Batched
+    with forks and preemption, each prompt gets the tokens it gets alone on the same engine."""
+    llm = LLM(model, num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4, kv_cache_dtype="int8")
+    assert {spec.dtype for spec in llm.program.kv_cache_specs} == {torch.int8}
+    assert {spec.dtype for spec in llm.program.state_specs} == {torch.float32}
+    params = SamplingParams(temperature=0.0, n=2, max_tokens=MAX_TOKENS)
+    alone = [llm.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [[c.token_ids for c in out.outputs] for out in outs] == [[a, a] for a in alone]
+    assert llm.get_stats().num_preemptions > 0
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**arrival_schedules(len(PROMPTS)))
 def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, aborted):
