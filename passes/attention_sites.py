@@ -47,6 +47,10 @@ LAYOUT_RANK = {HEADS_FIRST: 4, MERGED_HEADS: 3}
 _LAYOUT_OF_RANK = {rank: layout for layout, rank in LAYOUT_RANK.items()}
 
 
+def _apply(op, args: tuple):
+    return op(*args)
+
+
 @dataclass
 class AttentionSite:
     """One attention computation in the graph (query, key, value and output in ``layout``)."""
@@ -77,6 +81,7 @@ class AttentionSite:
     alibi_slopes: Tensor | None = None  # float32 [num_heads], read off the verified bias and mask
     sinks: Node | None = None  # the per-head sink logits (before their reshape and expand to a column)
     sink_values: Tensor | None = None  # [num_heads], read off ``sinks`` on the sample
+    key_transposed: bool = False  # key and key_source are k^T ([..., H, D, T]): the model never forms k (GPT-1)
 
     @property
     def sampled_nodes(self) -> tuple[Node | None, ...]:
@@ -105,6 +110,19 @@ class AttentionSite:
         leaves = [*starts, *(i for n in inner for i in n.all_input_nodes if i not in derived)]
         return list(dict.fromkeys(leaves)), inner
 
+    def key_in_layout(self, key, call: Callable = _apply):
+        """``key`` (the site's key or key source, as a node or a value) in the site's layout:
+        transposed back from ``k^T`` if :attr:`key_transposed` (``call`` as :func:`to_tokens_first`'s)."""
+        return call(aten.transpose.int, (key, -2, -1)) if self.key_transposed else key
+
+    def tokens_first(self, value_of: Callable = lambda node: node, call: Callable = _apply) -> tuple:
+        """``(query, key, value)`` as ``[T, H, D]``, the ops' layout: ``value_of(node)`` (the node
+        itself, or its sampled tensor) of the query and the key and value before ``repeat_kv``,
+        converted by ``call`` (:func:`to_tokens_first`)."""
+        key = self.key_in_layout(value_of(self.key_source), call)
+        return tuple(to_tokens_first(x, self.layout, call)
+                     for x in (value_of(self.query), key, value_of(self.value_source)))
+
     @property
     def num_heads(self) -> int:
         """Query heads (dim -3 of the query in either layout)."""
@@ -115,10 +133,6 @@ class AttentionSite:
         return AttentionParams(scale=default_scale(self), sliding_window=self.sliding_window,
                                logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes,
                                sinks=self.sink_values, attention_chunk_size=self.attention_chunk_size)
-
-
-def _apply(op, args: tuple):
-    return op(*args)
 
 
 def to_tokens_first(x, layout: str, call: Callable = _apply):
@@ -207,24 +221,41 @@ class _Scores:
     sinks: Node | None = None
 
 
-def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> AttentionSite | None:
+def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None],
+                lse_sink: bool = False) -> AttentionSite | None:
     """Match ``<scores> -> [casts] softmax(-1) -> [casts, dropout, views] -> matmul or bmm(., v)``;
     None if no match. ``scores_of(x)`` reads the softmax input ``x`` (None: not this pattern's form).
+    With ``lse_sink`` the site's output is that ``@ v`` gated by a sink through the logsumexp of
+    the scores (:func:`_lse_sink_gate`), which is then the scores' one reader besides the softmax.
+    Query and key merged from ``[1, H, T, D]`` to ``[H, T, D]`` for a ``bmm`` / ``baddbmm`` whose
+    probabilities ``@ v`` stay ``[1, H, T, D]`` (GPT-NeoX-Japanese) are read before the merge.
     """
     if softmax.args[1] not in (-1, 3):
         return None
-    scores = scores_of(_before_casts(softmax.args[0]))
+    inner = _before_casts(softmax.args[0])
+    scores = scores_of(inner)
     if scores is None:
         return None
     start = softmax if scores.sinks is None else _sink_column_dropped(softmax)
     if start is None:
         return None
     probs = _single_user_chain(start)
-    out = next(iter(probs.users)) if len(probs.users) == 1 else None
-    if out is None or not is_call(out, aten.matmul.default, aten.bmm.default) or out.args[0] is not probs:
+    readers = _readers(probs)
+    attention = readers[0] if len(readers) == 1 else None
+    operands = matmul_operands(attention)
+    if operands is None or operands[0] is not probs:
         return None
-    query, key, value = scores.query, scores.key_t.args[0], out.args[1]
+    out, gate_reader = attention, None
+    if lse_sink:
+        gated = _lse_sink_gate(attention, inner)
+        if gated is None:
+            return None
+        out, scores.sinks, gate_reader = gated
+    query, (key, key_transposed), value = scores.query, _key_of(scores.key_t), operands[1]
     layout = _layout(query, key, value, out)
+    if layout is None:
+        query, key = _unmerged_heads(query), _unmerged_heads(key)
+        layout = _layout(query, key, value, out)
     if layout is None:
         return None
     key_src, k_rep = unrepeat_kv(key)
@@ -234,13 +265,12 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
         query=query, key=key, value=value, key_source=key_src, value_source=value_src,
         num_rep=k_rep, mask=scores.mask, is_causal=False, scale=scores.scale,
         logits_soft_cap=scores.logits_soft_cap, layout=layout, mask_marks_blocked=scores.mask_marks_blocked,
-        bias=scores.bias, bias_factor=scores.bias_factor, sinks=scores.sinks,
+        bias=scores.bias, bias_factor=scores.bias_factor, sinks=scores.sinks, key_transposed=key_transposed,
     )
-    reader = _other_reader(softmax)
+    reader = _other_reader(softmax, expected=gate_reader)
     if reader is not None:
         site.refusal = (f"the attention scores are also read outside the softmax (by {reader.name} = "
-                        f"{op_name(reader.target)}), a form paged attention does not compute (e.g. a sink applied as "
-                        "sigmoid(logsumexp(scores) - sink))")
+                        f"{op_name(reader.target)}), a form paged attention does not compute")
     elif probs is not softmax and _has_active_dropout(softmax, probs):
         site.refusal = "attention dropout is active (put the model in eval mode)"
     elif k_rep != v_rep:
@@ -248,17 +278,56 @@ def _eager_site(softmax: Node, scores_of: Callable[[Node], _Scores | None]) -> A
     return site
 
 
+def _lse_sink_gate(attention: Node, scores: Node) -> tuple[Node, Node, Node] | None:
+    """Granite-SWA (``modeling_granite_swa.eager_attention_forward``, GraniteMoE-SWA's the same):
+    ``attention * sigmoid(logsumexp(scores, -1) - sinks.view(1, -1, 1)).unsqueeze(-1)``, casts
+    between, where ``attention`` is ``softmax(scores) @ v``: ``(the product, sinks before the view,
+    the logsumexp)``; None if ``attention``'s one reader is not that.
+
+    It is gpt-oss's sinks (:attr:`AttentionParams.sinks`): with ``l = logsumexp(scores)``,
+    ``sigmoid(l - s) = e^l / (e^l + e^s)`` and ``softmax(scores) = e^scores / e^l``, so the gated
+    weights are ``e^scores / (e^l + e^s)``, the softmax over ``[scores, s]`` less its sink column
+    (the check of the site's output on the sample proves it per site)."""
+    readers = _readers(attention)
+    product = readers[0] if len(readers) == 1 else None
+    if not (is_call(product, aten.mul.Tensor) and product.args[0] is attention):
+        return None
+    factor = _before_casts(product.args[1])
+    if not (is_call(factor, aten.unsqueeze.default) and factor.args[1] in (-1, 3)):
+        return None
+    gate = _before_casts(factor.args[0])
+    difference = _before_casts(gate.args[0]) if is_call(gate, aten.sigmoid.default) else None
+    if not is_call(difference, aten.sub.Tensor):
+        return None
+    lse, sinks = difference.args
+    if not (is_call(lse, aten.logsumexp.default) and lse.args[0] is scores and list(lse.args[1]) in ([-1], [3])
+            and not (lse.args[2:] or (False,))[0] and isinstance(sinks, Node)):
+        return None
+    return product, _before_reshape(sinks), lse
+
+
+def _key_of(key_t: Node) -> tuple[Node, bool]:
+    """``(key, key_transposed)`` of the ``k^T`` of ``q @ k^T`` (:func:`is_key_transpose`): ``k``
+    for ``k.transpose(-2, -1)``; ``k^T`` itself when the model never forms ``k`` (GPT-1's
+    ``split_heads(k, k=True)``: ``view(x, [1, T, H, D]).permute(0, 2, 3, 1)``)."""
+    return (key_t.args[0], False) if is_call(key_t, aten.transpose.int) else (key_t, True)
+
+
+def _unmerged_heads(node: Node) -> Node:
+    """``node`` before a view that merges batch and heads of ``[1, H, T, D]`` into ``[H, T, D]``,
+    else ``node``."""
+    source = node.args[0] if is_call(node, *_RESHAPES) else None
+    return source if _rank(source) == 4 and _rank(node) == 3 and _regroups_heads(source, node) else node
+
+
 def _with_sinks(scores_of: Callable[[Node], _Scores | None], x: Node) -> _Scores | None:
-    """gpt-oss (``modeling_gpt_oss.eager_attention_forward``): ``cat([<scores>, sinks.reshape(1, -1, 1,
-    1).expand(...)], -1)``, less its row maximum (``max(-1, keepdim=True).values``), into the
-    softmax, whose last column is dropped after (:func:`_sink_column_dropped`). ``scores_of`` reads
-    ``<scores>``; the sinks are the tensor before the reshape and expand (the verification reads
-    them on the sample and checks the site's output)."""
-    if is_call(x, aten.sub.Tensor):
-        x, peak = x.args
-        if not (is_call(peak, operator.getitem) and peak.args[1] == 0 and is_call(peak.args[0], aten.max.dim)
-                and peak.args[0].args[0] is x):
-            return None
+    """gpt-oss (``modeling_gpt_oss.eager_attention_forward``), MiMo-V2-Flash's sliding layers:
+    ``cat([<scores>, sinks.reshape(1, -1, 1, 1).expand(...)], -1)``, less its row maximum or not
+    (:func:`_less_row_max`), into the softmax, whose last column is dropped after
+    (:func:`_sink_column_dropped`). ``scores_of`` reads ``<scores>``; the sinks are the tensor
+    before the reshape and expand (the verification reads them on the sample and checks the
+    site's output)."""
+    x = _less_row_max(x) or x
     if not (is_call(x, aten.cat.default) and len(x.args[0]) == 2 and x.args[1] in (-1, 3)):
         return None
     inner, column = x.args[0]
@@ -267,6 +336,26 @@ def _with_sinks(scores_of: Callable[[Node], _Scores | None], x: Node) -> _Scores
         return None
     scores.sinks = _before_reshape(column.args[0])
     return scores
+
+
+def _less_row_max(x: Node) -> Node | None:
+    """``y`` if ``x`` is ``y - y.max(-1, keepdim=True).values`` (a shift softmax ignores, for
+    stability in bf16: gpt-oss, MiMo-V2-Flash), else None."""
+    if not is_call(x, aten.sub.Tensor):
+        return None
+    y, peak = x.args
+    if (is_call(peak, operator.getitem) and peak.args[1] == 0 and is_call(peak.args[0], aten.max.dim)
+            and peak.args[0].args[0] is y and peak.args[0].args[1:] in ((-1, True), (3, True))):
+        return y
+    return None
+
+
+def _row_max_shifted(scores_of: Callable[[Node], _Scores | None], x: Node) -> _Scores | None:
+    """MiMo-V2-Flash's full-attention layers (``modeling_mimo_v2_flash.eager_attention_forward``
+    without sinks): ``<scores> - <scores>.max(-1, keepdim=True).values`` (:func:`_less_row_max`),
+    ``scores_of`` reading ``<scores>``."""
+    y = _less_row_max(x)
+    return None if y is None else scores_of(y)
 
 
 def _sink_column_dropped(softmax: Node) -> Node | None:
@@ -278,21 +367,26 @@ def _sink_column_dropped(softmax: Node) -> Node | None:
     return None
 
 
-def _other_reader(softmax: Node) -> Node | None:
-    """A node other than ``softmax`` that reads its input scores (or a cast of them on the way):
-    once the site is rewritten, such a reader would see the packed step's scores across sequences."""
+def _other_reader(softmax: Node, expected: Node | None = None) -> Node | None:
+    """A node other than ``softmax`` (and the pattern's ``expected`` reader) that reads its input
+    scores (or a cast of them on the way): once the site is rewritten, such a reader would see the
+    packed step's scores across sequences."""
     chain, node = [softmax.args[0]], softmax.args[0]
     while is_call(node, *PASS_THROUGH):
         node = node.args[0]
         chain.append(node)
-    inside = {softmax, *chain}
+    inside = {softmax, expected, *chain}
     return next((user for n in chain for user in _readers(n) if user not in inside), None)
 
 
 def _readers(node: Node) -> list[Node]:
-    """``node``'s users but the export's dtype assertions (``_assert_tensor_metadata``), which
-    compute nothing from it."""
-    return [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    """``node``'s users but those that compute nothing from it: the export's dtype assertions
+    (``_assert_tensor_metadata``), a ``type_as`` that takes only its dtype (ProphetNet's
+    ``softmax(scores).type_as(scores)``) and dead nodes (unread and pure: ProphetNet's view of the
+    probabilities it would return with ``output_attentions``)."""
+    return [u for u in node.users if not (is_call(u, aten._assert_tensor_metadata.default)
+                                          or (is_call(u, aten.type_as.default) and u.args[0] is not node)
+                                          or (not u.users and not u.is_impure()))]
 
 
 def _scaled_scores(x: Node, scaling: Callable[[Node], tuple[Node, float] | None],
@@ -314,9 +408,11 @@ def _scaled_scores(x: Node, scaling: Callable[[Node], tuple[Node, float] | None]
     return None if scaled is None else _matmul_scores(*scaled, mask=mask, logits_soft_cap=cap)
 
 
-def _baddbmm_alibi_scores(x: Node) -> _Scores | None:
+def _baddbmm_scores(x: Node) -> _Scores | None:
     """BLOOM (``modeling_bloom.BloomAttention.forward``): ``baddbmm(alibi [H, 1, T], q [H, T, D], k^T,
-    beta=beta, alpha=inv_norm_factor)`` viewed as ``[1, H, T, T]``, ``+ mask``."""
+    beta=beta, alpha=inv_norm_factor)`` viewed as ``[1, H, T, T]``, ``+ mask``; GPT-NeoX-Japanese
+    (``modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention._attn``) the same onto
+    ``torch.zeros(H, T, T)``: no bias."""
     plus = _plus(x)
     if plus is None:
         return None
@@ -327,8 +423,8 @@ def _baddbmm_alibi_scores(x: Node) -> _Scores | None:
     a = op_arguments(scores)
     if not is_key_transpose(a["batch2"]):
         return None
-    return _Scores(a["batch1"], a["batch2"], float(a["alpha"]), mask=mask, bias=a["self"],
-                   bias_factor=float(a["beta"]))
+    bias = None if is_call(a["self"], aten.zeros.default) else a["self"]
+    return _Scores(a["batch1"], a["batch2"], float(a["alpha"]), mask=mask, bias=bias, bias_factor=float(a["beta"]))
 
 
 def _masked_fill_alibi_scores(x: Node) -> _Scores | None:
@@ -343,6 +439,24 @@ def _masked_fill_alibi_scores(x: Node) -> _Scores | None:
     scores, bias = plus
     scaled = _mul_scale(scores)
     return None if scaled is None else _matmul_scores(*scaled, mask=a["mask"], mask_marks_blocked=True, bias=bias)
+
+
+def _keep_masked_scores(x: Node) -> _Scores | None:
+    """GPT-1 (``modeling_openai.Attention._attn``): ``w * b + -1e4 * (1 - b)``, ``w`` the scores
+    ``matmul(q, k^T)`` (``/ sqrt(head_dim)`` with ``scale``), ``b`` the ``[1, 1, T, T]`` causal
+    buffer of ones and zeros. The site's mask is the additive ``-1e4 * (1 - b)``, read on the
+    samples as any mask; the keep factor is the same ``b``, so wherever that mask lets a key
+    through unbiased (0) it is one, and it only zeroes the scores the mask sets to ``-1e4`` (at or
+    below :data:`BLOCKED`, blocked)."""
+    plus = _plus(x)
+    if plus is None or not (is_call(plus[0], aten.mul.Tensor) and is_call(plus[1], aten.mul.Tensor)):
+        return None
+    (scaled, keep), (complement, fill) = plus[0].args, plus[1].args
+    if not (is_call(complement, aten.rsub.Scalar) and complement.args[0] is keep and complement.args[1:2] == (1,)
+            and isinstance(fill, (int, float)) and fill <= BLOCKED):
+        return None
+    scores, scale = _div_scale(scaled) or _unscaled(scaled)
+    return _matmul_scores(scores, scale, mask=plus[1])
 
 
 def _where_scores(x: Node) -> _Scores | None:
@@ -372,9 +486,38 @@ def _falcon_alibi_scores(x: Node) -> _Scores | None:
 
 
 def _matmul_scores(x: Node, scale: float, **fields) -> _Scores | None:
-    """``x`` is ``matmul(q, k^T)``: its :class:`_Scores` with ``scale`` and ``fields``; else None."""
-    if is_call(x, aten.matmul.default) and is_key_transpose(x.args[1]):
-        return _Scores(x.args[0], x.args[1], scale, **fields)
+    """``x`` is ``matmul(q, k^T)`` (or that einsum, :func:`matmul_operands`): its :class:`_Scores`
+    with ``scale`` and ``fields``; else None."""
+    operands = matmul_operands(x)
+    if operands is not None and is_key_transpose(operands[1]):
+        return _Scores(*operands, scale, **fields)
+    return None
+
+
+def _biased_scores(x: Node) -> _Scores | None:
+    """ProphetNet's main stream (``modeling_prophetnet.ProphetNetNgramSelfAttention.forward``):
+    ``einsum("bntc,bncs->bnts", q, k^T) + bias + mask``, the query scaled before; the bias (its
+    relative-position embeddings) is the site's, which :mod:`.verify` serves only if it is ALiBi."""
+    plus = _plus(x)
+    biased = None if plus is None else _plus(plus[0])
+    return None if biased is None else _matmul_scores(biased[0], 1.0, mask=plus[1], bias=biased[1])
+
+
+def matmul_operands(node) -> tuple[Node, Node] | None:
+    """``(a, b)`` if ``node`` is ``a @ b``: ``matmul``, ``bmm``, or an ``einsum`` whose equation is
+    a batched matmul (``"...ij,...jk->...ik"`` in any letters: ProphetNet's ``"bntc,bncs->bnts"``);
+    else None."""
+    if is_call(node, aten.matmul.default, aten.bmm.default):
+        return node.args[0], node.args[1]
+    if not (is_call(node, aten.einsum.default) and len(node.args[1]) == 2):
+        return None
+    inputs, _, out = node.args[0].replace(" ", "").partition("->")
+    a, _, b = inputs.partition(",")
+    batch = out[:-2]
+    letters = batch + out[-2:] + a[-1:]
+    if (len(a) == len(b) == len(out) >= 2 and a[:-2] == b[:-2] == batch and (a[-2], b[-1]) == (out[-2], out[-1])
+            and a[-1] == b[-2] and len(set(letters)) == len(letters) and letters.isalpha()):
+        return tuple(node.args[1])
     return None
 
 
@@ -447,7 +590,10 @@ def _unscaled(x: Node) -> tuple[Node, float]:
 
 
 def is_key_transpose(node) -> bool:
-    """``k.transpose(-2, -1)`` of a 4-D or 3-D ``k`` (the ``k^T`` of ``q @ k^T``)."""
+    """``k.transpose(-2, -1)`` of a 4-D or 3-D ``k`` (the ``k^T`` of ``q @ k^T``), or GPT-1's
+    ``view(x, [1, T, H, D]).permute(0, 2, 3, 1)``, ``k^T`` of a ``k`` it never forms."""
+    if is_call(node, aten.permute.default):
+        return _rank(node) == 4 and list(node.args[1]) == [0, 2, 3, 1]
     rank = _rank(node) if is_call(node, aten.transpose.int) else None
     return rank in _LAYOUT_OF_RANK and sorted(d % rank for d in node.args[1:]) == [rank - 2, rank - 1]
 
@@ -539,13 +685,23 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "verify_attention", implementation="sdpa", anchors=frozenset({aten.scaled_dot_product_attention.default}),
         match=_sdpa_site),
     AttentionPattern(
+        "eager_lse_sink", families="Granite-SWA, GraniteMoE-SWA (eager_attention_forward: softmax(matmul(q, k^T) * "
+        "scaling + mask) @ v gated by sigmoid(logsumexp(scores, -1) - sinks), gpt-oss's sinks in another form)",
+        implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_mul_scale), lse_sink=True)),
+    AttentionPattern(
         "eager_mul_scale", families="Llama, Mistral, Qwen2 and every model sharing their eager_attention_forward "
         "(matmul(q, k^T) * scaling)", implementation="eager", anchors=SOFTMAX,
         match=partial(_eager_site, scores_of=partial(_scaled_scores, scaling=_mul_scale))),
     AttentionPattern(
-        "eager_sinks", families="gpt-oss (eager_attention_forward: softmax over cat([matmul(q, k^T) * scaling + "
-        "mask, sinks], -1) less its row max, the sink column dropped)", implementation="eager", anchors=SOFTMAX,
+        "eager_sinks", families="gpt-oss, MiMo-V2-Flash's sliding layers (eager_attention_forward: softmax over "
+        "cat([matmul(q, k^T) * scaling + mask, sinks], -1) less its row max, the sink column dropped)",
+        implementation="eager", anchors=SOFTMAX,
         match=partial(_eager_site, scores_of=partial(_with_sinks, partial(_scaled_scores, scaling=_mul_scale)))),
+    AttentionPattern(
+        "eager_row_max", families="MiMo-V2-Flash's full-attention layers (eager_attention_forward without sinks: "
+        "softmax(matmul(q, k^T) * scaling + mask less its row max))", implementation="eager", anchors=SOFTMAX,
+        match=partial(_eager_site, scores_of=partial(_row_max_shifted, partial(_scaled_scores, scaling=_mul_scale)))),
     AttentionPattern(
         "eager_soft_cap", families="Gemma 2 (eager_attention_forward with attn_logit_softcapping: "
         "cap * tanh(matmul(q, k^T) * scaling / cap))", implementation="eager", anchors=SOFTMAX,
@@ -563,9 +719,14 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "matmul(q, k^T), min) + mask, unscaled)", implementation="eager", anchors=SOFTMAX,
         match=partial(_eager_site, scores_of=_where_scores)),
     AttentionPattern(
-        "eager_alibi_baddbmm", families="BLOOM (BloomAttention: baddbmm(alibi, q, k^T, beta, alpha=inv_norm_factor) "
-        "on [H, T, D] tensors, + mask; bmm(probs, v))", implementation="eager", anchors=SOFTMAX,
-        match=partial(_eager_site, scores_of=_baddbmm_alibi_scores)),
+        "eager_baddbmm", families="BLOOM (BloomAttention: baddbmm(alibi, q, k^T, beta, alpha=inv_norm_factor) "
+        "on [H, T, D] tensors, + mask; bmm(probs, v)); GPT-NeoX-Japanese (GPTNeoXJapaneseAttention._attn: "
+        "baddbmm(zeros, q, k^T, alpha=1 / norm_factor) + mask; matmul(probs, v) on [1, H, T, D])",
+        implementation="eager", anchors=SOFTMAX, match=partial(_eager_site, scores_of=_baddbmm_scores)),
+    AttentionPattern(
+        "eager_keep_mask", families="GPT-1 (openai-gpt, Attention._attn: matmul(q, k^T) / sqrt(head_dim) * b + "
+        "-1e4 * (1 - b), b the causal buffer; k^T formed by split_heads' permute)", implementation="eager",
+        anchors=SOFTMAX, match=partial(_eager_site, scores_of=_keep_masked_scores)),
     AttentionPattern(
         "eager_alibi_masked_fill", families="MPT (MptAttention: (matmul(q, k^T) * softmax_scale + position_bias)"
         ".masked_fill(mask, min))", implementation="eager", anchors=SOFTMAX,
@@ -574,4 +735,9 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "eager_alibi_falcon", families="Falcon with alibi=True (FalconAttention: (matmul(q, k^T) + alibi) "
         "*= inv_norm_factor, + a mask that carries alibi / sqrt(head_dim) too)", implementation="eager",
         anchors=SOFTMAX, match=partial(_eager_site, scores_of=_falcon_alibi_scores)),
+    AttentionPattern(
+        "eager_einsum_bias", families="ProphetNet's main stream (ProphetNetNgramSelfAttention: "
+        "einsum('bntc,bncs->bnts', q, k^T) + relative-position bias + mask, q scaled before; einsum(probs, v)): "
+        "served if the bias is ALiBi",
+        implementation="eager", anchors=SOFTMAX, match=partial(_eager_site, scores_of=_biased_scores)),
 )

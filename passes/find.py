@@ -20,6 +20,7 @@ from pagedpack.passes.attention_sites import (
     is_call,
     is_key_transpose,
     layer_index,
+    matmul_operands,
 )
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.report import SiteRecord, UnmatchedSoftmax, op_name
@@ -67,12 +68,13 @@ class FindAttention(Pass):
 
 def explain_unmatched_softmax(softmax: Node, *, attention_shaped: bool = False) -> str:
     """Why no attention pattern took ``softmax``: not attention, a soft-cap, or another shape of
-    attention (``attention_shaped``: its input is ``[1, heads, T, T]``)."""
+    attention (``attention_shaped``: its input is ``[1, heads, T, T]``). Scores are a matmul (or
+    its einsum, :func:`matmul_operands`) of a query and a transposed key."""
     node, between = softmax.args[0], []
     while is_call(node, *_SCORE_OPS):
         between.append(op_name(node.target))
         node = node.args[0]
-    query, key_t = node.args[:2] if is_call(node, aten.matmul.default) else (None, None)
+    query, key_t = matmul_operands(node) or (None, None)
     if not (_activation(query) and is_key_transpose(key_t) and _activation(key_t.args[0])):
         source = op_name(node.target) if isinstance(node, Node) and node.op == "call_function" else repr(node)
         if attention_shaped:

@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
-from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
+from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first
 from pagedpack.passes.graph_edit import set_fake_empty, set_fake_value
 from pagedpack.passes.manager import PassContext, SiteRewritePass
 from pagedpack.step.contract import KVCacheSpec
@@ -49,8 +49,7 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
         return node
 
     with graph.inserting_before(site.output):
-        query, key, value = (to_tokens_first(n, site.layout, call)
-                             for n in (site.query, site.key_source, site.value_source))
+        query, key, value = site.tokens_first(call=call)
         graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
                             (key, value, key_cache, value_cache, metadata["slot_mapping"]))
         attention = graph.call_function(
@@ -81,6 +80,6 @@ class PagedAttention(SiteRewritePass):
 def _cache_spec(site: AttentionSite) -> KVCacheSpec:
     """The cache pair of ``site``, read off its pre-repeat K/V tensors (``[..., kv_heads, T, head_size]``
     in either layout)."""
-    key, value = site.key_source.meta["val"], site.value_source.meta["val"]
+    key, value = site.key_in_layout(site.key_source.meta["val"]), site.value_source.meta["val"]
     return KVCacheSpec(num_kv_heads=key.shape[-3], key_head_size=key.shape[-1],
                        value_head_size=value.shape[-1], dtype=key.dtype)

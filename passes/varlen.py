@@ -22,7 +22,7 @@ import torch.fx
 from torch.fx import Node
 
 import pagedpack.kernels.varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
-from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first, to_tokens_first
+from pagedpack.passes.attention_sites import AttentionSite, from_tokens_first
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult, SiteRewritePass
@@ -79,8 +79,7 @@ class VarlenAttention(SiteRewritePass):
     def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
         graph = ctx.graph
         with graph.inserting_before(site.output):
-            q, k, v = (to_tokens_first(n, site.layout, graph.call_function)
-                       for n in (site.query, site.key_source, site.value_source))
+            q, k, v = site.tokens_first(call=graph.call_function)
             attention = graph.call_function(torch.ops.pagedpack.varlen_attention.default,
                                             (q, k, v, ctx.inputs["cu_seqlens"]),
                                             {**params_kwargs(graph, site), "causal": ctx.kinds[index] == CAUSAL})

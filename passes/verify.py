@@ -330,9 +330,10 @@ def _shape_problem(site: AttentionSite, values: dict, num_tokens: int) -> str | 
     """None if the query, K and V before repeat, and the output are in the site's layout with
     ``T = num_tokens``."""
     rank = LAYOUT_RANK[site.layout]
-    for name, node in (("query", site.query), ("key before repeat", site.key_source),
-                       ("value before repeat", site.value_source), ("output", site.output)):
-        shape = values[node].shape
+    key = site.key_in_layout(values[site.key_source])
+    for name, value in (("query", values[site.query]), ("key before repeat", key),
+                        ("value before repeat", values[site.value_source]), ("output", values[site.output])):
+        shape = value.shape
         if len(shape) != rank or shape[-2] != num_tokens or (site.layout == HEADS_FIRST and shape[0] != 1):
             return f"{name} has shape {tuple(shape)}, expected {site.layout} with T={num_tokens}"
     return None
@@ -361,7 +362,7 @@ def read_sinks(site: AttentionSite, values: dict) -> tuple[Tensor | None, str | 
 def _check_output(site: AttentionSite, values: dict, kind: str) -> str | None:
     """None if ``varlen_attention`` with the site's parameters reproduces the site's sampled output
     within the rule of :mod:`.numerics` (the site's own nodes in float64 as the exact result)."""
-    q, k, v = (to_tokens_first(values[n], site.layout) for n in (site.query, site.key_source, site.value_source))
+    q, k, v = site.tokens_first(values.__getitem__)
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     params = site.params()
     with torch.no_grad():

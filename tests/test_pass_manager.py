@@ -78,7 +78,7 @@ def test_varlen_pipeline_reports_its_matches():
 # shared eager_attention_forward.
 FALCON_EAGER_ADDS_ALIBI = "alibi" in inspect.signature(FalconAttention.forward).parameters
 # (family, attn_implementation): the ATTENTION_PATTERNS entry its sites match
-ALIBI = {("bloom", "eager"): "eager_alibi_baddbmm", ("mpt", "eager"): "eager_alibi_masked_fill",
+ALIBI = {("bloom", "eager"): "eager_baddbmm", ("mpt", "eager"): "eager_alibi_masked_fill",
          ("falcon-alibi", "eager"): "eager_alibi_falcon" if FALCON_EAGER_ADDS_ALIBI else "eager_mul_scale",
          ("falcon-alibi", "sdpa"): "sdpa"}
 # The slopes of 4 heads in BLOOM's build_alibi_tensor, MPT's build_mpt_alibi_tensor and Falcon's.
@@ -94,6 +94,23 @@ def test_alibi_patterns_name_their_family_and_layout(family, attn):
     sites = find_attention_sites(capture(_alibi_model(family, attn)).graph_module.graph)
     assert [s.pattern for s in sites] == [ALIBI[family, attn]] * 2
     assert {s.layout for s in sites} == {MERGED_HEADS if family == "bloom" else HEADS_FIRST}
+
+
+# family: the ATTENTION_PATTERNS entry of each layer's site, and whether the site reads k^T only
+SCORE_FORMS = {"granite_swa": (["eager_lse_sink"] * 2, False),
+               "mimo_v2_flash": (["eager_row_max", "eager_sinks"], False),
+               "openai-gpt": (["eager_keep_mask"] * 2, True), "gpt_neox_japanese": (["eager_baddbmm"] * 2, False)}
+
+
+@pytest.mark.parametrize("family", SCORE_FORMS)
+def test_score_forms_name_their_pattern(family):
+    """Each score form of tests/test_families.py's SERVED is its own entry of the table (none a special case
+    in a pass); GPT-NeoX-Japanese's q and k merged to [H, T, D] are read before the merge, so the site is
+    [1, H, T, D] like its probs @ v."""
+    sites = find_attention_sites(capture(family_model(SERVED, family, "eager")).graph_module.graph)
+    patterns, key_transposed = SCORE_FORMS[family]
+    assert [s.pattern for s in sites] == patterns
+    assert {(s.layout, s.key_transposed, s.refusal) for s in sites} == {(HEADS_FIRST, key_transposed, None)}
 
 
 @pytest.mark.parametrize("family", ["bloom", "mpt"])

@@ -46,6 +46,22 @@ def params_for(num_heads, window=None, soft_cap=None, alibi=False, sinks=False, 
     return params
 
 
+def test_sinks_are_granite_swa_s_logsumexp_gate():
+    """A sink ``s`` joining the softmax as one more column (gpt-oss) is Granite-SWA's gate
+    ``softmax(scores) @ v * sigmoid(logsumexp(scores) - s)`` (modeling_granite_swa): ``sigmoid(l - s) =
+    e^l / (e^l + e^s)`` with ``l = logsumexp(scores)``; here on causal fp64 scores, sinks from -4 to 4."""
+    q, k, v, cu = make([9, 1, 30], num_kv_heads=2, ratio=2, head_dim=8, seed=3)
+    sinks = torch.linspace(-4.0, 4.0, 4)
+    ours = torch.ops.pagedpack.varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), 0.3, True, sinks=sinks)
+    for a, b in zip(cu[:-1], cu[1:]):
+        n = b - a
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[a:b].repeat_interleave(2, 1).double()) * 0.3
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        gate = (scores.logsumexp(-1) - sinks.double()[:, None]).sigmoid()
+        theirs = scores.softmax(-1) @ v[a:b].repeat_interleave(2, 1).double().transpose(0, 1) * gate[..., None]
+        torch.testing.assert_close(ours[a:b], theirs.transpose(0, 1).float(), rtol=1e-5, atol=1e-5)
+
+
 PARAMS = st.fixed_dictionaries({}, optional=dict(
     window=st.integers(1, 45), soft_cap=st.floats(0.5, 30.0), alibi=st.just(True), sinks=st.just(True)))
 
