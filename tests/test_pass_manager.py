@@ -195,14 +195,16 @@ def test_a_bias_that_is_not_alibi_is_refused_by_name():
     assert result.report.stopped_at == "verify_attention" and result.graph_module.code == before
 
 
-def test_varlen_pipeline_serves_merged_head_alibi_sites():
-    """BLOOM's [H, T, D] sites packed without a cache: each sequence's logits as if run alone."""
-    model = _alibi_model("bloom", "eager")
+@pytest.mark.parametrize("family, params", [("bloom", "alibi"), ("openai-gpt", "")])
+def test_varlen_pipeline_serves_merged_head_alibi_and_transposed_key_sites(family, params):
+    """BLOOM's [H, T, D] sites, GPT-1's whose key is only k^T, packed without a cache: each sequence's
+    logits as if run alone."""
+    model = family_model(SERVED, family, "eager")
     captured = capture(model)
     gm = captured.graph_module
     report = rewrite_varlen(gm, captured.sample(7), 7, make_sample=captured.sample)
     assert report.ok, report.format()
-    assert [s.params for s in report.sites] == ["alibi"] * 2
+    assert [s.params for s in report.sites] == [params] * 2
     prompts = random_prompts((5, 9), seed=3)
     ids = torch.tensor([prompts[0] + prompts[1]])
     positions = torch.cat([torch.arange(len(p)) for p in prompts])
