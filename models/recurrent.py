@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 # (KimiLinearAttention is Kimi-Linear's full-attention (MLA) layer, despite its name)
 RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|(?<!^Kimi)LinearAttention|DeltaAttention|LightningAttention|DeltaNet"
-                             r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM)$")
+                             r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM|xLSTMLayer)$")
 
 
 # the recurrent layers whose state pagedpack pages, by class-name ending, with the sites each holds
@@ -49,13 +49,12 @@ def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = Fals
 
 def recurrent_refusal(path: str, cls: str) -> str:
     """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
-    where = (f"state-space / linear-attention layers ({path or 'the model'}: {cls}) keep a recurrent state from "
-             "step to step")
+    where = f"a recurrent layer ({path or 'the model'}: {cls}) keeps a state"
     if PAGED_RECURRENT_CLASS.search(cls):  # refused where no state is paged: the torch.compile backend
         return (f"{where}: the torch.compile backend does not page it (Dynamo captures outside pagedpack's kernel "
                 "seams); LLM and serve do")
-    return (f"{where}: pagedpack pages the state of short convolutions, gated DeltaNets (and Kimi Delta Attention), "
-            "Mamba / Mamba2 mixers and MiniMax's lightning attention; not yet this layer's (no seam for its kernels)")
+    return (f"{where} of a form pagedpack does not page yet (no seam for its kernels; it pages short convs, gated "
+            "delta rules, Mamba scans and lightning attention)")
 
 
 def paged_layer(node) -> tuple[str, str] | None:

@@ -117,7 +117,7 @@ SERVED = {
 }
 # families whose class is not the AutoModelForCausalLM of their config
 MODEL_CLASS = {"qwen2_vl": T.Qwen2VLForConditionalGeneration}
-_RECURRENT = "state-space / linear-attention layers .* pagedpack pages the state of short convolutions"
+_RECURRENT = r"a recurrent layer \(.*\) keeps a state of a form pagedpack does not page yet"
 # family: (config class, config, implementations, what the refusal names)
 REFUSED = {
     # build_alibi_tensor rounds slope * key_pos to bfloat16 (modeling_falcon), so in a float32 model the
@@ -137,6 +137,9 @@ REFUSED = {
     # RG-LRU blocks and an attention layer: a recurrent state pagedpack does not page, refused before export
     "recurrent_gemma": (T.RecurrentGemmaConfig, dict(_BASE, lru_width=64, block_types=["recurrent", "attention"]),
                         ("sdpa",), _RECURRENT),
+    # mLSTM layers (a matrix memory): likewise, named before export (it cannot export for a dynamic length)
+    "xlstm": (T.xLSTMConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_heads=4), EAGER,
+              r"backbone.blocks.0.mlstm_layer: xLSTMLayer\) keeps a state of a form pagedpack does not page yet"),
 }
 
 

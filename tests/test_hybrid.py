@@ -269,7 +269,7 @@ def test_the_torch_compile_backend_runs_a_hybrid_as_captured_and_says_why(model)
         expected = model(input_ids=ids).logits
         logits = torch.compile(model, backend="pagedpack", dynamic=True)(input_ids=ids).logits
     torch.testing.assert_close(logits, expected)
-    assert any("model.layers.0.conv: Lfm2ShortConv) keep a recurrent state from step to step: the torch.compile "
+    assert any("model.layers.0.conv: Lfm2ShortConv) keeps a state: the torch.compile "
                "backend does not page it" in note for report in backend.LAST_REPORTS for note in report.notes), \
         [report.notes for report in backend.LAST_REPORTS]
 
