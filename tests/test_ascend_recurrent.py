@@ -194,7 +194,9 @@ def test_hybrids_on_ascend_give_each_prompt_its_own_greedy_tokens(hybrid, reques
         assert_greedy_tokens_or_tie(model, prompt, out.outputs[0].token_ids, expected)
     graphs, run = llm.program.graphs, llm.program.run  # no decode graphs with state (the note says why)
     assert graphs.graph_steps == 0 and graphs.eager_steps > run.decode_steps > 0  # both forms ran
-    assert "every step eager (no decode graphs" in next(n for n in llm.report.notes if n.startswith("ascend lowering"))
+    note = next(n for n in llm.report.notes if n.startswith("ascend lowering"))
+    assert "every step eager (no decode graphs" in note
+    assert ("gated_delta_rule" in note) == (hybrid == "deltanet") and "npu_causal_conv1d_custom" in note  # its ops
 
 
 def test_the_state_has_production_s_layouts_and_the_calls_only_real_arguments(deltanet):

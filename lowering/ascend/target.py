@@ -54,7 +54,7 @@ from pagedpack.lowering.ascend.recurrent import (
     violations,
 )
 from pagedpack.lowering.ascend.torchair import compile_step, torchair_backend
-from pagedpack.lowering.targets import StepBounds, Target, TargetOptions
+from pagedpack.lowering.targets import StepBounds, Target, TargetOptions, recurrent_sites
 from pagedpack.step.contract import LoweredStep
 
 
@@ -177,6 +177,7 @@ class AscendTarget(Target):
         recurrent sites lowered in the form of steps with a prefill and in a copy in the decode form,
         and its line for the note."""
         recurrent = emulated_recurrent_ops() if emulated else npu_recurrent_ops()
+        ops = {op for op, _ in recurrent_sites(rewritten)}
         prefill, states = rewritten.graph_module, rewritten.state_specs
         decode = copy_module(prefill)
         sites = lower_recurrent(prefill, states, recurrent)
@@ -185,10 +186,12 @@ class AscendTarget(Target):
             gm.recompile()
         program = RecurrentSteps(prefill, decode, num_caches=sum(len(spec.cache_shapes(1, 1))
                                                                  for spec in rewritten.kv_cache_specs))
-        return program, (f"{sites} recurrent site(s) -> {recurrent.causal_conv1d} (run_mode=0) and "
-                         f"{recurrent.chunk_gated_delta_rule}; decode-only steps: run_mode=1 and "
-                         f"{recurrent.recurrent_gated_delta_rule}; every step eager (no decode graphs: their "
-                         "padding rows would have no state slot)")
+        forms = [(f"{recurrent.causal_conv1d} (run_mode=0)", "run_mode=1")] if "causal_conv1d_varlen" in ops else []
+        if "gated_delta_rule_varlen" in ops:
+            forms.append((str(recurrent.chunk_gated_delta_rule), str(recurrent.recurrent_gated_delta_rule)))
+        prefill_ops, decode_ops = (" and ".join(form) for form in zip(*forms))
+        return program, (f"{sites} recurrent site(s) -> {prefill_ops}; decode-only steps: {decode_ops}; every step "
+                         "eager (no decode graphs: their padding rows would have no state slot)")
 
     def emulated(self, device: torch.device | str) -> bool:
         return not is_npu(device)
