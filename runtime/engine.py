@@ -140,6 +140,9 @@ class LLMEngine:
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
+        if enable_prefix_caching and num_state_slots:
+            log.warning("prefix caching is off for this model: a cached prefix's blocks would not hold its recurrent "
+                        "layers' state (enable_prefix_caching=False says so and silences this)")
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
                              cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots)
         kv_cache_manager = KVCacheManager(num_blocks, block_size, num_state_slots=num_state_slots,

@@ -151,10 +151,13 @@ def test_seeded_samples_of_prompts_sharing_a_prefix_equal_each_seed_run_alone(hy
     assert llm.get_stats().prefix_cache_hits == 0
 
 
-def test_an_int8_kv_cache_quantizes_the_attention_layers_and_leaves_the_state_in_the_model_dtype(model):
+def test_an_int8_kv_cache_quantizes_the_attention_layers_and_leaves_the_state_in_the_model_dtype(model, caplog):
     """``kv_cache_dtype="int8"`` applies to the attention layers' caches; the conv states stay fp32. Batched
-    with forks and preemption, each prompt gets the tokens it gets alone on the same engine."""
+    with forks and preemption, each prompt gets the tokens it gets alone on the same engine. Prefix caching,
+    asked for by default, is off with a warning."""
     llm = LLM(model, num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=4, kv_cache_dtype="int8")
+    assert any(r.levelname == "WARNING" and r.getMessage().startswith("prefix caching is off for this model")
+               for r in caplog.records)
     assert {spec.dtype for spec in llm.program.kv_cache_specs} == {torch.int8}
     assert {spec.dtype for spec in llm.program.state_specs} == {torch.float32}
     params = SamplingParams(temperature=0.0, n=2, max_tokens=MAX_TOKENS)
