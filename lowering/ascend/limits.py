@@ -66,7 +66,8 @@ def violations(s: AttentionShape, b: StepBounds) -> list[str]:
     dtype = str(s.dtype).removeprefix("torch.")
     out = []
     if s.dtype != torch.bfloat16:
-        out.append(f"dtype {dtype}: TND supports bfloat16 only [{FIA}, TND limits; {FIA_V2}, TND limits]")
+        out.append(f"dtype {dtype}: TND supports bfloat16 only [{FIA}, TND limits; {FIA_V2}, TND limits]; "
+                   "serve the model in bfloat16 (dtype='bfloat16')")
     mha = s.num_heads == s.num_kv_heads
     if s.value_head_dim == 192:
         out.append(f"value head_dim 192: not supported with paging or grouped-query attention "
