@@ -150,13 +150,14 @@ def test_four_ranks_replicate_the_two_kv_heads():
 
 def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worker(monkeypatch):
     """Workers wait for rank 0's next command without a deadline (only collectives time out, here
-    after 5 s); a worker that dies while the engine is idle fails its health check."""
-    monkeypatch.setattr(tensor_parallel, "TIMEOUT_S", 5.0)  # the group's join still waits JOIN_TIMEOUT_S
+    after 10 s: a loaded 2-core machine has run a collective past 5 s); a worker that dies while the engine
+    is idle fails its health check."""
+    monkeypatch.setattr(tensor_parallel, "TIMEOUT_S", 10.0)  # the group's join still waits JOIN_TIMEOUT_S
     llm = LLM(tiny_model("qwen2"), block_size=16, tensor_parallel_size=2)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
         first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
-        time.sleep(6)
+        time.sleep(11)
         assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
         llm.ranks.workers._procs[0].kill()
         llm.ranks.workers._procs[0].join(5)
