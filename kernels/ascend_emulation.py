@@ -693,6 +693,15 @@ def _(output, x, weight, conv_state, bias_opt, query_start_loc_opt, cache_indice
     return torch.empty_like(output)
 
 
+def _gdr_operands(query: Tensor, key: Tensor, value: Tensor, beta: Tensor, scale: float, g: Tensor | None):
+    """``(q, k, v, beta, decay)`` in fp32 as both gated-delta-rule ops compute them: q and k repeated to
+    the value heads (key head ``h // (N_v // N_k)``), q scaled, ``decay = exp(g)`` (1 without ``g``)."""
+    group = value.shape[1] // query.shape[1]
+    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
+    write = beta.float()
+    return q * scale, k, value.float(), write, torch.ones_like(write) if g is None else g.float().exp()
+
+
 def _check_chunk_gdr(query, key, value, beta, initial_state, actual_seq_lengths, scale, g) -> None:
     """ChunkGatedDeltaRule's rules: bfloat16 query/key/value/beta, float32 ``g``, int32 lengths
     (ops-transformer's REG_OP(ChunkGatedDeltaRule)); a bfloat16 ``initial_state`` (vllm-ascend casts to
@@ -736,10 +745,7 @@ def npu_chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, *, bet
     lengths = actual_seq_lengths.tolist()
     _require(min(lengths, default=0) >= 0 and sum(lengths) == query.shape[0], CHUNK_GDR,
              f"actual_seq_lengths must be >= 0 and sum to T={query.shape[0]}, got {lengths}")
-    group = value.shape[1] // query.shape[1]
-    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
-    q, v, write = q * scale, value.float(), beta.float()
-    decay = torch.ones_like(write) if g is None else g.float().exp()
+    q, k, v, write, decay = _gdr_operands(query, key, value, beta, scale, g)
     out = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
     final = torch.empty_like(initial_state)
     start = 0
@@ -822,10 +828,7 @@ def npu_recurrent_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, st
     slots = ssm_state_indices.tolist()
     _require(all(0 <= s < state.shape[0] for s in slots[start:start + sum(lengths)]), RECURRENT_GDR,
              f"state indices in [0, {state.shape[0]})")
-    group = value.shape[1] // query.shape[1]
-    q, k = (t.float().repeat_interleave(group, dim=1) for t in (query, key))
-    q, v, write = q * scale, value.float(), beta.float()
-    decay = torch.ones_like(write) if g is None else g.float().exp()
+    q, k, v, write, decay = _gdr_operands(query, key, value, beta, scale, g)
     out = torch.zeros(value.shape, dtype=torch.bfloat16, device=value.device)
     for length in lengths:
         if length:
