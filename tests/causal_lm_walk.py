@@ -52,11 +52,14 @@ _SIZES = {
 }
 _TINY = {name: size for size, names in _SIZES.items() for name in names}
 # tiny sizes by the shape of a field's name, for the fields the table does not name (encoder_ffn_dim,
-# index_n_heads, swa_head_dim, vocab_size_per_layer_input, encoder_hash_byte_group_vocab, emb_dim, ...)
+# index_n_heads, swa_head_dim, vocab_size_per_layer_input, encoder_hash_byte_group_vocab, emb_dim, ...); a Mamba
+# mixer's heads stay (its heads times head dim follow from its expand and the hidden size), and so do Zamba's
+# attention sizes (its attention reads the hidden state and the embeddings concatenated)
 _PATTERNS = tuple((re.compile(pattern), size) for pattern, size in (
     (r"(?<!type_)vocab(_size)?(_per_layer_input)?$", V), (r"(intermediate_size|ffn_dim)$", 128),
-    (r"^(encoder|decoder)_layers$", 2), (r"(key_value|kv)_heads$", 2), (r"(attention_heads|n_heads|num_heads)$", 4),
-    (r"head_dim$", 16), (r"(hidden_size|hidden_size_global|embed_dim|emb_dim|embedding_dim)$", 64)))
+    (r"^(encoder|decoder)_layers$", 2), (r"(key_value|kv)_heads$", 2),
+    (r"(?<!mamba_)(attention_heads|n_heads|num_heads)$", 4), (r"(?<!^attention_)head_dim$", 16),
+    (r"(?<!^attention_)(hidden_size|hidden_size_global|embed_dim|emb_dim|embedding_dim)$", 64)))
 # fields the generic shrinking cannot derive, by class
 EXTRA = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
          "mamba2": dict(num_heads=8),  # num_heads * head_dim = expand * hidden_size
