@@ -86,7 +86,7 @@ def _tiny_size(key: str) -> int | None:
     return _TINY.get(key, next((size for pattern, size in _PATTERNS if pattern.search(key)), None))
 
 
-def _shrunk(fields):
+def _shrunk(fields: object) -> object:
     """A per-layer entry (a dict of fields, as in ``per_layer_config``) with its sizes tiny."""
     if not isinstance(fields, dict):
         return fields
@@ -124,10 +124,8 @@ def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, wid
     kept = _kept_layers(fields, layers) if layers and not keep_layers else list(range(2))
     out = {layer_key: len(kept)} if layer_key and not keep_layers else {}
     for key, value in fields.items():
-        if keep_layers and (key in _LAYER_COUNTS or key == "layer_types" or isinstance(value, (list, dict))
-                            and not isinstance(getattr(config, key, None), T.PretrainedConfig)):
-            continue
-        if key == layer_key:
+        if key == layer_key or keep_layers and (key in _LAYER_COUNTS or key == "layer_types" or isinstance(
+                value, (list, dict)) and not isinstance(getattr(config, key, None), T.PretrainedConfig)):
             continue
         if _tiny_size(key) and isinstance(value, int) and not isinstance(value, bool) or value is None and key in _TINY:
             out[key] = _tiny_size(key)

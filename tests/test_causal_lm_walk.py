@@ -1,8 +1,9 @@
-"""Every ``...ForCausalLM`` class transformers registers is served exactly or refused with a reason,
-never a raw exception or a different token (``tests/causal_lm_walk.py``).
+"""Every ``...ForCausalLM`` class transformers registers is served exactly, refused with a reason, or
+"unrunnable" (transformers' own model fails on it, with its error), never a raw exception, a different
+token or "not constructed" (``tests/causal_lm_walk.py``).
 
 The suite walks a fixed sample, one class per outcome and form that matters (a minute or two); with
-``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 20 minutes on 2 cores), as the
+``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 35 minutes on 2 cores, estimated), as the
 support table of docs/models.md was made (``python tests/causal_lm_walk.py``)."""
 import os
 
