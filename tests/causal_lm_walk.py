@@ -112,10 +112,11 @@ def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, wid
     field the default leaves None too, where the table names it): token ids kept inside the tiny
     vocabulary, per-layer lists and layer-indexed dicts cut to the layers :func:`_kept_layers` keeps
     (the layer count with them), counts of a subset of the layers (``num_kv_shared_layers``) scaled
-    to the cut, nested configs likewise; a width field named by neither (``adapter_out_dim``) whose
-    default is a hidden size of the config or of one nested in it (``widths``) is the tiny hidden
-    size. With ``keep_layers``, the layer count and the per-layer fields stay the config's own (a
-    hybrid whose layer kinds follow from fields the cut would lose: indices, periods, patterns)."""
+    to the cut unless they partition the layers, nested configs likewise; a width field named by
+    neither (``adapter_out_dim``) whose default is a hidden size of the config or of one nested in it
+    (``widths``) is the tiny hidden size. With ``keep_layers``, the layer count and the per-layer
+    fields stay the config's own (a hybrid whose layer kinds follow from fields the cut would lose:
+    indices, periods, patterns)."""
     fields = config.to_dict()
     if widths is None:
         widths = {c.get("hidden_size") for c in (fields, *fields.values()) if isinstance(c, dict)} - {None}
@@ -123,6 +124,10 @@ def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, wid
     layers = fields[layer_key] if layer_key else None
     kept = _kept_layers(fields, layers) if layers and not keep_layers else list(range(2))
     out = {layer_key: len(kept)} if layer_key and not keep_layers else {}
+    counts = {k: v for k, v in fields.items()
+              if "layers" in k and k != layer_key and type(v) is int and layers and 0 < v <= layers}
+    if keep_layers or len(counts) > 1 and sum(counts.values()) == layers:  # kept, or a partition (input, output)
+        counts = {}
     for key, value in fields.items():
         if key == layer_key or keep_layers and (key in _LAYER_COUNTS or key == "layer_types" or isinstance(
                 value, (list, dict)) and not isinstance(getattr(config, key, None), T.PretrainedConfig)):
@@ -137,7 +142,7 @@ def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, wid
             out[key] = [min(v, V - 1) for v in value if isinstance(v, int)]
         elif isinstance(value, list) and layers and len(value) == layers:  # sizes per layer shrink too
             out[key] = [_tiny_size(key) if _tiny_size(key) and type(value[i]) is int else value[i] for i in kept]
-        elif "layers" in key and type(value) is int and layers and 0 < value <= layers:
+        elif key in counts:
             out[key] = max(1, round(value * len(kept) / layers))
         elif isinstance(value, dict) and isinstance(getattr(config, key, None), T.PretrainedConfig):
             out[key] = {**value, **tiny_overrides(getattr(config, key), keep_layers=keep_layers, widths=widths)}
