@@ -1,8 +1,9 @@
-"""Every ``...ForCausalLM`` class transformers registers is served exactly or refused with a reason,
-never a raw exception or a different token (``tests/causal_lm_walk.py``).
+"""Every ``...ForCausalLM`` class transformers registers is served exactly, refused with a reason, or
+"unrunnable" (transformers' own model fails on it, with its error), never a raw exception, a different
+token or "not constructed" (``tests/causal_lm_walk.py``).
 
 The suite walks a fixed sample, one class per outcome and form that matters (a minute or two); with
-``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 20 minutes on 2 cores), as the
+``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 35 minutes on 2 cores, estimated), as the
 support table of docs/models.md was made (``python tests/causal_lm_walk.py``)."""
 import os
 
@@ -11,11 +12,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from causal_lm_walk import walk_one
 
-# class -> its outcome (the sample's classes construct from the walk's tiny config)
+# class -> its outcome
 SAMPLE = {
     "llama": "exact",
     "bart": "exact",  # learned positions computed with arange: read off the positions input
-    "codegen": "exact",
+    "dbrx": "unrunnable",  # transformers' own model reads a field its config no longer has
     "gemma3": "exact",  # a ...ForConditionalGeneration on token ids
     "glm4_moe": "exact",
     "falcon_h1": "exact",  # a Mamba2 hybrid: its recurrent state paged
@@ -29,8 +30,8 @@ WALKED = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) if os.environ.get("PAGEDPACK_WA
 @pytest.mark.parametrize("model_type", WALKED)
 def test_a_registered_class_is_exact_or_refused_with_a_reason(model_type):
     outcome = walk_one(model_type)
-    assert outcome.status in ("exact", "refused", "not constructed"), outcome
-    if outcome.status == "refused":
-        assert len(outcome.detail) > 20, outcome  # a reason a user can read
+    assert outcome.status in ("exact", "refused", "unrunnable"), outcome
+    if outcome.status in ("refused", "unrunnable"):
+        assert len(outcome.detail) > 20, outcome  # a reason a user can read: for "unrunnable", transformers' error
     if model_type in SAMPLE:
         assert outcome.status == SAMPLE[model_type], outcome
