@@ -49,7 +49,7 @@ def _part_of(node: torch.fx.Node) -> tuple[int, str] | None:
 def instrument(gm: torch.fx.GraphModule, clock: list[tuple[object, int]], num_layers: int) -> None:
     """Insert a call appending ``(part, time.perf_counter_ns())`` to ``clock`` where each part
     starts: a layer's mixer (attention or recurrent block, with its norm), the layer's MLP, the model's
-    final part (``"head"``: the first module outside the layers after the last layer) and the output
+    final part (``"head"``: the first node of a module after the last node of a layer) and the output
     (``"end"``). Nodes outside any module (the ops the pass inserted), and nodes of an earlier part
     placed later, stay in the part they sit in."""
     def mark(part) -> None:
@@ -58,10 +58,12 @@ def instrument(gm: torch.fx.GraphModule, clock: list[tuple[object, int]], num_la
     def order(part) -> tuple[int, int]:
         return (num_layers, 0) if part == "head" else (part[0], part[1] == "mlp")
 
+    nodes = list(gm.graph.nodes)
+    parts = [_part_of(node) for node in nodes]
+    last = max(i for i, part in enumerate(parts) if part is not None)
     current = (-1, "mlp")
-    for node in list(gm.graph.nodes):
-        part = _part_of(node)
-        if part is None and node.meta.get("nn_module_stack") and current[0] == num_layers - 1:
+    for i, (node, part) in enumerate(zip(nodes, parts)):
+        if i > last and node.meta.get("nn_module_stack"):
             part = "head"
         if part is not None and order(part) > order(current):  # parts only go forward
             current = part
