@@ -437,3 +437,19 @@ def test_inside_the_runner_s_step_the_native_kernels_still_check_slots_and_offse
                                 ({"cu_seqlens_q": torch.tensor([0, 1, 4, 8, 11], dtype=torch.int32)}, "cu_seqlens_q")):
             with pytest.raises(ValueError, match=message):
                 recurrent.causal_conv1d_varlen(**dict(args, **change))
+
+
+@pytest.mark.parametrize("kind", NATIVE_OPS)
+def test_inside_the_runner_s_step_the_native_kernels_still_check_the_state_s_shape(kind):
+    """A state narrower than the layer (a crafted ``.pt2`` whose graph and metadata agree on it) is refused
+    by the native kernel, not read and written out of bounds (a tester's crafted LFM2 file segfaulted)."""
+    from pagedpack.kernels import native
+    from pagedpack.kernels.validation import checked_step
+
+    if native.native_ops() is None:
+        pytest.skip(f"no native kernels: {native.status()}")
+    args = _native_sample(kind)
+    state_name = "conv_state" if kind == "conv" else "ssm_state"
+    narrow = args[state_name][..., :1].contiguous()
+    with checked_step(), pytest.raises(ValueError, match=f"{state_name}: expected shape"):
+        getattr(recurrent, NATIVE_OPS[kind])(**dict(args, **{state_name: narrow}))

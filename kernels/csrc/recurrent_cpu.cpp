@@ -42,6 +42,12 @@ void dispatch(const char* op, at::ScalarType act, at::ScalarType state, Fn&& fn)
   }
 }
 
+// Memory safety: ``t`` has exactly ``sizes`` (every call, O(1): the kernels index the state and the
+// inputs by these sizes, so a state from a crafted file of another shape would be read out of bounds).
+void expect_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef sizes) {
+  TORCH_CHECK_VALUE(t.sizes() == sizes, op, ": ", name, ": expected shape ", sizes, ", got ", t.sizes());
+}
+
 struct Varlen {
   const int32_t* cu;
   const int32_t* slots;
@@ -77,7 +83,11 @@ at::Tensor causal_conv1d_varlen_cpu(const at::Tensor& x_in, const at::Tensor& we
   const auto weight = weight_in.to(at::kFloat).contiguous();
   const auto bias = bias_in.has_value() ? bias_in->to(at::kFloat).contiguous() : at::Tensor();
   auto out = at::empty_like(x);
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2, "causal_conv1d_varlen: expected x [T, dim], weight [dim, width]");
   const int64_t dim = weight.size(0), width = weight.size(1);
+  expect_shape("causal_conv1d_varlen", "x", x, {x.size(0), dim});
+  expect_shape("causal_conv1d_varlen", "conv_state", conv_state, {conv_state.size(0), dim, width - 1});
+  if (bias.defined()) expect_shape("causal_conv1d_varlen", "bias", bias, {dim});
   const Varlen v = varlen("causal_conv1d_varlen", state_indices, cu_seqlens_q, has_initial_state, x.size(0),
                          conv_state.size(0));
   dispatch("causal_conv1d_varlen", x.scalar_type(), conv_state.scalar_type(), [&](auto t, auto s) {
@@ -126,10 +136,22 @@ at::Tensor gated_delta_rule_varlen_cpu(const at::Tensor& q_in, const at::Tensor&
   const auto q = q_in.contiguous(), k = k_in.contiguous(), val = v_in.contiguous();
   const auto g = g_in.to(at::kFloat).contiguous(), beta = beta_in.to(at::kFloat).contiguous();
   auto out = at::empty_like(val);
-  const int64_t hk = q.size(1), dk = q.size(2), hv = val.size(1), dv = val.size(2), group = hv / hk;
+  const char* op_name = "gated_delta_rule_varlen";
+  TORCH_CHECK_VALUE(q.dim() == 3 && val.dim() == 3, op_name, ": expected q, k [T, H, Dk] and v [T, Hv, Dv]");
+  const int64_t tokens = val.size(0), hk = q.size(1), dk = q.size(2), hv = val.size(1), dv = val.size(2);
+  TORCH_CHECK_VALUE(hk > 0 && hv % hk == 0, op_name, ": expected value heads a multiple of key heads, got ", hv,
+                    " and ", hk);
+  const int64_t group = hv / hk;
   const bool per_channel = g.dim() == 3;  // [T, hv, dk]: a decay per key channel (KDA); else [T, hv]
-  TORCH_CHECK_VALUE(g.numel() == val.size(0) * hv * (per_channel ? dk : 1),
-                    "gated_delta_rule_varlen: g: expected [T, num_v_heads] or [T, num_v_heads, k_head_dim]");
+  expect_shape(op_name, "q", q, {tokens, hk, dk});
+  expect_shape(op_name, "k", k, {tokens, hk, dk});
+  if (per_channel) {
+    expect_shape(op_name, "g", g, {tokens, hv, dk});
+  } else {
+    expect_shape(op_name, "g", g, {tokens, hv});
+  }
+  expect_shape(op_name, "beta", beta, {tokens, hv});
+  expect_shape(op_name, "ssm_state", ssm_state, {ssm_state.size(0), hv, dk, dv});
   const Varlen v = varlen("gated_delta_rule_varlen", state_indices, cu_seqlens_q, has_initial_state, val.size(0),
                          ssm_state.size(0));
   dispatch("gated_delta_rule_varlen", val.scalar_type(), ssm_state.scalar_type(), [&](auto t, auto s) {
@@ -209,10 +231,22 @@ at::Tensor selective_scan_varlen_cpu(const at::Tensor& x_in, const at::Tensor& d
   const auto x = x_in.contiguous();
   const auto dt = dt_in.to(at::kFloat).contiguous(), B = B_in.to(at::kFloat).contiguous(),
              C = C_in.to(at::kFloat).contiguous();
-  const int64_t heads = x.size(1), P = x.size(2), groups = B.size(1), N = B.size(2);
+  const char* op_name = "selective_scan_varlen";
+  TORCH_CHECK_VALUE(x.dim() == 3 && B.dim() == 3, op_name, ": expected x [T, H, P] and B, C [T, G, N]");
+  const int64_t tokens = x.size(0), heads = x.size(1), P = x.size(2), groups = B.size(1), N = B.size(2);
+  TORCH_CHECK_VALUE(groups > 0 && heads % groups == 0, op_name, ": expected heads a multiple of groups, got ", heads,
+                    " and ", groups);
+  TORCH_CHECK_VALUE(A_in.dim() == 2 || A_in.dim() == 1, op_name, ": A: expected [H, N] or [H]");
   const auto A = (A_in.dim() == 2 ? A_in : A_in.unsqueeze(1).expand({heads, N})).to(at::kFloat).contiguous();
   const auto D = D_in.has_value() ? D_in->to(at::kFloat).contiguous() : at::Tensor();
   const auto dt_bias = dt_bias_in.has_value() ? dt_bias_in->to(at::kFloat).contiguous() : at::Tensor();
+  expect_shape(op_name, "dt", dt, {tokens, heads});
+  expect_shape(op_name, "A", A, {heads, N});
+  expect_shape(op_name, "B", B, {tokens, groups, N});
+  expect_shape(op_name, "C", C, {tokens, groups, N});
+  if (D.defined()) expect_shape(op_name, "D", D, {heads});
+  if (dt_bias.defined()) expect_shape(op_name, "dt_bias", dt_bias, {heads});
+  expect_shape(op_name, "ssm_state", ssm_state, {ssm_state.size(0), heads, P, N});
   auto out = at::empty_like(x);
   const Varlen v = varlen("selective_scan_varlen", state_indices, cu_seqlens_q, has_initial_state, x.size(0),
                          ssm_state.size(0));
