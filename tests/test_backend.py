@@ -81,6 +81,22 @@ def test_padded_calls_match_eager_and_compile_no_more_than_dynamo(family):
     assert packed and all(r.num_rewritten == model.config.num_hidden_layers for r in packed)
 
 
+def test_inputs_embeds_without_the_cache_pack():
+    """``inputs_embeds`` in place of ids (a captured float input of ``[B, S, hidden]``), without the
+    cache: packed like ids, every site rewritten, each row the unmodified model's on it alone."""
+    model = tiny_model("llama")
+    embed = model.get_input_embeddings()
+    torch._dynamo.reset()
+    first = len(backend.LAST_REPORTS)
+    compiled = torch.compile(model, backend="pagedpack", dynamic=True)
+    with torch.no_grad():
+        for ids, mask in calls(4, 4, FIRST_SHAPES[:2]):
+            logits = compiled(inputs_embeds=embed(ids), attention_mask=mask, use_cache=False).logits
+            assert_matches_per_sequence(model, ids, mask, logits)
+    reports = backend.LAST_REPORTS[first:]
+    assert reports and all((r.num_rewritten, r.left_as_captured) == (2, None) for r in reports), reports
+
+
 def test_a_sliding_window_cache_returned_to_the_caller_is_left_as_captured():
     """With use_cache, Mistral returns each layer's KV cut to its window: a per-sequence shape the
     packed graph cannot give back, so the backend runs the graph as captured (saying which output)

@@ -29,6 +29,15 @@ def refused(monkeypatch, capsys):
     return lambda *args: run_cli(capsys, *args)[::2]
 
 
+@pytest.fixture
+def cli(capsys):
+    """``cli(*args)``: ``pagedpack ARGS`` in this process (``run_cli``), as a ``CompletedProcess``; the
+    console script itself, with its seconds of imports, runs once, in the first test."""
+    def call(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(args, *run_cli(capsys, *args))
+    return call
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
@@ -46,14 +55,14 @@ def test_generate_with_no_argument_uses_the_builtin_model():
     assert "8 (0 failed)" in result.stdout
 
 
-def test_generate_on_a_saved_model_directory(model_dir):
-    result = run("generate", "--model", model_dir, "--prompt", "Hello there", "--max-tokens", "5")
+def test_generate_on_a_saved_model_directory(cli, model_dir):
+    result = cli("generate", "--model", model_dir, "--prompt", "Hello there", "--max-tokens", "5")
     assert result.returncode == 0, result.stderr
     assert "1 (0 failed)" in result.stdout
 
 
-def test_inspect_prints_the_pass_report(model_dir):
-    result = run("inspect", "--model", model_dir)
+def test_inspect_prints_the_pass_report(cli, model_dir):
+    result = cli("inspect", "--model", model_dir)
     assert result.returncode == 0, result.stderr
     assert "attention sites: 2 found, 2 rewritten, 0 refused" in result.stdout
     assert "pagedpack.paged_attention.default" in result.stdout
@@ -64,19 +73,19 @@ def test_a_bad_argument_is_reported_without_traceback(refused):
     assert code == 2 and stderr == "pagedpack: error: block_size: expected an int >= 1, got 0\n"
 
 
-def test_generate_on_the_ascend_target_runs_on_the_emulation():
-    result = run("generate", "--model", "tiny", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "4")
+def test_generate_on_the_ascend_target_runs_on_the_emulation(cli):
+    result = cli("generate", "--model", "tiny", "--target", "ascend", "--prompt", "Hi", "--max-tokens", "4")
     assert result.returncode == 0, result.stderr
     assert "1 (0 failed)" in result.stdout and "x 128 tokens" in result.stdout
 
 
-def test_generate_n_completions_and_a_kv_plot(tmp_path):
+def test_generate_n_completions_and_a_kv_plot(cli, tmp_path):
     from matplotlib.image import imread
 
     from pagedpack.cli.kv_plot import DPI, FIGURE_SIZE
 
     plot = tmp_path / "kv.png"
-    result = run("generate", "--model", "tiny", "--n", "2", "--temperature", "0.7", "--seed", "3",
+    result = cli("generate", "--model", "tiny", "--n", "2", "--temperature", "0.7", "--seed", "3",
                  "--max-tokens", "6", "--kv-plot", str(plot))
     assert result.returncode == 0, result.stderr
     assert "completion 0" in result.stdout and "completion 1" in result.stdout
@@ -85,8 +94,8 @@ def test_generate_n_completions_and_a_kv_plot(tmp_path):
     assert image.shape[:2] == (int(FIGURE_SIZE[1] * DPI), int(FIGURE_SIZE[0] * DPI))
 
 
-def test_prefix_caching_can_be_turned_off():
-    result = run("generate", "--model", "tiny", "--max-tokens", "2", "--no-enable-prefix-caching")
+def test_prefix_caching_can_be_turned_off(cli):
+    result = cli("generate", "--model", "tiny", "--max-tokens", "2", "--no-enable-prefix-caching")
     assert result.returncode == 0, result.stderr
     assert re.search(r"prefix cache\s*│\s*off\s*│", result.stdout), result.stdout
 
@@ -104,8 +113,8 @@ def test_bad_generate_options_fail_before_loading(refused, args, message):
     assert code == 2 and message in stderr
 
 
-def test_plan_prints_the_memory_plan():
-    result = run("plan", "--model", "tiny", "--memory", "64MiB", "--max-model-len", "512")
+def test_plan_prints_the_memory_plan(cli):
+    result = cli("plan", "--model", "tiny", "--memory", "64MiB", "--max-model-len", "512")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     plan = LLM("tiny", num_blocks=8, max_model_len=512).plan_memory("64MiB", keep_source_model=False)

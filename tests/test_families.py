@@ -257,32 +257,38 @@ def assert_cpu_lowering_keeps_greedy_tokens(family: str, note: str, *, seed: int
 _SERVE_SCRIPT = """
 import json, sys
 from pagedpack import LLM, SamplingParams
-path, prompts = sys.argv[1], json.loads(sys.argv[2])
-llm = LLM.from_exported(path, num_blocks=64, device="cpu:0")
-outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
-print(json.dumps({"note": llm.program.note, "tokens": [o.outputs[0].token_ids for o in outputs]}))
+prompts, served = json.loads(sys.argv[1]), []
+for path in sys.argv[2:]:
+    llm = LLM.from_exported(path, num_blocks=64, device="cpu:0")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    served.append({"note": llm.program.note, "tokens": [o.outputs[0].token_ids for o in outputs]})
+print(json.dumps(served))
 """
 
 
-@pytest.mark.parametrize("family, overrides", [("mixtral", {}), ("gpt2", dict(n_positions=16))])
-def test_a_pt2_export_serves_in_a_fresh_process(family, overrides, tmp_path):
+def test_pt2_exports_serve_in_a_fresh_process(tmp_path):
     """From an adversarial trial: a Mixtral archive calls an op transformers registers, and did not
     load where transformers' modeling code is not imported; a 16-position GPT-2 failed the CPU
-    lowering's check, whose example step ran past its position table. Both served, warnings as errors."""
-    config_class, config = SERVED[family][:2]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = T.AutoModelForCausalLM.from_config(config_class(**{**config, **overrides})).eval()
+    lowering's check, whose example step ran past its position table. Both served (one process),
+    warnings as errors."""
     prompts = random_prompts((3, 9), seed=3, vocab=V)
-    llm = LLM(model, num_blocks=16, keep_source_model=True)
-    assert llm.report.notes[-1].startswith("cpu lowering: ") and "kept" not in llm.report.notes[-1]
-    path = llm.export(tmp_path / "m.pt2")
-    command = [sys.executable, "-W", "error::FutureWarning", "-c", _SERVE_SCRIPT, path, json.dumps(prompts)]
+    models, notes, paths = [], [], []
+    for family, overrides in (("mixtral", {}), ("gpt2", dict(n_positions=16))):
+        config_class, config = SERVED[family][:2]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            models.append(T.AutoModelForCausalLM.from_config(config_class(**{**config, **overrides})).eval())
+        llm = LLM(models[-1], num_blocks=16, keep_source_model=True)
+        assert llm.report.notes[-1].startswith("cpu lowering: ") and "kept" not in llm.report.notes[-1]
+        notes.append(llm.report.notes[-1])
+        paths.append(llm.export(tmp_path / f"{family}.pt2"))
+    command = [sys.executable, "-W", "error::FutureWarning", "-c", _SERVE_SCRIPT, json.dumps(prompts), *paths]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     served = json.loads(done.stdout.strip().splitlines()[-1])
-    assert served["note"] == f"loaded from {path}; {llm.report.notes[-1]}"
-    assert served["tokens"] == [hf_greedy(model, p, 6) for p in prompts]
+    for model, note, path, got in zip(models, notes, paths, served, strict=True):
+        assert got["note"] == f"loaded from {path}; {note}"
+        assert got["tokens"] == [hf_greedy(model, p, 6) for p in prompts]
 
 
 # families served for their score form (ATTENTION_PATTERNS), loaded through the same fallback to eager as those above
