@@ -427,15 +427,19 @@ def _baddbmm_scores(x: Node) -> _Scores | None:
     return _Scores(a["batch1"], a["batch2"], float(a["alpha"]), mask=mask, bias=bias, bias_factor=float(a["beta"]))
 
 
-def _masked_fill_alibi_scores(x: Node) -> _Scores | None:
-    """MPT (``modeling_mpt.MptAttention.forward``): ``(matmul(q, k^T) * softmax_scale + position_bias
-    [H, 1, T]).masked_fill(mask, min)``, the boolean mask True at the blocked keys."""
-    if not is_call(x, aten.masked_fill.Scalar):
+def _masked_fill_scores(x: Node) -> _Scores | None:
+    """``scores.masked_fill(mask, min)``, the boolean mask True at the blocked keys, ``scores`` one of:
+    MPT's (``modeling_mpt.MptAttention.forward``) ``matmul(q, k^T) * softmax_scale + position_bias
+    [H, 1, T]``; XLM's (``modeling_xlm.MultiHeadAttention.forward``, in place: ``masked_fill_``)
+    ``matmul(q, k^T)``, ``q`` divided by ``sqrt(head_dim)`` before."""
+    if not is_call(x, aten.masked_fill.Scalar, aten.masked_fill_.Scalar):
         return None
     a = op_arguments(x)
-    plus = _plus(a["self"])
-    if plus is None or not (isinstance(a["value"], (int, float)) and a["value"] <= BLOCKED):
+    if not (isinstance(a["value"], (int, float)) and a["value"] <= BLOCKED):
         return None
+    plus = _plus(a["self"])
+    if plus is None:
+        return _matmul_scores(a["self"], 1.0, mask=a["mask"], mask_marks_blocked=True)
     scores, bias = plus
     scaled = _mul_scale(scores)
     return None if scaled is None else _matmul_scores(*scaled, mask=a["mask"], mask_marks_blocked=True, bias=bias)
@@ -728,9 +732,9 @@ ATTENTION_PATTERNS: tuple[AttentionPattern, ...] = (
         "-1e4 * (1 - b), b the causal buffer; k^T formed by split_heads' permute)", implementation="eager",
         anchors=SOFTMAX, match=partial(_eager_site, scores_of=_keep_masked_scores)),
     AttentionPattern(
-        "eager_alibi_masked_fill", families="MPT (MptAttention: (matmul(q, k^T) * softmax_scale + position_bias)"
-        ".masked_fill(mask, min))", implementation="eager", anchors=SOFTMAX,
-        match=partial(_eager_site, scores_of=_masked_fill_alibi_scores)),
+        "eager_masked_fill", families="MPT (MptAttention: (matmul(q, k^T) * softmax_scale + position_bias)"
+        ".masked_fill(mask, min)); XLM (MultiHeadAttention: matmul(q / sqrt(head_dim), k^T).masked_fill_(mask, "
+        "min))", implementation="eager", anchors=SOFTMAX, match=partial(_eager_site, scores_of=_masked_fill_scores)),
     AttentionPattern(
         "eager_alibi_falcon", families="Falcon with alibi=True (FalconAttention: (matmul(q, k^T) + alibi) "
         "*= inv_norm_factor, + a mask that carries alibi / sqrt(head_dim) too)", implementation="eager",

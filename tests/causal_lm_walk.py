@@ -93,18 +93,43 @@ def _shrunk(fields: object) -> object:
     return _consistent({k: _tiny_size(k) if _tiny_size(k) and type(v) is int else v for k, v in fields.items()})
 
 
+def _layer_indices(key: str, value: object, layers: int) -> bool:
+    """Whether ``value`` holds layer indices rather than per-layer kinds: a list of ints, each a
+    layer, under a key that names layers (``kv_source_layers``: the layer whose KV each layer
+    reads; ``index_layers``, ``mlp_only_layers``: which layers are of a kind)."""
+    if "layer" not in key or key.startswith("num_") or not isinstance(value, list) or not value:
+        return False
+    if not all(type(v) is int and 0 <= v < layers for v in value):
+        return False
+    if len(value) == layers:  # a layer's source, never a later layer; 0/1 flags are kinds (no_rope_layers)
+        return not set(value) <= {0, 1} and all(v <= i for i, v in enumerate(value))
+    return len(set(value)) == len(value)
+
+
 def _kept_layers(fields: dict, layers: int) -> list[int]:
     """Indices of the layers a cut keeps: in order, each layer that brings a value of a per-layer list
     (``layer_types``, ``mlp_layer_types``, sparsity patterns ...) no kept layer has yet, so that every
-    kind of layer and every combination the lists' first occurrences make survives; at least two."""
-    lists = [v for v in fields.values() if isinstance(v, list) and len(v) == layers]
+    kind of layer and every combination the lists' first occurrences make survives; at least two. A
+    per-layer list of layer indices (:func:`_layer_indices`) counts as whether the layer is its own
+    source, and the sources of the kept layers are kept too; a list of indices of fewer layers marks
+    those layers as a kind."""
+    lists = []
+    for key, value in fields.items():
+        if _layer_indices(key, value, layers) and len(value) == layers:
+            lists.append([v == i for i, v in enumerate(value)])
+        elif _layer_indices(key, value, layers):
+            lists.append([i in value for i in range(layers)])
+        elif isinstance(value, list) and len(value) == layers:
+            lists.append(value)
     kept, seen = [], set()
     for i in range(layers):
         new = {(n, repr(v[i])) for n, v in enumerate(lists)} - seen
         if new:
             kept.append(i)
             seen |= new
-    return sorted(kept + [i for i in range(layers) if i not in kept][:max(0, 2 - len(kept))])
+    kept = sorted(kept + [i for i in range(layers) if i not in kept][:max(0, 2 - len(kept))])
+    sources = {v[i] for k, v in fields.items() if _layer_indices(k, v, layers) and len(v) == layers for i in kept}
+    return sorted(set(kept) | sources)
 
 
 def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, widths: set | None = None) -> dict:
@@ -140,6 +165,9 @@ def tiny_overrides(config: T.PretrainedConfig, *, keep_layers: bool = False, wid
             out[key] = V - 1
         elif key.endswith("token_id") and isinstance(value, list):
             out[key] = [min(v, V - 1) for v in value if isinstance(v, int)]
+        elif layers and _layer_indices(key, value, layers):  # renumbered to the kept layers
+            out[key] = ([kept.index(value[i]) for i in kept] if len(value) == layers
+                        else [kept.index(v) for v in value if v in kept])
         elif isinstance(value, list) and layers and len(value) == layers:  # sizes per layer shrink too
             out[key] = [_tiny_size(key) if _tiny_size(key) and type(value[i]) is int else value[i] for i in kept]
         elif key in counts:
@@ -162,14 +190,15 @@ def _consistent(out: dict) -> dict:
     return out
 
 
-_DEMAND = re.compile(r"`?(\w+)`? ?(?:=|must be|must equal|must match) ?(-?\d+|\w+(?: [+*] \w+)*)\b")
+_DEMAND = re.compile(r"`?(\w+)`? ?(?:=|must be(?: between)?|must equal|must match) ?(-?\d+|\w+(?: [+*] \w+)*)\b")
 
 
 def make_config(config_class: type, overrides: dict, *, tries: int = 4) -> T.PretrainedConfig:
     """``config_class(**overrides)``, with what its own validation, or its model's construction (on
     the meta device), demands learned from the error ("head_dim must equal qk_nope_head_dim +
     qk_rope_head_dim", "`num_experts_per_tok=1` only", "make sure that `is_decoder=True`") and the
-    config built again; a model error that demands nothing is left to the caller."""
+    config built again ("must be between 1 and ...": its lower bound); a model error that demands
+    nothing is left to the caller."""
     overrides = dict(overrides)
     for _ in range(tries):
         config = None

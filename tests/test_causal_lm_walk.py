@@ -35,3 +35,19 @@ def test_a_registered_class_is_exact_or_refused_with_a_reason(model_type):
         assert len(outcome.detail) > 20, outcome  # a reason a user can read: for "unrunnable", transformers' error
     if model_type in SAMPLE:
         assert outcome.status == SAMPLE[model_type], outcome
+
+
+def test_the_cut_renumbers_layer_indices_and_keeps_each_kept_layer_s_source():
+    """kolibri1_1 (50 layers, every fifth indexed; layer 9 reads layer 4's KV): per-layer source
+    indices, index lists and 0/1 flags survive the cut as the kept layers' own (no model is built)."""
+    import transformers as T
+
+    from causal_lm_walk import tiny_overrides
+
+    cut = tiny_overrides(T.CONFIG_MAPPING["kolibri1_1"]())
+    kept = cut["num_hidden_layers"]
+    assert cut["kv_source_layers"] == [0, 1, 2, 2] and kept == 4  # layers 0, 2, 4, 9 of the 50
+    assert cut["layer_types"][2:] == ["indexed_attention"] * 2 and cut["index_layers"] == [2]
+    assert cut["mlp_only_layers"] == [0]
+    flags = tiny_overrides(T.CONFIG_MAPPING["smollm3"]())["no_rope_layers"]  # 0/1 per layer: kinds, not indices
+    assert sorted(set(flags)) == [0, 1]

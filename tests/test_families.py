@@ -137,6 +137,11 @@ REFUSED = {
     # RG-LRU blocks and an attention layer: a recurrent state pagedpack does not page, refused before export
     "recurrent_gemma": (T.RecurrentGemmaConfig, dict(_BASE, lru_width=64, block_types=["recurrent", "attention"]),
                         ("sdpa",), _RECURRENT),
+    # in-place masked_fill_ scores (ATTENTION_PATTERNS' eager_masked_fill), built causal; its forward sums the
+    # padding mask over every position of the call (the sequence lengths), which would mix packed sequences
+    "xlm": (T.XLMConfig, dict(vocab_size=V, emb_dim=64, n_layers=2, n_heads=4, causal=True, n_langs=1,
+                              use_lang_emb=False, max_position_embeddings=512), EAGER,
+            r"sequence_independence: .* \(first differing node: sum_1 = aten.sum.dim_IntList\)"),
     # mLSTM layers (a matrix memory): likewise, named before export (it cannot export for a dynamic length)
     "xlstm": (T.xLSTMConfig, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_heads=4), EAGER,
               r"backbone.blocks.0.mlstm_layer: xLSTMLayer\) keeps a state of a form pagedpack does not page yet"),

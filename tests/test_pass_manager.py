@@ -78,7 +78,7 @@ def test_varlen_pipeline_reports_its_matches():
 # shared eager_attention_forward.
 FALCON_EAGER_ADDS_ALIBI = "alibi" in inspect.signature(FalconAttention.forward).parameters
 # (family, attn_implementation): the ATTENTION_PATTERNS entry its sites match
-ALIBI = {("bloom", "eager"): "eager_baddbmm", ("mpt", "eager"): "eager_alibi_masked_fill",
+ALIBI = {("bloom", "eager"): "eager_baddbmm", ("mpt", "eager"): "eager_masked_fill",
          ("falcon-alibi", "eager"): "eager_alibi_falcon" if FALCON_EAGER_ADDS_ALIBI else "eager_mul_scale",
          ("falcon-alibi", "sdpa"): "sdpa"}
 # The slopes of 4 heads in BLOOM's build_alibi_tensor, MPT's build_mpt_alibi_tensor and Falcon's.
