@@ -11,7 +11,7 @@ short convolutions (LFM2), whose only sequence mixing is a causal depthwise conv
 Mamba and Mamba2 mixers (and the hybrids built on them): a causal conv and the selective scan / SSD;
 MiniMax's lightning attention: a linear attention with a decay per head; the scans captured through
 transformers' kernel seams (:mod:`pagedpack.models.seams`). The others (RG-LRU, RWKV, xLSTM) are
-refused by name.
+refused by name, as are DeepSeek-V4's KV compressors, whose open window is a state of the same kind.
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ from collections.abc import Iterable
 
 # (KimiLinearAttention is Kimi-Linear's full-attention (MLA) layer, despite its name)
 RECURRENT_CLASS = re.compile(r"(Mixer|MambaLayer|(?<!^Kimi)LinearAttention|DeltaAttention|LightningAttention|DeltaNet"
-                             r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM|xLSTMLayer)$")
+                             r"|ShortConv|RecurrentBlock|Rglru|RgLru|RwkvSelfAttention|LSTM|xLSTMLayer|Compressor)$")
+# DeepSeek-V4's KV compressors (DeepseekV4HCACompressor, DeepseekV4CSACompressor): each window of
+# ``compress_rate`` tokens pooled into one KV entry, a sequence's open window carried to its next call
+_COMPRESSOR = re.compile(r"Compressor$")
 
 
 # the recurrent layers whose state pagedpack pages, by class-name ending, with the sites each holds
@@ -49,6 +52,10 @@ def first_recurrent(modules: Iterable[tuple[str, object]], *, paged: bool = Fals
 
 def recurrent_refusal(path: str, cls: str) -> str:
     """Why a model with the recurrent layer ``path`` (of class ``cls``) is refused, in one line."""
+    if _COMPRESSOR.search(cls):
+        return (f"a compressed-attention layer ({path or 'the model'}: {cls}) keeps a state pagedpack does not page "
+                "yet: the tokens of each sequence's open compression window and the KV entries pooled from its "
+                "closed ones, which its attention reads beside a sliding window")
     where = f"a recurrent layer ({path or 'the model'}: {cls}) keeps a state"
     if PAGED_RECURRENT_CLASS.search(cls):  # refused where no state is paged: the torch.compile backend
         return (f"{where}: the torch.compile backend does not page it (Dynamo captures outside pagedpack's kernel "

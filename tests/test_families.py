@@ -137,6 +137,15 @@ REFUSED = {
     # RG-LRU blocks and an attention layer: a recurrent state pagedpack does not page, refused before export
     "recurrent_gemma": (T.RecurrentGemmaConfig, dict(_BASE, lru_width=64, block_types=["recurrent", "attention"]),
                         ("sdpa",), _RECURRENT),
+    # DeepSeek-V4: a sliding window beside KV entries pooled from each closed window of compress_rate tokens (and,
+    # on its CSA layers, an indexer choosing among them): the open window is a per-sequence state, named before export
+    "deepseek_v4": (T.DeepseekV4Config, dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=1, head_dim=8, qk_rope_head_dim=8, q_lora_rank=32,
+                                             moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                                             index_n_heads=4, index_head_dim=16, max_position_embeddings=512,
+                                             layer_types=["heavily_compressed_attention",
+                                                          "compressed_sparse_attention"]), EAGER,
+                    r"layers.0.self_attn.compressor: DeepseekV4HCACompressor\) keeps a state pagedpack does not page"),
     # in-place masked_fill_ scores (ATTENTION_PATTERNS' eager_masked_fill), built causal; its forward sums the
     # padding mask over every position of the call (the sequence lengths), which would mix packed sequences
     "xlm": (T.XLMConfig, dict(vocab_size=V, emb_dim=64, n_layers=2, n_heads=4, causal=True, n_langs=1,
