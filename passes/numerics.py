@@ -23,7 +23,9 @@ def float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A float64 copy of ``module`` (parameters copied, the model's stay as they are): casts the
     graph hard-codes to a floating dtype (``x.to(torch.float32)`` in RMSNorm, softmax's
     ``dtype=``) cast to float64 instead, and export's dtype asserts are dropped."""
-    module = copy.deepcopy(module).double()
+    # each floating parameter and buffer copied once, straight to float64 (not deep-copied, then cast)
+    memo = {id(t): _float64_tensor(t) for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+    module = copy.deepcopy(module, memo)
     strip_export_checks(module)
     for node in module.graph.nodes:
         node.args, node.kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _as_float64)
@@ -31,6 +33,11 @@ def float64_copy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.target = grouped_mm  # aten's kernel takes no float64 (Mixture-of-Experts layers in bf16)
     module.recompile()
     return module
+
+
+def _float64_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    copied = tensor.detach().double()
+    return torch.nn.Parameter(copied, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else copied
 
 
 def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
