@@ -21,6 +21,7 @@ from pagedpack.lowering.ascend.limits import StepBounds
 from pagedpack.lowering.ascend.lower import emulated_ops, lower_to_ascend
 from pagedpack.lowering.onnx.functions import functionalize_caches, unsupported_params
 from pagedpack.models.capture import capture
+from pagedpack.passes.attention_sites import find_attention_sites
 from pagedpack.passes.numerics import float64_copy, float64_inputs
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.passes.tensor_parallel import check_shards, shard_step_graph
@@ -58,12 +59,31 @@ def every_layer_its_own_cache():
 
 @pytest.fixture(scope="module")
 def model():
+    """The model of ``llm``; other LLMs get models of their own (an LLM merges its model's linears, and the
+    tensor-parallel split finds the planned weights of ``llm``'s graph through its model)."""
     return gemma4()
 
 
 @pytest.fixture(scope="module")
 def llm(model):
     return LLM(model, block_size=16, max_num_batched_tokens=96, keep_source_model=True)
+
+
+class _ThreeSites(torch.nn.Module):
+    def forward(self, q, k, v):
+        attend = torch.nn.functional.scaled_dot_product_attention
+        owner = attend(q, k, v, is_causal=True)
+        same_values = attend(q * 2, k.reshape(k.shape).contiguous(), v.clone(), is_causal=True)
+        other_keys = attend(q, k + 1, v, is_causal=True)
+        return owner + same_values + other_keys
+
+
+def test_sharing_is_read_off_the_values_through_same_shape_views_and_copies():
+    x = torch.randn(1, 2, 5, 8)
+    graph = torch.export.export(_ThreeSites(), (x, x.clone(), x.clone())).module().graph
+    sites = find_attention_sites(graph)
+    assert sites[1].key_source is not sites[0].key_source  # a reshape of k, and a clone of v
+    assert kv_sharing.cache_owners(sites) == [0, 0, 2]
 
 
 def test_a_sharing_layer_reads_its_owners_cache_and_has_none_of_its_own(model, llm):
@@ -94,7 +114,7 @@ def test_the_pool_and_the_planner_count_the_owned_caches_only(model, llm):
     """A budget of 12 blocks of the owned caches' bytes gives 12 blocks (5 at 1,792 bytes a token); the
     6-prompt batch preempts in it and each prompt still gets its tokens alone."""
     assert llm.plan_memory("64MiB").kv_bytes_per_token == OWNED_BYTES
-    small = LLM(model, block_size=16, kv_cache_memory=12 * 16 * OWNED_BYTES, max_num_seqs=4,
+    small = LLM(gemma4(), block_size=16, kv_cache_memory=12 * 16 * OWNED_BYTES, max_num_seqs=4,
                 max_num_batched_tokens=48)
     stats = small.get_stats()
     assert (stats.kv_blocks_total, stats.kv_cache_bytes_per_block) == (12, 16 * OWNED_BYTES)
@@ -105,14 +125,25 @@ def test_the_pool_and_the_planner_count_the_owned_caches_only(model, llm):
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 6), f"prompt length {len(prompt)}"
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_a_sharing_layer_reads_its_owners_quantized_cache(model, kv_cache_dtype):
+def test_a_prefix_cache_hit_serves_the_sharing_layers_from_the_owners_blocks(model, llm):
+    """A prompt sharing 40 tokens (two blocks) with one served before takes them from the prefix cache:
+    the sharing layers read the owners' cached blocks, and the tokens are the unmodified model's."""
+    llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)
+    prompt = PROMPTS[3][:40] + random_prompts((9,), seed=5, vocab=V)[0]
+    hits = llm.get_stats().prefix_cache_hits
+    [out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits - hits == 32
+    assert out.outputs[0].token_ids == hf_greedy(snapshot(model), prompt, 6)
+
+
+def test_a_sharing_layer_reads_its_owners_quantized_cache():
     """The owner writes the K/V a sharing layer would have written (the same values, the same rows'
-    scales), so a quantized cache shared gives the tokens of each layer quantizing its own."""
-    kw = dict(block_size=16, max_num_batched_tokens=96, kv_cache_dtype=kv_cache_dtype)
+    scales), so a quantized cache shared gives the tokens of each layer quantizing its own. (fp8 rows
+    carry their scale the same way; int8 only, for the suite's time.)"""
+    kw = dict(block_size=16, max_num_batched_tokens=96, kv_cache_dtype="int8")
     with every_layer_its_own_cache():
-        unshared = LLM(model, **kw).generate(PROMPTS, GREEDY, use_tqdm=False)
-    shared = LLM(model, **kw)
+        unshared = LLM(gemma4(), **kw).generate(PROMPTS, GREEDY, use_tqdm=False)
+    shared = LLM(gemma4(), **kw)
     assert len(shared.program.kv_cache_specs) == 2
     assert shared.bytes_per_token == 2 * 2 * (16 + 4) + 2 * 2 * (32 + 4)  # one byte a value, a 4-byte scale a row
     got = shared.generate(PROMPTS, GREEDY, use_tqdm=False)
