@@ -112,7 +112,7 @@ class LLM:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV-cache bytes one token takes over all layers."""
+        """KV-cache bytes one token takes over all cache pairs (a layer sharing an earlier layer's cache adds none)."""
         return bytes_per_token(self.program.kv_cache_specs)
 
     def export(self, path, *, format: str = "pt2", tensor_parallel_size=None, **options) -> str:

@@ -52,8 +52,10 @@ class PassContext:
     records: list[SiteRecord] = field(default_factory=list)  # verify_attention: sites[i]'s report entry
     kinds: list[str | None] = field(default_factory=list)  # verify_attention: sites[i]'s mask kind
     values: dict[Node, torch.Tensor] = field(default_factory=dict)  # verify_attention: sampled values
+    # kv_sharing: sites[i] reads the KV cache of sites[cache_owners[i]] (i itself: its own cache)
+    cache_owners: list[int] = field(default_factory=list)
     inputs: dict[str, Node] = field(default_factory=dict)  # the step's inputs by name (the *_inputs passes)
-    kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per layer
+    kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)  # paged_attention: one per owned cache
     state_specs: list[StateSpec] = field(default_factory=list)  # recurrent_state: one per state input
     reference: torch.fx.GraphModule | None = None  # the captured graph, kept apart (parameters shared)
     make_sample: Callable[[int], tuple] | None = None  # inputs of one sequence of n tokens (mask probes)

@@ -8,7 +8,9 @@ site's layout (``[1, H, T, D]``, or BLOOM's ``[H, T, D]``). After (a packed step
                                     cu_seqlens_q, seq_lens, scale, sliding_window=, logits_soft_cap=,
                                     alibi_slopes=)
 
-and ``out`` is put back in the site's layout for the unchanged code after the site. Tensor
+and ``out`` is put back in the site's layout for the unchanged code after the site. A site that
+reads an earlier site's cache (:mod:`pagedpack.passes.kv_sharing`) gets the ``paged_attention``
+alone, on the owner's caches. Tensor
 parameters (ALiBi slopes) become buffers of the graph module, read with ``get_attr``, so that the
 ``.pt2`` and ONNX exports carry them.
 """
@@ -38,8 +40,9 @@ def params_kwargs(graph: torch.fx.Graph, site: AttentionSite) -> dict:
 
 
 def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node, value_cache: Node,
-                 metadata: dict[str, Node]) -> Node:
-    """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node. The views it adds
+                 metadata: dict[str, Node], write: bool = True) -> Node:
+    """Replace ``site`` in ``graph``; returns the new ``paged_attention`` node. ``write``: the site writes
+    its K/V to the caches first (False: it reads caches an earlier site wrote). The views it adds
     and the attention output carry fake values (``meta["val"]``) as export's nodes do, so that the
     CPU lowering reads the fresh graph as it reads a loaded ``.pt2``."""
 
@@ -49,9 +52,10 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
         return node
 
     with graph.inserting_before(site.output):
-        query, key, value = site.tokens_first(call=call)
-        graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
-                            (key, value, key_cache, value_cache, metadata["slot_mapping"]))
+        query, key, value = site.tokens_first(call=call)  # key and value unused without the write: dead code
+        if write:
+            graph.call_function(torch.ops.pagedpack.reshape_and_cache.default,
+                                (key, value, key_cache, value_cache, metadata["slot_mapping"]))
         attention = graph.call_function(
             torch.ops.pagedpack.paged_attention.default,
             (query, key_cache, value_cache, metadata["block_table"], metadata["cu_seqlens_q"], metadata["seq_lens"]),
@@ -65,16 +69,22 @@ def rewrite_site(graph: torch.fx.Graph, site: AttentionSite, *, key_cache: Node,
 
 
 class PagedAttention(SiteRewritePass):
-    """``paged_attention``: every site -> :func:`rewrite_site` on layer ``i``'s cache inputs; appends
-    one :class:`~pagedpack.step.contract.KVCacheSpec` per site to ``ctx.kv_cache_specs``."""
+    """``paged_attention``: every site -> :func:`rewrite_site`. A site owning its cache
+    (``ctx.cache_owners``) writes and reads the next cache pair, ``key_cache_<n>`` / ``value_cache_<n>``,
+    and appends its :class:`~pagedpack.step.contract.KVCacheSpec` to ``ctx.kv_cache_specs``; a site
+    sharing an earlier site's cache only reads that pair."""
 
     name = "paged_attention"
+    requires = (*SiteRewritePass.requires, "cache_owners")
     provides = ("kv_cache_specs",)
 
     def rewrite_one(self, ctx: PassContext, index: int, site: AttentionSite) -> None:
-        rewrite_site(ctx.graph, site, key_cache=ctx.inputs[f"key_cache_{index}"],
-                     value_cache=ctx.inputs[f"value_cache_{index}"], metadata=ctx.inputs)
-        ctx.kv_cache_specs.append(_cache_spec(site))
+        owner = ctx.cache_owners[index]
+        number = sorted(set(ctx.cache_owners)).index(owner)
+        rewrite_site(ctx.graph, site, key_cache=ctx.inputs[f"key_cache_{number}"],
+                     value_cache=ctx.inputs[f"value_cache_{number}"], metadata=ctx.inputs, write=owner == index)
+        if owner == index:
+            ctx.kv_cache_specs.append(_cache_spec(site))
 
 
 def _cache_spec(site: AttentionSite) -> KVCacheSpec:

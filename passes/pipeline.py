@@ -5,12 +5,13 @@ Rewritten signature (all metadata as graph inputs, docs/design.md terms)::
     forward(input_ids [T] int64, positions [T] int64, cu_seqlens_q [B+1] int32,
             seq_lens [B] int32, block_table [B, max_blocks_per_seq] int32,
             slot_mapping [T] int64, logits_indices [B] int64,
-            key_cache_0, value_cache_0, ..., key_cache_{L-1}, value_cache_{L-1}
+            key_cache_0, value_cache_0, ..., key_cache_{C-1}, value_cache_{C-1}
             [, state_indices [B] int32, has_initial_state [B] bool, conv_state_0, ...])
         -> logits [B, vocab]
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place; the
-state inputs come with paged recurrent layers (:mod:`pagedpack.passes.recurrent_state`).
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place, one pair
+per attention site that owns one (``C``: sites reading an earlier site's cache, :mod:`pagedpack.passes.kv_sharing`,
+have none); the state inputs come with paged recurrent layers (:mod:`pagedpack.passes.recurrent_state`).
 The rewrite is :data:`STEP_PIPELINE`, run by :class:`~pagedpack.passes.manager.PassManager`. If any
 site cannot be rewritten safely, nothing is changed and the report says why.
 """
@@ -27,6 +28,7 @@ from pagedpack.models.capture import CapturedModel
 from pagedpack.passes.cleanup import EliminateDeadCode, StripExportChecks
 from pagedpack.passes.find import FindAttention
 from pagedpack.passes.independence import SequenceIndependence
+from pagedpack.passes.kv_sharing import ShareKVCache
 from pagedpack.passes.linear_merge import MergeLinears
 from pagedpack.passes.logits import GatherLogits
 from pagedpack.passes.manager import Pass, PassContext, PassManager, PassResult
@@ -73,7 +75,7 @@ class RewrittenModel:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV-cache bytes one token takes over all layers."""
+        """KV-cache bytes one token takes over all owned caches."""
         return bytes_per_token(self.kv_cache_specs)
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -88,11 +90,12 @@ class RewrittenModel:
 class AddStepInputs(Pass):
     """``step_inputs``: the step's metadata and cache inputs (module docstring); the captured
     ``input_ids``/``position_ids`` become the packed ``input_ids [T]``/``positions [T]`` (viewed as
-    ``[1, T]`` for the unchanged code). Fills ``ctx.inputs``. Refuses every site if the captured
+    ``[1, T]`` for the unchanged code), one cache pair per site that owns a cache (``ctx.cache_owners``).
+    Fills ``ctx.inputs``. Refuses every site if the captured
     graph lacks those inputs. Counts: matched = rewritten = inputs added or renamed."""
 
     name = "step_inputs"
-    requires = ("sites", "records")
+    requires = ("sites", "records", "cache_owners")
     provides = ("inputs",)
 
     def __call__(self, ctx: PassContext) -> PassResult:
@@ -107,7 +110,7 @@ class AddStepInputs(Pass):
         ctx.inputs = meta = {"input_ids": old["input_ids"], "positions": old["position_ids"]}
         meta["positions"]._rename("positions")
         meta["positions"].target = "positions"
-        names = [*METADATA_INPUTS[2:], *cache_input_names(len(ctx.sites))]
+        names = [*METADATA_INPUTS[2:], *cache_input_names(len(set(ctx.cache_owners)))]
         last = meta["positions"] if meta["positions"].next.op != "placeholder" else list(old.values())[-1]
         for name in names:
             with graph.inserting_after(last):
@@ -122,8 +125,8 @@ class AddStepInputs(Pass):
 
 STEP_PIPELINE: tuple[Pass, ...] = (
     RecurrentLayers(paged=True), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions),
-    StripExportChecks(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedRecurrentState(), GatherLogits(),
-    EliminateDeadCode(), NoAttentionLeft(),
+    StripExportChecks(), ShareKVCache(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedRecurrentState(),
+    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
     MergeLinears(), SequenceIndependence(),
 )
 

@@ -29,6 +29,7 @@ class SiteRecord:
     rewritten: bool = False
     reason: str | None = None  # why it was refused
     params: str = ""  # the attention parameters read off the graph (window, soft-cap, ...)
+    kv_cache_of: str | None = None  # the site whose KV cache it reads (kv_sharing); None: it has its own
 
 
 @dataclass
@@ -143,7 +144,8 @@ class PassReport:
                 state = "rewritten"
             else:
                 state = f"REFUSED: {s.reason}" if s.reason else f"not rewritten (stopped at {self.stopped_at})"
-            lines.append(f"  {s.name:<40} {s.form:<7} {state}" + (f" ({s.params})" if s.params else ""))
+            shared = f", reads the KV cache of {s.kv_cache_of}" if s.kv_cache_of else ""
+            lines.append(f"  {s.name:<40} {s.form:<7} {state}" + (f" ({s.params})" if s.params else "") + shared)
         lines.append("graph inputs added: " + ", ".join(self.inputs_added))
         lines += [f"note: {n}" for n in self.notes]
         lines.append("passes: matched / rewritten / refused (in what each pass counts: sites, nodes, inputs, "

@@ -289,19 +289,26 @@ def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: 
     part_nodes = {p.node: p for ps in parts.values() for p in ps}
     sites = _attention_sites(graph)
     splits, roles = [], {}
-    for layer, (write, read) in enumerate(sites):
+    for layer, (write, reads) in enumerate(sites):
         spec = specs[layer]
-        queries = _nearest_parts(op_arguments(read)["query"], set(part_nodes))
         keys, values = (_nearest_parts(op_arguments(write)[a], set(part_nodes)) for a in ("key", "value"))
-        q_rows = sum(part_nodes[q].end - part_nodes[q].start for q in queries)
-        split = HeadSplit(q_rows // spec.key_head_size, spec.num_kv_heads, tp_size)
+        # each reader of the cache (its writer's layer, then the layers sharing it) shards its own query
+        # heads; which KV heads a rank keeps depends on the KV heads and tp_size alone (HeadSplit.kv_heads)
+        queries, read_splits = set(), []
+        for read in reads:
+            read_queries = _nearest_parts(op_arguments(read)["query"], set(part_nodes))
+            q_rows = sum(part_nodes[q].end - part_nodes[q].start for q in read_queries)
+            split = HeadSplit(q_rows // spec.key_head_size, spec.num_kv_heads, tp_size)
+            # A projection that feeds queries and keys alike (GPT-NeoX's fused QKV, heads interleaved) is cut
+            # in contiguous chunks like an MLP's; the sample check tells whether its layout allows that.
+            roles.update({q: ("query", split, spec.key_head_size) for q in read_queries - keys - values})
+            _shard_per_head_inputs(read, attrs, split.query_heads(rank))
+            queries |= read_queries
+            read_splits.append(split)
+        split = read_splits[0]  # the writer's layer
         splits.append(split)
-        # A projection that feeds queries and keys alike (GPT-NeoX's fused QKV, heads interleaved) is cut
-        # in contiguous chunks like an MLP's; the sample check tells whether its layout allows that.
-        roles.update({q: ("query", split, spec.key_head_size) for q in queries - keys - values})
         roles.update({k: ("kv", split, spec.key_head_size) for k in keys - queries})
         roles.update({v: ("kv", split, spec.value_head_size) for v in values - queries})
-        _shard_per_head_inputs(read, attrs, split.query_heads(rank))
     for linear in linears:
         _shard_linear(graph, linear, parts[linear], roles, attrs, tp_size=tp_size, rank=rank, group_name=group_name)
     if tp_size > 1:
@@ -311,14 +318,20 @@ def shard_step_graph(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: 
     return torch.fx.GraphModule(attrs, graph), shard_specs(specs, splits)
 
 
-def _attention_sites(graph: torch.fx.Graph) -> list[tuple[Node, Node]]:
-    """``(reshape_and_cache, paged_attention)`` per layer, in cache-input order."""
-    reads = {op_arguments(n)["key_cache"]: n for n in graph.nodes if n.target is _ops.paged_attention.default}
-    writes = {op_arguments(n)["key_cache"]: n for n in graph.nodes if n.target is _ops.reshape_and_cache.default}
+def _attention_sites(graph: torch.fx.Graph) -> list[tuple[Node, list[Node]]]:
+    """``(reshape_and_cache, [paged_attention, ...])`` per cache, in cache-input order: its write, then
+    its reads in graph order (the writer's layer first, then the layers sharing its cache)."""
+    reads, writes = {}, {}
+    for n in graph.nodes:
+        if n.target is _ops.paged_attention.default:
+            reads.setdefault(op_arguments(n)["key_cache"], []).append(n)
+        elif n.target is _ops.reshape_and_cache.default:
+            writes.setdefault(op_arguments(n)["key_cache"], []).append(n)
     caches = [n for n in graph.nodes if n.op == "placeholder" and n.target.startswith("key_cache_")]
-    if any(c not in reads or c not in writes for c in caches):
-        raise ValueError("tensor_parallel_size: expected one reshape_and_cache and one paged_attention per layer")
-    return [(writes[c], reads[c]) for c in caches]
+    if any(c not in reads or len(writes.get(c, ())) != 1 for c in caches):
+        raise ValueError("tensor_parallel_size: expected one reshape_and_cache and at least one paged_attention "
+                         "per cache")
+    return [(writes[c][0], reads[c]) for c in caches]
 
 
 def _shard_per_head_inputs(read: Node, attrs: dict, heads: range) -> None:

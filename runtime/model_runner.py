@@ -17,10 +17,11 @@ TRIM_AFTER_TOKENS = 256  # a prefill chunk's worth: its activations are MiBs, a 
 
 
 class ModelRunner:
-    """A :class:`~pagedpack.step.contract.StepProgram` plus its per-layer KV caches.
+    """A :class:`~pagedpack.step.contract.StepProgram` plus its KV caches.
 
-    Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per layer
-    for K and for V, with the dtypes and head shapes of ``program.kv_cache_specs``, plus the
+    Caches are allocated once, ``[num_blocks, block_size, num_kv_heads, head_size]`` per cache pair
+    (per layer owning one: a layer sharing an earlier layer's cache has none) for K and for V,
+    with the dtypes and head shapes of ``program.kv_cache_specs``, plus the
     ``padding_blocks`` a program may ask for (blocks past the pool's, which no request owns, for
     the writes of padding sequences); ``cpu_threads`` sets the stepping thread's intra-op thread
     count before each step (:mod:`pagedpack.runtime.cpu_threads`). On the CPU their pages become

@@ -26,6 +26,11 @@ _BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_lay
              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
 WINDOW = 24  # smaller than most prompts, not a multiple of the block size
 BOTH, EAGER, SDPA = ("sdpa", "eager"), ("eager",), ("sdpa",)
+# Gemma-4 text with KV sharing: 5 layers, the last 3 reading the caches of layers 0 and 1
+GEMMA4_KV_SHARING = dict(_BASE, num_hidden_layers=5, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                      "full_attention"], num_kv_shared_layers=3, hidden_size_per_layer_input=8,
+                         vocab_size_per_layer_input=V)
 # gated DeltaNet sizes: 2 key heads serving 4 value heads, as Qwen3-Next's grouping
 _GDN = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
@@ -109,6 +114,17 @@ SERVED = {
                                              no_rope_layers=[1, 0], interleave_moe_layer_step=2, num_local_experts=2,
                                              attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1),
                     BOTH, ["chunk=8", ""]),
+    # KV sharing (num_kv_shared_layers): layers 2-4 attend over the K/V of layers 0 (sliding) and 1 (full) and
+    # read their caches (passes/kv_sharing.py; tests/test_kv_sharing.py); a wider head on the full layers
+    "gemma4_text": (T.Gemma4TextConfig, GEMMA4_KV_SHARING, BOTH, [f"window={WINDOW}", "", f"window={WINDOW}",
+                                                                   f"window={WINDOW}", ""]),
+    # the same on Gemma-3n's text model (AltUp, Laurel, activation sparsity): layers 2-3 read layers 0-1's caches
+    "gemma3n_text": (T.Gemma3nTextConfig, dict(_BASE, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
+                                               layer_types=["sliding_attention", "full_attention"] * 2,
+                                               num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                                               vocab_size_per_layer_input=V, laurel_rank=8, altup_num_inputs=2,
+                                               activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0]), SDPA,
+                     [f"window={WINDOW}", ""] * 2),
     # a multimodal class on token ids: its text config nests the sizes, mrope's three position streams
     # are the text positions
     "qwen2_vl": (T.Qwen2VLConfig,

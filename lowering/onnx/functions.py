@@ -61,19 +61,22 @@ def functionalize_caches(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
     """A copy of the step graph where each ``reshape_and_cache`` + ``paged_attention`` pair on
     the same caches is one ``paged_attention_functional`` call, and the updated caches are
     appended to the outputs: ``(logits, key_cache_out_0, value_cache_out_0, ...)`` in the
-    order of the cache inputs. Raises ``ValueError`` if a cache write has no matching read."""
+    order of the cache inputs. The later reads of a written pair (layers sharing its cache,
+    :mod:`pagedpack.passes.kv_sharing`) stay ``paged_attention`` calls, on the updated caches.
+    Raises ``ValueError`` if a cache write has no read after it."""
     gm = copy.deepcopy(graph_module)
     graph = gm.graph
     cache_inputs = [n for n in graph.nodes if n.op == "placeholder" and "_cache_" in n.target]
+    order = {node: i for i, node in enumerate(graph.nodes)}
     new_caches: dict[torch.fx.Node, torch.fx.Node] = {}
     for write in [n for n in graph.nodes if n.target is _ops.reshape_and_cache.default]:
         cache_write = op_arguments(write)
         key_cache, value_cache = cache_write["key_cache"], cache_write["value_cache"]
-        reads = [u for u in key_cache.users if u.target is _ops.paged_attention.default
-                 and op_arguments(u)["key_cache"] is key_cache]
-        if len(reads) != 1:
-            raise ValueError(f"graph: expected one paged_attention reading {key_cache.target}, got {len(reads)}")
-        read = reads[0]
+        reads = sorted((u for u in key_cache.users if u.target is _ops.paged_attention.default
+                        and op_arguments(u)["key_cache"] is key_cache), key=order.__getitem__)
+        if not reads or order[reads[0]] < order[write]:
+            raise ValueError(f"graph: expected the paged_attention calls reading {key_cache.target} after its write")
+        read, *sharing = reads
         attend = op_arguments(read)
         with graph.inserting_before(read):
             fused = graph.call_function(
@@ -86,6 +89,9 @@ def functionalize_caches(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
         read.replace_all_uses_with(out)
         graph.erase_node(read)
         graph.erase_node(write)
+        for later in sharing:
+            later.replace_input_with(key_cache, new_caches[key_cache])
+            later.replace_input_with(value_cache, new_caches[value_cache])
     output = next(n for n in graph.nodes if n.op == "output")
     (logits,) = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     output.args = ((logits, *(new_caches[c] for c in cache_inputs)),)
@@ -268,8 +274,18 @@ def _pagedpack_translation(query, key, value, key_cache, value_cache, block_tabl
                            sinks=None, attention_chunk_size=None):
     """The two ``pagedpack`` function calls; the attention parameters by name (the exporter calls
     this with the node's arguments as the op's schema names them), each absent when None."""
-    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     key_cache_out, value_cache_out = _CALL_RESHAPE_AND_CACHE(key, value, key_cache, value_cache, slot_mapping)
+    out = _pagedpack_read_translation(query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens,
+                                      scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
+    return out, key_cache_out, value_cache_out
+
+
+def _pagedpack_read_translation(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale: float,
+                                sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
+                                attention_chunk_size=None):
+    """The ``pagedpack.paged_attention`` call alone: a site reading caches an earlier site wrote in this
+    step (KV sharing, :func:`functionalize_caches`), or the read of :func:`_pagedpack_translation`."""
+    params = AttentionParams(scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, attention_chunk_size)
     attributes = {}
     if params.sliding_window is not None:
         attributes["sliding_window"] = int(params.sliding_window)
@@ -278,9 +294,8 @@ def _pagedpack_translation(query, key, value, key_cache, value_cache, block_tabl
     if params.attention_chunk_size is not None:
         attributes["attention_chunk_size"] = int(params.attention_chunk_size)
     per_head = [None if t is None else op.Cast(t, to=FLOAT.dtype) for t in (params.alibi_slopes, params.sinks)]
-    out = _CALL_PAGED_ATTENTION(query, key_cache_out, value_cache_out, block_table, cu_seqlens_q, seq_lens,
-                                *per_head, scale=params.scale, **attributes)
-    return out, key_cache_out, value_cache_out
+    return _CALL_PAGED_ATTENTION(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                 *per_head, scale=params.scale, **attributes)
 
 
 def optimize(model: ir.Model) -> None:
@@ -376,8 +391,18 @@ def unsupported_params(graph_module: torch.fx.GraphModule, attention: str) -> li
         return []
     sites = [n for n in graph_module.graph.nodes
              if n.target in (_ops.paged_attention.default, _ops.paged_attention_functional.default)]
-    return [f"attention site {i} ({node.name}): {reason}" for i, node in enumerate(sites)
-            for reason in ort_unsupported(AttentionParams.from_node(node))]
+    written = {op_arguments(n)["key_cache"] for n in graph_module.graph.nodes
+               if n.target is _ops.reshape_and_cache.default}
+    seen, unsupported = set(), []
+    for i, node in enumerate(sites):
+        reasons = ort_unsupported(AttentionParams.from_node(node))
+        cache = op_arguments(node)["key_cache"]
+        if node.target is _ops.paged_attention.default and (cache in seen or cache not in written):
+            reasons.append("reads a KV cache an earlier site wrote (KV sharing), and com.microsoft.PagedAttention "
+                           "always writes the step's keys and values itself; use attention='pagedpack'")
+        seen.add(cache)
+        unsupported += [f"attention site {i} ({node.name}): {reason}" for reason in reasons]
+    return unsupported
 
 
 ATTENTION_TARGETS = {
@@ -390,4 +415,7 @@ def translation_table(attention: str) -> dict:
     """``custom_translation_table`` for ``torch.onnx.export``; ``ValueError`` for an unknown target."""
     if not isinstance(attention, str) or attention not in ATTENTION_TARGETS:
         raise ValueError(f"attention: expected one of {list(ATTENTION_TARGETS)}, got {attention!r}")
-    return {_ops.paged_attention_functional.default: ATTENTION_TARGETS[attention]}
+    table = {_ops.paged_attention_functional.default: ATTENTION_TARGETS[attention]}
+    if attention == "pagedpack":  # a read alone (KV sharing); com.microsoft's is refused (unsupported_params)
+        table[_ops.paged_attention.default] = _pagedpack_read_translation
+    return table

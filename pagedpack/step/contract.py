@@ -14,7 +14,9 @@ the runtime all meet here and nowhere else. A *step program* runs one packed, pa
 ``prompt_logprobs`` (:mod:`pagedpack.runtime.prompt_logprobs`); a program that takes ``R == B`` only
 says why in ``one_logits_row_per_seq`` (:class:`LoweredStep`).
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms").
+Caches are ``[num_blocks, block_size, num_kv_heads, head_size]`` (docs/design.md, "Terms"), one pair per
+layer that owns one: a layer attending over an earlier layer's K/V reads that layer's pair (KV sharing,
+:mod:`pagedpack.passes.kv_sharing`), so ``L`` counts the owner layers.
 
 A program with recurrent layers (``state_specs``, :class:`StateSpec`) takes, after its KV caches,
 ``state_indices [B] int32, has_initial_state [B] bool`` and one state tensor per spec,
@@ -124,7 +126,7 @@ def state_bytes_per_seq(program) -> int:
 
 
 def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:
-    """KV-cache bytes one token takes over all layers of ``specs``."""
+    """KV-cache bytes one token takes over all cache pairs of ``specs``."""
     return sum(spec.bytes_per_token for spec in specs)
 
 
@@ -141,7 +143,7 @@ class UnsupportedModelError(ValueError):
 class StepProgram(Protocol):
     """Anything that runs a step with the signature of the module docstring.
 
-    ``kv_cache_specs``: one :class:`KVCacheSpec` per layer, in cache-input order.
+    ``kv_cache_specs``: one :class:`KVCacheSpec` per cache pair (per layer owning one), in cache-input order.
     ``state_specs`` (optional attribute, default none): the recurrent states, in state-input order.
     ``functional``: False if the program writes the caches in place and returns the logits
     alone; True if it returns ``(logits, *updated caches)``, which replace the caller's caches.
