@@ -116,8 +116,8 @@ SERVED = {
                     BOTH, ["chunk=8", ""]),
     # KV sharing (num_kv_shared_layers): layers 2-4 attend over the K/V of layers 0 (sliding) and 1 (full) and
     # read their caches (passes/kv_sharing.py; tests/test_kv_sharing.py); a wider head on the full layers
-    "gemma4_text": (T.Gemma4TextConfig, GEMMA4_KV_SHARING, BOTH, [f"window={WINDOW}", "", f"window={WINDOW}",
-                                                                   f"window={WINDOW}", ""]),
+    "gemma4_text": (T.Gemma4TextConfig, GEMMA4_KV_SHARING, ("sdpa",), [f"window={WINDOW}", "", f"window={WINDOW}",
+                                                                      f"window={WINDOW}", ""]),
     # the same on Gemma-3n's text model (AltUp, Laurel, activation sparsity): layers 2-3 read layers 0-1's caches
     "gemma3n_text": (T.Gemma3nTextConfig, dict(_BASE, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW,
                                                layer_types=["sliding_attention", "full_attention"] * 2,
