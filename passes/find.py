@@ -24,6 +24,7 @@ from pagedpack.passes.attention_sites import (
 )
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.report import SiteRecord, UnmatchedSoftmax, op_name
+from pagedpack.passes.sparse_attention import sparse_layers
 
 aten = torch.ops.aten
 # Ops that may sit between the scores and the softmax (scale, soft-cap, bias, mask, casts, views).
@@ -38,7 +39,8 @@ class FindAttention(Pass):
     """``find_attention``: fill ``ctx.sites`` and report every softmax no pattern took.
 
     Counts: matched = sites found; refused = attention-shaped softmaxes no pattern took, or 1 when
-    the graph has no attention at all and no layer whose state is paged (there is nothing to rewrite).
+    the graph has no attention at all, no layer whose state is paged and no sparse-attention layer
+    (:mod:`pagedpack.passes.sparse_attention`): there is nothing to rewrite.
     """
 
     name = "find_attention"
@@ -60,7 +62,7 @@ class FindAttention(Pass):
             if shaped:
                 report.sites.append(SiteRecord(node.name, "softmax", layer_index(node), reason=reason))
                 refused += 1
-        if not ctx.sites and not refused and not any(paged_layer(n) for n in graph.nodes):
+        if not ctx.sites and not refused and not any(paged_layer(n) for n in graph.nodes) and not sparse_layers(graph):
             report.notes.append("no attention site found")
             refused = 1
         return PassResult(matched=len(ctx.sites), refused=refused)

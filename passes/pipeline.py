@@ -9,8 +9,10 @@ Rewritten signature (all metadata as graph inputs, docs/design.md terms)::
             [, state_indices [B] int32, has_initial_state [B] bool, conv_state_0, ...])
         -> logits [B, vocab]
 
-Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place; the
-state inputs come with paged recurrent layers (:mod:`pagedpack.passes.recurrent_state`).
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place; a
+sparse-attention layer's take two pairs, its K/V and its indexer's keys
+(:mod:`pagedpack.passes.sparse_attention`); the state inputs come with paged recurrent layers
+(:mod:`pagedpack.passes.recurrent_state`).
 The rewrite is :data:`STEP_PIPELINE`, run by :class:`~pagedpack.passes.manager.PassManager`. If any
 site cannot be rewritten safely, nothing is changed and the report says why.
 """
@@ -36,6 +38,7 @@ from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.recurrent_state import PagedRecurrentState
 from pagedpack.passes.report import PassReport
+from pagedpack.passes.sparse_attention import PagedSparseAttention
 from pagedpack.passes.verify import VerifyAttention
 from pagedpack.step.contract import (
     METADATA_INPUTS,
@@ -122,7 +125,8 @@ class AddStepInputs(Pass):
 
 STEP_PIPELINE: tuple[Pass, ...] = (
     RecurrentLayers(paged=True), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions),
-    StripExportChecks(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedRecurrentState(), GatherLogits(),
+    StripExportChecks(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedSparseAttention(),
+    PagedRecurrentState(), GatherLogits(),
     EliminateDeadCode(), NoAttentionLeft(),
     MergeLinears(), SequenceIndependence(),
 )
