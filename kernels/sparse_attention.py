@@ -31,9 +31,11 @@ indexer, ``flash_mla_sparse_fwd``) without its fp8 quantization:
   (:mod:`pagedpack.passes.sparse_attention`).
 
 The caches are those of :class:`~pagedpack.step.contract.KVCacheSpec` (the index cache a key-only
-one, :func:`~pagedpack.step.contract.indexer_cache_spec`). Scores and attention are computed in fp32
-(fp64 stays fp64), outputs in the query's dtype. Reference kernels in plain PyTorch, one sequence at a
-time; argument shapes and dtypes are checked by the fake and real kernels, metadata values where read.
+one, :func:`~pagedpack.step.contract.indexer_cache_spec`), in a floating dtype or a scaled one
+(``kv_cache_dtype`` int8 / fp8: rows quantized as ``reshape_and_cache`` quantizes them,
+:mod:`pagedpack.kernels.kv_quant`). Scores and attention are computed in fp32 (fp64 stays fp64),
+outputs in the query's dtype. Reference kernels in plain PyTorch, one sequence at a time; argument
+shapes and dtypes are checked by the fake and real kernels, metadata values where read.
 """
 from __future__ import annotations
 
@@ -41,11 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedpack.kernels.kv_quant import dequantize_rows, head_size, is_scaled, quantize_rows
 from pagedpack.kernels.ops import _bottom_right_causal, _check_dtype, _check_rank, _require
+from pagedpack.step.contract import SCALED_KV_DTYPES
 
 _INDEX_CACHE_LAYOUT = "[num_blocks, block_size, 1, index_head_dim]"
 _CACHE_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = _FLOATS + SCALED_KV_DTYPES
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -114,7 +119,7 @@ def sparse_rows(query: Tensor, key: Tensor, value: Tensor, topk_indices: Tensor,
                                                        value.repeat_interleave(n_rep, 1)))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=selected, scale=scale)  # [H, n, Dv]
     out = torch.where(selected.any(-1)[:, None], out, 0.0)
-    return out.transpose(0, 1).to(query.dtype)
+    return out.transpose(0, 1).contiguous().to(query.dtype)
 
 
 def _sequence_rows(cu_seqlens_q: Tensor, seq_lens: Tensor, op: str, num_tokens: int):
@@ -128,10 +133,12 @@ def _sequence_rows(cu_seqlens_q: Tensor, seq_lens: Tensor, op: str, num_tokens: 
 
 
 def _gather(cache: Tensor, block_table: Tensor, b: int, seq_len: int) -> Tensor:
-    """Sequence ``b``'s first ``seq_len`` rows of ``cache`` ``[num_blocks, block_size, ...]``, in token order."""
+    """Sequence ``b``'s first ``seq_len`` rows of ``cache`` ``[num_blocks, block_size, heads, row]``, in
+    token order (a scaled cache's dequantized to fp32)."""
     block_size = cache.shape[1]
     blocks = block_table[b, : -(-seq_len // block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    rows = cache[blocks].flatten(0, 1)[:seq_len]
+    return dequantize_rows(rows) if is_scaled(cache.dtype) else rows
 
 
 @torch.library.custom_op("pagedpack::indexer_k_cache", mutates_args=("index_cache",))
@@ -142,7 +149,8 @@ def indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> Non
     _check_indexer_k_cache(k, index_cache, slot_mapping)
     keep = slot_mapping >= 0
     flat = index_cache.view(-1, index_cache.shape[-1])
-    flat[slot_mapping[keep]] = k[keep].to(index_cache.dtype)
+    rows = k[keep]
+    flat[slot_mapping[keep]] = quantize_rows(rows, flat.dtype) if is_scaled(flat.dtype) else rows.to(flat.dtype)
 
 
 def _check_indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -151,11 +159,11 @@ def _check_indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor)
     _check_rank(op, "index_cache", index_cache, _INDEX_CACHE_LAYOUT)
     _check_rank(op, "slot_mapping", slot_mapping, "[T]")
     _check_dtype(op, "k", k, _FLOATS)
-    _check_dtype(op, "index_cache", index_cache, _FLOATS)
+    _check_dtype(op, "index_cache", index_cache, _CACHE_DTYPES)
     _check_dtype(op, "slot_mapping", slot_mapping, (torch.int64,))
     _require(index_cache.shape[2] == 1, op, "index_cache", "one head (dim 2 of size 1)", tuple(index_cache.shape))
-    _require(index_cache.shape[3] == k.shape[1], op, "k", f"index_head_dim = {index_cache.shape[3]} like the cache",
-             k.shape[1])
+    _require(head_size(index_cache) == k.shape[1], op, "k",
+             f"index_head_dim = {head_size(index_cache)} like the cache", k.shape[1])
     _require(slot_mapping.shape[0] == k.shape[0], op, "slot_mapping", f"T = {k.shape[0]} entries like k",
              slot_mapping.shape[0])
 
@@ -184,7 +192,8 @@ def paged_indexer_topk(q: Tensor, weights: Tensor, index_cache: Tensor, block_ta
 def _check_paged_indexer_topk(q, weights, index_cache, block_table, cu_seqlens_q, seq_lens, index_topk) -> None:
     op = "paged_indexer_topk"
     _check_rank(op, "index_cache", index_cache, _INDEX_CACHE_LAYOUT)
-    _check_indexer(op, q, weights, index_cache.shape[3], index_topk)
+    _check_dtype(op, "index_cache", index_cache, _CACHE_DTYPES)
+    _check_indexer(op, q, weights, head_size(index_cache), index_topk)
     _check_metadata(op, block_table, cu_seqlens_q, seq_lens)
 
 
@@ -203,7 +212,7 @@ def sparse_paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
     through the paged metadata -> ``[T, H, Dv]`` (vLLM's sparse MLA attention over the indexer's
     top-k, on the expanded per-head K/V). ``ValueError`` for a bad shape, dtype or metadata value."""
     _check_sparse_paged_attention(query, key_cache, value_cache, topk_indices, block_table, cu_seqlens_q, seq_lens)
-    out = query.new_zeros(query.shape[0], query.shape[1], value_cache.shape[3])
+    out = query.new_zeros(query.shape[0], query.shape[1], head_size(value_cache))
     for b, start, end, seq_len in _sequence_rows(cu_seqlens_q, seq_lens, "sparse_paged_attention", query.shape[0]):
         if end > start:
             key, value = _gather(key_cache, block_table, b, seq_len), _gather(value_cache, block_table, b, seq_len)
@@ -216,18 +225,18 @@ def _check_sparse_paged_attention(query, key_cache, value_cache, topk_indices, b
     op = "sparse_paged_attention"
     _check_rank(op, "key_cache", key_cache, _CACHE_LAYOUT)
     _check_rank(op, "value_cache", value_cache, _CACHE_LAYOUT)
-    _check_dtype(op, "key_cache", key_cache, _FLOATS)
+    _check_dtype(op, "key_cache", key_cache, _CACHE_DTYPES)
     _require(value_cache.dtype == key_cache.dtype and tuple(value_cache.shape[:3]) == tuple(key_cache.shape[:3]), op,
              "value_cache", f"the dtype and first three sizes of key_cache ({key_cache.dtype}, "
              f"{tuple(key_cache.shape[:3])})", (value_cache.dtype, tuple(value_cache.shape)))
-    _check_sparse(op, query, key_cache.shape[2], key_cache.shape[3], topk_indices)
+    _check_sparse(op, query, key_cache.shape[2], head_size(key_cache), topk_indices)
     _check_metadata(op, block_table, cu_seqlens_q, seq_lens)
 
 
 @sparse_paged_attention.register_fake
 def _(query, key_cache, value_cache, topk_indices, block_table, cu_seqlens_q, seq_lens, scale):
     _check_sparse_paged_attention(query, key_cache, value_cache, topk_indices, block_table, cu_seqlens_q, seq_lens)
-    return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[3]))
+    return query.new_empty((query.shape[0], query.shape[1], head_size(value_cache)))
 
 
 @torch.library.custom_op("pagedpack::indexer_topk", mutates_args=())
@@ -274,3 +283,16 @@ def _check_sparse_attention(query, key, value, topk_indices) -> None:
 def _(query, key, value, topk_indices, scale):
     _check_sparse_attention(query, key, value, topk_indices)
     return query.new_empty((query.shape[0], query.shape[1], value.shape[2]))
+
+
+def sparse_attention_layers(graph) -> list[str]:
+    """The module path of each layer of the FX ``graph`` that calls a sparse-attention op (the capture's
+    ``sparse_attention`` or the step's ``sparse_paged_attention``), read off export's ``nn_module_stack``,
+    once each, in graph order: for reports and refusals (a node without a stack: its name)."""
+    ops = (torch.ops.pagedpack.sparse_attention.default, torch.ops.pagedpack.sparse_paged_attention.default)
+    layers = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            layers.append(stack[-1][0].removeprefix("model.") if stack else node.name)
+    return list(dict.fromkeys(layers))

@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from pagedpack.kernels.sparse_attention import sparse_attention_layers
 from pagedpack.models.recurrent import paged_layer
 from pagedpack.passes.attention_sites import (
     PASS_THROUGH,
@@ -24,7 +25,6 @@ from pagedpack.passes.attention_sites import (
 )
 from pagedpack.passes.manager import Pass, PassContext, PassResult
 from pagedpack.passes.report import SiteRecord, UnmatchedSoftmax, op_name
-from pagedpack.passes.sparse_attention import sparse_layers
 
 aten = torch.ops.aten
 # Ops that may sit between the scores and the softmax (scale, soft-cap, bias, mask, casts, views).
@@ -62,7 +62,8 @@ class FindAttention(Pass):
             if shaped:
                 report.sites.append(SiteRecord(node.name, "softmax", layer_index(node), reason=reason))
                 refused += 1
-        if not ctx.sites and not refused and not any(paged_layer(n) for n in graph.nodes) and not sparse_layers(graph):
+        paged = any(paged_layer(n) for n in graph.nodes) or sparse_attention_layers(graph)
+        if not ctx.sites and not refused and not paged:
             report.notes.append("no attention site found")
             refused = 1
         return PassResult(matched=len(ctx.sites), refused=refused)

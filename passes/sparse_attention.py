@@ -39,18 +39,6 @@ SPARSE_ATTENTION = pagedpack.sparse_attention.default
 PROMPT_OPS = (INDEXER_TOPK, SPARSE_ATTENTION)
 
 
-def sparse_layers(graph: torch.fx.Graph) -> list[str]:
-    """The module path of each layer of ``graph`` whose attention is sparse (a capture-form or paged
-    DSA attention op), once each, in graph order: for reports and refusals."""
-    ops = (SPARSE_ATTENTION, pagedpack.sparse_paged_attention.default)
-    return list(dict.fromkeys(_layer(n) for n in graph.nodes if n.op == "call_function" and n.target in ops))
-
-
-def _layer(node: Node) -> str:
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    return stack[-1][0].removeprefix("model.") if stack else node.name
-
-
 class PagedSparseAttention(Pass):
     """``sparse_attention``: every capture-form DSA op -> its paged form (module docstring), each on a
     cache pair of its own; appends their :class:`KVCacheSpec` s to ``ctx.kv_cache_specs``. The paged
