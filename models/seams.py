@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import pagedpack.kernels.recurrent  # noqa: F401  (registers the seams' ops)
 import pagedpack.kernels.sparse_attention  # noqa: F401  (registers the DSA seam's ops)
 from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
+from pagedpack.models.sparse import PAGED_INDEXERS
 
 
 def _gated_delta_rule_seam(original: Callable) -> Callable:
@@ -124,9 +125,9 @@ def _dsa_indexer(indexer: torch.nn.Module, hidden_states, q_resid, position_embe
     one sequence without a cache: its lines up to the scores, the scoring and top-k as one
     ``indexer_topk`` -> int32 ``[1, S, index_topk]`` (-1 past a row's visible keys, where transformers
     takes ``min(index_topk, S)`` columns, the extra ones masked keys). The indexer's rotary embedding is
-    its module's :data:`_INDEXER_ROTARY` function."""
+    its module's function :data:`~pagedpack.models.sparse.PAGED_INDEXERS` names."""
     module = sys.modules[type(indexer).__module__]
-    rotary = getattr(module, _INDEXER_ROTARY[type(indexer).__name__])
+    rotary = getattr(module, PAGED_INDEXERS[type(indexer).__name__])
     seq_len = hidden_states.shape[1]
     rope, pass_dim = indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim
     q = indexer.wq_b(q_resid).view(1, seq_len, indexer.n_heads, indexer.head_dim)
@@ -197,11 +198,10 @@ _SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_ru
                                                      "mamba_selective_scan": _selective_scan_seam}
 # the paged layer classes (by name) whose recurrence is inline in their own forward, and its seam
 _FORWARD_SEAMS: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_attention_seam}
-# the sparse-attention (DSA) layer classes, whose ``forward`` is replaced the same way, and the rotary
-# embedding of each one's indexer (DeepSeek-V3.2's is half-split, unlike its MLA's; GLM's interleaved)
+# the sparse-attention (DSA) layer classes of the paged indexers (pagedpack.models.sparse), whose ``forward``
+# is replaced the same way
 SPARSE_ATTENTION_SEAMS: dict[str, Callable[[Callable], Callable]] = {"DeepseekV32Attention": _dsa_attention_seam,
                                                                      "GlmMoeDsaAttention": _dsa_attention_seam}
-_INDEXER_ROTARY = {"DeepseekV32Indexer": "apply_rotary_pos_emb", "GlmMoeDsaIndexer": "apply_rotary_pos_emb_interleave"}
 _PATCHING = threading.Lock()  # one capture at a time patches (a second would restore the first's seam)
 
 

@@ -8,6 +8,7 @@ import transformers as T
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.targets import get_target
+from pagedpack.step.contract import UnsupportedModelError
 
 from conftest import hf_greedy, random_prompts, snapshot
 
@@ -181,3 +182,12 @@ def test_dsa_layers_are_refused_by_name_where_no_lowering_exists(served, tmp_pat
     prompts = random_prompts((3, 30), seed=3, vocab=V)
     outputs = served.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(reference, p, 4) for p in prompts]
+
+
+def test_an_indexer_pagedpack_does_not_page_is_refused_by_name():
+    """AXK2's indexer is DeepSeek-V3.2's, its attention another (a gate): no seam records it, and as dense
+    attention it would be wrong past its top-k: refused before export, naming the indexer."""
+    model = T.AutoModelForCausalLM.from_config(T.AXK2Config(**_DSA)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.0.self_attn.indexer: AXK2Indexer\) selects each "
+                                                     r"query's top-k keys in a form pagedpack does not page yet"):
+        LLM(model, num_blocks=8)
