@@ -144,13 +144,13 @@ def _gather(cache: Tensor, block_table: Tensor, b: int, seq_len: int) -> Tensor:
 @torch.library.custom_op("pagedpack::indexer_k_cache", mutates_args=("index_cache",))
 def indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write ``k [T, index_head_dim]`` into ``index_cache`` ``[num_blocks, block_size, 1,
-    index_head_dim]`` at ``slot_mapping [T]`` (int64; -1 writes nothing); vLLM's
+    index_head_dim]`` at ``slot_mapping [T]`` (int32 or int64; -1 writes nothing); vLLM's
     ``indexer_k_quant_and_cache`` without the fp8 quantization. ``ValueError`` for a bad shape or dtype."""
     _check_indexer_k_cache(k, index_cache, slot_mapping)
     keep = slot_mapping >= 0
     flat = index_cache.view(-1, index_cache.shape[-1])
     rows = k[keep]
-    flat[slot_mapping[keep]] = quantize_rows(rows, flat.dtype) if is_scaled(flat.dtype) else rows.to(flat.dtype)
+    flat[slot_mapping[keep].long()] = quantize_rows(rows, flat.dtype) if is_scaled(flat.dtype) else rows.to(flat.dtype)
 
 
 def _check_indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -160,7 +160,7 @@ def _check_indexer_k_cache(k: Tensor, index_cache: Tensor, slot_mapping: Tensor)
     _check_rank(op, "slot_mapping", slot_mapping, "[T]")
     _check_dtype(op, "k", k, _FLOATS)
     _check_dtype(op, "index_cache", index_cache, _CACHE_DTYPES)
-    _check_dtype(op, "slot_mapping", slot_mapping, (torch.int64,))
+    _check_dtype(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
     _require(index_cache.shape[2] == 1, op, "index_cache", "one head (dim 2 of size 1)", tuple(index_cache.shape))
     _require(head_size(index_cache) == k.shape[1], op, "k",
              f"index_head_dim = {head_size(index_cache)} like the cache", k.shape[1])

@@ -191,3 +191,21 @@ def test_an_indexer_pagedpack_does_not_page_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match=r"model.layers.0.self_attn.indexer: AXK2Indexer\) selects each "
                                                      r"query's top-k keys in a form pagedpack does not page yet"):
         LLM(model, num_blocks=8)
+
+
+def test_the_torch_compile_backend_runs_a_dsa_model_as_captured_and_says_why():
+    """Dynamo captures outside the seams: the backend leaves the graph as captured (the unmodified model's
+    logits, its top-k mask included) and its report names the indexer."""
+    from pagedpack.compiler import backend
+
+    model = _model("deepseek_v32")
+    torch._dynamo.reset()
+    backend.LAST_REPORTS.clear()
+    ids = torch.tensor(random_prompts((12,), seed=4, vocab=V))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        logits = torch.compile(model, backend="pagedpack", dynamic=True)(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected)
+    assert any("(model.layers.0.self_attn.indexer: DeepseekV32Indexer) selects each query's top-k keys: the "
+               "torch.compile backend does not page it" in note for report in backend.LAST_REPORTS
+               for note in report.notes), [report.notes for report in backend.LAST_REPORTS]
