@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from pagedpack.formats.export import check_export_file
+from pagedpack.kernels.sparse_attention import sparse_attention_layers
 from pagedpack.step.contract import LoweredStep, state_input_names
 
 
@@ -133,7 +134,9 @@ class Target:
     collectives it keeps (``tensor_parallel_size > 1``, CPU, gloo); ``recurrent_ops``: the recurrent
     ops (:mod:`pagedpack.kernels.recurrent`, by name: :data:`RECURRENT_OPS`) it runs, with their state
     inputs; a model with a layer of another one is refused naming the layer and the op
-    (:meth:`recurrent_refusals`).
+    (:meth:`recurrent_refusals`); ``sparse_attention``: it runs the sparse-attention (DSA) ops
+    (:mod:`pagedpack.kernels.sparse_attention`); a model with such layers is refused elsewhere, naming
+    each layer and the lowering it lacks (:meth:`sparse_attention_refusals`).
     """
 
     name: str = ""
@@ -145,6 +148,7 @@ class Target:
     formats: tuple[FileFormat, ...] = ()
     supports_tensor_parallel: bool = False
     recurrent_ops: frozenset[str] = frozenset()
+    sparse_attention: bool = False
 
     def options(self, given=None) -> TargetOptions:
         """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or
@@ -182,6 +186,19 @@ class Target:
     def missing_recurrent_op(self, op: str) -> str:
         """Why this target does not run the recurrent op ``op`` (one of :data:`RECURRENT_OPS`)."""
         return f"the {self.name} target does not run it yet"
+
+    def sparse_attention_refusals(self, rewritten) -> list[str]:
+        """One line per sparse-attention (DSA) layer of ``rewritten`` if this target does not run
+        :attr:`sparse_attention`: the layer and why (:meth:`missing_sparse_attention`)."""
+        if self.sparse_attention:
+            return []
+        return [f"{layer}: {self.missing_sparse_attention()}"
+                for layer in sparse_attention_layers(rewritten.graph_module.graph)]
+
+    def missing_sparse_attention(self) -> str:
+        """Why this target does not run a sparse-attention layer."""
+        return (f"the {self.name} target has no lowering of the lightning indexer and sparse attention "
+                "(indexer_k_cache, paged_indexer_topk, sparse_paged_attention) yet")
 
     def lower(self, rewritten, options: TargetOptions, *, block_size: int, bounds: StepBounds,
               device: torch.device | str) -> LoweredStep:

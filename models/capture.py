@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from pagedpack.models.config import mask_reach, position_limit, rope_type
 from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
 from pagedpack.models.seams import kernel_seams
+from pagedpack.models.sparse import first_indexer, indexer_refusal
 from pagedpack.step.contract import UnsupportedModelError
 
 # RoPE variants whose frequencies depend on the longest position of the call: in a packed step
@@ -69,7 +70,8 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     Raises ``ValueError`` if that leaves fewer than 2 tokens (export specialises 0 and 1);
     :class:`~pagedpack.step.contract.UnsupportedModelError` for a model feature whose computation
     depends on the longest position of the call (a known one, e.g. dynamic-NTK RoPE, named up
-    front, as are layers with a recurrent state pagedpack does not page, :mod:`pagedpack.models.recurrent`; otherwise
+    front, as are layers with a recurrent state pagedpack does not page, :mod:`pagedpack.models.recurrent`, and
+    sparse-attention indexers it does not page, :mod:`pagedpack.models.sparse`; otherwise
     export's data-dependent guard error, kept as the cause) and for any other error of the export
     (its message kept).
     """
@@ -83,6 +85,9 @@ def capture(model: torch.nn.Module, *, example_num_tokens: int = 8) -> CapturedM
     recurrent = first_recurrent(((path, type(module)) for path, module in model.named_modules()), paged=True)
     if recurrent is not None:
         raise UnsupportedModelError(recurrent_refusal(*recurrent))
+    indexer = first_indexer(((path, type(module)) for path, module in model.named_modules()), paged=True)
+    if indexer is not None:
+        raise UnsupportedModelError(indexer_refusal(*indexer))
     device = next(model.parameters()).device
     input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=device)
     position_ids = torch.arange(num_tokens, device=device)[None]

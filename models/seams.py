@@ -10,10 +10,14 @@ call a pagedpack op with the same semantics instead, for the form a prompt takes
 causal conv1d needs no seam: its fallback (``conv1d(padding=width - 1)[..., :T]``) captures as is.
 A layer whose recurrence is inline in its ``forward`` (MiniMax's lightning attention: a Python loop
 over blocks) has its class's ``forward`` replaced instead, by one that computes every line of the
-original but the loop, which is one pagedpack op (:data:`_FORWARD_SEAMS`).
+original but the loop, which is one pagedpack op (:data:`_FORWARD_SEAMS`). A sparse-attention (DSA)
+layer (DeepSeek-V3.2, GLM-MoE-DSA: :data:`SPARSE_ATTENTION_SEAMS`) too: its indexer's top-k is folded
+into a dense mask that no paged op can take, so the seam records the top-k and the attention over it
+as the ops of :mod:`pagedpack.kernels.sparse_attention`, which the ``sparse_attention`` pass pages.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import threading
@@ -24,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 import pagedpack.kernels.recurrent  # noqa: F401  (registers the seams' ops)
+import pagedpack.kernels.sparse_attention  # noqa: F401  (registers the DSA seam's ops)
 from pagedpack.models.recurrent import PAGED_RECURRENT_CLASS
+from pagedpack.models.sparse import PAGED_INDEXERS
 
 
 def _gated_delta_rule_seam(original: Callable) -> Callable:
@@ -114,6 +120,77 @@ def _lightning_attention_seam(original: Callable) -> Callable:
     return forward
 
 
+def _dsa_indexer(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings):
+    """transformers' ``DeepseekV32Indexer.forward`` / ``GlmMoeDsaIndexer.forward`` (transformers 5.25) on
+    one sequence without a cache: its lines up to the scores, the scoring and top-k as one
+    ``indexer_topk`` -> int32 ``[1, S, index_topk]`` (-1 past a row's visible keys, where transformers
+    takes ``min(index_topk, S)`` columns, the extra ones masked keys). The indexer's rotary embedding is
+    its module's function :data:`~pagedpack.models.sparse.PAGED_INDEXERS` names."""
+    module = sys.modules[type(indexer).__module__]
+    rotary = getattr(module, PAGED_INDEXERS[type(indexer).__name__])
+    seq_len = hidden_states.shape[1]
+    rope, pass_dim = indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim
+    q = indexer.wq_b(q_resid).view(1, seq_len, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = torch.split(q, [rope, pass_dim], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rope, pass_dim], dim=-1)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    weights = weights * indexer.n_heads ** -0.5
+    return torch.ops.pagedpack.indexer_topk(q[0], weights[0], k[0], indexer.softmax_scale, indexer.index_topk)[None]
+
+
+def _dsa_attention_seam(original: Callable) -> Callable:
+    """transformers' ``DeepseekV32Attention.forward`` / ``GlmMoeDsaAttention.forward(hidden_states [B, S,
+    hidden], position_embeddings, attention_mask, cache=None, position_ids=None, **kwargs)`` (transformers
+    5.25; GLM's also takes ``prev_topk_indices`` and returns the top-k as a third output, which its
+    "shared" layers, without an indexer, reuse): on one sequence without a cache under ``eager`` or
+    ``sdpa``, its lines up to the expanded MLA key and value, then the indexer (:func:`_dsa_indexer`) and
+    the attention over its top-k as one ``sparse_attention`` on ``[S, heads, dim]`` tensors, in place of
+    the top-k mask folded into the attention mask and the attention interface; otherwise the original."""
+    returns_topk = "prev_topk_indices" in inspect.signature(original).parameters
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, position_ids=None, **kwargs):
+        prev_topk_indices = kwargs.pop("prev_topk_indices", None)
+        if (cache is not None or kwargs.get("past_key_values") is not None or hidden_states.shape[0] != 1
+                or self.config._attn_implementation not in ("eager", "sdpa")):
+            extra = {"prev_topk_indices": prev_topk_indices} if returns_topk else {}
+            return original(self, hidden_states, position_embeddings, attention_mask, cache=cache,
+                            position_ids=position_ids, **extra, **kwargs)
+        rotary = sys.modules[type(self).__module__].apply_rotary_pos_emb_interleave
+        batch_size, seq_length = hidden_states.shape[:-1]
+        query_shape = (batch_size, seq_length, -1, self.qk_head_dim)
+
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q_states = self.q_b_proj(q_resid).view(query_shape).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+        kv_pass, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pass = self.kv_a_layernorm(kv_pass).view(batch_size, 1, seq_length, self.kv_lora_rank)
+        k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
+        query_states = torch.cat((q_pass, q_rot), dim=-1)
+        key_states, value_states = self.expand_kv(k_pass, k_rot)
+
+        if getattr(self, "indexer", None) is not None:
+            topk_indices = _dsa_indexer(self.indexer, hidden_states, q_resid, position_embeddings)
+        elif prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        else:
+            topk_indices = prev_topk_indices
+        attn_output = torch.ops.pagedpack.sparse_attention(
+            query_states[0].transpose(0, 1), key_states[0].transpose(0, 1), value_states[0].transpose(0, 1),
+            topk_indices[0], self.scaling)  # [S, heads, v_head_dim]
+        attn_output = self.o_proj(attn_output.reshape(batch_size, seq_length, -1))
+        return (attn_output, None, topk_indices) if returns_topk else (attn_output, None)
+
+    return forward
+
+
 # the modeling modules' function names and their seams
 _SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_rule": _gated_delta_rule_seam,
                                                      "chunk_kimi_delta_attention": _gated_delta_rule_seam,
@@ -121,6 +198,10 @@ _SEAMS: dict[str, Callable[[Callable], Callable]] = {"torch_chunk_gated_delta_ru
                                                      "mamba_selective_scan": _selective_scan_seam}
 # the paged layer classes (by name) whose recurrence is inline in their own forward, and its seam
 _FORWARD_SEAMS: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_attention_seam}
+# the sparse-attention (DSA) layer classes of the paged indexers (pagedpack.models.sparse), whose ``forward``
+# is replaced the same way
+SPARSE_ATTENTION_SEAMS: dict[str, Callable[[Callable], Callable]] = {"DeepseekV32Attention": _dsa_attention_seam,
+                                                                     "GlmMoeDsaAttention": _dsa_attention_seam}
 _PATCHING = threading.Lock()  # one capture at a time patches (a second would restore the first's seam)
 
 
@@ -139,8 +220,10 @@ def _patched(model: torch.nn.Module) -> Iterator[None]:
     modules = {sys.modules[cls.__module__] for cls in layers}
     patches = [(module, name, getattr(module, name), _SEAMS[name]) for module in modules for name in _SEAMS
                if hasattr(module, name)]
-    patches += [(cls, "forward", vars(cls)["forward"], _FORWARD_SEAMS[cls.__name__]) for cls in layers
-                if cls.__name__ in _FORWARD_SEAMS and "forward" in vars(cls)]
+    forward_seams = {**_FORWARD_SEAMS, **SPARSE_ATTENTION_SEAMS}
+    layers |= {type(m) for m in model.modules() if type(m).__name__ in SPARSE_ATTENTION_SEAMS}
+    patches += [(cls, "forward", vars(cls)["forward"], forward_seams[cls.__name__]) for cls in layers
+                if cls.__name__ in forward_seams and "forward" in vars(cls)]
     try:
         for owner, name, original, seam in patches:
             setattr(owner, name, seam(original))

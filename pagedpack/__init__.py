@@ -14,6 +14,7 @@ import warnings
 
 from pagedpack.kernels import ops as _ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels import recurrent as _recurrent  # noqa: F401  (registers the recurrent ops)
+from pagedpack.kernels import sparse_attention as _sparse_attention  # noqa: F401  (registers the DSA ops)
 from pagedpack.kernels import varlen as _varlen  # noqa: F401  (registers torch.ops.pagedpack.varlen_attention)
 
 # torch 2.13 deprecates constructing pytree's LeafSpec, and its own deepcopy of a GraphModule (the

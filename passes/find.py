@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from pagedpack.kernels.sparse_attention import sparse_attention_layers
 from pagedpack.models.recurrent import paged_layer
 from pagedpack.passes.attention_sites import (
     PASS_THROUGH,
@@ -38,7 +39,8 @@ class FindAttention(Pass):
     """``find_attention``: fill ``ctx.sites`` and report every softmax no pattern took.
 
     Counts: matched = sites found; refused = attention-shaped softmaxes no pattern took, or 1 when
-    the graph has no attention at all and no layer whose state is paged (there is nothing to rewrite).
+    the graph has no attention at all, no layer whose state is paged and no sparse-attention layer
+    (:mod:`pagedpack.passes.sparse_attention`): there is nothing to rewrite.
     """
 
     name = "find_attention"
@@ -60,7 +62,8 @@ class FindAttention(Pass):
             if shaped:
                 report.sites.append(SiteRecord(node.name, "softmax", layer_index(node), reason=reason))
                 refused += 1
-        if not ctx.sites and not refused and not any(paged_layer(n) for n in graph.nodes):
+        paged = any(paged_layer(n) for n in graph.nodes) or sparse_attention_layers(graph)
+        if not ctx.sites and not refused and not paged:
             report.notes.append("no attention site found")
             refused = 1
         return PassResult(matched=len(ctx.sites), refused=refused)

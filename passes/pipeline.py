@@ -11,7 +11,9 @@ Rewritten signature (all metadata as graph inputs, docs/design.md terms)::
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and are written in place, one pair
 per attention site that owns one (``C``: sites reading an earlier site's cache, :mod:`pagedpack.passes.kv_sharing`,
-have none); the state inputs come with paged recurrent layers (:mod:`pagedpack.passes.recurrent_state`).
+have none); a sparse-attention layer's take two pairs, its K/V and its indexer's keys
+(:mod:`pagedpack.passes.sparse_attention`); the state inputs come with paged recurrent layers
+(:mod:`pagedpack.passes.recurrent_state`).
 The rewrite is :data:`STEP_PIPELINE`, run by :class:`~pagedpack.passes.manager.PassManager`. If any
 site cannot be rewritten safely, nothing is changed and the report says why.
 """
@@ -38,6 +40,7 @@ from pagedpack.passes.postcondition import NoAttentionLeft
 from pagedpack.passes.recurrent import RecurrentLayers
 from pagedpack.passes.recurrent_state import PagedRecurrentState
 from pagedpack.passes.report import PassReport
+from pagedpack.passes.sparse_attention import PagedSparseAttention
 from pagedpack.passes.verify import VerifyAttention
 from pagedpack.step.contract import (
     METADATA_INPUTS,
@@ -125,8 +128,8 @@ class AddStepInputs(Pass):
 
 STEP_PIPELINE: tuple[Pass, ...] = (
     RecurrentLayers(paged=True), FindAttention(), VerifyAttention(causal_only=True, also=maybe_positions),
-    StripExportChecks(), ShareKVCache(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedRecurrentState(),
-    GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
+    StripExportChecks(), ShareKVCache(), AddStepInputs(), PositionsInput(), PagedAttention(), PagedSparseAttention(),
+    PagedRecurrentState(), GatherLogits(), EliminateDeadCode(), NoAttentionLeft(),
     MergeLinears(), SequenceIndependence(),
 )
 

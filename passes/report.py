@@ -24,7 +24,7 @@ class SiteRecord:
     """One attention site (or a softmax the model is refused for): where it is and what happened to it."""
 
     name: str
-    form: str  # "sdpa" or "eager"; "softmax" for an attention-shaped softmax no pattern matched
+    form: str  # "sdpa" or "eager"; "softmax" for an attention-shaped softmax no pattern matched; "sparse": DSA
     layer: int | None = None
     rewritten: bool = False
     reason: str | None = None  # why it was refused

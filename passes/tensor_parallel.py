@@ -46,6 +46,7 @@ import torch.fx
 from torch.fx import Node
 
 from pagedpack.kernels.attention_params import op_arguments
+from pagedpack.kernels.sparse_attention import sparse_attention_layers
 from pagedpack.passes.graph_attrs import attr_tensor, vocab_size
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, StateSpec, state_layers
@@ -474,6 +475,16 @@ def check_no_recurrent_state(state_specs: list[StateSpec], tp_size) -> None:
     if state_specs:
         raise ValueError(f"tensor_parallel_size: the model's recurrent layers ({state_layers(state_specs)}) are not "
                          f"split over ranks yet; expected 1, got {tp_size}")
+
+
+def check_no_sparse_attention(graph_module: torch.fx.GraphModule, tp_size) -> None:
+    """``ValueError`` naming ``tensor_parallel_size`` and the layers if the step graph has sparse-attention
+    (DSA) layers (:mod:`pagedpack.kernels.sparse_attention`): their indexer and attention are not split
+    over ranks yet."""
+    layers = sparse_attention_layers(graph_module.graph)
+    if layers:
+        raise ValueError(f"tensor_parallel_size: the model's sparse-attention (DSA) layers ({', '.join(layers)}) are "
+                         f"not split over ranks yet; expected 1, got {tp_size}")
 
 
 def check_shards(gm: torch.fx.GraphModule, specs: list[KVCacheSpec], model: torch.nn.Module, *, tp_size: int,

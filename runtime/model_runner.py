@@ -118,8 +118,9 @@ class ModelRunner:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor. On the CPU from ``numpy.zeros`` (``calloc``: the OS maps zero pages on first
     touch), so a pool sized for the worst case costs memory only for the blocks in use, as
-    ``torch.zeros`` (which writes every byte) would not."""
-    if not is_cpu(device):
+    ``torch.zeros`` (which writes every byte) would not. An empty one (a key-only cache's value
+    cache, :func:`~pagedpack.step.contract.indexer_cache_spec`) has no bytes to view."""
+    if not is_cpu(device) or math.prod(shape) == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

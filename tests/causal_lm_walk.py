@@ -40,7 +40,7 @@ _SIZES = {
     2: ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_blocks", "num_key_value_heads", "n_kv_heads",
         "num_kv_heads", "num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k"),
     4: ("num_attention_heads", "n_head", "n_heads", "num_heads", "num_experts", "num_local_experts",
-        "n_routed_experts", "moe_num_experts"),
+        "n_routed_experts", "moe_num_experts", "index_topk"),
     16: ("head_dim", "v_head_dim", "kv_channels"),
     128: ("intermediate_size", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
           "ffn_hidden_size", "n_inner", "expert_intermediate_size", "d_ff"),

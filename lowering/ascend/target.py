@@ -111,6 +111,10 @@ class AscendTarget(Target):
     def missing_recurrent_op(self, op: str) -> str:
         return MISSING_OPS.get(op) or super().missing_recurrent_op(op)
 
+    def missing_sparse_attention(self) -> str:
+        return ("no lowering to torch_npu's npu_lightning_indexer and npu_sparse_flash_attention (vllm-ascend's "
+                "DeepSeek-V3.2 path) yet, and no emulation of them")
+
     def prepare_device(self, device: torch.device | str) -> None:
         """Import torch_npu before an ``npu`` device is used (``torch.device("npu")`` needs it)."""
         if is_npu(device):

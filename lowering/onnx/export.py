@@ -42,6 +42,7 @@ from pagedpack.formats.export import (
     writing,
 )
 from pagedpack.formats.files import publish, temp_path
+from pagedpack.kernels.sparse_attention import sparse_attention_layers
 from pagedpack.lowering.onnx.session import OnnxSessionStep, check_cache_dtypes
 from pagedpack.lowering.targets import FileFormat
 from pagedpack.step.contract import METADATA_INPUTS, ModelDescription, cache_input_names, state_layers
@@ -101,8 +102,8 @@ def _save(program: torch.onnx.ONNXProgram, path: str) -> None:
 
 def check_attention(attention, rewritten) -> None:
     """``attention`` is one of :data:`ATTENTIONS` and takes ``rewritten``'s KV dtypes, and ``rewritten`` is
-    a reference-target model the format carries (no recurrent state, no complex tensors); ``ValueError``
-    otherwise."""
+    a reference-target model the format carries (no recurrent state, no sparse attention, no complex tensors);
+    ``ValueError`` otherwise."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
     check_portable(rewritten)
@@ -110,6 +111,11 @@ def check_attention(attention, rewritten) -> None:
         raise ValueError(f"rewritten: the model's recurrent layers ({state_layers(rewritten.state_specs)}) keep a "
                          f"state the onnx format does not carry yet; export it as pt2 (format='pt2', --format pt2) "
                          f"or serve it in process (LLM(model))")
+    layers = sparse_attention_layers(rewritten.graph_module.graph)
+    if layers:
+        raise ValueError(f"rewritten: the model's sparse-attention (DSA) layers ({', '.join(layers)}) have no onnx "
+                         "function yet; export it as pt2 (format='pt2', --format pt2) or serve it in process "
+                         "(LLM(model))")
     check_real_valued(rewritten)
     dtypes = sorted({str(spec.dtype).removeprefix("torch.") for spec in rewritten.kv_cache_specs})
     if attention == "pagedpack" and "bfloat16" in dtypes:

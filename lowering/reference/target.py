@@ -25,6 +25,7 @@ class ReferenceTarget(Target):
     formats: tuple[FileFormat, ...] = (pt2.FORMAT, tp.MANIFEST)
     supports_tensor_parallel: bool = True
     recurrent_ops: frozenset[str] = frozenset(RECURRENT_OPS)
+    sparse_attention: bool = True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize

@@ -48,12 +48,18 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
     is checked on a sample first. Returns ``str(path)``. ``ValueError`` if it cannot be split so (a
     model with recurrent layers among others) or ``path`` cannot be written."""
     from pagedpack.passes.pipeline import RewrittenModel
-    from pagedpack.passes.tensor_parallel import check_no_recurrent_state, check_shards, shard_step_graph
+    from pagedpack.passes.tensor_parallel import (
+        check_no_recurrent_state,
+        check_no_sparse_attention,
+        check_shards,
+        shard_step_graph,
+    )
 
     path = check_output_path(path)
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 2:
         raise ValueError(f"tensor_parallel_size: expected an int >= 2 for a tensor-parallel export, got {tp_size!r}")
     check_no_recurrent_state(rewritten.state_specs, tp_size)
+    check_no_sparse_attention(rewritten.graph_module, tp_size)
     check_shards(rewritten.graph_module, rewritten.kv_cache_specs, model, tp_size=tp_size)
     folder, stem = os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0]
     ranks, export_id = [], uuid.uuid4().hex

@@ -35,6 +35,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from pagedpack.models.recurrent import first_recurrent, recurrent_refusal
+from pagedpack.models.sparse import first_indexer, indexer_refusal
 from pagedpack.passes.cleanup import strip_export_checks
 from pagedpack.passes.independence import first_differing_node
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
@@ -86,10 +87,11 @@ class PackedForward:
         names = [_name(n) for n in gm.graph.nodes if n.op == "placeholder"]
         self.mask_arg = names.index("attention_mask") if "attention_mask" in names else None
         self.run, self.packed = None, False  # built on the first call, outside Dynamo's tracing
-        recurrent = first_recurrent((path.split("].", 1)[-1], kind) for node in gm.graph.nodes
-                                    for path, kind in (node.meta.get("nn_module_stack") or {}).values())
-        if recurrent is not None:  # the re-trace below sees Dynamo's flat module, not the layers' classes
-            report = PassReport(notes=[recurrent_refusal(*recurrent)])
+        modules = [(path.split("].", 1)[-1], kind) for node in gm.graph.nodes
+                   for path, kind in (node.meta.get("nn_module_stack") or {}).values()]
+        recurrent, indexer = first_recurrent(modules), first_indexer(modules)
+        if recurrent is not None or indexer is not None:  # the re-trace below sees Dynamo's flat module
+            report = PassReport(notes=[recurrent_refusal(*recurrent) if recurrent else indexer_refusal(*indexer)])
             self._leave_as_captured(Unpackable(report.notes[0]), report)
             return
         try:

@@ -116,6 +116,7 @@ def shard(source: Source, model: SourceModel, rewritten: RewrittenStep, join_gro
     from pagedpack.passes.pipeline import RewrittenModel
     from pagedpack.passes.tensor_parallel import (
         check_no_recurrent_state,
+        check_no_sparse_attention,
         check_shards,
         count_all_gathers,
         count_all_reduces,
@@ -124,6 +125,7 @@ def shard(source: Source, model: SourceModel, rewritten: RewrittenStep, join_gro
 
     step, tp_size, rank = rewritten.step, source.args.tensor_parallel_size, source.rank
     check_no_recurrent_state(step.state_specs, tp_size)
+    check_no_sparse_attention(step.graph_module, tp_size)
     if rank == 0:
         check_shards(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size)
     gm, specs = shard_step_graph(step.graph_module, step.kv_cache_specs, model.module, tp_size=tp_size, rank=rank,
@@ -145,6 +147,10 @@ def lower(source: Source, model: SourceModel, rewritten: RewrittenStep, *,
     if refused:
         raise ValueError(f"target: the {target.name} target does not run these recurrent layers (serve the model "
                          "on the reference target):\n  " + "\n  ".join(refused))
+    refused = target.sparse_attention_refusals(step)
+    if refused:
+        raise ValueError(f"target: the {target.name} target does not run these sparse-attention (DSA) layers (serve "
+                         "the model on the reference target):\n  " + "\n  ".join(refused))
     target.check_limits(step, block_size=args.block_size, bounds=bounds)
     peak = _activation_peak(whole or rewritten) if args.memory_budget is not None else None
     program = target.lower(step, args.target_options, block_size=args.block_size, bounds=bounds, device=args.device)

@@ -94,15 +94,17 @@ def export_metadata(rewritten, description: ModelDescription | None = None) -> d
 
 def check_portable(rewritten) -> None:
     """``rewritten`` is a rewritten model whose step graph calls the reference ``pagedpack`` ops
-    (what the export formats translate: ``paged_attention``, or the recurrent ops of a model without
-    attention); ``ValueError`` naming what it is otherwise."""
+    (what the export formats translate: ``paged_attention`` or ``sparse_paged_attention``, or the recurrent
+    ops of a model without attention); ``ValueError`` naming what it is otherwise."""
     graph = getattr(getattr(rewritten, "graph_module", None), "graph", None)
     if not (callable(getattr(rewritten, "raise_if_refused", None)) and isinstance(graph, torch.fx.Graph)):
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
-    # a model without attention layers (Mamba) calls only the recurrent ops, which no other target lowers
-    if not (rewritten.state_specs or any(n.target is torch.ops.pagedpack.paged_attention.default for n in graph.nodes)):
+    # a model without attention layers (Mamba) calls only the recurrent ops, a model of sparse-attention layers
+    # only the sparse ones (DeepSeek-V3.2), which no other target lowers
+    attention = (torch.ops.pagedpack.paged_attention.default, torch.ops.pagedpack.sparse_paged_attention.default)
+    if not (rewritten.state_specs or any(n.target in attention for n in graph.nodes)):
         raise ValueError("rewritten: its step graph was lowered for another target (no pagedpack.paged_attention "
                          "left); export a model rewritten for target='reference'")
 
@@ -240,8 +242,12 @@ def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
     for spec in meta["kv_cache_specs"]:
         sizes = [spec.get(k) if isinstance(spec, dict) else None
                  for k in ("num_kv_heads", "key_head_size", "value_head_size")]
-        if not all(_positive(n) for n in sizes) or spec.get("dtype") not in _CACHE_DTYPES:
-            raise invalid("kv_cache_specs", f"positive head counts/sizes and a dtype in {_CACHE_DTYPES}", spec)
+        # a value head size of 0: a key-only cache (a sparse-attention layer's indexer keys, indexer_cache_spec)
+        key_only = type(sizes[2]) is int and sizes[2] == 0
+        if not (all(_positive(n) for n in sizes[:2]) and (key_only or _positive(sizes[2]))
+                and spec.get("dtype") in _CACHE_DTYPES):
+            raise invalid("kv_cache_specs", f"positive head counts/sizes (a value head size may be 0: a key-only "
+                          f"cache) and a dtype in {_CACHE_DTYPES}", spec)
         specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
     states = [_state_spec(spec, invalid) for spec in meta.get("state_specs") or []]
     signature = step_input_names(len(specs), states)

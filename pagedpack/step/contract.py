@@ -79,6 +79,16 @@ class KVCacheSpec:
                 (num_blocks, block_size, self.num_kv_heads, kv_row_size(self.value_head_size, self.dtype)))
 
 
+def indexer_cache_spec(index_head_dim: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The cache of a sparse-attention layer's lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA): one
+    key row of ``index_head_dim`` per token and no value (``value_head_size`` 0), paged by the same
+    blocks and slots as the layer's K/V, as vLLM's ``DeepseekV32IndexerCache`` is one more (key-only)
+    cache of the KV manager. It takes one cache pair of the step signature like any layer's: the key
+    cache ``[num_blocks, block_size, 1, index_head_dim]`` and an empty value cache
+    (:mod:`pagedpack.kernels.sparse_attention`)."""
+    return KVCacheSpec(num_kv_heads=1, key_head_size=index_head_dim, value_head_size=0, dtype=dtype)
+
+
 # The kinds of recurrent state, each with the rank of its per-sequence shape (:class:`StateSpec`).
 STATE_KINDS = {"conv_state": 2, "ssm_state": 3}
 
