@@ -411,6 +411,8 @@ BAD_COMPLETIONS = [  # (body, param the error names)
     ({"prompt": "\ud800"}, "prompt"),  # a lone surrogate: JSON can say it, no tokenizer encodes it
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
+    ({"prompt": "x", "stop": "x" * 257}, "stop"),  # of at most 256 characters
     ({"prompt": "x", "n": MAX_QUEUE + 1}, "n"),  # more than may ever wait: 400, not a retry
     ({"prompt": [[1, 2]] * (MAX_QUEUE + 1), "max_tokens": 1}, "prompt"),
     ({"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
