@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from pagedpack import LLM
+from pagedpack import LLM, SamplingParams
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
 
@@ -190,3 +190,20 @@ def test_without_a_tokenizer_stop_strings_and_text_prompts_are_400s_and_the_othe
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4, served.text
     assert not untokenized.llm_engine.has_unfinished()
 
+
+def test_without_a_tokenizer_a_stream_sends_a_chunk_per_step(untokenized):
+    """Issue: with no text to show, a stream sent nothing until its last chunk; as vLLM, a chunk per step
+    (empty text), the tokens in its logprobs when asked for (``return_tokens_as_token_ids``)."""
+    app, _ = _app(untokenized)
+    body = {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}
+    plain, named = _ask(app, ("POST", "/v1/completions", body),
+                        ("POST", "/v1/completions", {**body, "logprobs": 0, "return_tokens_as_token_ids": True}))
+    expected = untokenized.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    for r in (plain, named):
+        *chunks, done = _events(r)
+        choices = [c["choices"][0] for c in chunks]
+        assert done == "[DONE]" and [c["text"] for c in choices] == [""] * 5, r.text
+        assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+    tokens = [t for c in _events(named)[:-1] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == [f"token_id:{t}" for t in expected]

@@ -273,9 +273,11 @@ class OpenAIServing:
                 prompt_logprobs = delta.prompt_logprobs  # in one delta of the request: sent with its first chunk
                 for completion in delta.outputs:
                     completion_tokens += len(completion.token_ids)
-                    if not (completion.text or completion.finished or prompt_logprobs is not None
-                            or (completion.token_ids and response.logprobs is not None)):
-                        continue  # nothing to show yet (text held back, a partial character)
+                    # a chunk per step that made tokens, their text empty while held back (a partial character,
+                    # a stop string's start) or never made (no tokenizer), as vLLM's
+                    if not (completion.text or completion.token_ids or completion.finished
+                            or prompt_logprobs is not None):
+                        continue  # nothing new (a prompt chunk)
                     chunk = response.chunk(i, completion, prompt_logprobs)
                     prompt_logprobs = None
                     if body.continuous_usage:
