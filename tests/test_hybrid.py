@@ -122,6 +122,30 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
         "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
 
 
+def test_metrics_show_the_state_slots_requests_hold(llm):
+    """``/metrics``' gauges of the recurrent-state slots: 2 requests running hold 2 of the 4 slots."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedpack.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(llm._loop, model_name="hybrid")
+
+    def slots():
+        samples = {s.name: s.value for family in text_string_to_metric_families(metrics.exposition().decode())
+                   for s in family.samples}
+        return samples["pagedpack:recurrent_state_slots_used"], samples["pagedpack:recurrent_state_usage_perc"]
+
+    engine = llm.llm_engine
+    assert slots() == (0, 0)
+    for i in range(2):
+        engine.add_request(f"slots-{i}", PROMPTS[i], SamplingParams(max_tokens=4))
+    engine.step()
+    assert slots() == (2, 0.5)
+    for i in range(2):
+        engine.abort_request(f"slots-{i}")
+    assert slots() == (0, 0)
+
+
 @pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "mamba", "lightning"])
 def test_forks_preemption_and_chunks_give_each_prompt_its_own_tokens(hybrid, request):
     """``n=2`` forks copy their parent's state; the 12-block pool preempts (the state starts over)."""

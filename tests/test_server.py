@@ -695,6 +695,8 @@ def test_models_version_and_metrics_names(server, client):
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_success_total"):
         assert f"pagedpack:{name}" in names
+    no_state = _metrics(server)  # a model without recurrent layers: no state slots
+    assert no_state["pagedpack:recurrent_state_slots_used{}"] == no_state["pagedpack:recurrent_state_usage_perc{}"] == 0
 
 
 @pytest.fixture(scope="module")
