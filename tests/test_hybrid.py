@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.formats.export import META_FILE, step_from_metadata
+from pagedpack.lowering.reference.pt2 import METADATA_CHOICES
 from pagedpack.models.capture import capture
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
@@ -412,8 +413,9 @@ def test_a_pt2_whose_state_metadata_is_malformed_or_not_its_programs_is_refused(
 def test_malformed_state_metadata_is_refused_naming_the_field(exported):
     with zipfile.ZipFile(exported["short_conv"][2]) as archive:
         text = next(archive.read(n) for n in archive.namelist() if n.endswith(f"/extra/{META_FILE}"))
-    assert step_from_metadata(None, text.decode(), "m.pt2").state_specs == exported["short_conv"][0].program.state_specs
+    loaded = step_from_metadata(None, text.decode(), "m.pt2", METADATA_CHOICES)
+    assert loaded.state_specs == exported["short_conv"][0].program.state_specs
     for case, (changes, message) in MALFORMED_STATE_METADATA.items():
         with pytest.raises(ValueError) as refused:
-            step_from_metadata(None, _edited(changes)(text).decode(), "m.pt2")
+            step_from_metadata(None, _edited(changes)(text).decode(), "m.pt2", METADATA_CHOICES)
         assert str(refused.value).startswith(f"path: 'm.pt2'{message}"), (case, str(refused.value))
