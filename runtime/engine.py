@@ -161,11 +161,15 @@ class LLMEngine:
             raise ValueError(f"sampling_params: expected a SamplingParams, got {params!r:.80}")
         prompt = normalize_prompt(prompt)
         tokenizer = self.description.tokenizer
+        if params.stop and tokenizer is None:  # matched in the text, which only a tokenizer makes
+            raise ValueError(f"stop: stop strings need a tokenizer and the model ({self._model_name}) has none, got "
+                             f"{params.stop!r:.120}; use stop_token_ids, or pass a tokenizer with "
+                             "LLM(..., tokenizer=...) / --tokenizer")
         if isinstance(prompt.content, str):
             if tokenizer is None:
-                name = self.description.model_name or "given as an instance"
-                raise ValueError(f"prompts: got a string but the model ({name}) has no tokenizer (no tokenizer "
-                                 "files); pass token ids, or a tokenizer with LLM(..., tokenizer=...) / --tokenizer")
+                raise ValueError(f"prompts: got a string but the model ({self._model_name}) has no tokenizer (no "
+                                 "tokenizer files); pass token ids, or a tokenizer with LLM(..., tokenizer=...) / "
+                                 "--tokenizer")
             with self.tokenizer_lock:
                 token_ids = tokenizer(prompt.content).input_ids
         else:
@@ -193,6 +197,10 @@ class LLMEngine:
             message = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
             raise RequestRejected(message, request.prompt_token_ids) from err
         return request, prompt.content if isinstance(prompt.content, str) else None
+
+    @property
+    def _model_name(self) -> str:
+        return self.description.model_name or "given as an instance"
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     made: tuple[Request, str | None] | None = None) -> None:

@@ -70,9 +70,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, request: Request, prompt: str | None) -> None:
         """Keep the state of ``request`` (and its ``forks``) under ``request_id``."""
-        params = request.sampling_params
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop: stop strings need a tokenizer and the model has none, got {params.stop!r}")
+        params = request.sampling_params  # stop strings need the tokenizer: LLMEngine.make_request checks
         state = _RequestState(request_id, prompt, request.prompt_token_ids,
                               prompt_source=request if params.prompt_logprobs is not None else None)
         for index, child in enumerate([request, *request.forks]):

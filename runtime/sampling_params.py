@@ -11,6 +11,10 @@ import torch
 # Temperatures below this are treated as greedy (dividing by them would overflow fp32).
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# Stop strings: each is searched in every request's text after every step, and the longest, less one
+# character, held back from its stream; OpenAI takes up to 4, vLLM any number
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def _is_int(value: object) -> bool:
@@ -43,7 +47,9 @@ class SamplingParams:
     ignore_eos: keep generating past the model's EOS token.
     stop: strings that finish the request when the generated text contains one; the text is cut
         before it (after it with ``include_stop_str_in_output``) and ``stop_reason`` is the string.
-        Found across token and delta boundaries; a streamed delta never shows part of one.
+        Found across token and delta boundaries; a streamed delta never shows part of one. At most
+        ``MAX_STOP_STRINGS`` (16) of at most ``MAX_STOP_CHARS`` (256) characters each; they need a
+        tokenizer (a model without one takes ``stop_token_ids``).
     skip_special_tokens: leave special tokens out of the text (vLLM's default, True).
     min_tokens: until this many tokens are out, EOS and ``stop_token_ids`` cannot be sampled and
         stop strings are not looked for (``0 <= min_tokens <= max_tokens``).
@@ -110,6 +116,12 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop: expected a non-empty str, a list of them or None, got {self.stop!r:.120}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: expected at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        longest = max(stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"stop: expected strings of at most {MAX_STOP_CHARS} characters, got one of "
+                             f"{len(longest)}: {longest!r:.60}")
         self.stop = list(stop)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens: expected an int in [0, max_tokens={self.max_tokens}], "

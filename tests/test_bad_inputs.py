@@ -88,10 +88,16 @@ def test_fractional_token_id_is_refused(model, llm):
 def test_bad_prompt_after_good_ones_leaves_nothing_queued(model):
     # wrong now: the good prompts before the bad one stay queued in the scheduler after the error,
     # and the next generate() crashes with KeyError('0') on a request it does not know
-    llm = _fresh(model)  # no tokenizer: a string prompt is a bad prompt here
-    for bad, message in ((None, "prompts[2]: expected a string"), ("hello", "prompts: got a string but the model")):
+    llm = _fresh(model)  # no tokenizer: a string prompt, or a stop string, is a bad request here
+    stop = SamplingParams(temperature=0.0, max_tokens=4, stop=["x"])
+    for bad, params, message in ((None, GREEDY, "prompts[2]: expected a string"),
+                                 ("hello", GREEDY, "prompts: got a string but the model"),
+                                 ([5, 6], [GREEDY, GREEDY, stop], "stop: stop strings need a tokenizer")):
+        steps = llm.get_stats().num_steps
         with pytest.raises(ValueError, match=re.escape(message)):
-            llm.generate([[1, 2], [3, 4, 5, 6], bad], GREEDY, use_tqdm=False)
+            llm.generate([[1, 2], [3, 4, 5, 6], bad], params, use_tqdm=False)
+        # was (stop): refused in the engine's thread, after a step had run the first two
+        assert llm.get_stats().num_steps == steps
         _assert_still_serves(llm, model)
 
 
@@ -149,7 +155,8 @@ def test_sampling_params_as_tuple_is_one_per_prompt(model, llm):
 
 
 @pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -(2**63) - 1),
-                                              ("stop_token_ids", None), ("stop_token_ids", 5), ("top_k", 2**63)])
+                                              ("stop_token_ids", None), ("stop_token_ids", 5), ("top_k", 2**63),
+                                              ("stop", ["a"] * 17), ("stop", "a" * 257)])
 def test_sampling_params_rejects_naming_the_field(field, value):
     # wrong now: seed=2**64 is accepted and later fails inside the sampler with "Overflow when
     # unpacking long long" (losing the whole batch); stop_token_ids=None/5 give a bare TypeError

@@ -5,6 +5,7 @@ the tokens of the un-exported ``LLM`` on the same model.
 One ONNX and one ``.pt2`` export of the tiny Llama serve the whole module; the other files
 (corrupted, foreign, renamed, other format version, com.microsoft) are derived from them.
 """
+import base64
 import json
 import os
 import re
@@ -274,8 +275,8 @@ def test_onnx_model_renamed_to_pt2_is_served_by_its_content(llm, files, tmp_path
 # ---------------------------------------------------------------- load: pagedpack files with odd metadata
 
 
-@pytest.mark.parametrize("fmt, version", [("onnx", 0), ("onnx", 2), ("onnx", "1"), ("onnx", None),
-                                          ("pt2", 2), ("pt2", None)])
+@pytest.mark.parametrize("fmt, version", [("onnx", 0), ("onnx", 2), ("onnx", "1"), ("onnx", None), ("onnx", 1.0),
+                                          ("pt2", 2), ("pt2", None), ("pt2", True)])  # was: 1.0 and true taken
 def test_load_another_format_version(fmt, version, files, tmp_path):
     edit = json_edit(format_version=version) if version is not None else json_edit(format_version=...)
     with_meta = onnx_with_meta if fmt == "onnx" else pt2_with_meta
@@ -323,9 +324,30 @@ CORRUPT_METADATA = {  # edit -> the field the error names
     "one layer short": (json_edit(kv_cache_specs=[_SPEC]), "signature: expected"),
     "max_model_len a string": (json_edit(max_model_len="512"), "max_model_len: expected int or null"),
     "vocab_size null": (json_edit(vocab_size=None), "vocab_size: expected int"),
-    "eos ids strings": (json_edit(eos_token_ids=["2"]), "eos_token_ids: expected a list of ints"),
+    "eos ids strings": (json_edit(eos_token_ids=["2"]),
+                        f"eos_token_ids: expected token ids in [0, vocab_size={VOCAB_SIZE}), got ['2']"),
     "tokenizer garbage": (json_edit(tokenizer_files={"tokenizer.json": "Z2FyYmFnZQ=="}),
                           "tokenizer_files: expected a saved tokenizer"),
+    # was: taken (a wrong cache_mutation made a program whose caches are returned look in place, or the reverse)
+    "no cache_mutation": (json_edit(cache_mutation=...), "cache_mutation: expected one of"),
+    "cache_mutation unknown": (json_edit(cache_mutation="sideways"), "cache_mutation: expected one of"),
+    "cache_mutation of the other format": (
+        lambda text: json_edit(cache_mutation="in_place" if '"returned"' in text else "returned")(text),
+        "cache_mutation: expected one of"),
+    "attention unknown": (json_edit(attention="flash"), {"onnx": "attention: expected one of ['pagedpack', "
+                                                                 "'com.microsoft'], got 'flash'",
+                                                         "pt2": "pagedpack.json: expected the fields"}),
+    "an unknown field": (json_edit(cache_salt="x"), "pagedpack.json: expected the fields"),
+    "kv spec with an unknown key": (json_edit(kv_cache_specs=[{**_SPEC, "window": 4}] * 2), "kv_cache_specs: expected"),
+    "eos outside the vocabulary": (json_edit(eos_token_ids=[2, VOCAB_SIZE]),
+                                   f"eos_token_ids: expected token ids in [0, vocab_size={VOCAB_SIZE}), "
+                                   f"got [{VOCAB_SIZE}]"),
+    # was: RecursionError
+    "nested too deeply": (lambda text: text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                          "pagedpack.json: expected JSON"),
+    "tokenizer config nested too deeply": (
+        json_edit(tokenizer_files={"tokenizer_config.json": base64.b64encode(b"[" * 10**5 + b"]" * 10**5).decode()}),
+        "tokenizer_files: tokenizer_config.json: expected base64 JSON"),
 }
 
 
@@ -334,6 +356,7 @@ CORRUPT_METADATA = {  # edit -> the field the error names
 def test_load_corrupt_metadata(fmt, case, files, tmp_path):
     # Regression: these raised KeyError/AttributeError/JSONDecodeError, or loaded and failed in generate.
     edit, message = CORRUPT_METADATA[case]
+    message = message[fmt] if isinstance(message, dict) else message
     with_meta = onnx_with_meta if fmt == "onnx" else pt2_with_meta
     path = with_meta(files[fmt], tmp_path / f"m.{fmt}", edit)
     if message is None:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.formats.export import META_FILE, step_from_metadata
+from pagedpack.lowering.reference.pt2 import METADATA_CHOICES
 from pagedpack.models.capture import capture
 from pagedpack.passes.pipeline import rewrite
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
@@ -120,6 +121,30 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
     assert not stats.prefix_caching and (stats.state_slots_total, stats.state_slots_used) == (4, 0)
     assert dict(llm.plan_memory("64MiB").rows())["recurrent state"].startswith(
         "1024 bytes per sequence, a slot for each of max_num_seqs = 4")
+
+
+def test_metrics_show_the_state_slots_requests_hold(llm):
+    """``/metrics``' gauges of the recurrent-state slots: 2 requests running hold 2 of the 4 slots."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedpack.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics(llm._loop, model_name="hybrid")
+
+    def slots():
+        samples = {s.name: s.value for family in text_string_to_metric_families(metrics.exposition().decode())
+                   for s in family.samples}
+        return samples["pagedpack:recurrent_state_slots_used"], samples["pagedpack:recurrent_state_usage_perc"]
+
+    engine = llm.llm_engine
+    assert slots() == (0, 0)
+    for i in range(2):
+        engine.add_request(f"slots-{i}", PROMPTS[i], SamplingParams(max_tokens=4))
+    engine.step()
+    assert slots() == (2, 0.5)
+    for i in range(2):
+        engine.abort_request(f"slots-{i}")
+    assert slots() == (0, 0)
 
 
 @pytest.mark.parametrize("hybrid", ["short_conv", "deltanet", "ssd", "mamba", "lightning"])
@@ -388,8 +413,9 @@ def test_a_pt2_whose_state_metadata_is_malformed_or_not_its_programs_is_refused(
 def test_malformed_state_metadata_is_refused_naming_the_field(exported):
     with zipfile.ZipFile(exported["short_conv"][2]) as archive:
         text = next(archive.read(n) for n in archive.namelist() if n.endswith(f"/extra/{META_FILE}"))
-    assert step_from_metadata(None, text.decode(), "m.pt2").state_specs == exported["short_conv"][0].program.state_specs
+    loaded = step_from_metadata(None, text.decode(), "m.pt2", METADATA_CHOICES)
+    assert loaded.state_specs == exported["short_conv"][0].program.state_specs
     for case, (changes, message) in MALFORMED_STATE_METADATA.items():
         with pytest.raises(ValueError) as refused:
-            step_from_metadata(None, _edited(changes)(text).decode(), "m.pt2")
+            step_from_metadata(None, _edited(changes)(text).decode(), "m.pt2", METADATA_CHOICES)
         assert str(refused.value).startswith(f"path: 'm.pt2'{message}"), (case, str(refused.value))

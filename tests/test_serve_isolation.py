@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from pagedpack import LLM
+from pagedpack import LLM, SamplingParams
+from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
 
 # ~1 s of rendering on an idle machine, the content once
@@ -22,6 +23,12 @@ SLOW = "{% for i in range(20000) %}{% for j in range(1000) %}{% if j < 0 %}{% en
 @pytest.fixture(scope="module")
 def llm():
     return LLM("tiny", num_blocks=64)  # 1024 tokens of context: 4096 characters of text at most
+
+
+@pytest.fixture(scope="module")
+def untokenized():
+    """The tiny Llama given as an instance: no tokenizer, token ids in and out."""
+    return LLM(tiny_model("llama", num_hidden_layers=1), num_blocks=64)
 
 
 def _app(llm, **config):
@@ -164,3 +171,39 @@ def test_serve_refuses_a_max_tokenize_queue_under_1(capsys):
 
     code, _, err = run_cli(capsys, "serve", "no-such-model-dir", "--max-tokenize-queue", "0")
     assert code == 2 and "--max-tokenize-queue" in err, err
+
+
+def test_without_a_tokenizer_stop_strings_and_text_prompts_are_400s_and_the_others_are_served(untokenized):
+    """Issue: ``stop`` on a model without a tokenizer was refused in the engine's thread once the request
+    had been taken (a 500, a stream's error event); a text prompt's 400 named ``prompts``."""
+    app, _ = _app(untokenized)
+    ok = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    bad = [({**ok, "stop": ["x"]}, "stop", "stop: stop strings need a tokenizer and the model"),
+           ({**ok, "stop": "x", "n": 2}, "stop", "stop: stop strings need a tokenizer and the model"),
+           ({**ok, "prompt": "hello"}, "prompt", "prompt: the model has no tokenizer; send token ids")]
+    *refused, served = _ask(app, *[("POST", "/v1/completions", {**body, "stream": stream})
+                                   for body, _, _ in bad for stream in (False, True)],
+                            ("POST", "/v1/completions", ok))
+    for r, (_, param, message) in zip(refused, [case for case in bad for _ in range(2)]):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(message), r.text
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4, served.text
+    assert not untokenized.llm_engine.has_unfinished()
+
+
+def test_without_a_tokenizer_a_stream_sends_a_chunk_per_step(untokenized):
+    """Issue: with no text to show, a stream sent nothing until its last chunk; as vLLM, a chunk per step
+    (empty text), the tokens in its logprobs when asked for (``return_tokens_as_token_ids``)."""
+    app, _ = _app(untokenized)
+    body = {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True}
+    plain, named = _ask(app, ("POST", "/v1/completions", body),
+                        ("POST", "/v1/completions", {**body, "logprobs": 0, "return_tokens_as_token_ids": True}))
+    expected = untokenized.generate([body["prompt"]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+    for r in (plain, named):
+        *chunks, done = _events(r)
+        choices = [c["choices"][0] for c in chunks]
+        assert done == "[DONE]" and [c["text"] for c in choices] == [""] * 5, r.text
+        assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
+    tokens = [t for c in _events(named)[:-1] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == [f"token_id:{t}" for t in expected]

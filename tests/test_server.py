@@ -411,6 +411,8 @@ BAD_COMPLETIONS = [  # (body, param the error names)
     ({"prompt": "\ud800"}, "prompt"),  # a lone surrogate: JSON can say it, no tokenizer encodes it
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop"),  # at most 16
+    ({"prompt": "x", "stop": "x" * 257}, "stop"),  # of at most 256 characters
     ({"prompt": "x", "n": MAX_QUEUE + 1}, "n"),  # more than may ever wait: 400, not a retry
     ({"prompt": [[1, 2]] * (MAX_QUEUE + 1), "max_tokens": 1}, "prompt"),
     ({"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
@@ -693,6 +695,8 @@ def test_models_version_and_metrics_names(server, client):
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_success_total"):
         assert f"pagedpack:{name}" in names
+    no_state = _metrics(server)  # a model without recurrent layers: no state slots
+    assert no_state["pagedpack:recurrent_state_slots_used{}"] == no_state["pagedpack:recurrent_state_usage_perc{}"] == 0
 
 
 @pytest.fixture(scope="module")

@@ -148,6 +148,18 @@ def test_a_graph_calling_anything_but_an_operator_is_refused(target, files, tmp_
         load_exported(path)
 
 
+def test_a_graph_nested_too_deeply_is_refused(files, tmp_path):
+    # was: RecursionError parsing it
+    def edit(data):
+        deep = "[" * 10**5 + "]" * 10**5
+        return json.dumps(json.loads(data)).replace('"graph_module": {', f'"graph_module": {{"x": {deep}, ', 1).encode()
+
+    path = pt2_edited(files["pt2"], tmp_path / "deep.pt2", {"models/model.json": edit})
+    with pytest.raises(ValueError, match=re.escape(f"path: {str(path)!r}: archive member models/model.json is not "
+                                                   "JSON (JSON nested too deeply)")):
+        load_exported(path)
+
+
 def test_a_symbolic_expression_that_is_code_is_refused(files, tmp_path):
     marker = tmp_path / "ran"
     code = f"__import__('pathlib').Path('{marker}').touch()"
@@ -203,7 +215,7 @@ def test_a_flipped_byte_in_an_export_is_refused_naming_the_file(fmt, where, file
 
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
 @pytest.mark.parametrize("field, value, message", [
-    ("vocab_size", 200, "vocab_size: the metadata says 200, its program returns logits of shape"),
+    ("vocab_size", 300, "vocab_size: the metadata says 300, its program returns logits of shape"),  # eos ids inside
     ("kv_heads", 3, "kv_cache_specs: the metadata says key_cache_0 is torch.float32 [num_blocks, block_size, 3, 16]"),
     ("head_size", 8, "kv_cache_specs: the metadata says key_cache_0 is torch.float32 [num_blocks, block_size, 2, 8]"),
 ])

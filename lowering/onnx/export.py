@@ -48,6 +48,9 @@ from pagedpack.lowering.targets import FileFormat
 from pagedpack.step.contract import METADATA_INPUTS, ModelDescription, cache_input_names, state_layers
 
 ATTENTIONS = ("pagedpack", "com.microsoft")
+# the metadata fields of this format's own (pagedpack.formats.export.step_from_metadata): the program returns
+# the updated caches, and the attention lowering it was exported with
+METADATA_CHOICES = {"cache_mutation": ("returned",), "attention": ATTENTIONS}
 
 
 def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
@@ -211,7 +214,7 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     verify_onnx(data, props, path)
     verify_onnx_data(model, props, path)
     del data, model
-    step = step_from_metadata(None, props[META_FILE], path)  # the session is attached below
+    step = step_from_metadata(None, props[META_FILE], path, METADATA_CHOICES)  # the session is attached below
     if step.state_specs:
         raise ValueError(f"path: {path!r}: state_specs: expected none (the onnx format carries no recurrent state), "
                          f"got {len(step.state_specs)} of {state_layers(step.state_specs)}")

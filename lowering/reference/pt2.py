@@ -66,8 +66,6 @@ def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription
     if meta["vocab_size"] is None:  # read it off the exported logits
         output = next(n for n in program.graph.nodes if n.op == "output")
         meta["vocab_size"] = int(output.args[0][0].meta["val"].shape[-1])
-    # "in_place": the program calls reshape_and_cache on the cache inputs; "copied_back": export
-    # functionalised it and the loaded .module() copies the new caches into the inputs.
     meta["cache_mutation"] = "copied_back" if any(spec.kind.name == "USER_INPUT_MUTATION" for spec in
                                                   program.graph_signature.output_specs) else "in_place"
     with writing(path), atomic_write(path) as tmp:
@@ -78,6 +76,12 @@ def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription
             raise writer.error
         seal_pt2(tmp)
     return path
+
+
+# The metadata fields of this format's own (pagedpack.formats.export.step_from_metadata): "in_place", the
+# program calls reshape_and_cache on the cache inputs; "copied_back", export functionalised it and the loaded
+# .module() copies the new caches into the inputs (either way the caller's caches are updated)
+METADATA_CHOICES = {"cache_mutation": ("in_place", "copied_back")}
 
 
 # Ops a captured model may call that a library registers on import, by the prefix of their name in
@@ -111,7 +115,7 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
                              f"({type(err).__name__}: {err})") from err
     if not extra[META_FILE]:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
-    step = step_from_metadata(None, extra[META_FILE], path)
+    step = step_from_metadata(None, extra[META_FILE], path, METADATA_CHOICES)
     check_program_signature(step, _pt2_signature(program), path)
     if _logits_rows_tied(program):
         step.one_logits_row_per_seq = (f"the reference target's .pt2 program {path!r} returns one logits row per "

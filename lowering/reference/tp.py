@@ -33,7 +33,7 @@ import uuid
 import zipfile
 
 from pagedpack.formats.export import META_FILE, ExportedStep, check_output_path
-from pagedpack.formats.files import atomic_write, check_file_name, sha256_file
+from pagedpack.formats.files import atomic_write, check_file_name, parse_json, sha256_file
 from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
 from pagedpack.lowering.targets import FileFormat
 
@@ -110,8 +110,8 @@ def _check_rank(file: str, path: str, rank: int, size: int, export_id: str) -> N
             (member,) = [n for n in archive.namelist() if n.endswith(f"/extra/{META_FILE}")]
             if archive.getinfo(member).file_size > MAX_MANIFEST_BYTES << 8:
                 raise ValueError("its metadata is too large")
-            said = json.loads(archive.read(member)).get("tensor_parallel")
-    except (zipfile.BadZipFile, ValueError, AttributeError, RecursionError) as err:
+            said = parse_json(archive.read(member)).get("tensor_parallel")
+    except (zipfile.BadZipFile, ValueError, AttributeError) as err:
         raise ValueError(f"path: {path!r}: ranks[{rank}].file: not a pagedpack .pt2 archive ({err})") from err
     want = {"rank": rank, "size": size, "export_id": export_id}
     if said != want:
@@ -125,8 +125,8 @@ def _parse(path: str) -> dict:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ValueError(f"path: {path!r}: a tensor-parallel manifest of at most {MAX_MANIFEST_BYTES} bytes expected")
     try:
-        manifest = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        manifest = parse_json(data)
+    except ValueError as err:
         raise ValueError(f"path: {path!r} is not a JSON tensor-parallel manifest ({err})") from err
     if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT and type(manifest.get("version")) is int
             and manifest["version"] == VERSION and isinstance(manifest.get("export_id"), str)):

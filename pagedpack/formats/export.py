@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import os
 import re
 import tempfile
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedpack.formats.files import check_file_name
+from pagedpack.formats.files import check_file_name, parse_json
 from pagedpack.step.contract import (
     METADATA_INPUTS,
     STATE_INPUTS,
@@ -192,8 +191,15 @@ def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
 _OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict,
              "state_specs": list}  # a file written before recurrent layers were exported has no state_specs
-_REQUIRED = {"signature": list, "kv_cache_specs": list, "eos_token_ids": list, "vocab_size": int}
+_REQUIRED = {"format_version": int, "signature": list, "kv_cache_specs": list, "eos_token_ids": list,
+             "vocab_size": int}
+_KV_SIZES = ("num_kv_heads", "key_head_size", "value_head_size")
 _MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+def _is_a(value, kind: type) -> bool:
+    """``isinstance(value, kind)``, where JSON's ``true`` / ``false`` are no ints."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
 
 
 def _positive(n) -> bool:
@@ -214,51 +220,62 @@ def _state_spec(spec, invalid) -> StateSpec:
     return StateSpec(spec["kind"], tuple(spec["shape"]), getattr(torch, spec["dtype"]), spec["layer"])
 
 
-def step_from_metadata(run, raw: str, path: str) -> ExportedStep:
+def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, ...]]) -> ExportedStep:
     """An :class:`ExportedStep` calling ``run``, from the metadata JSON
-    :func:`export_metadata` wrote (untrusted: nothing in it is run or unpickled); ``ValueError`` naming
-    ``path`` and the field for another format version or metadata that does not describe a pagedpack
-    step program (e.g. a ``state_specs`` entry of an unknown kind, of a shape of another rank, or
-    beside a ``tensor_parallel`` shard). Whether the specs are those of the file's program is
-    :func:`check_program_signature`'s check."""
+    :func:`export_metadata` wrote (untrusted: nothing in it is run or unpickled) and its format added:
+    ``choices``, the format's own fields and the values each may take (e.g. ``cache_mutation``).
+    ``ValueError`` naming ``path`` and the field for another format version or metadata that does not
+    describe a pagedpack step program of that format: a field of another type (``true`` is no int),
+    a field no format writes, eos ids outside the vocabulary, a ``state_specs`` entry of an unknown
+    kind, of a shape of another rank, or beside a ``tensor_parallel`` shard, .... Whether the specs
+    are those of the file's program is :func:`check_program_signature`'s check."""
     def invalid(name, expected, got):
         return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
                           f"got {got!r:.80}")
 
     try:
-        meta = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise invalid(META_FILE, "JSON", raw) from err
+        meta = parse_json(raw)
+    except ValueError as err:
+        raise invalid(META_FILE, "JSON", str(err)) from err
     if not isinstance(meta, dict):
         raise invalid(META_FILE, "a JSON object", meta)
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"path: {path!r} has pagedpack format_version {meta.get('format_version')!r}, "
+    version = meta.get("format_version")
+    if not _is_a(version, int) or version != FORMAT_VERSION:
+        raise ValueError(f"path: {path!r} has pagedpack format_version {version!r}, "
                          f"this pagedpack reads {FORMAT_VERSION}")
+    unknown = sorted(set(meta) - set(_REQUIRED) - set(_OPTIONAL) - set(choices))
+    if unknown:
+        raise invalid(META_FILE, f"the fields {sorted({*_REQUIRED, *_OPTIONAL, *choices})}", unknown)
     for name, kind in (*_REQUIRED.items(), *_OPTIONAL.items()):
         value = meta.get(name)
-        if not (isinstance(value, kind) and not isinstance(value, bool)) and not (name in _OPTIONAL and value is None):
+        if not _is_a(value, kind) and not (name in _OPTIONAL and value is None):
             raise invalid(name, kind.__name__ + (" or null" if name in _OPTIONAL else ""), value)
+    for name, values in choices.items():
+        if not isinstance(meta.get(name), str) or meta[name] not in values:
+            raise invalid(name, f"one of {list(values)}", meta.get(name))
     specs = []
     for spec in meta["kv_cache_specs"]:
-        sizes = [spec.get(k) if isinstance(spec, dict) else None
-                 for k in ("num_kv_heads", "key_head_size", "value_head_size")]
+        sizes = [spec.get(k) if isinstance(spec, dict) else None for k in _KV_SIZES]
         # a value head size of 0: a key-only cache (a sparse-attention layer's indexer keys, indexer_cache_spec)
         key_only = type(sizes[2]) is int and sizes[2] == 0
         if not (all(_positive(n) for n in sizes[:2]) and (key_only or _positive(sizes[2]))
-                and spec.get("dtype") in _CACHE_DTYPES):
-            raise invalid("kv_cache_specs", f"positive head counts/sizes (a value head size may be 0: a key-only "
-                          f"cache) and a dtype in {_CACHE_DTYPES}", spec)
+                and set(spec) == {*_KV_SIZES, "dtype"} and spec["dtype"] in _CACHE_DTYPES):
+            raise invalid("kv_cache_specs", "{'num_kv_heads', 'key_head_size', 'value_head_size', 'dtype'}: "
+                          "positive head counts/sizes (a value head size may be 0: a key-only cache) and a dtype "
+                          f"in {_CACHE_DTYPES}", spec)
         specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
     states = [_state_spec(spec, invalid) for spec in meta.get("state_specs") or []]
     signature = step_input_names(len(specs), states)
     if not (specs or states) or meta["signature"] != signature:
         raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry, then "
                       f"{list(STATE_INPUTS)} and one input per state_specs entry, if any)", meta["signature"])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["eos_token_ids"]):
-        raise invalid("eos_token_ids", "a list of ints", meta["eos_token_ids"])
     for name in ("max_model_len", "vocab_size"):
         if meta.get(name) is not None and meta[name] < 1:
             raise invalid(name, "an int >= 1", meta[name])
+    vocab = meta["vocab_size"]
+    outside = [i for i in meta["eos_token_ids"] if not (_is_a(i, int) and 0 <= i < vocab)]
+    if outside:
+        raise invalid("eos_token_ids", f"token ids in [0, vocab_size={vocab})", outside[:5])
     shard = meta.get("tensor_parallel")
     if shard is not None and not (set(shard) == {"rank", "size", "export_id"} and isinstance(shard["export_id"], str)
                                   and all(type(shard[k]) is int for k in ("rank", "size"))
@@ -341,7 +358,7 @@ def check_tokenizer_files(files: dict[str, str] | None) -> None:
     if "tokenizer_config.json" not in files:
         return
     try:
-        config = json.loads(base64.b64decode(files["tokenizer_config.json"], validate=True))
+        config = parse_json(base64.b64decode(files["tokenizer_config.json"], validate=True))
     except (ValueError, TypeError) as err:
         raise ValueError(f"tokenizer_files: tokenizer_config.json: expected base64 JSON ({err})") from err
     if not isinstance(config, dict) or "auto_map" in config:

@@ -1,4 +1,4 @@
-"""Writing files atomically, checking names read from files, and hashing.
+"""Writing files atomically, checking names and JSON read from files, and hashing.
 
 Every file pagedpack writes (exports, compile-cache records, the native library, plots, alias
 records) goes through :func:`atomic_write`: the bytes go to a temporary file in the destination's
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import re
 import secrets
@@ -29,6 +30,15 @@ def check_file_name(name, what: str) -> str:
             or "\0" in name or os.path.isabs(name) or (os.altsep and os.altsep in name)):
         raise ValueError(f"{what}: expected a plain file name (no folder, no '..'), got {name!r:.120}")
     return name
+
+
+def parse_json(data: str | bytes):
+    """``json.loads(data)`` for text read from a file: whatever it does not parse (not JSON, not UTF-8,
+    nested deeper than Python's recursion limit) a ``ValueError`` saying why."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 @contextlib.contextmanager

@@ -31,11 +31,12 @@ code (the checksum and the names read from the metadata are checked all the same
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import threading
 import zipfile
+
+from pagedpack.formats.files import parse_json
 
 _NAMESPACES = ("aten", "pagedpack", "transformers")
 _DENIED_OPS = ("torch.ops.aten.from_file",)
@@ -132,7 +133,7 @@ def weights_only_loads():
 
 def _read_json(archive: zipfile.ZipFile, root: str, member: str, path: str):
     try:
-        value = json.loads(archive.read(root + member))
+        value = parse_json(archive.read(root + member))
     except (ValueError, zipfile.BadZipFile) as err:
         raise ValueError(f"path: {path!r}: archive member {member} is not JSON ({err})") from err
     if not isinstance(value, dict):
@@ -145,7 +146,9 @@ def _check_program(program: dict, refuse) -> None:
     for key in (program.get("range_constraints") or {}):
         _check_expr(key, refuse)
 
-    def walk(value) -> None:
+    values = [program.get("graph_module")]  # a stack, not recursion: any depth JSON parses to
+    while values:
+        value = values.pop()
         if isinstance(value, dict):
             target = value.get("target")
             if isinstance(target, str) and "inputs" in value:
@@ -156,13 +159,9 @@ def _check_program(program: dict, refuse) -> None:
             for key in _FQN_KEYS:
                 if key in value and not (key == "fqn" and value[key] == ""):
                     _check_fqn(value[key], refuse)
-            for item in value.values():
-                walk(item)
+            values.extend(value.values())
         elif isinstance(value, list):
-            for item in value:
-                walk(item)
-
-    walk(program.get("graph_module"))
+            values.extend(value)
 
 
 def _check_target(target: str, refuse) -> None:

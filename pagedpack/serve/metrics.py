@@ -7,6 +7,9 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
 - gauges read at scrape time: ``num_requests_running``, ``num_requests_waiting`` (queued or in
   the scheduler's waiting queue, preempted ones too), ``kv_cache_usage_perc`` (KV blocks held by
   requests / all blocks, 0..1; cached blocks nobody holds count as free, as vLLM counts them);
+  ``recurrent_state_slots_used`` and ``recurrent_state_usage_perc`` (a model with recurrent layers:
+  the per-sequence state slots held by requests, and that / all slots; 0 without such layers:
+  pagedpack's, vLLM keeps a hybrid's state in its KV blocks);
   ``cache_config_info`` (1, the KV cache's ``block_size``, ``cache_dtype``, ``num_gpu_blocks`` and
   ``enable_prefix_caching`` as labels, vLLM's label names);
 - counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
@@ -54,7 +57,11 @@ class _EngineCollector:
         gauges = (("num_requests_running", "Requests in the running batch.", len(engine.scheduler.running)),
                   ("num_requests_waiting", "Requests waiting to be scheduled.", self.loop.num_waiting),
                   ("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).",
-                   stats.kv_blocks_used / max(1, stats.kv_blocks_total)))
+                   stats.kv_blocks_used / max(1, stats.kv_blocks_total)),
+                  ("recurrent_state_slots_used", "Recurrent-state slots held by requests (0 without recurrent "
+                   "layers).", stats.state_slots_used),
+                  ("recurrent_state_usage_perc", "Fraction of recurrent-state slots held by requests (1 = full; 0 "
+                   "without recurrent layers).", stats.state_slots_used / max(1, stats.state_slots_total)))
         for metric, doc, value in gauges:
             family = GaugeMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

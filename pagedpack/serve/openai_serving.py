@@ -121,6 +121,8 @@ class OpenAIServing:
         texts = _checked(body.prompts)
         self._check_length("prompt", sum(len(p) for p in texts if isinstance(p, str)))
         if any(isinstance(p, str) for p in texts):
+            if self.llm.tokenizer is None:
+                raise ServingError(400, "prompt: the model has no tokenizer; send token ids", param="prompt")
             prompts = await self._tokenizing(lambda: [self._prompt(p, body.cache_salt) for p in texts])
         else:  # token ids: nothing to tokenize
             prompts = [Prompt(p, body.cache_salt) for p in texts]
@@ -209,7 +211,7 @@ class OpenAIServing:
         the tokenizer's special tokens unless ``special`` is False: call it in the tokenizer's
         threads, :meth:`_tokenizing`)."""
         engine, tokenizer = self.llm.llm_engine, self.llm.tokenizer
-        if isinstance(prompt, str) and tokenizer is not None:
+        if isinstance(prompt, str):  # a model without a tokenizer takes token ids only (refused before)
             with engine.tokenizer_lock:
                 prompt = _tokenized("prompt", lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         return Prompt(prompt, cache_salt)
@@ -271,9 +273,11 @@ class OpenAIServing:
                 prompt_logprobs = delta.prompt_logprobs  # in one delta of the request: sent with its first chunk
                 for completion in delta.outputs:
                     completion_tokens += len(completion.token_ids)
-                    if not (completion.text or completion.finished or prompt_logprobs is not None
-                            or (completion.token_ids and response.logprobs is not None)):
-                        continue  # nothing to show yet (text held back, a partial character)
+                    # a chunk per step that made tokens, their text empty while held back (a partial character,
+                    # a stop string's start) or never made (no tokenizer), as vLLM's
+                    if not (completion.text or completion.token_ids or completion.finished
+                            or prompt_logprobs is not None):
+                        continue  # nothing new (a prompt chunk)
                     chunk = response.chunk(i, completion, prompt_logprobs)
                     prompt_logprobs = None
                     if body.continuous_usage:
