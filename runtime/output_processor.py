@@ -93,6 +93,7 @@ class OutputProcessor:
         both still to finish in the scheduler."""
         moved: dict[str, list[CompletionOutput]] = {}
         errors: dict[str, str] = {}
+        prompt_logprobs: dict[str, list] = {}
         stopped, failed = [], []
         for request in requests:
             state = self._by_child.get(request.request_id)
@@ -105,6 +106,9 @@ class OutputProcessor:
                 if self._advance(completion, request):
                     stopped.append(request)
                 delta = self._delta(completion, request)
+                ready = self._prompt_logprobs(state)  # decoded here: a failure is this request's alone
+                if ready is not None:
+                    prompt_logprobs[state.request_id] = ready
             except Exception as err:  # noqa: BLE001 -- this request's output alone
                 log.exception("the output of request %r failed", request.request_id)
                 request.fail(f"output: request {request.request_id!r}'s text could not be made ({type(err).__name__})")
@@ -114,7 +118,8 @@ class OutputProcessor:
             if request.error:
                 errors[state.request_id] = request.error
             moved.setdefault(state.request_id, []).append(delta)
-        outputs = [self._output(self._states[rid], deltas, errors.get(rid)) for rid, deltas in moved.items()]
+        outputs = [self._output(self._states[rid], deltas, errors.get(rid), prompt_logprobs.get(rid))
+                   for rid, deltas in moved.items()]
         return outputs, [r for r in stopped if r not in failed], failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -189,14 +194,15 @@ class OutputProcessor:
         return [None, *(self._logprobs(token, entry)
                         for token, entry in zip(source.prompt_token_ids[1:], source.prompt_logprobs))]
 
-    def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None) -> RequestOutput:
+    def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None,
+                prompt_logprobs: list | None = None) -> RequestOutput:
         finished = all(c.finished for c in state.completions.values())
         if finished:
             del self._states[state.request_id]
             for child in state.completions:
                 self._by_child.pop(child, None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, deltas, error=error,
-                             finished=finished, prompt_logprobs=self._prompt_logprobs(state))
+                             finished=finished, prompt_logprobs=prompt_logprobs)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -73,6 +73,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids)  # checked per token: O(1), any length
         self.output_token_ids: list[int] = []
         self._all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
@@ -141,7 +142,7 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         params = self.sampling_params
-        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in self._stop_token_ids:
             self.finish(RequestStatus.FINISHED_STOPPED)
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)

@@ -167,6 +167,21 @@ def test_an_output_that_cannot_be_made_fails_that_request_alone(llm, solo, monke
     assert llm.get_stats().kv_blocks_used == 0
 
 
+def test_prompt_logprobs_that_cannot_be_decoded_fail_that_request_alone(llm, solo, monkeypatch):
+    """From a break-it review: the prompt logprobs' tokens were decoded outside the per-request guard, so
+    one request's failure there would have ended every request of the step."""
+    def broken(self, token, entry):
+        raise UnicodeError("a token that does not decode")
+
+    monkeypatch.setattr(output_processor.OutputProcessor, "_logprobs", broken)
+    *normal, poison = llm.generate([{"prompt_token_ids": p} for p in PROMPTS] + [POISON_PROMPT],
+                                   [GREEDY] * len(PROMPTS) + [SamplingParams(prompt_logprobs=1, max_tokens=3)],
+                                   use_tqdm=False)
+    _assert_normal(normal, solo)
+    assert poison.outputs[0].finish_reason == "error" and "(UnicodeError)" in poison.error, poison.error
+    assert llm.get_stats().kv_blocks_used == 0
+
+
 # --- backpressure ------------------------------------------------------------------------------
 
 
