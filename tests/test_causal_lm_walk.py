@@ -3,8 +3,9 @@
 token or "not constructed" (``tests/causal_lm_walk.py``).
 
 The suite walks a fixed sample, one class per outcome and form that matters (a minute or two); with
-``PAGEDPACK_WALK_ALL=1`` it walks every registered class (about 35 minutes on 2 cores, estimated), as the
-support table of docs/models.md was made (``python tests/causal_lm_walk.py``)."""
+``PAGEDPACK_WALK_ALL=1`` it walks every registered class, one at a time (about 50 minutes on 2 cores, estimated
+from the last full walk: 26 minutes as two walkers in parallel), as the support table of docs/models.md was made
+(``python tests/causal_lm_walk.py``)."""
 import os
 
 import pytest
