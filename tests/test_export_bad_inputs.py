@@ -345,6 +345,9 @@ CORRUPT_METADATA = {  # edit -> the field the error names
     # was: RecursionError
     "nested too deeply": (lambda text: text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
                           "pagedpack.json: expected JSON"),
+    # was: loaded, and every answer naming the model (a 400 about stop strings) failed to encode: a 500
+    "model name with a lone surrogate": (lambda text: json_edit(model_name="x")(text).replace('"x"', '"\\ud800"'),
+                                         "pagedpack.json: expected JSON"),
     "tokenizer config nested too deeply": (
         json_edit(tokenizer_files={"tokenizer_config.json": base64.b64encode(b"[" * 10**5 + b"]" * 10**5).decode()}),
         "tokenizer_files: tokenizer_config.json: expected base64 JSON"),

@@ -207,3 +207,15 @@ def test_without_a_tokenizer_a_stream_sends_a_chunk_per_step(untokenized):
         assert [c["finish_reason"] for c in choices] == [None] * 4 + ["length"]
     tokens = [t for c in _events(named)[:-1] for t in c["choices"][0]["logprobs"]["tokens"]]
     assert tokens == [f"token_id:{t}" for t in expected]
+
+
+def test_serve_refuses_a_model_name_no_response_could_encode(capsys, monkeypatch):
+    """From a break-it review: a model path with bytes that are not UTF-8 (Python's lone surrogates) became
+    the served name, and every response and /metrics then failed with a 500 while /health said 200. Refused
+    before the model is loaded."""
+    from conftest import run_cli
+    from pagedpack import LLM
+
+    monkeypatch.setattr(LLM, "from_engine_args", lambda *_: pytest.fail("the model was loaded"))
+    code, _, err = run_cli(capsys, "serve", "/tmp/caf\udce9.pt2")
+    assert code == 2 and "--served-model-name: expected a name encodable as UTF-8" in err, err

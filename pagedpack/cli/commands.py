@@ -238,13 +238,13 @@ def _serve(args) -> int:
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
+    name = args.served_model_name or str(args.model)
+    config = ServingConfig(model_name=name, chat_template=template,  # checked before the model is loaded
+                           trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue,
+                           max_tokenize_queue=args.max_tokenize_queue)
     engine_args = EngineArgs.from_cli_args(args)
     check_online(engine_args)
     llm = LLM.from_engine_args(engine_args)
-    name = args.served_model_name or str(args.model)
-    config = ServingConfig(model_name=name, chat_template=template,
-                           trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue,
-                           max_tokenize_queue=args.max_tokenize_queue)
     print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)

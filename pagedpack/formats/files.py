@@ -34,11 +34,16 @@ def check_file_name(name, what: str) -> str:
 
 def parse_json(data: str | bytes):
     """``json.loads(data)`` for text read from a file: whatever it does not parse (not JSON, not UTF-8,
-    nested deeper than Python's recursion limit) a ``ValueError`` saying why."""
+    nested deeper than Python's recursion limit, a ``\\ud800`` escape that decodes to a lone surrogate,
+    which no response or log line can encode later) a ``ValueError`` saying why."""
     try:
-        return json.loads(data)
+        value = json.loads(data)
+        json.dumps(value, ensure_ascii=False).encode()
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValueError("JSON holding a string that is not UTF-8 text (a lone surrogate escape)") from None
+    return value
 
 
 @contextlib.contextmanager

@@ -90,6 +90,13 @@ class ServingConfig:
     max_queue: int = 1024
     max_tokenize_queue: int = 256
 
+    def __post_init__(self) -> None:
+        try:  # every response and /metrics carries it: a name that cannot be encoded would fail them all
+            self.model_name.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"--served-model-name: expected a name encodable as UTF-8, got {self.model_name!r} "
+                             "(a model path's undecodable bytes: pass --served-model-name NAME)") from None
+
 
 class OpenAIServing:
     """``completions(body)`` / ``chat(body)`` -> a response body (dict) or an async iterator of
