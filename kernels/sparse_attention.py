@@ -11,8 +11,10 @@ the DeepSeek-V3.2 reference's ``Indexer`` without its Hadamard rotation and fp8 
 over the keys the row sees (causal, aligned bottom-right as in ``paged_attention``: row ``i`` of a
 sequence with ``q_len`` new tokens and ``seq_len`` keys sees ``0 .. seq_len - q_len + i``). The row's
 top-k are the positions (within its sequence) of its ``min(index_topk, visible)`` best keys, in
-descending score (``torch.topk``'s order and ties), the rest of the ``index_topk`` entries ``-1``
-(vLLM's padding). Attention then reads only the selected keys: ``softmax(q k_sel^T * scale) v_sel``.
+descending score, the rest of the ``index_topk`` entries ``-1`` (vLLM's padding). Keys of equal score
+are taken earliest first (a stable sort), so the choice is the same however a prompt is chunked;
+transformers' ``torch.topk`` breaks exact ties its own way, which can change with the row's length
+(a tiny random indexer with few heads ties often, every head's ReLU at zero; a trained one rarely). Attention then reads only the selected keys: ``softmax(q k_sel^T * scale) v_sel``.
 
 The ops, named after vLLM's DeepSeek-V3.2 path (``indexer_k_quant_and_cache``, the paged top-k
 indexer, ``flash_mla_sparse_fwd``) without its fp8 quantization:
@@ -100,7 +102,8 @@ def topk_rows(q: Tensor, weights: Tensor, k: Tensor, scale: float, index_topk: i
     index_scores = torch.matmul(weights.to(dtype)[:, None, :], scores)[:, 0]  # [n, L]
     visible = _bottom_right_causal(n, length, q.device)
     index_scores = index_scores.masked_fill(~visible, float("-inf"))
-    values, indices = index_scores.topk(min(index_topk, length), dim=-1)
+    values, indices = index_scores.sort(dim=-1, descending=True, stable=True)  # ties: the earlier key
+    values, indices = values[:, :index_topk], indices[:, :index_topk]
     indices = torch.where(values == float("-inf"), -1, indices).to(torch.int32)
     return F.pad(indices, (0, index_topk - indices.shape[1]), value=-1)
 

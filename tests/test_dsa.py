@@ -119,6 +119,33 @@ def test_paged_ops_equal_the_one_sequence_ops_row_for_row():
     assert (topk[:1] == -1).sum() == 0 and (topk[17] == -1).sum() == TOPK - 1  # the prefill's first row: one key
 
 
+def test_tied_scores_take_the_earliest_keys_however_the_prompt_is_chunked():
+    """From a new-user trial: a tiny indexer whose every head's ReLU is zero on many keys ties them, and
+    the choice among them followed each row's length, so a chunked prompt took other keys than the same
+    prompt in one step. Ties go to the earliest keys; one step, or 20 tokens cached and the rest now,
+    select the same keys."""
+    dim, heads, n = 8, 2, 30
+    g = torch.Generator().manual_seed(3)
+    q, w = torch.randn(n, heads, dim, generator=g), torch.rand(n, heads, generator=g)
+    k_idx = torch.randn(n, dim, generator=g)
+    k_idx[torch.arange(n) % 10 != 0] = 0.0  # nine keys in ten score 0 for every row: ties at the cut
+    whole = ops.indexer_topk(q, w, k_idx, 1.0, TOPK)
+    cut_ties = 0
+    for row, keys in enumerate(whole.tolist()):
+        chosen = [j for j in keys if j >= 0]
+        scores = (w[row, :, None] * torch.relu(q[row] @ k_idx[:row + 1].T)).sum(0)
+        tied = [j for j in range(row + 1) if scores[j] == scores[chosen[-1]]]
+        taken = [j for j in chosen if j in tied]
+        assert taken == tied[:len(taken)], row  # the earliest of the tied keys
+        cut_ties += row >= 20 and len(tied) > len(taken)
+    assert cut_ties >= 5  # the chunk's rows choose among ties
+    table, cu, lens, slots = _step([(n, n - 20)])
+    index_cache = torch.zeros(16, BLOCK, 1, dim)
+    _fill(index_cache, table, 0, k_idx[:20, None])
+    ops.indexer_k_cache(k_idx[20:], index_cache, slots)
+    assert torch.equal(ops.paged_indexer_topk(q[20:], w[20:], index_cache, table, cu, lens, 1.0, TOPK), whole[20:])
+
+
 def test_each_sequence_selects_among_its_own_keys_only():
     """Two packed sequences, the second holding a key that out-scores every key of the first for the
     first's queries: scored over both sequences' keys (the second's placed before the first's), the
