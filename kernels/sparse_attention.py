@@ -14,7 +14,8 @@ top-k are the positions (within its sequence) of its ``min(index_topk, visible)`
 descending score, the rest of the ``index_topk`` entries ``-1`` (vLLM's padding). Keys of equal score
 are taken earliest first (a stable sort), so the choice is the same however a prompt is chunked;
 transformers' ``torch.topk`` breaks exact ties its own way, which can change with the row's length
-(a tiny random indexer with few heads ties often, every head's ReLU at zero; a trained one rarely). Attention then reads only the selected keys: ``softmax(q k_sel^T * scale) v_sel``.
+(a tiny random indexer with few heads ties often, every head's ReLU at zero; a trained one rarely).
+Attention then reads only the selected keys: ``softmax(q k_sel^T * scale) v_sel``.
 
 The ops, named after vLLM's DeepSeek-V3.2 path (``indexer_k_quant_and_cache``, the paged top-k
 indexer, ``flash_mla_sparse_fwd``) without its fp8 quantization:

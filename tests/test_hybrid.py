@@ -139,8 +139,11 @@ def test_metrics_show_the_state_slots_requests_hold(llm):
     engine = llm.llm_engine
     assert slots() == (0, 0)
     for i in range(2):
-        engine.add_request(f"slots-{i}", PROMPTS[i], SamplingParams(max_tokens=4))
-    engine.step()
+        engine.add_request(f"slots-{i}", PROMPTS[i], SamplingParams(max_tokens=16))
+    for _ in range(4):  # both admitted within a step or two (once, in CI, the first step took one)
+        engine.step()
+        if slots()[0] == 2:
+            break
     assert slots() == (2, 0.5)
     for i in range(2):
         engine.abort_request(f"slots-{i}")

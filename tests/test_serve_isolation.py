@@ -214,7 +214,6 @@ def test_serve_refuses_a_model_name_no_response_could_encode(capsys, monkeypatch
     the served name, and every response and /metrics then failed with a 500 while /health said 200. Refused
     before the model is loaded."""
     from conftest import run_cli
-    from pagedpack import LLM
 
     monkeypatch.setattr(LLM, "from_engine_args", lambda *_: pytest.fail("the model was loaded"))
     code, _, err = run_cli(capsys, "serve", "/tmp/caf\udce9.pt2")
