@@ -376,9 +376,7 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
                      r"and replay [0-9.]+ ms per replay\), 1 steps eagerly", out), out
     assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=decode_buckets"]) == 0
     assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in \
-        capsys.readouterr().out
-    assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=dynamic"]) == 0
-    assert "dynamic: " in capsys.readouterr().out
+        capsys.readouterr().out  # (graph_mode=dynamic, and every mode's tokens: tests/test_ascend_graphs.py)
     # A float32 model is outside TND's limits: a clear error, no traceback.
     tiny_model("llama", dtype=torch.float32, head_dim=128).save_pretrained(tmp_path / "fp32")
     byte_level_tokenizer().save_pretrained(tmp_path / "fp32")
