@@ -124,7 +124,7 @@ def test_the_report_and_the_plan_name_the_state_and_prefix_caching_is_off(llm):
 
 
 def test_metrics_show_the_state_slots_requests_hold(llm):
-    """``/metrics``' gauges of the recurrent-state slots: 2 requests running hold 2 of the 4 slots."""
+    """``/metrics``' gauges of the recurrent-state slots: the slots the running requests hold, of 4."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from pagedpack.serve.metrics import ServerMetrics
@@ -140,11 +140,9 @@ def test_metrics_show_the_state_slots_requests_hold(llm):
     assert slots() == (0, 0)
     for i in range(2):
         engine.add_request(f"slots-{i}", PROMPTS[i], SamplingParams(max_tokens=16))
-    for _ in range(4):  # both admitted within a step or two (once, in CI, the first step took one)
-        engine.step()
-        if slots()[0] == 2:
-            break
-    assert slots() == (2, 0.5)
+    engine.step()
+    held = sum(r.state_slot >= 0 for r in engine.scheduler.running)  # the ground truth: 2, or 1 (in CI once)
+    assert held >= 1 and slots() == (held, held / 4)
     for i in range(2):
         engine.abort_request(f"slots-{i}")
     assert slots() == (0, 0)
