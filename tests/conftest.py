@@ -2,11 +2,17 @@
 import copy
 import gc
 import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
 
 import pytest
 import torch
 import transformers  # noqa: F401  (imported before the freeze below)
 
+from pagedpack.host.child_process import die_with_parent, free_port
 from pagedpack.serve.remote import RemoteServer as _RemoteServer
 from pagedpack.serve.remote import pagedpack_serve_command
 
@@ -62,6 +68,48 @@ def pytest_terminal_summary(terminalreporter):
         count = {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped")}
         terminalreporter.write_line(f"docs snippets: {count['passed'] + count['failed']} ran ({count['passed']} "
                                     f"passed, {count['failed']} failed; {seconds:.1f} s), {count['skipped']} skipped")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster (``ray start --head --block`` on 127.0.0.1, a free GCS port, 2 CPUs, a temporary
+    directory of its own), shared by the session's Ray tests; yields its address (``127.0.0.1:PORT``,
+    also in ``RAY_ADDRESS`` for the processes tests start). Stopped by signalling its own process
+    group (``ray stop`` would stop every cluster on the host, another worker's too). Skips without ray."""
+    pytest.importorskip("ray")
+    import ray
+
+    port, temp_dir = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                             f"--temp-dir={temp_dir}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=die_with_parent())
+    address, previous = f"127.0.0.1:{port}", os.environ.get("RAY_ADDRESS")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ray.init(address=address, log_to_driver=False)
+                break
+            except (ConnectionError, RuntimeError):
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"ray start --head on {address} did not come up (exit code {head.poll()})")
+                time.sleep(0.5)
+        os.environ["RAY_ADDRESS"] = address
+        yield address
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # The core issue's mixed batch: lengths around block boundaries (block_size 16 and 128).
