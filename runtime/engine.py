@@ -278,8 +278,9 @@ class LLMEngine:
         return done
 
     def close(self) -> None:
-        """Shut the KV event publisher down (its sockets closed); idempotent."""
+        """Shut the KV event publisher down (its sockets closed; later events go nowhere); idempotent."""
         self._close_publisher()
+        self.kv_event_publisher = NullEventPublisher()
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.kv_cache_manager.pool.take_events()

@@ -38,6 +38,7 @@ from pagedpack.runtime.kv_events import EventBatch
 log = logging.getLogger("pagedpack.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 @dataclass
@@ -70,6 +71,11 @@ class KVEventsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"kv_events_config.{name}: expected an int >= {low}, got {value!r:.80}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(ZMQ_TRANSPORTS):
+                raise ValueError(f"kv_events_config.{name}: expected a ZeroMQ address starting with "
+                                 f"{' or '.join(ZMQ_TRANSPORTS)}, got {value!r:.80}")
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("null", "zmq"):
@@ -109,8 +115,8 @@ class NullEventPublisher:
 
 class ZmqEventPublisher:
     """PUB + replay ROUTER sockets, served by a background thread (the module docstring).
-    ``RuntimeError`` from :meth:`publish` once shut down; ``zmq.ZMQError`` at construction for an
-    endpoint that cannot be bound or connected."""
+    ``RuntimeError`` from :meth:`publish` once shut down; ``ValueError`` naming the field at
+    construction for an endpoint that cannot be bound or connected (e.g. a port in use)."""
 
     SHUTDOWN_TIMEOUT_S = 1.0
     POLL_S = 0.1
@@ -127,6 +133,7 @@ class ZmqEventPublisher:
         context = zmq.Context.instance()
         self._pub = context.socket(zmq.PUB)
         self._replay = None
+        field = "endpoint"
         try:
             self._pub.set_hwm(config.hwm)
             endpoint = config.endpoint
@@ -135,11 +142,13 @@ class ZmqEventPublisher:
             else:
                 self._pub.connect(endpoint)
             if config.replay_endpoint is not None:
+                field = "replay_endpoint"
                 self._replay = context.socket(zmq.ROUTER)
                 self._replay.bind(config.replay_endpoint)
-        except Exception:
+        except zmq.ZMQError as err:
             self._close_sockets()
-            raise
+            raise ValueError(f"kv_events_config.{field}: expected an address this process can use, got "
+                             f"{getattr(config, field)!r} ({err})") from err
         self._running = True
         # the sockets are used by this thread alone from here on (a thread start is a full memory barrier)
         self._thread = threading.Thread(target=self._serve, name="pagedpack-kv-events", daemon=True)

@@ -22,6 +22,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedpack import LLM, EngineArgs
+from pagedpack.host.child_process import free_port
 from pagedpack.runtime.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
 from pagedpack.runtime.kv_events import AllBlocksCleared, KVEventBatch
 from pagedpack.runtime.sampling import SamplingParams
@@ -228,6 +229,12 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         publisher.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         publisher.publish(batch)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"{folder}/pub3",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    taken = ZmqEventPublisher(config)  # the replay port is this one's until it shuts down
+    with pytest.raises(ValueError, match="kv_events_config.replay_endpoint: expected an address this process can"):
+        ZmqEventPublisher(config)
+    taken.shutdown()
 
 
 def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one():
@@ -239,6 +246,7 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one():
                        ({"enable_kv_cache_events": 1}, "kv_events_config.enable_kv_cache_events: expected a bool"),
                        ({"publisher": "kafka"}, "kv_events_config.publisher: expected 'null' or 'zmq'"),
                        ({"max_queue_size": 0}, "kv_events_config.max_queue_size: expected an int >= 1"),
+                       ({"replay_endpoint": "localhost:5558"}, "kv_events_config.replay_endpoint: expected a ZeroMQ"),
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):
         with pytest.raises(ValueError, match=named):
             EngineArgs(model="tiny", kv_events_config=bad)
