@@ -27,7 +27,7 @@ from pagedpack.runtime.kv_event_publisher import KVEventsConfig, ZmqEventPublish
 from pagedpack.runtime.kv_events import AllBlocksCleared, KVEventBatch
 from pagedpack.runtime.sampling import SamplingParams
 
-from conftest import RemoteServer
+from conftest import RemoteServer, run_cli
 
 BLOCK_SIZE = 4
 TOPIC = "kv@test"
@@ -237,7 +237,7 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
     taken.shutdown()
 
 
-def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one():
+def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
     config = KVEventsConfig.parse("{}")
     assert {k: getattr(config, k) for k in VLLM_DEFAULTS} == VLLM_DEFAULTS and config.publisher == "null"
     assert KVEventsConfig.parse({"enable_kv_cache_events": True}).publisher == "zmq"  # vLLM's default then
@@ -250,6 +250,8 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one():
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):
         with pytest.raises(ValueError, match=named):
             EngineArgs(model="tiny", kv_events_config=bad)
+    code, _, err = run_cli(capsys, "serve", "tiny", "--kv-events-config", '{"endpoints": 1}')  # before loading
+    assert code == 2 and "kv_events_config.endpoints: expected one of the fields" in err, err
 
 
 def test_a_live_server_serves_the_metrics_the_gateway_reads_and_publishes_events(llm, tmp_path):
