@@ -180,15 +180,18 @@ class ZmqEventPublisher:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for socket in (self._pub, self._replay):
-            if socket is not None:
-                socket.close(linger=0)
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
 
     def _serve(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while self._running or not self._queue.empty():
             if self._replay is not None and self._replay.poll(0):
-                self._answer_replay()
+                try:
+                    self._answer_replay()
+                except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
+                    log.exception("answering a KV event replay request failed")
             try:
                 seq, batch = self._queue.get(timeout=self.POLL_S)
             except queue.Empty:

@@ -218,6 +218,8 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         assert time.monotonic() - start < 1.0 and publisher.num_dropped_batches == 8  # 2 queued, 8 dropped
         release.set()
         subscriber = Subscriber(f"{folder}/pub2", f"{folder}/rep2")
+        subscriber.dealer.send_multipart([b"", b"not 8 bytes"])  # malformed: ignored, the next one answered
+        subscriber.dealer.send_multipart([b"", b"", b"", b""])
         assert sorted(subscriber.settled()) == [0, 1, 2]
         publisher.publish(KVEventBatch(ts=3.0, events=[]))
         replayed = subscriber.settled()
