@@ -3,7 +3,7 @@
 Routers outside the engine (llm-d's KV-cache manager, NVIDIA Dynamo's KV router, Ray Serve's
 prefix-aware routers) keep a copy of each engine's prefix cache from these events. The structs
 are vLLM's (``vllm/distributed/kv_events.py``), field for field and in vLLM's order, encoded with
-``msgspec.msgpack`` as vLLM encodes them since vLLM PR #42892 (v0.26 on): a batch is an array
+``msgspec.msgpack`` as vLLM encodes them since vLLM PR #42892 (what vLLM 0.26 sends): a batch is an array
 ``[ts, events, data_parallel_rank]``; each event a map tagged by ``"type"`` (the struct's name),
 fields still at their default left out (``omit_defaults``).
 
