@@ -130,8 +130,8 @@ def rebuild(batches: dict[int, bytes]) -> tuple[set[bytes], list[dict]]:
 
 @pytest.fixture(scope="module")
 def endpoints():
-    folder = tempfile.mkdtemp(prefix="kv", dir="/tmp")  # ipc paths must be short (about 100 bytes)
-    return f"ipc://{folder}/pub", f"ipc://{folder}/replay"
+    with tempfile.TemporaryDirectory(prefix="kv", dir="/tmp") as folder:  # ipc paths: about 100 bytes at most
+        yield f"ipc://{folder}/pub", f"ipc://{folder}/replay"
 
 
 @pytest.fixture(scope="module")
@@ -258,13 +258,13 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
     assert code == 2 and "kv_events_config.endpoints: expected one of the fields" in err, err
 
 
-def test_a_live_server_serves_the_metrics_the_gateway_reads_and_publishes_events(llm, tmp_path):
+def test_a_live_server_serves_the_metrics_the_gateway_reads_and_publishes_events(llm, endpoints, tmp_path):
     """``pagedpack serve --metrics-namespace vllm --kv-events-config ...``: /metrics carries the Gateway
     API inference extension's model-server-protocol metrics; its events reach a subscriber."""
     exported = llm.export(tmp_path / "tiny.pt2")
-    folder = tempfile.mkdtemp(prefix="kv", dir="/tmp")
-    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/pub",
-              "replay_endpoint": f"ipc://{folder}/replay", "topic": TOPIC}
+    folder = endpoints[0].rsplit("/", 1)[0]
+    config = {"enable_kv_cache_events": True, "endpoint": f"{folder}/pub4", "replay_endpoint": f"{folder}/replay4",
+              "topic": TOPIC}
     with RemoteServer(exported, "--served-model-name", "tiny", "--metrics-namespace", "vllm", "--num-blocks", "32",
                       "--block-size", str(BLOCK_SIZE), "--kv-events-config", json.dumps(config),
                       log_path=tmp_path / "server.log") as server:
