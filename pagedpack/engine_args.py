@@ -109,6 +109,9 @@ class EngineArgs:
             it is), each running the same script with the same requests: each builds its shard and
             runs its own scheduler and sampler in step with the others, and returns the same outputs
             (offline calls only: ``AsyncLLM`` and ``pagedpack serve`` refuse it).
+        kv_events_config: vLLM's ``KVEventsConfig`` (a dict, its JSON text, or
+            :class:`pagedpack.runtime.kv_event_publisher.KVEventsConfig`): publish the prefix cache's
+            changes as vLLM's KV events over ZeroMQ (docs/serving.md, KV events); None (default): none.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -138,6 +141,7 @@ class EngineArgs:
     reserved_cpus: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    kv_events_config: object = None
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -171,6 +175,9 @@ class EngineArgs:
                              f"got {self.distributed_executor_backend!r}")
         self._check_extra_passes()
         from pagedpack.runtime.cpu_threads import CpuThreads  # the compile side imports no runtime
+        from pagedpack.runtime.kv_event_publisher import KVEventsConfig
+
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
 
         CpuThreads.check(self.num_threads, self.reserved_cpus)
         if self.extra_passes and self.is_exported:
@@ -337,6 +344,10 @@ class EngineArgs:
                                  "torchrun started every rank, each running the same command")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")
+        parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                            help="publish KV cache events as vLLM does: a JSON object of vLLM's KVEventsConfig, "
+                                 "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                 "\"replay_endpoint\": \"tcp://*:5558\"}' (docs/serving.md, KV events)")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="

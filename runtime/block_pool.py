@@ -13,12 +13,18 @@ The free queue is ordered by what should be handed out next:
 * a freed block with a hash goes to the back, so the cached blocks are evicted in LRU order;
   a request frees its blocks last block first, so its tail goes before its prefix, which other
   requests are likelier to share.
+
+With ``enable_kv_cache_events`` the pool records each change of the prefix cache as vLLM's pool
+does (:mod:`pagedpack.runtime.kv_events`): a block evicted or uncached (``BlockRemoved``), the cache
+reset (``AllBlocksCleared``); the ``KVCacheManager``, which knows a block's tokens, records
+``BlockStored``. The engine takes them once per step (:meth:`BlockPool.take_events`).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from pagedpack.runtime.block_hash import BlockHash
+from pagedpack.runtime.kv_events import AllBlocksCleared, KVCacheEvent, block_removed
 
 
 class BlockPool:
@@ -29,7 +35,7 @@ class BlockPool:
     ``ValueError`` for one out of range.
     """
 
-    def __init__(self, num_blocks: int, *, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, *, enable_caching: bool = True, enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -40,6 +46,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._peak_used = 0
         self.num_evictions = 0
+        self.kv_events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None  # since take_events
 
     # --- counts ---------------------------------------------------------------------------
 
@@ -100,6 +107,8 @@ class BlockPool:
             del self._cached[block_hash]
             self._hashes[block_id] = None
             self.num_evictions += 1
+            if self.kv_events is not None:
+                self.kv_events.append(block_removed(block_hash))
         self._ref_counts[block_id] = 1
         self._peak_used = max(self._peak_used, self.num_used_blocks)
         return block_id
@@ -153,6 +162,8 @@ class BlockPool:
         block_hash, self._hashes[block_id] = self._hashes[block_id], None
         if block_hash is not None and self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.append(block_removed(block_hash))
 
     def reset_cache(self) -> bool:
         """Uncache every block; only when nobody holds a block (returns False otherwise)."""
@@ -160,7 +171,16 @@ class BlockPool:
             return False
         self._cached.clear()
         self._hashes = [None] * self.num_blocks
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, in order (none with events off)."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 
 from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.kv_event_publisher import KVEventsConfig, NullEventPublisher, make_publisher
+from pagedpack.runtime.kv_events import KVEventBatch
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.output_processor import OutputProcessor
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
@@ -119,11 +123,16 @@ class LLMEngine:
     """Drives requests to completion with continuous batching over one step program.
 
     ``description``: the model's eos ids, vocabulary and tokenizer (prompts as text, text deltas,
-    stop strings need the tokenizer; without one, token ids only)."""
+    stop strings need the tokenizer; without one, token ids only). ``kv_event_publisher``: where
+    each step's KV cache events go, one batch per step that has some
+    (:mod:`pagedpack.runtime.kv_event_publisher`; shut down by :meth:`close`, or when the engine is
+    collected or the process exits)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
-                 description: ModelDescription | None = None):
+                 description: ModelDescription | None = None, kv_event_publisher=None):
         self.runner, self.scheduler = runner, scheduler
+        self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
+        self._close_publisher = weakref.finalize(self, self.kv_event_publisher.shutdown)
         self.sampler = sampler or Sampler()
         self.description = description or ModelDescription()
         self.stats = EngineStats()
@@ -134,10 +143,12 @@ class LLMEngine:
     @classmethod
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
-              max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None) -> "LLMEngine":
+              max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
+              kv_events_config: KVEventsConfig | None = None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
-        and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any."""
+        and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
+        ``kv_events_config``: vLLM's KV events configuration (None: no events)."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if enable_prefix_caching and num_state_slots:
@@ -145,11 +156,13 @@ class LLMEngine:
                         "layers' state (enable_prefix_caching=False says so and silences this)")
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
                              cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots)
+        events = kv_events_config is not None and kv_events_config.enable_kv_cache_events
         kv_cache_manager = KVCacheManager(num_blocks, block_size, num_state_slots=num_state_slots,
-                                          enable_prefix_caching=enable_prefix_caching and not num_state_slots)
+                                          enable_prefix_caching=enable_prefix_caching and not num_state_slots,
+                                          enable_kv_cache_events=events)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        return cls(runner, scheduler, description=description)
+        return cls(runner, scheduler, description=description, kv_event_publisher=make_publisher(kv_events_config))
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Request, str | None]:
         """``(request, prompt text)`` for ``prompt`` (text, token ids or a dict as
@@ -256,13 +269,38 @@ class LLMEngine:
             prefix_caching=kv.enable_prefix_caching, state_slots_total=kv.num_state_slots,
             state_slots_used=kv.num_state_slots - kv.num_free_state_slots)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block nobody holds (vLLM's ``reset_prefix_cache``) and publish the
+        ``AllBlocksCleared``; returns False, changing nothing, while requests hold blocks. Call it
+        from the thread that steps the engine, or while no step runs."""
+        done = self.scheduler.kv_cache_manager.pool.reset_cache()
+        self._publish_kv_events()
+        return done
+
+    def close(self) -> None:
+        """Shut the KV event publisher down (its sockets closed; later events go nowhere); idempotent."""
+        self._close_publisher()
+        self.kv_event_publisher = NullEventPublisher()
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.kv_cache_manager.pool.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
     def step(self) -> list[RequestOutput]:
         """One scheduled step; returns a delta for every request that advanced or finished in it.
+        The prefix cache's changes in it are published as one batch of KV events.
 
         A failure is its requests' alone: a row the sampler cannot draw from, or an exception while
         sampling or making one request's output, fails that request (``finish_reason="error"``, its
         ``error`` says why); an exception running the step (the model call) fails the requests it
         computed, and the others run on. :class:`EngineDeadError` is raised: nothing runs again."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
         if not output.scheduled:
             return []

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedpack.runtime.block_hash import extend_block_hashes
 from pagedpack.runtime.block_pool import BlockPool
+from pagedpack.runtime.kv_events import blocks_stored
 from pagedpack.runtime.request import Request
 
 
@@ -64,10 +65,13 @@ class KVCacheManager:
     recomputes from its first token, so its state starts over). A fork takes a copy of its
     parent's state (:meth:`take_state_copies`, made before the step that reads it). Prefix caching
     is off for such models: a cached prefix would skip the tokens whose state the slot lacks.
+
+    With ``enable_kv_cache_events`` each run of consecutive blocks of one request that it caches is
+    recorded in the pool's events as a ``BlockStored`` (:mod:`pagedpack.runtime.kv_events`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, enable_kv_cache_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: expected >= 1, got {block_size}")
         if num_state_slots and enable_prefix_caching:
@@ -77,7 +81,8 @@ class KVCacheManager:
         self._free_slots = list(range(num_state_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._pending_state_copies: list[tuple[int, int]] = []
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching,
+                              enable_kv_cache_events=enable_kv_cache_events)
         self.prefix_cache_stats = PrefixCacheStats()
         self._pending_copies: list[tuple[int, int]] = []
         self._copies_in_step: list[tuple[int, int]] = []
@@ -201,10 +206,30 @@ class KVCacheManager:
         if full <= request.num_cached_blocks:
             return
         hashes = self.block_hashes(request)
+        stored = []  # the blocks this call cached (a block another one is cached under is not)
         for j in range(request.num_cached_blocks, full):
             if self.pool.cache_block(request.block_ids[j], hashes[j]):
                 self._named_in_step.add(request.block_ids[j])
+                stored.append(j)
         request.num_cached_blocks = full
+        if self.pool.kv_events is not None and stored:
+            self._record_stored(request, hashes, stored)
+
+    def _record_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """One ``BlockStored`` per run of consecutive block indices in ``stored``."""
+        runs: list[list[int]] = []
+        for j in stored:
+            if runs and runs[-1][-1] == j - 1:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        size, salt = self.block_size, request.cache_salt
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.pool.kv_events.append(blocks_stored(
+                hashes[first:end], hashes[first - 1] if first else None,
+                list(request.all_token_ids[first * size:end * size]), size,
+                [(salt,) if j == 0 and salt is not None else None for j in run]))
 
     def fork_blocks(self, parent: Request, child: Request) -> bool:
         """Give ``child`` (holding no blocks) ``parent``'s computed tokens: it shares the full

@@ -15,7 +15,9 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
 - counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
   as their outputs arrive), ``request_success_total{finished_reason}``, and read from the
   engine's own counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
-  looked up / found at admission), ``num_preemptions_total``;
+  looked up / found at admission), ``num_preemptions_total``, and ``kv_events_dropped_batches_total``
+  (KV event batches dropped because the publisher's queue was full: pagedpack's, vLLM has no such
+  metric; 0 without ``--kv-events-config``: :mod:`pagedpack.runtime.kv_event_publisher`);
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
   ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
@@ -77,7 +79,9 @@ class _EngineCollector:
                      stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
                     ("num_preemptions", "Requests preempted (their KV freed, recomputed later).",
-                     stats.num_preemptions))
+                     stats.num_preemptions),
+                    ("kv_events_dropped_batches", "KV event batches dropped: the publisher's queue was full.",
+                     engine.kv_event_publisher.num_dropped_batches))
         for metric, doc, value in counters:
             family = CounterMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

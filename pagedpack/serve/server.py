@@ -130,6 +130,7 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     finally:
         for timer in abort_timers:  # stopped before its deadline: nothing is left to abort
             timer.cancel()
+        llm.llm_engine.close()  # the KV event publisher's queued batches are sent, its sockets closed
     http.join()
     if not server.started:
         print(f"pagedpack: error: could not serve on {options.host}:{options.port} (see above)", file=sys.stderr)

@@ -1,0 +1,226 @@
+"""Publishing KV cache events over ZeroMQ, as vLLM's ``ZmqEventPublisher`` does.
+
+``--kv-events-config`` / ``EngineArgs.kv_events_config`` is vLLM's ``KVEventsConfig``
+(``vllm/config/kv_events.py``: the same field names, defaults and meaning). With
+``enable_kv_cache_events`` and publisher ``"zmq"`` (its default then) the engine hands one
+:class:`~pagedpack.runtime.kv_events.KVEventBatch` per step that changed the prefix cache to a
+:class:`ZmqEventPublisher`:
+
+- a PUB socket on ``endpoint`` sends each batch as the multipart message ``(topic, seq, payload)``:
+  ``topic`` UTF-8, ``seq`` an 8-byte big-endian unsigned sequence number from 0, ``payload`` the
+  batch in msgpack. As in vLLM the socket binds when the endpoint has a wildcard (``*``, ``::``) or
+  is ``ipc://`` / ``inproc://``, and connects to it otherwise; ``hwm`` is its high-water mark;
+- a ROUTER socket on ``replay_endpoint`` (if given; it binds) answers a request (a DEALER's
+  ``["", start_seq]``, or a REQ's ``[start_seq]``; 8 bytes big-endian) with each buffered
+  ``["", seq, payload]`` from ``start_seq`` on, then the end marker ``["", -1 (8 bytes, signed),
+  ""]``; the last ``buffer_steps`` batches are buffered.
+
+A background thread owns the sockets, so a step never waits on them. Unlike vLLM's publisher,
+whose ``publish`` blocks while its queue is full, a batch that finds the queue full
+(``max_queue_size`` batches) is dropped and counted (:attr:`ZmqEventPublisher.num_dropped_batches`,
+``kv_events_dropped_batches_total`` in ``/metrics``): a slow subscriber never stalls a step. Its
+sequence number is taken all the same, so subscribers see the gap, and a replay cannot fill it:
+their copy of the cache is stale until they rebuild it (e.g. after an ``AllBlocksCleared``).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import msgspec
+
+from pagedpack.runtime.kv_events import EventBatch
+
+log = logging.getLogger("pagedpack.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``KVEventsConfig``: ``enable_kv_cache_events`` (False), ``publisher`` (``"null"`` or
+    ``"zmq"``; default ``"zmq"`` when events are on, else ``"null"``), ``endpoint``
+    (``"tcp://*:5557"``), ``replay_endpoint`` (None: no replay), ``buffer_steps`` (batches kept for
+    replay, 10,000), ``hwm`` (the PUB socket's high-water mark, 100,000), ``max_queue_size``
+    (batches waiting for the publisher thread, 100,000; at least 1: pagedpack's queue is bounded)
+    and ``topic`` (``""``). ``ValueError`` naming ``kv_events_config.<field>`` for a field unknown
+    or of the wrong type."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        checks = {"enable_kv_cache_events": (bool, "a bool"), "endpoint": (str, "a string"),
+                  "replay_endpoint": ((str, type(None)), "a string or null"), "topic": (str, "a string")}
+        for name, (kind, expected) in checks.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise ValueError(f"kv_events_config.{name}: expected {expected}, got {value!r:.80}")
+        for name, low in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"kv_events_config.{name}: expected an int >= {low}, got {value!r:.80}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(ZMQ_TRANSPORTS):
+                raise ValueError(f"kv_events_config.{name}: expected a ZeroMQ address starting with "
+                                 f"{' or '.join(ZMQ_TRANSPORTS)}, got {value!r:.80}")
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in ("null", "zmq"):
+            raise ValueError(f"kv_events_config.publisher: expected 'null' or 'zmq', got {self.publisher!r:.80}")
+
+    @classmethod
+    def parse(cls, value) -> "KVEventsConfig | None":
+        """A config from a JSON object (the command line's string) or a dict; None and a config
+        pass as they are."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = msgspec.json.decode(value)
+            except msgspec.DecodeError as err:
+                raise ValueError(f"kv_events_config: expected a JSON object, got {value!r:.80} ({err})") from err
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config: expected a JSON object (a dict), got {value!r:.80}")
+        known = [f.name for f in fields(cls)]
+        for name in value:
+            if name not in known:
+                raise ValueError(f"kv_events_config.{name}: expected one of the fields {known}, got {name!r:.80}")
+        return cls(**value)
+
+
+class NullEventPublisher:
+    """Publishes nothing (events off, or publisher ``"null"``)."""
+
+    num_dropped_batches = 0
+
+    def publish(self, batch: EventBatch) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ZmqEventPublisher:
+    """PUB + replay ROUTER sockets, served by a background thread (the module docstring).
+    ``RuntimeError`` from :meth:`publish` once shut down; ``ValueError`` naming the field at
+    construction for an endpoint that cannot be bound or connected (e.g. a port in use)."""
+
+    SHUTDOWN_TIMEOUT_S = 1.0
+    POLL_S = 0.1
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        import zmq
+
+        self.data_parallel_rank = data_parallel_rank
+        self.num_dropped_batches = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._next_seq = 0
+        context = zmq.Context.instance()
+        self._pub = context.socket(zmq.PUB)
+        self._replay = None
+        field = "endpoint"
+        try:
+            self._pub.set_hwm(config.hwm)
+            endpoint = config.endpoint
+            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if config.replay_endpoint is not None:
+                field = "replay_endpoint"
+                self._replay = context.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as err:
+            self._close_sockets()
+            raise ValueError(f"kv_events_config.{field}: expected an address this process can use, got "
+                             f"{getattr(config, field)!r} ({err})") from err
+        self._running = True
+        # the sockets are used by this thread alone from here on (a thread start is a full memory barrier)
+        self._thread = threading.Thread(target=self._serve, name="pagedpack-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: EventBatch) -> None:
+        """Queue ``batch`` (stamped with the data-parallel rank) under the next sequence number;
+        drops and counts it if the queue is full. Never blocks."""
+        if not self._running:
+            raise RuntimeError("the KV event publisher is shut down")
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        try:
+            self._queue.put_nowait((seq, batch))
+        except queue.Full:
+            self.num_dropped_batches += 1
+
+    def shutdown(self) -> None:
+        """Send what is queued (for up to ``SHUTDOWN_TIMEOUT_S``), stop the thread, close the sockets."""
+        if not self._running:
+            return
+        self._running = False
+        self._thread.join(self.SHUTDOWN_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("the KV event publisher thread did not stop within %.1f s; %d batches unsent",
+                        self.SHUTDOWN_TIMEOUT_S, self._queue.qsize())
+            return  # its sockets are its own: closed by the process's exit
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+
+    def _serve(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while self._running or not self._queue.empty():
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._answer_replay()
+                except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
+                    log.exception("answering a KV event replay request failed")
+            try:
+                seq, batch = self._queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._send(seq, encoder.encode(batch))
+            except Exception:  # noqa: BLE001 -- one batch lost (its seq leaves a gap); the thread goes on
+                log.exception("publishing KV event batch %d failed", seq)
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _answer_replay(self) -> None:
+        """One replay request: ``[identity, "", start_seq]`` (anything else is ignored)."""
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignoring a malformed KV event replay request of %d frames", len(frames))
+            return
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+
+
+def make_publisher(config: KVEventsConfig | None) -> NullEventPublisher | ZmqEventPublisher:
+    """The publisher ``config`` asks for (vLLM's ``EventPublisherFactory.create``)."""
+    if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+        return NullEventPublisher()
+    return ZmqEventPublisher(config)
+
