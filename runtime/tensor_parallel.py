@@ -284,9 +284,12 @@ def _worker_model(module: torch.nn.Module) -> str:
     if not callable(getattr(module, "save_pretrained", None)):
         raise ValueError(f"model: worker ranks load the model in their own processes; expected a model id or path, "
                          f"or a transformers PreTrainedModel (saved for them), got {type(module).__name__}")
+    from pagedpack.models.aliases import no_progress_bars
+
     folder = tempfile.mkdtemp(prefix="pagedpack-tp-model-")
     try:
-        module.save_pretrained(folder)
+        with no_progress_bars():
+            module.save_pretrained(folder)
     except Exception as err:
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError(f"model: worker ranks load the model in their own processes, and saving "

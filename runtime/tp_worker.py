@@ -57,12 +57,15 @@ def serve_rank(address: str, port: int, token: bytes, rank: int) -> None:
 
 
 def _serve(sock, rank: int) -> None:
+    from transformers.utils import logging as hf_logging
+
     from pagedpack.compiler.program import build_rank_program
     from pagedpack.engine_args import EngineArgs
     from pagedpack.runtime.cpu_threads import allowed_cpus
     from pagedpack.runtime.memory import release_memory
     from pagedpack.runtime.model_runner import ModelRunner
 
+    hf_logging.disable_progress_bar()  # loading the model again: rank 0 speaks for the ranks
     config = _config(rank_channel.recv_frame(sock, _CONFIG_LIMIT))
     args = EngineArgs.from_json(config["engine_args"])
     torch.set_num_threads(args.num_threads or max(1, len(allowed_cpus()) // args.tensor_parallel_size))
