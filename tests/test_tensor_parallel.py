@@ -380,17 +380,18 @@ print(json.dumps([[c.token_ids for c in o.outputs] for o in outputs]))
 
 def test_a_script_without_a_main_guard_runs_two_ranks(one_rank, tmp_path):
     """The worker rank starts as ``python -m pagedpack.runtime.tp_worker`` and never imports the
-    script, which builds its LLM at module level (a checkpoint folder of the tiny qwen2) and gets
-    one rank's tokens."""
+    script, which builds its LLM at module level (from a checkpoint folder of the tiny qwen2) and
+    gets one rank's tokens."""
     tiny_model("qwen2").save_pretrained(tmp_path / "qwen2")
-    prompts, params = _requests()
+    prompts, params = random_prompts((5, 17), seed=5), [SamplingParams(temperature=0.0, max_tokens=4)] * 2
     (tmp_path / "job.json").write_text(json.dumps({"model": str(tmp_path / "qwen2"), "prompts": prompts,
                                                    "serving": SERVING, "params": _params(params)}))
     (tmp_path / "script.py").write_text(_NO_GUARD)
     done = subprocess.run([sys.executable, "script.py", "job.json"], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == one_rank[1]
+    want = [[c.token_ids for c in o.outputs] for o in one_rank[0].generate(prompts, params, use_tqdm=False)]
+    assert json.loads(done.stdout.splitlines()[-1]) == want
 
 
 def _params(params: list[SamplingParams]) -> list[dict]:
