@@ -18,6 +18,8 @@ import struct
 import time
 
 TOKEN_BYTES = 32
+TOKEN_ENV = "PAGEDPACK_TP_TOKEN"  # a worker process's token, hex
+START, STEP, COPY, COMMIT, STOP = range(5)  # the commands: a message's first int64
 _HELLO = struct.Struct("<q")
 _LENGTH = struct.Struct("<Q")
 HELLO_TIMEOUT_S = 5.0  # a connection that does not say who it is within this is closed
@@ -101,8 +103,12 @@ class RankListener:
                 conn.close()
             raise
         finally:
-            self._server.close()
+            self.close()
         return conns
+
+    def close(self) -> None:
+        """Stop listening (once every worker connected, or when starting them failed)."""
+        self._server.close()
 
     def _hello(self, conn: socket.socket) -> int | None:
         """The rank a connection's hello names, None for a wrong token or rank, or none in time."""

@@ -47,7 +47,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -56,12 +55,20 @@ import torch.distributed as dist
 
 from pagedpack.host.child_process import die_with_parent, free_port
 from pagedpack.runtime.engine_loop import EngineDeadError
-from pagedpack.runtime.rank_channel import RankListener, recv_frame, send_frame
+from pagedpack.runtime.process_group import JOIN_TIMEOUT_S, TIMEOUT_S, init_group, leave_group
+from pagedpack.runtime.rank_channel import (
+    COMMIT,
+    COPY,
+    START,
+    STEP,
+    STOP,
+    TOKEN_ENV,
+    RankListener,
+    recv_frame,
+    send_frame,
+)
 from pagedpack.step.metadata import StepMetadata
 
-TIMEOUT_S = 60.0  # a collective no rank answers fails after this
-JOIN_TIMEOUT_S = 60.0  # the workers' start (imports) until they join the group
-_START, _STEP, _COPY, _COMMIT, _STOP = range(5)
 _REPORT_LIMIT = 1 << 12  # bytes of a worker's error text
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -78,7 +85,7 @@ def join_launched_group(tp_size: int) -> int:
                              f"(torchrun), expected {', '.join(_LAUNCHER_ENV)} in the environment, got no "
                              f"{', '.join(missing)}")
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        atexit.register(_leave_group)
+        atexit.register(leave_group)
     if "gloo" not in str(dist.get_backend()):
         raise ValueError(f"distributed_executor_backend: the step's all-reduces run on gloo (CPU), got a process "
                          f"group on {dist.get_backend()!r}")
@@ -86,11 +93,6 @@ def join_launched_group(tp_size: int) -> int:
         raise ValueError(f"tensor_parallel_size: the launcher started {dist.get_world_size()} ranks, got "
                          f"tensor_parallel_size={tp_size}")
     return dist.get_rank()
-
-
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def group_name() -> str:
@@ -124,8 +126,6 @@ class ProcessRank:
     (``PR_SET_PDEATHSIG``) and with the command channel."""
 
     def __init__(self, rank: int, port: int, token: bytes, address: str):
-        from pagedpack.runtime.tp_worker import TOKEN_ENV
-
         self.name = f"pagedpack-tp-rank{rank}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pagedpack.runtime.tp_worker", address, str(port), str(rank)],
@@ -196,9 +196,11 @@ class TensorParallelWorkers:
                                   "timeout_s": self.timeout_s}).encode()
             for conn in held.conns:
                 send_frame(conn, message)
-            _init_group(0, self.tp_size, address, port, self.timeout_s, self._exited)
+            init_group(0, self.tp_size, address, port, self.timeout_s, self._exited)
         except Exception as err:
             raise self.failure(err) from err
+        finally:
+            listener.close()
 
     @property
     def ranks(self) -> list:
@@ -207,16 +209,16 @@ class TensorParallelWorkers:
 
     def start(self, num_blocks: int) -> None:
         """Have every worker allocate its KV caches for ``num_blocks`` blocks and wait for steps."""
-        self._send([_START, num_blocks, 0, 0, 0])
+        self._send([START, num_blocks, 0, 0, 0])
 
     def step(self, batch: StepMetadata) -> None:
         """Send one step's metadata; each worker runs its shard of the step on it."""
         num_tokens, num_seqs = batch.num_tokens, batch.num_seqs
         width, rows = batch.block_table.shape[1], batch.logits_indices.shape[0]
-        self._send([_STEP, num_tokens, num_seqs, width, rows], [t.reshape(-1).to(torch.int64) for t in batch])
+        self._send([STEP, num_tokens, num_seqs, width, rows], [t.reshape(-1).to(torch.int64) for t in batch])
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
-        self._send([_COPY, len(blocks_to_copy), 0, 0, 0], [torch.tensor(blocks_to_copy, dtype=torch.int64).reshape(-1)])
+        self._send([COPY, len(blocks_to_copy), 0, 0, 0], [torch.tensor(blocks_to_copy, dtype=torch.int64).reshape(-1)])
 
     def check(self) -> None:
         """``EngineDeadError`` if a worker has ended (an idle engine's health check)."""
@@ -224,7 +226,7 @@ class TensorParallelWorkers:
             raise self.failure(RuntimeError("a worker rank is gone"))
 
     def commit_kv_memory(self) -> None:
-        self._send([_COMMIT, 0, 0, 0, 0])
+        self._send([COMMIT, 0, 0, 0, 0])
 
     def close(self) -> None:
         """Stop the workers, leave the group (also when this object is collected, or at exit), remove
@@ -317,35 +319,14 @@ def _shutdown(held: _Held, stop: bool = True) -> None:
     for conn in conns:
         try:
             if stop:
-                send_frame(conn, torch.tensor([_STOP, 0, 0, 0, 0], dtype=torch.int64).numpy().tobytes())
+                send_frame(conn, torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64).numpy().tobytes())
             conn.close()
         except OSError:  # a worker gone already
             pass
-    _leave_group()
+    leave_group()
     for rank in held.ranks:
         rank.stop(timeout_s=5)
     if held.launcher is not None:
         held.launcher.close()
     if held.saved is not None:
         shutil.rmtree(held.saved, ignore_errors=True)
-
-
-def _init_group(rank: int, world_size: int, address: str, port: int, timeout_s: float, exited=lambda: None) -> None:
-    """Join the gloo group at ``address:port`` (rank 0 hosts its store there): the rendezvous waits
-    up to :data:`JOIN_TIMEOUT_S` (rank 0 gives up as soon as ``exited()``, polled, describes a worker
-    that ended), collectives ``timeout_s``."""
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
-    joined = [f"pagedpack/joined/{r}" for r in range(1, world_size)]
-    if rank:
-        store.set(joined[rank - 1], "1")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while not rank and not store.check(joined):
-        ended = exited()
-        if ended:
-            raise RuntimeError(f"{ended} before it joined the group")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the workers did not join the group within {JOIN_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))

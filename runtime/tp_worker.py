@@ -21,20 +21,11 @@ import sys
 import torch
 
 from pagedpack.runtime import rank_channel
-from pagedpack.runtime.tensor_parallel import (
-    _COMMIT,
-    _COPY,
-    _START,
-    _STEP,
-    _STOP,
-    JOIN_TIMEOUT_S,
-    _init_group,
-    _leave_group,
-)
+from pagedpack.runtime.process_group import JOIN_TIMEOUT_S, init_group, leave_group
+from pagedpack.runtime.rank_channel import COMMIT, COPY, START, STEP, STOP, TOKEN_ENV
 from pagedpack.step.contract import METADATA_INPUTS
 from pagedpack.step.metadata import StepMetadata
 
-TOKEN_ENV = "PAGEDPACK_TP_TOKEN"
 _CONFIG_LIMIT = 1 << 20  # bytes of the configuration frame
 _COMMAND_LIMIT = 1 << 30  # bytes of one command frame
 
@@ -52,7 +43,7 @@ def serve_rank(address: str, port: int, token: bytes, rank: int) -> None:
             pass
         raise
     finally:
-        _leave_group()
+        leave_group()
         sock.close()
 
 
@@ -69,22 +60,22 @@ def _serve(sock, rank: int) -> None:
     config = _config(rank_channel.recv_frame(sock, _CONFIG_LIMIT))
     args = EngineArgs.from_json(config["engine_args"])
     torch.set_num_threads(args.num_threads or max(1, len(allowed_cpus()) // args.tensor_parallel_size))
-    _init_group(rank, args.tensor_parallel_size, config["master_addr"], config["master_port"], config["timeout_s"])
+    init_group(rank, args.tensor_parallel_size, config["master_addr"], config["master_port"], config["timeout_s"])
     program = build_rank_program(args, rank)
     release_memory()  # what the capture and the source model held, as LLM does after its build
     runner = None
     while (frame := rank_channel.recv_frame(sock, _COMMAND_LIMIT)) is not None:
         message = torch.frombuffer(bytearray(frame), dtype=torch.int64)
         (command, *sizes), payload = message[:5].tolist(), message[5:]
-        if command == _STOP:
+        if command == STOP:
             break
-        if command == _START:
+        if command == START:
             runner = ModelRunner(program, num_blocks=sizes[0], block_size=args.block_size, device=args.device)
-        elif command == _STEP:
+        elif command == STEP:
             runner.execute(_step_metadata(payload, *sizes))
-        elif command == _COPY:
+        elif command == COPY:
             runner.copy_blocks([tuple(p) for p in payload.view(-1, 2).tolist()])
-        elif command == _COMMIT:
+        elif command == COMMIT:
             runner.commit_kv_memory()
 
 

@@ -24,7 +24,7 @@ from pagedpack.passes.tensor_parallel import (
     count_all_reduces,
     shard_step_graph,
 )
-from pagedpack.runtime import tensor_parallel
+from pagedpack.runtime import rank_channel, tensor_parallel
 from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.step.contract import bytes_per_token
 
@@ -411,6 +411,36 @@ def _worker_processes() -> list[str]:
         if parent == os.getpid() and b"pagedpack.runtime.tp_worker" in command:
             found.append(pid)
     return found
+
+
+def test_the_command_channel_keeps_only_the_engines_token_and_bounds_frames():
+    """A connection with another token, or naming a rank out of range, is closed unread."""
+    listener = rank_channel.RankListener("127.0.0.1", 2)
+    stranger = rank_channel.connect("127.0.0.1", listener.port, bytes(32), 1, timeout_s=5)
+    out_of_range = rank_channel.connect("127.0.0.1", listener.port, listener.token, 2, timeout_s=5)
+    rank1 = rank_channel.connect("127.0.0.1", listener.port, listener.token, 1, timeout_s=5)
+    conns = listener.accept_all(30, lambda: None)
+    try:
+        assert list(conns) == [1] and stranger.recv(1) == b"" and out_of_range.recv(1) == b""
+        rank_channel.send_frame(conns[1], b"12345678")
+        assert rank_channel.recv_frame(rank1, 8) == b"12345678"
+        rank_channel.send_frame(conns[1], b"123456789")
+        with pytest.raises(ConnectionError, match="a frame of 9 bytes, expected at most 8"):
+            rank_channel.recv_frame(rank1, 8)
+    finally:
+        for sock in (stranger, out_of_range, rank1, *conns.values()):
+            sock.close()
+
+
+def test_engine_args_reach_a_worker_as_json_validated_again():
+    args = EngineArgs(model="tiny", dtype="bfloat16", kv_cache_memory="64MiB", block_size=16, tensor_parallel_size=2)
+    assert EngineArgs.from_json(args.to_json()).as_kwargs() == args.as_kwargs()
+    with pytest.raises(ValueError, match=r"model: expected a value another process can rebuild .* LlamaForCausalLM"):
+        EngineArgs(model=tiny_model("llama")).to_json()
+    with pytest.raises(ValueError, match=r"engine arguments: expected a JSON object of \[.*\], got \['model', 'x'\]"):
+        EngineArgs.from_json('{"model": "tiny", "x": 1}')
+    with pytest.raises(ValueError, match=r"block_size: expected an int >= 1, got -1"):
+        EngineArgs.from_json('{"model": "tiny", "block_size": -1}')
 
 
 # ---------------------------------------------------------------- ranks as Ray actors
