@@ -104,7 +104,8 @@ class EngineArgs:
             split follows the model's ``transformers`` tp plan and is checked on a sample
             (:mod:`pagedpack.passes.tensor_parallel`). Default 1. The workers take these arguments as
             JSON (:meth:`to_json`); a model instance reaches them saved with ``save_pretrained`` to a
-            temporary folder, a tokenizer instance not at all (rank 0 detokenizes). A worker's step threads:
+            temporary folder, a tokenizer instance and ``kv_events_config`` not at all (rank 0
+            detokenizes and publishes the KV events). A worker's step threads:
             ``num_threads``, else the CPUs divided by it; rank 0's follow ``num_threads`` as without it.
         distributed_executor_backend: how the ranks start (vLLM's option of that name): ``"mp"``
             (default) starts ranks 1 .. N-1 as processes of this one (``python -m

@@ -174,8 +174,9 @@ class TensorParallelWorkers:
         model = args.model
         if isinstance(model, torch.nn.Module):
             model = held.saved = _worker_model(model)
-        tokenizer = args.tokenizer if isinstance(args.tokenizer, (str, os.PathLike)) else None  # rank 0 detokenizes
-        config = args.to_json(model=model, tokenizer=tokenizer)
+        # what only rank 0 uses stays here: a tokenizer instance (it detokenizes), the KV events (its scheduler's)
+        tokenizer = args.tokenizer if isinstance(args.tokenizer, (str, os.PathLike)) else None
+        config = args.to_json(model=model, tokenizer=tokenizer, kv_events_config=None)
         if ray:
             from pagedpack.runtime.ray_ranks import RayRanks, node_address
 
