@@ -171,12 +171,11 @@ class TensorParallelWorkers:
         self._held = held = _Held()
         self._finalizer = weakref.finalize(self, _shutdown, held)
         atexit.register(self._finalizer)
-        model = args.model
-        if isinstance(model, torch.nn.Module):
-            model = held.saved = _worker_model(model)
+        model = held.saved = _worker_model(args.model) if isinstance(args.model, torch.nn.Module) else None
         # what only rank 0 uses stays here: a tokenizer instance (it detokenizes), the KV events (its scheduler's)
         tokenizer = args.tokenizer if isinstance(args.tokenizer, (str, os.PathLike)) else None
-        config = args.to_json(model=model, tokenizer=tokenizer, kv_events_config=None)
+        config = args.to_json(model=_absolute(model or args.model), tokenizer=_absolute(tokenizer),
+                              kv_events_config=None)
         if ray:
             from pagedpack.runtime.ray_ranks import RayRanks, node_address
 
@@ -299,6 +298,16 @@ def _worker_model(module: torch.nn.Module) -> str:
                          f"{type(module).__name__} for them failed ({type(err).__name__}: {str(err)[:300]}); "
                          f"give its directory or hub id") from err
     return folder
+
+
+def _absolute(name):
+    """A local path made absolute (a Ray actor runs in a folder of its own); a model alias, a hub id
+    or None as it is."""
+    from pagedpack.models.aliases import DEFAULT_MODEL, alias_names
+
+    if not isinstance(name, (str, os.PathLike)) or name in (*alias_names(), DEFAULT_MODEL) or not os.path.exists(name):
+        return name
+    return os.path.abspath(name)
 
 
 def _reported(conn) -> str | None:
