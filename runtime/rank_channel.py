@@ -6,8 +6,9 @@ Rank 0 listens (:class:`RankListener`); a worker connects and sends a hello of
 environment or its actor's arguments, never on the wire first) and its rank as a little-endian
 int64. Rank 0 closes a connection whose hello is wrong. Then every message is a frame: its length
 (little-endian uint64) and its bytes. Rank 0 sends the worker's configuration (one JSON frame) and
-then commands (int64 bytes); the worker sends nothing back except, when it fails, its error text
-(UTF-8). Nothing is pickled; a frame longer than the reader's limit is refused.
+then commands (int64 bytes); the worker sends :data:`READY` once its program is built and nothing
+else except, when it fails, its error text (UTF-8). Nothing is pickled; a frame longer than the
+reader's limit is refused.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 TOKEN_BYTES = 32
 TOKEN_ENV = "PAGEDPACK_TP_TOKEN"  # a worker process's token, hex
 START, STEP, COPY, COMMIT, STOP = range(5)  # the commands: a message's first int64
+READY = b"ready"  # a worker's frame once its program is built
 _HELLO = struct.Struct("<q")
 _LENGTH = struct.Struct("<Q")
 HELLO_TIMEOUT_S = 5.0  # a connection that does not say who it is within this is closed

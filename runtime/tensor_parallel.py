@@ -17,8 +17,10 @@ a model given as an ``nn.Module`` is saved with ``save_pretrained`` to a tempora
 workers load, removed at :meth:`TensorParallelWorkers.close`), then per step one message of int64s,
 a header ``[command, T, B, max_blocks, R]`` and the step's metadata
 (:data:`pagedpack.step.contract.METADATA_INPUTS`, concatenated); block copies, the commit of the KV
-pages at a server's start and the stop travel the same way. Nothing is pickled. A worker waits for
-its next command without a deadline, so an idle engine stays up; only the collectives time out.
+pages at a server's start and the stop travel the same way. Nothing is pickled. A worker says
+when its program is built, and rank 0 waits for that before the first step (up to
+:data:`BUILD_TIMEOUT_S`: a slow build is not a collective's timeout). A worker waits for its next
+command without a deadline, so an idle engine stays up; only the collectives time out.
 
 Under a launcher (``distributed_executor_backend="external_launcher"``, vLLM's name: ``torchrun``
 starts every rank, each running the same script): no workers and no commands. Each rank joins the
@@ -47,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -59,6 +62,7 @@ from pagedpack.runtime.process_group import JOIN_TIMEOUT_S, TIMEOUT_S, init_grou
 from pagedpack.runtime.rank_channel import (
     COMMIT,
     COPY,
+    READY,
     START,
     STEP,
     STOP,
@@ -70,6 +74,7 @@ from pagedpack.runtime.rank_channel import (
 from pagedpack.step.metadata import StepMetadata
 
 _REPORT_LIMIT = 1 << 12  # bytes of a worker's error text
+BUILD_TIMEOUT_S = 600.0  # a worker's build (load, capture, lowering) past rank 0's own
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -208,7 +213,18 @@ class TensorParallelWorkers:
         return self._held.ranks
 
     def start(self, num_blocks: int) -> None:
-        """Have every worker allocate its KV caches for ``num_blocks`` blocks and wait for steps."""
+        """Wait until every worker has built its program (up to :data:`BUILD_TIMEOUT_S`: a build is
+        no collective), then have each allocate its KV caches for ``num_blocks`` blocks and wait for steps."""
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for rank, conn in zip(self.ranks, self._held.conns):
+            while not select.select([conn], [], [], 0.5)[0]:
+                if self._exited() or time.monotonic() > deadline:
+                    raise self.failure(TimeoutError(f"{rank.name} did not build its program within "
+                                                    f"{BUILD_TIMEOUT_S:.0f} s"))
+            frame = _reported(conn, decode=False)
+            if frame != READY:
+                raise self.failure(RuntimeError(f"{rank.name} closed its command channel"),
+                                   reported=[frame.decode(errors="replace")] if frame else [])
         self._send([START, num_blocks, 0, 0, 0])
 
     def step(self, batch: StepMetadata) -> None:
@@ -254,12 +270,13 @@ class TensorParallelWorkers:
         readable = set(select.select(conns, [], [], 0)[0]) if conns else set()
         return [i for i, conn in enumerate(conns) if conn in readable]
 
-    def failure(self, err: BaseException) -> EngineDeadError:
+    def failure(self, err: BaseException, reported: list[str] = ()) -> EngineDeadError:
         """The error to raise for ``err``, a collective (a broadcast here, or an all-reduce of the
-        step) or command that failed: which workers ended and what they reported, else ``err``
-        itself. An :class:`~pagedpack.runtime.engine_loop.EngineDeadError`: the engine cannot step again."""
+        step) or command that failed: which workers ended and what they reported (``reported``: read
+        already), else ``err`` itself. An :class:`~pagedpack.runtime.engine_loop.EngineDeadError`: the
+        engine cannot step again."""
         closed = self._closed()
-        reported = [text for text in map(_reported, self._held.conns) if text]
+        reported = [*reported, *(text for text in map(_reported, self._held.conns) if text)]
         ended = [rank.exited(timeout_s=0.5) or (f"{rank.name} closed its command channel" if i in closed else None)
                  for i, rank in enumerate(self.ranks)]  # a killed worker's exit, once the OS or Ray has it
         why = "; ".join([e for e in ended if e] + reported) or f"{type(err).__name__}: {str(err)[:300]}"
@@ -310,16 +327,18 @@ def _absolute(name):
     return os.path.abspath(name)
 
 
-def _reported(conn) -> str | None:
-    """The error text a worker sent on ``conn``, if any within a second (None once it closed without one)."""
+def _reported(conn, decode: bool = True) -> str | bytes | None:
+    """The next frame a worker sent on ``conn`` within a second (its error text, or :data:`READY`),
+    decoded unless not ``decode``; None if none came, or it closed without one."""
     try:
         if not select.select([conn], [], [], 1.0)[0]:
             return None
         conn.settimeout(1.0)
         frame = recv_frame(conn, _REPORT_LIMIT)
-        return frame.decode(errors="replace") if frame else None
+        conn.settimeout(None)
     except (OSError, ValueError):
         return None
+    return frame.decode(errors="replace") if frame and decode else frame
 
 
 def _shutdown(held: _Held, stop: bool = True) -> None:

@@ -7,8 +7,8 @@ It connects to rank 0's command channel (:mod:`pagedpack.runtime.rank_channel`; 
 the environment variable :data:`TOKEN_ENV`, hex, or the actor's arguments), takes its
 configuration (JSON: the ``EngineArgs`` as :meth:`~pagedpack.engine_args.EngineArgs.to_json`
 wrote them, the process group's address and port, the collectives' timeout), joins the gloo
-group, builds its program (:func:`pagedpack.compiler.program.build_rank_program`) and runs the
-commands rank 0 sends (:mod:`pagedpack.runtime.tensor_parallel`) until the stop command or the
+group, builds its program (:func:`pagedpack.compiler.program.build_rank_program`), says it is
+ready and runs the commands rank 0 sends (:mod:`pagedpack.runtime.tensor_parallel`) until the stop command or the
 connection's end (rank 0 gone). If anything fails it sends its error text and ends (exit code 1).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from pagedpack.runtime import rank_channel
 from pagedpack.runtime.process_group import JOIN_TIMEOUT_S, init_group, leave_group
-from pagedpack.runtime.rank_channel import COMMIT, COPY, START, STEP, STOP, TOKEN_ENV
+from pagedpack.runtime.rank_channel import COMMIT, COPY, READY, START, STEP, STOP, TOKEN_ENV
 from pagedpack.step.contract import METADATA_INPUTS
 from pagedpack.step.metadata import StepMetadata
 
@@ -63,6 +63,7 @@ def _serve(sock, rank: int) -> None:
     init_group(rank, args.tensor_parallel_size, config["master_addr"], config["master_port"], config["timeout_s"])
     program = build_rank_program(args, rank)
     release_memory()  # what the capture and the source model held, as LLM does after its build
+    rank_channel.send_frame(sock, READY)
     runner = None
     while (frame := rank_channel.recv_frame(sock, _COMMAND_LIMIT)) is not None:
         message = torch.frombuffer(bytearray(frame), dtype=torch.int64)
