@@ -67,7 +67,7 @@ def main() -> None:
 
 def _measure(llm: LLM, prompts, params, runs: int) -> tuple[dict, list]:
     workers = llm.ranks.workers
-    pids = ["self"] + ([p.pid for p in workers._procs] if workers is not None else [])
+    pids = ["self"] + ([rank.process.pid for rank in workers.ranks] if workers is not None else [])
 
     def run():
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

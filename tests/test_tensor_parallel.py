@@ -6,7 +6,6 @@ real ``torch.distributed`` processes (gloo) against one rank's tokens.
 """
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pagedpack import LLM, AsyncLLM, EngineArgs, SamplingParams
 from pagedpack.models.tiny import tiny_model
@@ -26,7 +24,7 @@ from pagedpack.passes.tensor_parallel import (
     count_all_reduces,
     shard_step_graph,
 )
-from pagedpack.runtime import tensor_parallel
+from pagedpack.runtime import rank_channel, tensor_parallel
 from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.step.contract import bytes_per_token
 
@@ -159,8 +157,8 @@ def test_an_idle_engine_outlives_the_collective_timeout_and_reports_a_dead_worke
         first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
         time.sleep(11)
         assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == first
-        llm.ranks.workers._procs[0].kill()
-        llm.ranks.workers._procs[0].join(5)
+        llm.ranks.workers.ranks[0].process.kill()
+        llm.ranks.workers.ranks[0].process.wait(5)
         with pytest.raises(EngineDeadError, match=r"pagedpack-tp-rank1 \(pid \d+\) exited with code -9"):
             llm.llm_engine.check_health()
     finally:
@@ -198,7 +196,7 @@ def test_two_ranks_generate_the_tokens_of_one(tp2, one_rank):
 
 def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
     """Runs last in this module: it ends ``tp2``'s engine."""
-    tp2.ranks.workers._procs[0].kill()
+    tp2.ranks.workers.ranks[0].process.kill()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size: a worker rank stopped answering "
                                            r"\(pagedpack-tp-rank1 \(pid \d+\) exited with code -9\)"):
@@ -206,7 +204,7 @@ def test_a_killed_worker_ends_the_engine_with_an_error(tp2):
     assert time.monotonic() - start < 30
     with pytest.raises(EngineDeadError):
         tp2.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert not mp.active_children()  # the other workers stopped, the group left: another LLM may start one
+    assert not _worker_processes()  # the other workers stopped, the group left: another LLM may start one
 
 
 def test_what_tensor_parallel_cannot_serve_is_refused_before_starting_processes(tmp_path):
@@ -218,7 +216,7 @@ def test_what_tensor_parallel_cannot_serve_is_refused_before_starting_processes(
         LLM(tiny_model("llama"), tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size: .*4 KV heads neither split over 3 ranks"):
         LLM(tiny_model("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4), tensor_parallel_size=3)
-    assert not mp.active_children()
+    assert not _worker_processes()
 
 
 def test_rank_zero_leaves_the_thread_count_to_num_threads():
@@ -275,7 +273,7 @@ def _edited(path, tmp_path, edit) -> str:
 def test_a_manifest_that_does_not_hold_is_refused_by_field(exported, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
         LLM.from_exported(_edited(exported[0], tmp_path, edit))
-    assert not mp.active_children()
+    assert not _worker_processes()
 
 
 def test_deeply_nested_json_and_symbolic_links_are_refused(exported, tmp_path):
@@ -325,7 +323,7 @@ def test_ranks_torchrun_started_each_return_the_tokens_of_one_rank(exported, tmp
     process group); each rank's engine returns one rank's tokens (chunked, preempting, a fork)."""
     path, prompts, params, want = exported
     job = {"manifest": path, "prompts": prompts, "serving": SERVING,
-           "params": [dict(temperature=p.temperature, max_tokens=p.max_tokens, n=p.n, seed=p.seed) for p in params]}
+           "params": _params(params)}
     (tmp_path / "requests.json").write_text(json.dumps(job))
     (tmp_path / "run.py").write_text(_LAUNCHED)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -341,8 +339,13 @@ def test_a_launcher_backend_without_a_launcher_is_refused_by_name(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=r"distributed_executor_backend: expected one of "
-                                         r"\('mp', 'external_launcher'\), got 'ray'"):
-        EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="ray")
+                                         r"\('mp', 'ray', 'external_launcher'\), got 'dask'"):
+        EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="dask")
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "ray", None)  # as if not installed
+        with pytest.raises(ValueError, match=r"distributed_executor_backend: 'ray' needs Ray \(pip install "
+                                             r"'pagedpack\[ray\]'\)"):
+            EngineArgs(model=tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match=r"distributed_executor_backend: 'external_launcher' runs ranks a launcher "
                                          r"started \(torchrun\), expected RANK, .* got no RANK, WORLD_SIZE"):
         LLM(tiny_model("llama"), tensor_parallel_size=2, distributed_executor_backend="external_launcher")
@@ -363,13 +366,107 @@ def test_a_launcher_backend_without_a_launcher_is_refused_by_name(monkeypatch):
         dist.destroy_process_group()
 
 
-def test_a_script_without_a_main_guard_is_told_so_at_once(tmp_path):
-    """A spawned worker imports the script again and exits before it can report; rank 0 stops
-    waiting for it to join (before: the 60 s rendezvous timeout) and names the guard."""
-    (tmp_path / "script.py").write_text("from pagedpack import LLM\nLLM('tiny', tensor_parallel_size=2)\n")
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 1 and time.monotonic() - start < 50
-    assert re.search(r"EngineDeadError: tensor_parallel_size: a worker rank stopped answering \(pagedpack-tp-rank1 "
-                     r"\(pid \d+\) exited with code 1\); a script that starts tensor-parallel ranks builds its LLM "
-                     r"under `if __name__ == \"__main__\":`", done.stderr), done.stderr[-2000:]
+_NO_GUARD = """
+import json, sys
+from pagedpack import LLM, SamplingParams
+
+with open(sys.argv[1]) as file:
+    job = json.load(file)
+llm = LLM(job["model"], tensor_parallel_size=2, **job["serving"])
+outputs = llm.generate(job["prompts"], [SamplingParams(**p) for p in job["params"]], use_tqdm=False)
+print(json.dumps([[c.token_ids for c in o.outputs] for o in outputs]))
+"""
+
+
+def test_a_script_without_a_main_guard_runs_two_ranks(one_rank, tmp_path):
+    """The worker rank starts as ``python -m pagedpack.runtime.tp_worker`` and never imports the
+    script, which builds its LLM at module level (from a checkpoint folder of the tiny qwen2) and
+    gets one rank's tokens."""
+    tiny_model("qwen2").save_pretrained(tmp_path / "qwen2")
+    prompts, params = random_prompts((5, 17), seed=5), [SamplingParams(temperature=0.0, max_tokens=4)] * 2
+    (tmp_path / "job.json").write_text(json.dumps({"model": str(tmp_path / "qwen2"), "prompts": prompts,
+                                                   "serving": SERVING, "params": _params(params)}))
+    (tmp_path / "script.py").write_text(_NO_GUARD)
+    done = subprocess.run([sys.executable, "script.py", "job.json"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = [[c.token_ids for c in o.outputs] for o in one_rank[0].generate(prompts, params, use_tqdm=False)]
+    assert json.loads(done.stdout.splitlines()[-1]) == want
+
+
+def _params(params: list[SamplingParams]) -> list[dict]:
+    return [dict(temperature=p.temperature, max_tokens=p.max_tokens, n=p.n, seed=p.seed) for p in params]
+
+
+def _worker_processes() -> list[str]:
+    """The pids of this process's children running a worker rank (read off /proc; an exited,
+    unreaped one has no command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                parent, command = int(stat.read().rsplit(")", 1)[1].split()[1]), cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and b"pagedpack.runtime.tp_worker" in command:
+            found.append(pid)
+    return found
+
+
+def test_the_command_channel_keeps_only_the_engines_token_and_bounds_frames():
+    """A connection with another token, or naming a rank out of range, is closed unread."""
+    listener = rank_channel.RankListener("127.0.0.1", 2)
+    stranger = rank_channel.connect("127.0.0.1", listener.port, bytes(32), 1, timeout_s=5)
+    out_of_range = rank_channel.connect("127.0.0.1", listener.port, listener.token, 2, timeout_s=5)
+    rank1 = rank_channel.connect("127.0.0.1", listener.port, listener.token, 1, timeout_s=5)
+    conns = listener.accept_all(30, lambda: None)
+    try:
+        assert list(conns) == [1] and stranger.recv(1) == b"" and out_of_range.recv(1) == b""
+        rank_channel.send_frame(conns[1], b"12345678")
+        assert rank_channel.recv_frame(rank1, 8) == b"12345678"
+        rank_channel.send_frame(conns[1], b"123456789")
+        with pytest.raises(ConnectionError, match="a frame of 9 bytes, expected at most 8"):
+            rank_channel.recv_frame(rank1, 8)
+    finally:
+        for sock in (stranger, out_of_range, rank1, *conns.values()):
+            sock.close()
+
+
+def test_engine_args_reach_a_worker_as_json_validated_again():
+    args = EngineArgs(model="tiny", dtype="bfloat16", kv_cache_memory="64MiB", block_size=16, tensor_parallel_size=2)
+    assert EngineArgs.from_json(args.to_json()).as_kwargs() == args.as_kwargs()
+    with pytest.raises(ValueError, match=r"model: expected a value another process can rebuild .* LlamaForCausalLM"):
+        EngineArgs(model=tiny_model("llama")).to_json()
+    with pytest.raises(ValueError, match=r"engine arguments: expected a JSON object of \[.*\], got \['model', 'x'\]"):
+        EngineArgs.from_json('{"model": "tiny", "x": 1}')
+    with pytest.raises(ValueError, match=r"block_size: expected an int >= 1, got -1"):
+        EngineArgs.from_json('{"model": "tiny", "block_size": -1}')
+
+
+# ---------------------------------------------------------------- ranks as Ray actors
+
+
+@pytest.fixture(scope="module")
+def tp2_ray(ray_cluster):
+    llm = LLM(tiny_model("qwen2"), tensor_parallel_size=2, distributed_executor_backend="ray", **SERVING)
+    yield llm
+    llm.ranks.workers.close()
+
+
+def test_two_ranks_on_ray_generate_the_tokens_of_one(tp2_ray, one_rank):
+    """Rank 1 a Ray actor in a placement group (the session's local cluster), gloo between them."""
+    prompts, params = _requests()
+    assert [[c.token_ids for c in o.outputs] for o in tp2_ray.generate(prompts, params, use_tqdm=False)] == one_rank[1]
+
+
+def test_a_killed_ray_actor_ends_the_engine_with_an_error_naming_its_rank(tp2_ray):
+    """Runs after the tokens' test: it ends ``tp2_ray``'s engine, and the placement group goes with it."""
+    import ray
+
+    workers = tp2_ray.ranks.workers
+    group = workers._held.launcher.group
+    ray.kill(workers.ranks[0].actor)
+    with pytest.raises(EngineDeadError, match=r"tensor_parallel_size: a worker rank stopped answering "
+                                              r"\(pagedpack-tp-rank1 \(Ray actor [0-9a-f]+\) died"):
+        tp2_ray.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
