@@ -118,7 +118,8 @@ class EngineArgs:
             (offline calls only: ``AsyncLLM`` and ``pagedpack serve`` refuse it).
         kv_events_config: vLLM's ``KVEventsConfig`` (a dict, its JSON text, or
             :class:`pagedpack.runtime.kv_event_publisher.KVEventsConfig`): publish the prefix cache's
-            changes as vLLM's KV events over ZeroMQ (docs/serving.md, KV events); None (default): none.
+            changes as vLLM's KV events over ZeroMQ (docs/serving.md, KV events; tensor-parallel rank 0
+            alone publishes); None (default): none.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.

@@ -63,8 +63,7 @@ class LLM:
             enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
             cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
-            workers=self.ranks.workers,  # one publisher: ranks > 0 of a launcher's (external_launcher) publish nothing
-            kv_events_config=args.kv_events_config if self.ranks.rank == 0 else None)
+            workers=self.ranks.workers, kv_events_config=args.kv_events_config if self.ranks.rank == 0 else None)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 
@@ -107,9 +106,8 @@ class LLM:
         return self.llm_engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block nobody holds (as vLLM's ``LLM.reset_prefix_cache``; with KV events
-        on, an ``AllBlocksCleared`` is published); returns False, changing nothing, while requests
-        hold blocks."""
+        """Forget every cached block nobody holds (vLLM's ``LLM.reset_prefix_cache``; KV events: an
+        ``AllBlocksCleared``); returns False, changing nothing, while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
     @property

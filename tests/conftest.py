@@ -103,12 +103,16 @@ def ray_cluster():
             os.environ.pop("RAY_ADDRESS", None)
         else:
             os.environ["RAY_ADDRESS"] = previous
-        os.killpg(head.pid, signal.SIGTERM)
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its processes; its gcs_server may not
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever of the group is left (a throwaway cluster)
+        except ProcessLookupError:
+            pass
+        head.wait()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
