@@ -92,15 +92,21 @@ def tokens(llm):
 
 
 def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cache, children,
-                                                                            unmodified):
+                                                                            unmodified, tmp_path, monkeypatch, capfd):
+    """Served from the child's entry; then the same LLM captured in this process, where the cache
+    cannot be written (one in-process capture for that claim and for the comparison)."""
     llm = LLM(str(checkpoint), num_blocks=32)
     (entry,) = cache.iterdir()
     assert len(children) == 1 and {p.name for p in entry.iterdir()} == {"step.pt2", "info.json"}
     assert llm.report.notes[-1].startswith(f"loaded from {entry / 'step.pt2'}; cpu lowering: ")
     assert tokens(llm) == unmodified
 
-    os.environ["PAGEDPACK_COMPILE_CACHE"] = "0"  # the same LLM captured in this process (monkeypatch restores)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "a-file"))
+    capfd.readouterr()
     in_process = LLM(str(checkpoint), num_blocks=32)
+    assert "cannot write the compile cache" in capfd.readouterr().err and len(children) == 1
+    assert tokens(in_process) == unmodified
     assert llm.report.format().splitlines()[0] == in_process.report.format().splitlines()[0]
     assert llm.description.eos_token_ids == in_process.description.eos_token_ids
     assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text == \
@@ -218,15 +224,6 @@ def test_the_child_imports_what_the_parent_imports_not_the_working_directory_s(c
     assert done.stdout.strip() == "[]" and "in a child process" in done.stderr
     (entry,) = cache.iterdir()
     assert json.loads((entry / "info.json").read_text())["error"] is None
-
-
-def test_an_unwritable_cache_captures_in_process(checkpoint, tmp_path, monkeypatch, children, capfd, unmodified):
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "a-file"))
-    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
-    llm = LLM(str(checkpoint), num_blocks=32)
-    assert "cannot write the compile cache" in capfd.readouterr().err and not children
-    assert tokens(llm) == unmodified
 
 
 @pytest.mark.parametrize("kwargs", [dict(keep_source_model=True, num_blocks=32), dict(memory_budget="64MiB"),
