@@ -101,16 +101,24 @@ def _decode_and_chunked_steps(llm) -> list[torch.Tensor]:
     return out
 
 
-def test_decode_and_chunked_prefill_logits_match(archive, model):
-    _, path = archive
+@pytest.fixture(scope="module")
+def stepped(model):
+    """The un-exported step graph's logits of :func:`_decode_and_chunked_steps` and the KV caches they
+    leave: one capture for both formats."""
     reference = LLM(model, block_size=16, num_blocks=64)
+    return _decode_and_chunked_steps(reference), reference.llm_engine.runner.kv_caches
+
+
+def test_decode_and_chunked_prefill_logits_match(archive, stepped):
+    _, path = archive
+    want, caches = stepped
     loaded = LLM.from_exported(path, block_size=16, num_blocks=64)
-    want, got = _decode_and_chunked_steps(reference), _decode_and_chunked_steps(loaded)
+    got = _decode_and_chunked_steps(loaded)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
     # The loaded program left the runner with the same caches (pt2: written in place; onnx:
     # the returned caches replaced the runner's).
-    for w, g in zip(reference.llm_engine.runner.kv_caches, loaded.llm_engine.runner.kv_caches):
+    for w, g in zip(caches, loaded.llm_engine.runner.kv_caches):
         assert g.abs().sum() > 0
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
 

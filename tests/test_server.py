@@ -51,9 +51,15 @@ def reference(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def kept():
+    """``LLM("tiny")`` with its rewritten graph kept: one capture for the module's .pt2 and ONNX exports."""
+    return LLM("tiny", num_blocks=1, keep_source_model=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, kept):
     folder = tmp_path_factory.mktemp("server")
-    exported = LLM("tiny", num_blocks=1, keep_source_model=True).export(folder / "tiny.pt2")
+    exported = kept.export(folder / "tiny.pt2")
     (folder / "chat.jinja").write_text(TEMPLATE)
     with RemoteServer(exported, "--served-model-name", "tiny", "--api-key", KEY, "--chat-template",
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
@@ -790,7 +796,7 @@ def test_a_pool_smaller_than_the_context_bounds_what_requests_get():
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
 
 
-def test_an_exported_onnx_file_is_served_the_same_way(tmp_path, reference, tokenizer):
+def test_an_exported_onnx_file_is_served_the_same_way(tmp_path, reference, tokenizer, kept):
     """The ONNX export served (onnxruntime): whole and streamed answers are the unmodified model's
     greedy text, as the live server's ``.pt2`` ones are."""
     from pagedpack.async_llm import AsyncLLM
@@ -798,7 +804,7 @@ def test_an_exported_onnx_file_is_served_the_same_way(tmp_path, reference, token
     from pagedpack.serve.metrics import ServerMetrics
     from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
 
-    path = LLM("tiny", num_blocks=1, keep_source_model=True).export(tmp_path / "tiny.onnx", format="onnx")
+    path = kept.export(tmp_path / "tiny.onnx", format="onnx")
     llm = LLM.from_exported(path, num_blocks=64)
     app = build_app(OpenAIServing(AsyncLLM.from_llm(llm), ServingConfig("tiny"),
                                   ServerMetrics(llm._loop, model_name="tiny")))

@@ -116,9 +116,8 @@ def test_a_served_file_is_still_served_once_deleted(kept, tmp_path):
     assert [o.outputs[0].token_ids for o in served.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
-def test_the_plan_counts_the_weights_serving_holds(tmp_path):
-    budget = "64MiB"  # the activation peak derived before lowering: no capture again for the plan
-    kept = LLM("tiny", memory_budget=budget, keep_source_model=True)
+def test_the_plan_counts_the_weights_serving_holds(kept, tmp_path):
+    budget = "64MiB"  # the activation peak derived before lowering (llm below) or from the kept graph: no capture again
     rewritten = resident_weight_bytes(kept.rewritten.graph_module)
     held = resident_weight_bytes(kept.program.run, kept.rewritten.graph_module, kept.model)
     assert kept.plan_memory(budget).weight_bytes == held > resident_weight_bytes(kept.program.run)
