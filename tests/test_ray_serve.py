@@ -1,0 +1,180 @@
+"""``pagedpack serve`` on Ray Serve (``pagedpack.serve.ray_app``): two replicas of the built-in tiny
+model behind the prefix-aware router, on the session's local Ray cluster, talked to with the
+official ``openai`` client through Ray Serve's HTTP proxy. References: the single engine's greedy
+answer (``LLM.generate``, one prompt at a time); the replicas' own prefix-cache counters."""
+import asyncio
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from pagedpack.host.child_process import free_port
+from pagedpack.runtime.block_hash import extend_block_hashes
+
+from conftest import random_prompts
+
+serve = pytest.importorskip("ray.serve")
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<assistant>{% endif %}"
+BLOCK_SIZE = 16
+ENGINE = "PagedpackEngine"
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    """The application (2 replicas, half a CPU each, this venv's Python) on a free port; the
+    single-engine reference built meanwhile. Yields (base url, reference LLM)."""
+    from pagedpack import LLM
+    from pagedpack.engine_args import EngineArgs
+    from pagedpack.serve.openai_serving import ServingConfig
+    from pagedpack.serve.ray_app import APP_NAME, RayServeOptions, pagedpack_app
+
+    reference = {}
+    built = threading.Thread(target=lambda: reference.setdefault("llm", LLM("tiny", num_blocks=64)))
+    built.start()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = RayServeOptions(data_parallel_size=2, num_cpus=0.5, routing_stats_period_s=0.5,
+                              runtime_env={"py_executable": sys.executable})
+    application = pagedpack_app(EngineArgs(model="tiny", num_blocks=256, block_size=BLOCK_SIZE),
+                                ServingConfig("tiny", chat_template=TEMPLATE), options)
+    try:
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        built.join()
+        yield f"http://127.0.0.1:{port}", reference["llm"]
+    finally:
+        serve.shutdown()
+
+
+def _client(url: str, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60, **kwargs)
+
+
+def _greedy(llm, prompt, max_tokens: int) -> str:
+    from pagedpack import SamplingParams
+
+    return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].outputs[0].text
+
+
+def _engine_replicas():
+    """The live engine replicas' actor handles, by name."""
+    import ray
+
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in named if ENGINE in a["name"]}
+
+
+def _replica_counters() -> tuple[int, int]:
+    """(prompt tokens looked up, found) in the prefix caches of every live replica (their own counters)."""
+    import ray
+
+    stats = ray.get([actor.record_routing_stats.remote() for actor in _engine_replicas().values()], timeout=30)
+    return sum(s["prefix_cache_queries"] for s in stats), sum(s["prefix_cache_hits"] for s in stats)
+
+
+def test_answers_equal_single_engine(app):
+    url, llm = app
+    client = _client(url)
+    tokenizer = llm.tokenizer
+    for prompt in ["The capital of France is", "def f(x):"]:
+        expected = _greedy(llm, tokenizer(prompt).input_ids, 8)
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+        assert whole.choices[0].text == expected
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    messages = [{"role": "user", "content": "Hello there"}]
+    rendered = tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+    expected = _greedy(llm, tokenizer(rendered, add_special_tokens=False).input_ids, 8)
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert whole.choices[0].message.content == expected
+    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    # the single server's error bodies: a field the engine refuses, a model not served
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=8, top_p=2.0)
+    assert bad.value.body["param"] == "top_p" and "top_p" in bad.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+    assert missing.value.body["param"] == "model"
+
+
+def test_prefix_aware_routing_hits_the_cache(app):
+    """8 shared prefixes (6 blocks each) x 8 requests, interleaved: each prefix's blocks are
+    computed once, on one replica, and found there by the 7 later requests."""
+    url, _ = app
+    client = _client(url)
+    prefixes = random_prompts([6 * BLOCK_SIZE] * 8, seed=11, vocab=200)
+    queries, hits = _replica_counters()
+    for i in range(8):
+        for j, prefix in enumerate(prefixes):
+            client.completions.create(model="tiny", prompt=prefix + [200 + i, 210 + j], max_tokens=1)
+    queries2, hits2 = _replica_counters()
+    hit_rate = (hits2 - hits) / (queries2 - queries)
+    assert queries2 - queries == 64 * (6 * BLOCK_SIZE + 2)
+    assert hit_rate >= 0.8, hit_rate
+
+
+def test_replica_killed_in_flight(app):
+    """A replica killed while streams run: every request completes as the single engine answers
+    it or ends with OpenAI's error body; later requests are all served; Serve starts a new replica."""
+    import ray
+
+    url, llm = app
+    prompts = random_prompts([20, 24, 28, 32, 36, 40], seed=3, vocab=250)
+    expected = [_greedy(llm, p, 48) for p in prompts]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    async def one(prompt):
+        text = []
+        try:
+            stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=48, stream=True)
+            async for chunk in stream:
+                text.append(chunk.choices[0].text if chunk.choices else "")
+        except openai.APIError as err:
+            return err
+        return "".join(text)
+
+    async def run():
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        victim_name, victim = next(iter(_engine_replicas().items()))
+        ray.kill(victim, no_restart=True)
+        return victim_name, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    victim_name, results = asyncio.run(run())
+    for got, want in zip(results, expected):
+        assert got == want or (isinstance(got, openai.APIError) and "replica" in got.message), got
+    # the router stops picking the dead replica: every later request is answered, none by a retry's luck alone
+    sync = _client(url)
+    for prompt, want in zip(prompts[:4], expected):
+        assert sync.completions.create(model="tiny", prompt=prompt, max_tokens=48).choices[0].text == want
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not set(_engine_replicas()) - {victim_name}:
+        time.sleep(0.5)
+    assert victim_name not in _engine_replicas() and len(_engine_replicas()) == 2
+
+
+def test_router_ranks_longest_cached_prefix():
+    """PrefixAwareRouter.choose_replicas on stand-in replicas: the longest reported prefix first;
+    no hit: every replica in one rank (the least loaded is then Ray's pick)."""
+    from types import SimpleNamespace
+
+    from pagedpack.serve.prefix_router import PrefixAwareRouter
+
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(64)), BLOCK_SIZE)
+    router = PrefixAwareRouter.__new__(PrefixAwareRouter)
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=name, routing_stats={"block_hashes": cached})
+                for name, cached in (("a", hashes[:1]), ("b", hashes[:3]), ("c", hashes[1:]))]
+    request = SimpleNamespace(kwargs={"block_hashes": hashes})
+    ranks = asyncio.run(router.choose_replicas(replicas, request))
+    assert [[r.replica_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
+    other: list[bytes] = []
+    extend_block_hashes(other, list(range(64)), BLOCK_SIZE, cache_salt="salt")  # another chain: no hit
+    ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={"block_hashes": other})))
+    assert [sorted(r.replica_id for r in rank) for rank in ranks] == [["a", "b", "c"]]
