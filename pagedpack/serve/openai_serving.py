@@ -307,7 +307,8 @@ def chat_text(tokenizer, body: ChatCompletionRequest, chat_template: str | None)
     ``chat_template``, else the tokenizer's); tokenized without special tokens (the template wrote
     them). ``ValueError`` / ``TypeError`` as :func:`~pagedpack.chat.render_text` raises them."""
     return render_text(tokenizer, [m.as_dict() for m in body.messages],
-                       chat_template=body.chat_template or chat_template, add_generation_prompt=body.add_generation_prompt,
+                       chat_template=body.chat_template or chat_template,
+                       add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
                        chat_template_kwargs=body.chat_template_kwargs or {})
 
