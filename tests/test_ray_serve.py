@@ -10,28 +10,28 @@ import time
 import openai
 import pytest
 
+from pagedpack import LLM, SamplingParams
+from pagedpack.engine_args import EngineArgs
 from pagedpack.host.child_process import free_port
 from pagedpack.runtime.block_hash import extend_block_hashes
+from pagedpack.serve.openai_serving import ServingConfig
 
 from conftest import random_prompts
 
-serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from pagedpack.serve.ray_app import APP_NAME, RayServeOptions, engine_replicas, pagedpack_app, prefix_cache_counters  # noqa: E402
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<assistant>{% endif %}"
 BLOCK_SIZE = 16
-ENGINE = "PagedpackEngine"
 
 
 @pytest.fixture(scope="module")
 def app(ray_cluster):
     """The application (2 replicas, half a CPU each, this venv's Python) on a free port; the
     single-engine reference built meanwhile. Yields (base url, reference LLM)."""
-    from pagedpack import LLM
-    from pagedpack.engine_args import EngineArgs
-    from pagedpack.serve.openai_serving import ServingConfig
-    from pagedpack.serve.ray_app import APP_NAME, RayServeOptions, pagedpack_app
-
     reference = {}
     built = threading.Thread(target=lambda: reference.setdefault("llm", LLM("tiny", num_blocks=64)))
     built.start()
@@ -54,25 +54,7 @@ def _client(url: str, **kwargs) -> openai.OpenAI:
 
 
 def _greedy(llm, prompt, max_tokens: int) -> str:
-    from pagedpack import SamplingParams
-
     return llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].outputs[0].text
-
-
-def _engine_replicas():
-    """The live engine replicas' actor handles, by name."""
-    import ray
-
-    named = ray.util.list_named_actors(all_namespaces=True)
-    return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"]) for a in named if ENGINE in a["name"]}
-
-
-def _replica_counters() -> tuple[int, int]:
-    """(prompt tokens looked up, found) in the prefix caches of every live replica (their own counters)."""
-    import ray
-
-    stats = ray.get([actor.record_routing_stats.remote() for actor in _engine_replicas().values()], timeout=30)
-    return sum(s["prefix_cache_queries"] for s in stats), sum(s["prefix_cache_hits"] for s in stats)
 
 
 def test_answers_equal_single_engine(app):
@@ -108,11 +90,11 @@ def test_prefix_aware_routing_hits_the_cache(app):
     url, _ = app
     client = _client(url)
     prefixes = random_prompts([6 * BLOCK_SIZE] * 8, seed=11, vocab=200)
-    queries, hits = _replica_counters()
+    queries, hits = prefix_cache_counters()
     for i in range(8):
         for j, prefix in enumerate(prefixes):
             client.completions.create(model="tiny", prompt=prefix + [200 + i, 210 + j], max_tokens=1)
-    queries2, hits2 = _replica_counters()
+    queries2, hits2 = prefix_cache_counters()
     hit_rate = (hits2 - hits) / (queries2 - queries)
     assert queries2 - queries == 64 * (6 * BLOCK_SIZE + 2)
     assert hit_rate >= 0.8, hit_rate
@@ -121,8 +103,6 @@ def test_prefix_aware_routing_hits_the_cache(app):
 def test_replica_killed_in_flight(app):
     """A replica killed while streams run: every request completes as the single engine answers
     it or ends with OpenAI's error body; later requests are all served; Serve starts a new replica."""
-    import ray
-
     url, llm = app
     prompts = random_prompts([20, 24, 28, 32, 36, 40], seed=3, vocab=250)
     expected = [_greedy(llm, p, 48) for p in prompts]
@@ -139,7 +119,7 @@ def test_replica_killed_in_flight(app):
             return err
         return "".join(text)
 
-    before = _engine_replicas()
+    before = engine_replicas()
 
     async def run():
         tasks = [asyncio.ensure_future(one(p)) for p in prompts]
@@ -155,9 +135,9 @@ def test_replica_killed_in_flight(app):
         answer = sync.completions.create(model="tiny", prompt=prompt, max_tokens=48, temperature=0)
         assert answer.choices[0].text == want
     deadline = time.monotonic() + 30  # Serve starts a replica in the dead one's place
-    while time.monotonic() < deadline and not set(_engine_replicas()) - set(before):
+    while time.monotonic() < deadline and not set(engine_replicas()) - set(before):
         time.sleep(0.5)
-    assert len(set(_engine_replicas()) - set(before)) == 1 and len(_engine_replicas()) == 2
+    assert len(set(engine_replicas()) - set(before)) == 1 and len(engine_replicas()) == 2
 
 
 def test_router_ranks_longest_cached_prefix():

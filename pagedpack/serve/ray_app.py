@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -297,6 +299,47 @@ def pagedpack_app(engine_args: EngineArgs, config: ServingConfig, options: RaySe
         num_replicas=1, max_ongoing_requests=config.max_queue, ray_actor_options={**actor_options, "num_cpus": 0})
     return ingress.bind(engine.bind(engine_args, config, options.metrics_namespace, options.flow_control),
                         config, options.api_key)
+
+
+def engine_replicas(app_name: str = APP_NAME) -> dict:
+    """The live engine replicas of application ``app_name``: actor name -> actor handle (Ray Serve
+    names a replica's actor ``SERVE_REPLICA::<app>#<deployment>#<id>``, in namespace ``serve``)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{PagedpackEngine.__name__}#"
+    return {a["name"]: ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def prefix_cache_counters(app_name: str = APP_NAME, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(prompt tokens looked up, found) in the prefix caches of every live engine replica of
+    ``app_name``, summed from the replicas' own counters (their routing stats)."""
+    import ray
+
+    actors = engine_replicas(app_name).values()
+    stats = ray.get([actor.record_routing_stats.remote() for actor in actors], timeout=timeout_s)
+    return sum(s["prefix_cache_queries"] for s in stats), sum(s["prefix_cache_hits"] for s in stats)
+
+
+def run(app, *, host: str, port: int) -> int:
+    """``pagedpack serve --data-parallel-size N``: ``app`` served on ``host:port`` by Ray Serve's
+    HTTP proxy until SIGINT / SIGTERM, then deleted. Joins the Ray cluster of ``RAY_ADDRESS`` (or one
+    running on this host), else starts one in this process. Returns the exit status."""
+    import ray
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    ray.init(log_to_driver=True)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        print(f"pagedpack: serving on http://{host}:{port}/v1 (Ray Serve application {APP_NAME!r})", flush=True)
+        stop.wait()
+        serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+    return 0
 
 
 _SERVING_ARGS = {"served_model_name", "chat_template", "trust_request_chat_template", "max_queue",
