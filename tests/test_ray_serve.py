@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -82,6 +83,24 @@ def test_answers_equal_single_engine(app):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     assert missing.value.body["param"] == "model"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{url}/metrics", timeout=30).status_code == 404  # each replica keeps its own
+
+
+def test_app_builder_arguments():
+    """``build_app`` (Ray Serve's application builder) takes the command line's strings and a config
+    file's values; an unknown or malformed argument is refused by name."""
+    from pagedpack.serve.ray_app import build_app
+
+    assert build_app({"model": "tiny", "data_parallel_size": "2", "engine_args": '{"num_blocks": 64}'}) is not None
+    assert build_app({"model": "tiny", "data_parallel_size": 2, "engine_args": {"num_blocks": 64}}) is not None
+    for args, name in [({"data_parallel_size": "2"}, "model"), ({"model": "tiny", "replicas": "2"}, "replicas"),
+                       ({"model": "tiny", "data_parallel_size": "two"}, "data_parallel_size"),
+                       ({"model": "tiny", "data_parallel_size": "0"}, "data_parallel_size"),
+                       ({"model": "tiny", "request_router": "random"}, "request_router"),
+                       ({"model": "tiny", "engine_args": "[1]"}, "engine_args")]:
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            build_app(args)
 
 
 def test_prefix_aware_routing_hits_the_cache(app):

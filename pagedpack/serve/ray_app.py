@@ -167,8 +167,8 @@ class RemoteServing:
 
     healthy = True  # a replica that fails its health check is restarted by Ray Serve
 
-    def __init__(self, engine, config: ServingConfig, info: dict):
-        self.engine, self.config = engine, config
+    def __init__(self, engine, config: ServingConfig, info: dict, *, route_by_prefix: bool = True):
+        self.engine, self.config, self.route_by_prefix = engine, config, route_by_prefix
         self.tokenizer, self.block_size = info["tokenizer"], info["block_size"]
         self.prefix_caching, self.max_text_chars = info["prefix_caching"], info["max_text_chars"]
         self.max_model_len, self.max_chat_body_bytes = info["max_model_len"], info["max_chat_body_bytes"]
@@ -183,8 +183,9 @@ class RemoteServing:
 
     def block_hashes(self, route: str, body) -> list[bytes]:
         """The block hashes of ``body``'s first prompt as a replica will tokenize it; [] for a
-        prompt it would refuse (the replica answers the error) or with prefix caching off."""
-        if not self.prefix_caching or self.tokenizer is None:
+        prompt it would refuse (the replica answers the error), with prefix caching off, or for a
+        router that does not use them."""
+        if not (self.route_by_prefix and self.prefix_caching) or self.tokenizer is None:
             return []
         try:
             if route == "chat":
@@ -277,12 +278,13 @@ class _ReplicaMetrics:
 class PagedpackIngress:
     """The OpenAI API's routes (the single server's app) over the engine replicas."""
 
-    def __init__(self, engine, config: ServingConfig, api_key: str | None):
-        self.engine, self.config, self.api_key = engine, config, api_key
+    def __init__(self, engine, config: ServingConfig, api_key: str | None, route_by_prefix: bool):
+        self.engine, self.config, self.api_key, self.route_by_prefix = engine, config, api_key, route_by_prefix
 
     async def __serve_build_asgi_app__(self):
         info = await self.engine.routing_info.remote()
-        return build_fastapi_app(RemoteServing(self.engine, self.config, info), api_key=self.api_key)
+        serving = RemoteServing(self.engine, self.config, info, route_by_prefix=self.route_by_prefix)
+        return build_fastapi_app(serving, api_key=self.api_key)
 
 
 def pagedpack_app(engine_args: EngineArgs, config: ServingConfig, options: RayServeOptions = RayServeOptions()):
@@ -298,7 +300,7 @@ def pagedpack_app(engine_args: EngineArgs, config: ServingConfig, options: RaySe
     ingress = serve.deployment(PagedpackIngress).options(
         num_replicas=1, max_ongoing_requests=config.max_queue, ray_actor_options={**actor_options, "num_cpus": 0})
     return ingress.bind(engine.bind(engine_args, config, options.metrics_namespace, options.flow_control),
-                        config, options.api_key)
+                        config, options.api_key, options.request_router == "prefix-aware")
 
 
 def engine_replicas(app_name: str = APP_NAME) -> dict:
