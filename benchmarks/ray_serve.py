@@ -5,11 +5,12 @@ Workload: ``--model`` (default smollm2-135m) on ``--replicas`` (2) engine replic
 (``ray.init(address="local")``, never another's). ``--prefixes`` (8) shared prefixes of
 ``--prefix-len`` (256) tokens of English prose, each followed by ``--requests-per-prefix`` (8)
 unique ``--suffix-len`` (16) token questions; sent in rounds (a request of every prefix at once,
-then the next round), each streamed by the ``openai`` client, ``--max-tokens`` (8) greedy tokens.
-For each router (the application deployed afresh, one warm-up request per replica first): the
-prefix-cache hit rate (hits / queries, in prompt tokens, from the replicas' own counters over
-the workload) and the median and p90 time to first token (TTFT: request sent to first streamed
-token, client side) and wall time. Prints one JSON object, with the 1-minute load at the start.
+in a seeded random order, then the next round), each streamed by the ``openai`` client,
+``--max-tokens`` (8) greedy tokens. For each router (the application deployed afresh, one
+warm-up request per replica first): the prefix-cache hit rate (hits / queries, in prompt
+tokens, from the replicas' own counters over the workload), the median and p90 time to first
+token (TTFT: request sent to first streamed token, client side) and the wall time. Prints one
+JSON object, with the 1-minute load at the start.
 Run: ``python benchmarks/ray_serve.py [--model smollm2-135m]``.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -36,12 +38,15 @@ from common import cpu_model, english_text, load_1min
 
 
 def workload(args) -> list[list[list[int]]]:
-    """Rounds of prompts (token ids): round i holds request i of every prefix."""
+    """Rounds of prompts (token ids): round i holds request i of every prefix, in an order of its
+    own (seeded), so that no router keeps a prefix on one replica by the order alone."""
     ids = load_tokenizer(resolve(args.model))(english_text())["input_ids"]
     width = args.prefix_len + args.requests_per_prefix * args.suffix_len
     prefixes = [ids[p * width:p * width + args.prefix_len] for p in range(args.prefixes)]
-    return [[prefix + ids[p * width + args.prefix_len + i * args.suffix_len:][:args.suffix_len]
-             for p, prefix in enumerate(prefixes)] for i in range(args.requests_per_prefix)]
+    rounds = [[prefix + ids[p * width + args.prefix_len + i * args.suffix_len:][:args.suffix_len]
+               for p, prefix in enumerate(prefixes)] for i in range(args.requests_per_prefix)]
+    order = random.Random(0)
+    return [order.sample(prompts, len(prompts)) for prompts in rounds]
 
 
 async def ttft_s(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int) -> float:

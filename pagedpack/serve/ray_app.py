@@ -129,11 +129,12 @@ class PagedpackEngine:
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook: ``block_hashes`` (the cached blocks' 32-byte digests),
-        the prefix cache's counters in tokens (``prefix_cache_queries``, ``prefix_cache_hits``) and
-        ``num_waiting`` requests."""
+        the prefix cache's counters in tokens (``prefix_cache_queries``, ``prefix_cache_hits``),
+        ``num_waiting`` and ``num_running`` requests."""
         stats = self.llm.get_stats()
         return {"block_hashes": list(self.kv.pool.cached_blocks()), "prefix_cache_queries": stats.prefix_cache_queries,
-                "prefix_cache_hits": stats.prefix_cache_hits, "num_waiting": self.llm._loop.num_waiting}
+                "prefix_cache_hits": stats.prefix_cache_hits, "num_waiting": self.llm._loop.num_waiting,
+                "num_running": self.llm.llm_engine.scheduler.num_running}
 
     def metrics(self) -> str:
         """This replica's Prometheus exposition (the single server's ``/metrics``)."""
