@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -106,6 +108,10 @@ def main() -> None:
     load = load_1min()
     rounds = workload(args)
     port = free_port()
+    # token auth kept (Ray's default for a new local cluster) with a token of this run's own: a new cluster
+    # otherwise writes ~/.ray/auth_token, and every `ray start` on the host then requires it
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # workers: this Python (sys.executable)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
