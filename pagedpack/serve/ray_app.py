@@ -53,6 +53,7 @@ from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig, Serving
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 APP_NAME = "pagedpack"
+DELETE_TIMEOUT_S = 30.0  # pagedpack serve -dp N: how long a stop waits for Serve to delete the application
 REQUEST_ROUTERS = {"prefix-aware": "pagedpack.serve.prefix_router.PrefixAwareRouter",
                    "round-robin": "pagedpack.serve.prefix_router.RoundRobinRouter",
                    "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"}
@@ -330,16 +331,20 @@ def run(app, *, host: str, port: int) -> int:
     running on this host), else starts one in this process. Returns the exit status."""
     import ray
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     ray.init(log_to_driver=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+        signal.signal(signum, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/")
         print(f"pagedpack: serving on http://{host}:{port}/v1 (Ray Serve application {APP_NAME!r})", flush=True)
         stop.wait()
-        serve.delete(APP_NAME)
+        # bounded: a Ctrl-C in a terminal reaches the Ray processes this one started too, and a delete
+        # then waits for a controller that is gone
+        deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
+        deleting.start()
+        deleting.join(DELETE_TIMEOUT_S)
     finally:
         ray.shutdown()
     return 0
