@@ -116,17 +116,27 @@ class PagedpackEngine:
         except Exception as err:  # noqa: BLE001 -- answered as the single server answers it
             yield _error_item(err)
             return
+        # the requests are in the engine now: whatever ends this generator (the client gone cancels it)
+        # must end their stream or task, whose own cleanup aborts them; a stream's is armed once it runs
         if not asyncio.iscoroutine(result):
-            yield ("stream",)
-            async with contextlib.aclosing(result) as events:  # cancelled (the client gone): aborts its requests
-                async for event in events:
-                    yield event
+            async with contextlib.aclosing(result) as events:
+                first = await anext(events, None)
+                yield ("stream",)
+                if first is not None:
+                    yield first
+                    async for event in events:
+                        yield event
             return
-        yield ("accepted",)
+        whole = asyncio.ensure_future(result)
         try:
-            yield ("whole", await result)
-        except Exception as err:  # noqa: BLE001
-            yield _error_item(err)
+            yield ("accepted",)
+            try:
+                answer = ("whole", await whole)
+            except Exception as err:  # noqa: BLE001
+                answer = _error_item(err)
+            yield answer
+        finally:
+            whole.cancel()  # nothing once it is done
 
     async def record_routing_stats(self) -> dict:
         """Ray Serve's routing-stats hook: ``block_hashes`` (the cached blocks' 32-byte digests),
