@@ -63,10 +63,10 @@ async def ttft_s(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int)
 
 
 async def run_rounds(url: str, rounds, max_tokens: int) -> list[float]:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     times = []
-    for prompts in rounds:
-        times += await asyncio.gather(*(ttft_s(client, p, max_tokens) for p in prompts))
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        for prompts in rounds:
+            times += await asyncio.gather(*(ttft_s(client, p, max_tokens) for p in prompts))
     return times
 
 

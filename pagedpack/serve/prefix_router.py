@@ -46,6 +46,7 @@ class PrefixAwareRouter(RequestRouter):
             raise ValueError(f"request_router_kwargs: unknown {sorted(kwargs)}; expected only routed_ttl_s")
         self.routed_ttl_s = float(routed_ttl_s)
         self._routed: dict[ReplicaID, dict[bytes, float]] = {}  # replica -> block hash -> when routed
+        self._reported: dict[ReplicaID, tuple[list, set]] = {}  # replica -> (its last report's list, as a set)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -55,7 +56,7 @@ class PrefixAwareRouter(RequestRouter):
         now = time.monotonic()
         matched = {}
         for replica in candidate_replicas:
-            reported = set((replica.routing_stats or {}).get("block_hashes", ()))
+            reported = self._reported_set(replica)
             routed = self._routed.get(replica.replica_id, {})
             recent = {h for h, at in routed.items() if now - at < self.routed_ttl_s}
             matched[replica.replica_id] = matched_blocks(block_hashes, reported | recent)
@@ -65,6 +66,14 @@ class PrefixAwareRouter(RequestRouter):
         first = _shuffled([r for r in candidate_replicas if matched[r.replica_id] == best])
         rest = [r for r in candidate_replicas if matched[r.replica_id] != best]
         return [first, rest] if rest else [first]
+
+    def _reported_set(self, replica: RunningReplica) -> set:
+        """The block hashes ``replica`` last reported, as a set (made once per report)."""
+        reported = (replica.routing_stats or {}).get("block_hashes") or []
+        cached = self._reported.get(replica.replica_id)
+        if cached is None or cached[0] is not reported:
+            cached = self._reported[replica.replica_id] = (reported, set(reported))
+        return cached[1]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         block_hashes = _block_hashes(pending_request)
@@ -79,6 +88,7 @@ class PrefixAwareRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self._routed.pop(replica_id, None)
+        self._reported.pop(replica_id, None)
 
 
 class RoundRobinRouter(RequestRouter):

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
@@ -49,7 +50,7 @@ from pagedpack.runtime.block_hash import extend_block_hashes
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app as build_fastapi_app
 from pagedpack.serve.metrics import ServerMetrics
-from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig, ServingError, chat_text
+from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig, ServingError, _num_chars, chat_text
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 APP_NAME = "pagedpack"
@@ -199,20 +200,25 @@ class RemoteServing:
         router that does not use them."""
         if not (self.route_by_prefix and self.prefix_caching) or self.tokenizer is None:
             return []
+        limit = self.max_text_chars  # past it the replica refuses the request: not worth tokenizing
+        hashes: list[bytes] = []
         try:
             if route == "chat":
                 if body.chat_template is not None and not self.config.trust_request_chat_template:
                     return []
+                if _num_chars([m.model_dump(exclude_none=True) for m in body.messages], limit) > limit:
+                    return []
                 text = chat_text(self.tokenizer, body, self.config.chat_template)
-                ids = self.tokenizer(text[:self.max_text_chars], add_special_tokens=False).input_ids
+                ids = self.tokenizer(text[:limit], add_special_tokens=False).input_ids
             else:
                 prompt = body.prompts()[0]
+                if isinstance(prompt, str) and len(prompt) > limit:
+                    return []
                 ids = prompt if not isinstance(prompt, str) else \
-                    self.tokenizer(prompt[:self.max_text_chars], add_special_tokens=True).input_ids
-        except (ValueError, TypeError, UnicodeError):
+                    self.tokenizer(prompt, add_special_tokens=True).input_ids
+            extend_block_hashes(hashes, ids, self.block_size, body.cache_salt)
+        except (ValueError, TypeError, UnicodeError, struct.error):  # ids out of range: struct.error
             return []
-        hashes: list[bytes] = []
-        extend_block_hashes(hashes, ids, self.block_size, body.cache_salt)
         return hashes
 
     async def _call(self, route: str, body):
