@@ -83,6 +83,9 @@ def test_answers_equal_single_engine(app):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=8, top_p=2.0)
     assert bad.value.body["param"] == "top_p" and "top_p" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:  # no block hash for it: routed without, refused by a replica
+        client.completions.create(model="tiny", prompt=[2**70], max_tokens=1)
+    assert bad.value.body["param"] == "prompt"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     assert missing.value.body["param"] == "model"
