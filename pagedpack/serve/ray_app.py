@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import signal
 import struct
 import threading
@@ -95,9 +96,24 @@ class PagedpackEngine:
     def __init__(self, engine_args: EngineArgs, config: ServingConfig, metrics_namespace: str,
                  flow_control: FlowControl):
         check_online(engine_args)
-        self.llm = llm = LLM.from_engine_args(engine_args)
-        llm._loop.flow_control = flow_control
-        llm.llm_engine.runner.commit_kv_memory()
+        built, self._stop = queue.SimpleQueue(), threading.Event()
+
+        def drive():  # builds the model and steps it in one thread, as pagedpack serve does (one OpenMP pool)
+            try:
+                llm = LLM.from_engine_args(engine_args)
+                llm._loop.flow_control = flow_control
+                llm.llm_engine.runner.commit_kv_memory()
+            except BaseException as err:  # noqa: BLE001 -- raised by the constructor
+                built.put(err)
+                return
+            built.put(llm)
+            llm._loop.serve_forever(self._stop)  # if it dies: loop.error is set, the health check fails
+
+        threading.Thread(target=drive, name="pagedpack-engine", daemon=True).start()
+        llm = built.get()
+        if isinstance(llm, BaseException):
+            raise llm
+        self.llm = llm
         metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=metrics_namespace)
         self.serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
         self.kv = llm.llm_engine.scheduler.kv_cache_manager
