@@ -116,8 +116,7 @@ def main() -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         results = {router: measure(args, router, rounds, port) for router in args.routers.split(",")}
-    finally:
-        serve.shutdown()
+    finally:  # the cluster is this run's own: stopped whole (serve.shutdown would print a raylet line to stdout)
         ray.shutdown()
     print(json.dumps({"model": args.model, "replicas": args.replicas, "prefixes": args.prefixes,
                       "requests_per_prefix": args.requests_per_prefix, "prefix_len": args.prefix_len,
