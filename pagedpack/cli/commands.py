@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="once SIGINT/SIGTERM comes, how long in-flight requests may finish before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine replicas; above 1, served as a Ray Serve application (joins the Ray cluster of "
+                          "RAY_ADDRESS, or one running on this host, else starts one): docs/scale-out.md")
+    srv.add_argument("--request-router", default="prefix-aware",
+                     choices=["prefix-aware", "round-robin", "power-of-two"],
+                     help="with --data-parallel-size: which replica takes a request (prefix-aware: the one holding "
+                          "the longest cached prefix of its prompt, else the least loaded)")
+    srv.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                     help="with --data-parallel-size: the Ray CPUs each engine replica reserves")
 
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
@@ -244,10 +253,17 @@ def _serve(args) -> int:
                            max_tokenize_queue=args.max_tokenize_queue)
     engine_args = EngineArgs.from_cli_args(args)
     check_online(engine_args)
+    flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)
+    if args.data_parallel_size != 1:
+        from pagedpack.serve.ray_app import RayServeOptions, pagedpack_app, run
+
+        options = RayServeOptions(data_parallel_size=args.data_parallel_size, request_router=args.request_router,
+                                  num_cpus=args.num_cpus_per_replica, api_key=args.api_key,
+                                  metrics_namespace=args.metrics_namespace, flow_control=flow_control)
+        return run(pagedpack_app(engine_args, config, options), host=args.host, port=args.port)
     llm = LLM.from_engine_args(engine_args)
     print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
-    flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                                             metrics_namespace=args.metrics_namespace, log_level=args.log_level,
                                             graceful_s=args.timeout_graceful_shutdown, flow_control=flow_control))

@@ -47,7 +47,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
     # max_body_size: Starlette's limit, on declared and streamed (chunked) bodies alike -> 413
     app = _App(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None,
                max_body_size=max_body_bytes)
-    loop, config, created = serving.llm._loop, serving.config, int(time.time())
+    config, created = serving.config, int(time.time())
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -91,7 +91,7 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
 
     @app.get("/health")
     async def health():
-        return Response(status_code=503 if loop.error is not None else 200)
+        return Response(status_code=200 if serving.healthy else 503)
 
     @app.get("/version")
     async def version():

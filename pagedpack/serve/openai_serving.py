@@ -151,19 +151,20 @@ class OpenAIServing:
                                                   self.max_text_chars), in_strings)
         self._check_length("chat_template_kwargs", _num_chars(kwargs, self.max_text_chars), in_strings)
         self._check_length("chat_template", len(body.chat_template or ""))
-        messages = [m.as_dict() for m in body.messages]
 
         def tokenized() -> Prompt:
-            text = _tokenized("messages", lambda: render_text(
-                self.llm.tokenizer, messages, chat_template=body.chat_template or self.config.chat_template,
-                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-                chat_template_kwargs=kwargs))
+            text = _tokenized("messages", lambda: chat_text(self.llm.tokenizer, body, self.config.chat_template))
             self._check_length("messages", len(text), "the chat template renders {} characters")
             return self._prompt(text, body.cache_salt, special=False)  # the template wrote them
 
         prompt = await self._tokenizing(tokenized)
         return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
                              chat=True)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine loop has died (``/health`` then answers 503)."""
+        return self.llm._loop.error is None
 
     # -- shared ---------------------------------------------------------------------------------
     def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool):
@@ -299,6 +300,17 @@ class OpenAIServing:
             await deltas.aclose()
             self._abort(ids)
         yield "data: [DONE]\n\n"
+
+
+def chat_text(tokenizer, body: ChatCompletionRequest, chat_template: str | None) -> str:
+    """The text the chat request's messages render to (its own ``chat_template``, else
+    ``chat_template``, else the tokenizer's); tokenized without special tokens (the template wrote
+    them). ``ValueError`` / ``TypeError`` as :func:`~pagedpack.chat.render_text` raises them."""
+    return render_text(tokenizer, [m.as_dict() for m in body.messages],
+                       chat_template=body.chat_template or chat_template,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message,
+                       chat_template_kwargs=body.chat_template_kwargs or {})
 
 
 _APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "messages", "self", "tools", "documents", "chat_template",
