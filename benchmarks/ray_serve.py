@@ -6,10 +6,13 @@ Workload: ``--model`` (default smollm2-135m) on ``--replicas`` (2) engine replic
 ``--prefix-len`` (256) tokens of English prose, each followed by ``--requests-per-prefix`` (8)
 unique ``--suffix-len`` (16) token questions; sent in rounds (a request of every prefix at once,
 in a seeded random order, then the next round), each streamed by the ``openai`` client,
-``--max-tokens`` (8) greedy tokens. For each router (the application deployed afresh, one
-warm-up request per replica first): the prefix-cache hit rate (hits / queries, in prompt
-tokens, from the replicas' own counters over the workload), the median and p90 time to first
-token (TTFT: request sent to first streamed token, client side) and the wall time. Prints one
+``--max-tokens`` (8) greedy tokens. Each replica's KV pool holds ``--num-blocks`` (112)
+blocks, fewer than the prefixes need together (8 x 16 at the defaults), as when a deployment's
+prefixes outnumber what one replica caches (with room for all of them on every replica, any
+router ends up hitting). For each router (the application deployed afresh, one warm-up request
+per replica first): the prefix-cache hit rate (hits / queries, in prompt tokens, from the
+replicas' own counters over the workload), the median and p90 time to first token (TTFT: request
+sent to first streamed token, client side) and the wall time. Prints one
 JSON object, with the 1-minute load at the start.
 Run: ``python benchmarks/ray_serve.py [--model smollm2-135m]``.
 """
@@ -73,7 +76,8 @@ async def run_rounds(url: str, rounds, max_tokens: int) -> list[float]:
 def measure(args, router: str, rounds, port: int) -> dict:
     options = RayServeOptions(data_parallel_size=args.replicas, request_router=router, num_cpus=1.0,
                               routing_stats_period_s=1.0)
-    app = pagedpack_app(EngineArgs(model=args.model, block_size=args.block_size), ServingConfig("model"), options)
+    engine_args = EngineArgs(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks)
+    app = pagedpack_app(engine_args, ServingConfig("model"), options)
     serve.run(app, name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=112, help="each replica's KV pool, in blocks")
     parser.add_argument("--routers", default="prefix-aware,round-robin", help="comma-separated, in this order")
     args = parser.parse_args()
     load = load_1min()
@@ -121,7 +126,8 @@ def main() -> None:
     print(json.dumps({"model": args.model, "replicas": args.replicas, "prefixes": args.prefixes,
                       "requests_per_prefix": args.requests_per_prefix, "prefix_len": args.prefix_len,
                       "suffix_len": args.suffix_len, "max_tokens": args.max_tokens, "block_size": args.block_size,
-                      "load_1min_at_start": load, "cpu": cpu_model(), "python": sys.version.split()[0],
+                      "num_blocks": args.num_blocks, "load_1min_at_start": load, "cpu": cpu_model(),
+                      "python": sys.version.split()[0],
                       "results": results}, indent=2))
 
 
