@@ -47,8 +47,8 @@ def app(ray_cluster):
         serve.run(application, name=APP_NAME, route_prefix="/")
         built.join()
         yield f"http://127.0.0.1:{port}", reference["llm"]
-    finally:
-        serve.shutdown()
+    finally:  # the application's replicas go; Serve's controller and proxy end with the session's cluster
+        serve.delete(APP_NAME)
 
 
 def _client(url: str, **kwargs) -> openai.OpenAI:
