@@ -39,6 +39,7 @@ log = logging.getLogger("pagedpack.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+MAX_SIZE = 2**31 - 1  # ZeroMQ's high-water mark is a C int; a deque's length a ssize_t
 
 
 @dataclass
@@ -49,7 +50,7 @@ class KVEventsConfig:
     replay, 10,000), ``hwm`` (the PUB socket's high-water mark, 100,000), ``max_queue_size``
     (batches waiting for the publisher thread, 100,000; at least 1: pagedpack's queue is bounded)
     and ``topic`` (``""``). ``ValueError`` naming ``kv_events_config.<field>`` for a field unknown
-    or of the wrong type."""
+    or of the wrong type, or a size past :data:`MAX_SIZE`."""
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None
@@ -69,8 +70,8 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name}: expected {expected}, got {value!r:.80}")
         for name, low in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"kv_events_config.{name}: expected an int >= {low}, got {value!r:.80}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
+                raise ValueError(f"kv_events_config.{name}: expected an int from {low} to {MAX_SIZE}, got {value!r:.80}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):
