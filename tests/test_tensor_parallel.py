@@ -7,6 +7,7 @@ real ``torch.distributed`` processes (gloo) against one rank's tokens.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -429,6 +430,26 @@ def test_the_command_channel_keeps_only_the_engines_token_and_bounds_frames():
             rank_channel.recv_frame(rank1, 8)
     finally:
         for sock in (stranger, out_of_range, rank1, *conns.values()):
+            sock.close()
+
+
+def test_the_command_channel_reads_hellos_side_by_side(monkeypatch):
+    """Connections that send nothing or part of a token (slowloris), more than ``MAX_PENDING`` of
+    them, delay no worker's hello; each is closed by the time the workers are in."""
+    monkeypatch.setattr(rank_channel, "HELLO_TIMEOUT_S", 1.0)
+    listener = rank_channel.RankListener("127.0.0.1", 2)
+    monkeypatch.setattr(rank_channel, "MAX_PENDING", 3)
+    strangers = [socket.create_connection(("127.0.0.1", listener.port), timeout=5) for _ in range(4)]
+    strangers[3].sendall(listener.token[:5])
+    time.sleep(0.1)  # the strangers are first in the queue
+    rank1 = rank_channel.connect("127.0.0.1", listener.port, listener.token, 1, timeout_s=5)
+    started = time.monotonic()
+    conns = listener.accept_all(5, lambda: None)
+    try:
+        assert list(conns) == [1] and time.monotonic() - started < 0.9
+        assert all(stranger.recv(1) == b"" for stranger in strangers)
+    finally:
+        for sock in (rank1, *strangers, *conns.values()):
             sock.close()
 
 
