@@ -250,8 +250,8 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
                        ({"enable_kv_cache_events": 1}, "kv_events_config.enable_kv_cache_events: expected a bool"),
                        ({"publisher": "kafka"}, "kv_events_config.publisher: expected 'null' or 'zmq'"),
                        ({"max_queue_size": 0}, "kv_events_config.max_queue_size: expected an int from 1 to"),
-                       ({"buffer_steps": 10**20}, r"kv_events_config.buffer_steps: expected an int from 0 to 2147483647, "
-                                                  r"got 100000000000000000000"),  # an OverflowError at the socket
+                       ({"buffer_steps": 10**20},  # an OverflowError from the deque
+                        "kv_events_config.buffer_steps: expected an int from 0 to 2147483647, got 10{20}"),
                        ({"hwm": 2**31}, "kv_events_config.hwm: expected an int from 0 to 2147483647, got 2147483648"),
                        ({"replay_endpoint": "localhost:5558"}, "kv_events_config.replay_endpoint: expected a ZeroMQ"),
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):

@@ -468,7 +468,8 @@ def test_engine_args_reach_a_worker_as_json_validated_again():
 def test_extra_passes_from_json_calls_nothing_but_a_pass_class(spec):
     """A worker makes ``extra_passes`` again from their names: a name of another callable is refused
     before it is called (``os:abort`` would end the process, ``builtins:input`` wait on stdin)."""
-    with pytest.raises(ValueError, match=rf"expected MODULE:CLASS of a pagedpack.passes.manager.Pass subclass, got '{spec}'"):
+    with pytest.raises(ValueError, match=rf"expected MODULE:CLASS of a pagedpack.passes.manager.Pass subclass, "
+                                         rf"got '{spec}'"):
         EngineArgs.from_json(json.dumps({"model": "tiny", "extra_passes": [spec]}))
 
 
