@@ -24,8 +24,13 @@ their copy of the cache is stale until they rebuild it (e.g. after an ``AllBlock
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import queue
+import socket
+import stat
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
@@ -71,7 +76,8 @@ class KVEventsConfig:
         for name, low in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
-                raise ValueError(f"kv_events_config.{name}: expected an int from {low} to {MAX_SIZE}, got {value!r:.80}")
+                raise ValueError(f"kv_events_config.{name}: expected an int from {low} to {MAX_SIZE}, "
+                                 f"got {value!r:.80}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):
@@ -117,7 +123,8 @@ class NullEventPublisher:
 class ZmqEventPublisher:
     """PUB + replay ROUTER sockets, served by a background thread (the module docstring).
     ``RuntimeError`` from :meth:`publish` once shut down; ``ValueError`` naming the field at
-    construction for an endpoint that cannot be bound or connected (e.g. a port in use)."""
+    construction for an endpoint that cannot be bound or connected (a port in use; an ``ipc://`` path
+    in use or not a socket: :func:`_bind`)."""
 
     SHUTDOWN_TIMEOUT_S = 1.0
     POLL_S = 0.1
@@ -131,7 +138,8 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._next_seq = 0
-        context = zmq.Context.instance()
+        # a context of its own: terminating it waits until its sockets are closed, so their endpoints are free
+        self._context = context = zmq.Context()
         self._pub = context.socket(zmq.PUB)
         self._replay = None
         field = "endpoint"
@@ -139,14 +147,14 @@ class ZmqEventPublisher:
             self._pub.set_hwm(config.hwm)
             endpoint = config.endpoint
             if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-                self._pub.bind(endpoint)
+                _bind(self._pub, endpoint)
             else:
                 self._pub.connect(endpoint)
             if config.replay_endpoint is not None:
                 field = "replay_endpoint"
                 self._replay = context.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError as err:
+                _bind(self._replay, config.replay_endpoint)
+        except (zmq.ZMQError, OSError) as err:  # OSError: _bind's check
             self._close_sockets()
             raise ValueError(f"kv_events_config.{field}: expected an address this process can use, got "
                              f"{getattr(config, field)!r} ({err})") from err
@@ -184,6 +192,7 @@ class ZmqEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        self._context.term()
 
     def _serve(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -219,9 +228,34 @@ class ZmqEventPublisher:
         self._replay.send_multipart((identity, b"", END_SEQ, b""))
 
 
+def _bind(sock, endpoint: str) -> None:
+    """``sock.bind(endpoint)``, but ``FileExistsError`` for an ``ipc://`` path that is a file other
+    than a socket, or a socket something listens on: ZeroMQ would replace either (a stale socket it may)."""
+    path = endpoint.removeprefix("ipc://")
+    if path != endpoint and not path.startswith("@") and os.path.lexists(path):  # "@": Linux's abstract names
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(f"{path} is a file, not a socket")
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.setblocking(False)  # a listener with a full backlog: EAGAIN, not a wait
+            if probe.connect_ex(path) not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise FileExistsError(f"{path} is a socket in use")
+    sock.bind(endpoint)
+
+
 def make_publisher(config: KVEventsConfig | None) -> NullEventPublisher | ZmqEventPublisher:
     """The publisher ``config`` asks for (vLLM's ``EventPublisherFactory.create``)."""
     if config is None or not config.enable_kv_cache_events or config.publisher == "null":
         return NullEventPublisher()
     return ZmqEventPublisher(config)
 
+
+
+@contextlib.contextmanager
+def publisher_for(config: KVEventsConfig | None):
+    """:func:`make_publisher`'s publisher, shut down if the block raises (its sockets free again)."""
+    publisher = make_publisher(config)
+    try:
+        yield publisher
+    except BaseException:
+        publisher.shutdown()
+        raise

@@ -8,6 +8,7 @@ ROUTER answering ``["", start_seq]`` with ``["", seq, payload]`` frames and the 
 are checked against an independent sha256 chain built from the formula ``block_hash.py``
 documents. The references: the pool's own ``BlockPool.cached_blocks()``, the prompts sent.
 """
+import dataclasses
 import hashlib
 import json
 import struct
@@ -237,8 +238,34 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
                             replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     taken = ZmqEventPublisher(config)  # the replay port is this one's until it shuts down
     with pytest.raises(ValueError, match="kv_events_config.replay_endpoint: expected an address this process can"):
-        ZmqEventPublisher(config)
+        ZmqEventPublisher(dataclasses.replace(config, endpoint=f"{folder}/pub3b"))
     taken.shutdown()
+
+
+def test_an_llm_binds_its_kv_event_sockets_before_the_build_and_frees_them_if_it_fails(monkeypatch, tmp_path):
+    """A second engine on the same endpoint fails before loading the model; a failed build leaves
+    the endpoint free for the next."""
+    def build(builder):
+        raise RuntimeError("the build")
+
+    monkeypatch.setattr("pagedpack.llm.ProgramBuilder.build", build)
+    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    taken = ZmqEventPublisher(KVEventsConfig.parse(config))
+    try:
+        with pytest.raises(ValueError, match="kv_events_config.endpoint: expected an address this process can use"):
+            LLM("tiny", kv_events_config={**config, "replay_endpoint": None})  # before the build
+        with pytest.raises(ValueError, match="kv_events_config.replay_endpoint: expected an address this process"):
+            LLM("tiny", kv_events_config={**config, "endpoint": f"ipc://{tmp_path}/pub2"})
+    finally:
+        taken.shutdown()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the build"):
+            LLM("tiny", kv_events_config=config)
+    (tmp_path / "file").write_text("kept")  # ZeroMQ would replace it with its socket
+    with pytest.raises(ValueError, match=rf"kv_events_config.endpoint: .* \({tmp_path}/file is a file, not a socket\)"):
+        ZmqEventPublisher(KVEventsConfig.parse({**config, "endpoint": f"ipc://{tmp_path}/file"}))
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
