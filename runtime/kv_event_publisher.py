@@ -44,6 +44,7 @@ log = logging.getLogger("pagedpack.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+REPLAY_FRAME_LIMIT = 64  # bytes of a replay request's frame (8 are used): a peer sending more is disconnected
 MAX_SIZE = 2**31 - 1  # ZeroMQ's high-water mark is a C int; a deque's length a ssize_t
 
 
@@ -153,6 +154,7 @@ class ZmqEventPublisher:
             if config.replay_endpoint is not None:
                 field = "replay_endpoint"
                 self._replay = context.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_FRAME_LIMIT)
                 _bind(self._replay, config.replay_endpoint)
         except (zmq.ZMQError, OSError) as err:  # OSError: _bind's check
             self._close_sockets()

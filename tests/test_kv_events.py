@@ -197,7 +197,7 @@ def test_a_subscriber_rebuilds_the_pool_s_cache_from_the_events(llm, endpoints):
     late.close()
 
 
-def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
+def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints, caplog):
     folder = endpoints[0].rsplit("/", 1)[0]
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"{folder}/pub2", replay_endpoint=f"{folder}/rep2",
                             max_queue_size=2, topic=TOPIC)
@@ -221,6 +221,9 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         assert time.monotonic() - start < 1.0 and publisher.num_dropped_batches == 8  # 2 queued, 8 dropped
         release.set()
         subscriber = Subscriber(f"{folder}/pub2", f"{folder}/rep2")
+        hostile = zmq.Context.instance().socket(zmq.DEALER)
+        hostile.connect(f"{folder}/rep2")
+        hostile.send_multipart([b"", b"x" * (1 << 20)])  # over REPLAY_FRAME_LIMIT: disconnected, never read
         subscriber.dealer.send_multipart([b"", b"not 8 bytes"])  # malformed: ignored, the next one answered
         subscriber.dealer.send_multipart([b"", b"", b"", b""])
         assert sorted(subscriber.settled()) == [0, 1, 2]
@@ -228,7 +231,9 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         replayed = subscriber.settled()
         assert sorted(replayed) == [0, 1, 2, 11]  # the dropped ones' sequence numbers: a gap subscribers see
         assert [msgspec.msgpack.decode(replayed[s])[0] for s in (0, 1, 11)] == [1.0, 2.0, 3.0]
+        assert caplog.text.count("ignoring a malformed KV event replay request") == 2
         subscriber.close()
+        hostile.close(linger=0)
     finally:
         release.set()
         publisher.shutdown()
