@@ -79,6 +79,12 @@ class KVEventsConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
                 raise ValueError(f"kv_events_config.{name}: expected an int from {low} to {MAX_SIZE}, "
                                  f"got {value!r:.80}")
+        for name in ("endpoint", "replay_endpoint", "topic"):  # sent as UTF-8
+            try:
+                (getattr(self, name) or "").encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"kv_events_config.{name}: expected text UTF-8 can encode (no lone surrogates), "
+                                 f"got {getattr(self, name)!r:.80}") from None
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):

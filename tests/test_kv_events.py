@@ -285,6 +285,7 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
                        ({"buffer_steps": 10**20},  # an OverflowError from the deque
                         "kv_events_config.buffer_steps: expected an int from 0 to 2147483647, got 10{20}"),
                        ({"hwm": 2**31}, "kv_events_config.hwm: expected an int from 0 to 2147483647, got 2147483648"),
+                       ({"topic": "kv\ud800"}, r"kv_events_config.topic: expected text UTF-8 can encode"),
                        ({"replay_endpoint": "localhost:5558"}, "kv_events_config.replay_endpoint: expected a ZeroMQ"),
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):
         with pytest.raises(ValueError, match=named):
