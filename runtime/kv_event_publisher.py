@@ -185,16 +185,15 @@ class ZmqEventPublisher:
             self.num_dropped_batches += 1
 
     def shutdown(self) -> None:
-        """Send what is queued (for up to ``SHUTDOWN_TIMEOUT_S``), stop the thread, close the sockets."""
+        """Stop the thread once it has sent what is queued (waiting up to ``SHUTDOWN_TIMEOUT_S``); it
+        closes the sockets as it ends."""
         if not self._running:
             return
         self._running = False
         self._thread.join(self.SHUTDOWN_TIMEOUT_S)
         if self._thread.is_alive():
-            log.warning("the KV event publisher thread did not stop within %.1f s; %d batches unsent",
-                        self.SHUTDOWN_TIMEOUT_S, self._queue.qsize())
-            return  # its sockets are its own: closed by the process's exit
-        self._close_sockets()
+            log.warning("the KV event publisher thread did not stop within %.1f s (%d batches unsent); its "
+                        "sockets close when it does", self.SHUTDOWN_TIMEOUT_S, self._queue.qsize())
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
@@ -203,6 +202,12 @@ class ZmqEventPublisher:
         self._context.term()
 
     def _serve(self) -> None:
+        try:
+            self._publish_until_shut_down()
+        finally:
+            self._close_sockets()
+
+    def _publish_until_shut_down(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while self._running or not self._queue.empty():
             if self._replay is not None and self._replay.poll(0):

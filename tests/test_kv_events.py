@@ -247,6 +247,28 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints, ca
     taken.shutdown()
 
 
+def test_a_publisher_thread_past_the_shutdown_timeout_frees_its_addresses_when_it_ends(monkeypatch):
+    monkeypatch.setattr(ZmqEventPublisher, "SHUTDOWN_TIMEOUT_S", 0.1)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://stuck",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    publisher = ZmqEventPublisher(config)
+    entered, release = threading.Event(), threading.Event()
+    send = publisher._send
+
+    def stuck(seq, payload):
+        entered.set()
+        release.wait(10)
+        send(seq, payload)
+
+    publisher._send = stuck
+    publisher.publish(KVEventBatch(ts=1.0, events=[]))
+    assert entered.wait(10)
+    publisher.shutdown()  # gives up waiting; the thread still sends its batch, then closes
+    release.set()
+    publisher._thread.join(10)
+    ZmqEventPublisher(config).shutdown()  # the addresses are free (they stayed bound until the process ended)
+
+
 def test_an_llm_binds_its_kv_event_sockets_before_the_build_and_frees_them_if_it_fails(monkeypatch, tmp_path):
     """A second engine on the same endpoint fails before loading the model; a failed build leaves
     the endpoint free for the next."""
