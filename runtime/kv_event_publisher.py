@@ -13,7 +13,10 @@
 - a ROUTER socket on ``replay_endpoint`` (if given; it binds) answers a request (a DEALER's
   ``["", start_seq]``, or a REQ's ``[start_seq]``; 8 bytes big-endian) with each buffered
   ``["", seq, payload]`` from ``start_seq`` on, then the end marker ``["", -1 (8 bytes, signed),
-  ""]``; the last ``buffer_steps`` batches are buffered.
+  ""]``; the last ``buffer_steps`` batches are buffered. Replays go side by side with the live
+  batches, a chunk at a time (:data:`MAX_REPLAYS` at once, :data:`REPLAY_CHUNK` batches per round):
+  a flood of requests slows the replays, not the live events. A request frame over
+  :data:`REPLAY_FRAME_LIMIT` bytes disconnects its peer.
 
 A background thread owns the sockets, so a step never waits on them. Unlike vLLM's publisher,
 whose ``publish`` blocks while its queue is full, a batch that finds the queue full
@@ -44,6 +47,8 @@ log = logging.getLogger("pagedpack.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+MAX_REPLAYS = 8  # replays in progress at once
+REPLAY_CHUNK = 64  # buffered batches each replay sends per round of the publisher thread
 REPLAY_FRAME_LIMIT = 64  # bytes of a replay request's frame (8 are used): a peer sending more is disconnected
 MAX_SIZE = 2**31 - 1  # ZeroMQ's high-water mark is a C int; a deque's length a ssize_t
 
@@ -145,6 +150,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._next_seq = 0
+        self._replays: list[list] = []  # [identity, the batches it asked for, how many were sent] of each replay
         # a context of its own: terminating it waits until its sockets are closed, so their endpoints are free
         self._context = context = zmq.Context()
         self._pub = context.socket(zmq.PUB)
@@ -208,37 +214,55 @@ class ZmqEventPublisher:
             self._close_sockets()
 
     def _publish_until_shut_down(self) -> None:
+        """Live batches first: each round sends all that are queued, then at most
+        :data:`REPLAY_CHUNK` buffered batches to each replay in progress (a flood of replay requests
+        slows the replays, not the live events). Replays still going at shutdown end unfinished (no
+        end marker)."""
         encoder = msgspec.msgpack.Encoder()
         while self._running or not self._queue.empty():
-            if self._replay is not None and self._replay.poll(0):
-                try:
-                    self._answer_replay()
-                except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
-                    log.exception("answering a KV event replay request failed")
+            if self._replay is not None:
+                self._continue_replays()
             try:
-                seq, batch = self._queue.get(timeout=self.POLL_S)
+                item = self._queue.get(timeout=0 if self._replays else self.POLL_S)
             except queue.Empty:
                 continue
-            try:
-                self._send(seq, encoder.encode(batch))
-            except Exception:  # noqa: BLE001 -- one batch lost (its seq leaves a gap); the thread goes on
-                log.exception("publishing KV event batch %d failed", seq)
+            while item is not None:
+                seq, batch = item
+                try:
+                    self._send(seq, encoder.encode(batch))
+                except Exception:  # noqa: BLE001 -- one batch lost (its seq leaves a gap); the thread goes on
+                    log.exception("publishing KV event batch %d failed", seq)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
 
     def _send(self, seq: int, payload: bytes) -> None:
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
 
-    def _answer_replay(self) -> None:
-        """One replay request: ``[identity, "", start_seq]`` (anything else is ignored)."""
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("ignoring a malformed KV event replay request of %d frames", len(frames))
-            return
-        identity, start = frames[0], int.from_bytes(frames[2], "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+    def _continue_replays(self) -> None:
+        """Take new replay requests (up to :data:`MAX_REPLAYS` in progress; more wait in the socket)
+        and send each replay's next chunk, or its end marker."""
+        while len(self._replays) < MAX_REPLAYS and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:  # a request is [identity, "", start_seq]
+                log.warning("ignoring a malformed KV event replay request of %d frames", len(frames))
+                continue
+            start = int.from_bytes(frames[2], "big")
+            self._replays.append([frames[0], [item for item in self._buffer if item[0] >= start], 0])
+        for replay in list(self._replays):
+            identity, batches, at = replay
+            try:
+                for seq, payload in batches[at:at + REPLAY_CHUNK]:
+                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                replay[2] = at + REPLAY_CHUNK
+                if replay[2] >= len(batches):
+                    self._replay.send_multipart((identity, b"", END_SEQ, b""))
+                    self._replays.remove(replay)
+            except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
+                log.exception("answering a KV event replay request failed")
+                self._replays.remove(replay)
 
 
 def _bind(sock, endpoint: str) -> None:

@@ -247,6 +247,32 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints, ca
     taken.shutdown()
 
 
+def test_a_flood_of_replay_requests_does_not_make_live_batches_drop():
+    """50 replays of 3,000 buffered batches wait while live batches come every 2 ms: each round of the
+    publisher thread sends what is queued first (before, a whole replay went between two batches, and
+    the 16-batch queue overflowed)."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://live",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", max_queue_size=16)
+    publisher = ZmqEventPublisher(config)
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for i in range(3000):
+            publisher._queue.put((i, KVEventBatch(ts=0.0, events=[AllBlocksCleared()])))
+        while not publisher._queue.empty():
+            time.sleep(0.01)
+        flood.connect(config.replay_endpoint)
+        for _ in range(50):
+            flood.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.05)
+        for _ in range(40):
+            publisher.publish(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]))
+            time.sleep(0.002)
+        assert publisher.num_dropped_batches == 0
+    finally:
+        flood.close(linger=0)
+        publisher.shutdown()
+
+
 def test_a_publisher_thread_past_the_shutdown_timeout_frees_its_addresses_when_it_ends(monkeypatch):
     monkeypatch.setattr(ZmqEventPublisher, "SHUTDOWN_TIMEOUT_S", 0.1)
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://stuck",
