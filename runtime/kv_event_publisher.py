@@ -95,6 +95,10 @@ class KVEventsConfig:
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):
                 raise ValueError(f"kv_events_config.{name}: expected a ZeroMQ address starting with "
                                  f"{' or '.join(ZMQ_TRANSPORTS)}, got {value!r:.80}")
+            port = value.rpartition(":")[2] if value is not None and value.startswith("tcp://") else "*"
+            if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):  # ZeroMQ wraps it
+                raise ValueError(f"kv_events_config.{name}: expected a port from 0 to 65535 or * after the last "
+                                 f"':', got {value!r:.80}")
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("null", "zmq"):

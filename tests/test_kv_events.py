@@ -334,6 +334,8 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
                         "kv_events_config.buffer_steps: expected an int from 0 to 2147483647, got 10{20}"),
                        ({"hwm": 2**31}, "kv_events_config.hwm: expected an int from 0 to 2147483647, got 2147483648"),
                        ({"topic": "kv\ud800"}, r"kv_events_config.topic: expected text UTF-8 can encode"),
+                       ({"endpoint": "tcp://*:99999"}, r"kv_events_config.endpoint: expected a port from 0 to 65535"),
+                       ({"replay_endpoint": "tcp://127.0.0.1:-5"}, "kv_events_config.replay_endpoint: expected a port"),
                        ({"replay_endpoint": "localhost:5558"}, "kv_events_config.replay_endpoint: expected a ZeroMQ"),
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):
         with pytest.raises(ValueError, match=named):
