@@ -137,7 +137,8 @@ class NullEventPublisher:
 
 
 class ZmqEventPublisher:
-    """PUB + replay ROUTER sockets, served by a background thread (the module docstring).
+    """PUB + replay ROUTER sockets, served by a background thread (the module docstring); counts
+    :attr:`num_dropped_batches` and :attr:`num_malformed_requests` (replay requests ignored).
     ``RuntimeError`` from :meth:`publish` once shut down; ``ValueError`` naming the field at
     construction for an endpoint that cannot be bound or connected (a port in use; an ``ipc://`` path
     in use or not a socket: :func:`_bind`)."""
@@ -149,7 +150,7 @@ class ZmqEventPublisher:
         import zmq
 
         self.data_parallel_rank = data_parallel_rank
-        self.num_dropped_batches = 0
+        self.num_dropped_batches = self.num_malformed_requests = 0
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
@@ -251,7 +252,10 @@ class ZmqEventPublisher:
         while len(self._replays) < MAX_REPLAYS and self._replay.poll(0):
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:  # a request is [identity, "", start_seq]
-                log.warning("ignoring a malformed KV event replay request of %d frames", len(frames))
+                self.num_malformed_requests += 1  # a warning for the first only: a flood of them is no log flood
+                log.log(logging.WARNING if self.num_malformed_requests == 1 else logging.DEBUG,
+                        "ignoring a malformed KV event replay request of %d frames (more are logged at debug level)",
+                        len(frames))
                 continue
             start = int.from_bytes(frames[2], "big")
             self._replays.append([frames[0], [item for item in self._buffer if item[0] >= start], 0])
