@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -32,11 +33,16 @@ from pagedpack.models.aliases import DEFAULT_MODEL
 def user_pass(spec: str):
     """An instance of the pass class ``spec`` names (``"module:Class"``, the module imported as
     Python imports it: the user's own code, named on the command line); ``ValueError`` otherwise."""
+    from pagedpack.passes.manager import Pass
+
     module_name, _, class_name = spec.partition(":")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        cls = functools.reduce(getattr, class_name.split("."), importlib.import_module(module_name))
     except (ImportError, AttributeError, ValueError) as err:
         raise ValueError(f"--extra-pass: expected MODULE:CLASS of an importable pass, got {spec!r} ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):  # nothing else is called (os:abort, builtins:input)
+        raise ValueError(f"--extra-pass: expected MODULE:CLASS of a pagedpack.passes.manager.Pass subclass, got "
+                         f"{spec!r} (a {type(cls).__name__})")
     return cls()
 
 

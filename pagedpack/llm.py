@@ -15,6 +15,7 @@ from pagedpack.inputs import normalize_prompts, parse_bytes
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
+from pagedpack.runtime.kv_event_publisher import publisher_for
 from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
@@ -26,9 +27,7 @@ class LLM:
     """Capture a model, rewrite it to packed + paged attention, lower it for a target, and
     generate with it (or serve a file written by ``pagedpack export``).
 
-    ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which documents them
-    (``tokenizer``, ``target``, ``block_size``, ``num_blocks`` / ``kv_cache_memory``, ``max_num_batched_tokens``,
-    ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``, ``dtype``, ``device``).
+    ``LLM(model, **kwargs)``: the arguments of :class:`pagedpack.engine_args.EngineArgs`, which documents them.
 
     Attributes: ``model`` (the ``transformers`` module, None when served from a file), ``rewritten`` (the
     :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file), ``program`` (the
@@ -38,32 +37,33 @@ class LLM:
 
     Memory and the compile cache: :mod:`pagedpack.compiler.program` (a program of the target's own lets the
     source model go; ``model`` and ``rewritten`` are then loaded and captured again on first use).
-    Raises:
-        ValueError on bad arguments; :class:`pagedpack.step.contract.UnsupportedModelError`
-        if the pass cannot rewrite every attention site (its report says why).
+    Raises: ValueError on bad arguments; :class:`pagedpack.step.contract.UnsupportedModelError` if the pass
+    cannot rewrite every attention site (its report says why).
     """
 
     def __init__(self, model=None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.ranks = TensorParallelRanks(args)  # the runtime starts the other ranks, if any
         self.engine_args, self._builder = args, ProgramBuilder(args, rank=self.ranks.rank, join_group=self.ranks.join)
-        self.program, description = self._builder.build()
-        self.target = self._builder.target
-        release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
-        if args.tokenizer is not None:
-            from pagedpack.models.loading import load_tokenizer
+        events = args.kv_events_config if self.ranks.rank == 0 else None
+        with publisher_for(events) as publisher:  # bound first: an endpoint in use fails before the model loads
+            self.program, description = self._builder.build()
+            self.target = self._builder.target
+            release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
+            if args.tokenizer is not None:
+                from pagedpack.models.loading import load_tokenizer
 
-            description.tokenizer = load_tokenizer(args.tokenizer)
-        self.description, self.tokenizer, self.block_size = description, description.tokenizer, args.block_size
-        self.vocab_size, self.max_model_len = description.vocab_size, max_model_len(args, description)
-        self.num_blocks = pool_num_blocks(args, bytes_per_token=self.bytes_per_token,
-                                          max_model_len=self.max_model_len, plan=self.plan_memory)
-        self.llm_engine = LLMEngine.build(
-            self.program, description, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device,
-            enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-            cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
-            workers=self.ranks.workers, kv_events_config=args.kv_events_config if self.ranks.rank == 0 else None)
+                description.tokenizer = load_tokenizer(args.tokenizer)
+            self.description, self.tokenizer, self.block_size = description, description.tokenizer, args.block_size
+            self.vocab_size, self.max_model_len = description.vocab_size, max_model_len(args, description)
+            self.num_blocks = pool_num_blocks(args, bytes_per_token=self.bytes_per_token,
+                                              max_model_len=self.max_model_len, plan=self.plan_memory)
+            self.llm_engine = LLMEngine.build(
+                self.program, description, num_blocks=self.num_blocks, block_size=self.block_size, device=args.device,
+                enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+                cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
+                workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

@@ -144,11 +144,12 @@ class LLMEngine:
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
-              kv_events_config: KVEventsConfig | None = None) -> "LLMEngine":
+              kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
-        ``kv_events_config``: vLLM's KV events configuration (None: no events)."""
+        ``kv_events_config``: vLLM's KV events configuration (None: no events); ``kv_event_publisher``:
+        its publisher if made already (``LLM`` binds its sockets before the build), else made here."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if enable_prefix_caching and num_state_slots:
@@ -162,7 +163,8 @@ class LLMEngine:
                                           enable_kv_cache_events=events)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        return cls(runner, scheduler, description=description, kv_event_publisher=make_publisher(kv_events_config))
+        publisher = kv_event_publisher or make_publisher(kv_events_config)
+        return cls(runner, scheduler, description=description, kv_event_publisher=publisher)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Request, str | None]:
         """``(request, prompt text)`` for ``prompt`` (text, token ids or a dict as

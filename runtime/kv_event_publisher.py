@@ -13,7 +13,10 @@
 - a ROUTER socket on ``replay_endpoint`` (if given; it binds) answers a request (a DEALER's
   ``["", start_seq]``, or a REQ's ``[start_seq]``; 8 bytes big-endian) with each buffered
   ``["", seq, payload]`` from ``start_seq`` on, then the end marker ``["", -1 (8 bytes, signed),
-  ""]``; the last ``buffer_steps`` batches are buffered.
+  ""]``; the last ``buffer_steps`` batches are buffered. Replays go side by side with the live
+  batches, a chunk at a time (:data:`MAX_REPLAYS` at once, :data:`REPLAY_CHUNK` batches per round):
+  a flood of requests slows the replays, not the live events. A request frame over
+  :data:`REPLAY_FRAME_LIMIT` bytes disconnects its peer.
 
 A background thread owns the sockets, so a step never waits on them. Unlike vLLM's publisher,
 whose ``publish`` blocks while its queue is full, a batch that finds the queue full
@@ -24,8 +27,13 @@ their copy of the cache is stale until they rebuild it (e.g. after an ``AllBlock
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import queue
+import socket
+import stat
 import threading
 from collections import deque
 from dataclasses import dataclass, fields
@@ -39,6 +47,10 @@ log = logging.getLogger("pagedpack.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker (vLLM's)
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+MAX_REPLAYS = 8  # replays in progress at once
+REPLAY_CHUNK = 64  # buffered batches each replay sends per round of the publisher thread
+REPLAY_FRAME_LIMIT = 64  # bytes of a replay request's frame (8 are used): a peer sending more is disconnected
+MAX_SIZE = 2**31 - 1  # ZeroMQ's high-water mark is a C int; a deque's length a ssize_t
 
 
 @dataclass
@@ -49,7 +61,7 @@ class KVEventsConfig:
     replay, 10,000), ``hwm`` (the PUB socket's high-water mark, 100,000), ``max_queue_size``
     (batches waiting for the publisher thread, 100,000; at least 1: pagedpack's queue is bounded)
     and ``topic`` (``""``). ``ValueError`` naming ``kv_events_config.<field>`` for a field unknown
-    or of the wrong type."""
+    or of the wrong type, or a size past :data:`MAX_SIZE`."""
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] | None = None
@@ -69,13 +81,24 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name}: expected {expected}, got {value!r:.80}")
         for name, low in (("buffer_steps", 0), ("hwm", 0), ("max_queue_size", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"kv_events_config.{name}: expected an int >= {low}, got {value!r:.80}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE:
+                raise ValueError(f"kv_events_config.{name}: expected an int from {low} to {MAX_SIZE}, "
+                                 f"got {value!r:.80}")
+        for name in ("endpoint", "replay_endpoint", "topic"):  # sent as UTF-8
+            try:
+                (getattr(self, name) or "").encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"kv_events_config.{name}: expected text UTF-8 can encode (no lone surrogates), "
+                                 f"got {getattr(self, name)!r:.80}") from None
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not value.startswith(ZMQ_TRANSPORTS):
                 raise ValueError(f"kv_events_config.{name}: expected a ZeroMQ address starting with "
                                  f"{' or '.join(ZMQ_TRANSPORTS)}, got {value!r:.80}")
+            port = value.rpartition(":")[2] if value is not None and value.startswith("tcp://") else "*"
+            if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):  # ZeroMQ wraps it
+                raise ValueError(f"kv_events_config.{name}: expected a port from 0 to 65535 or * after the last "
+                                 f"':', got {value!r:.80}")
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if self.publisher not in ("null", "zmq"):
@@ -114,9 +137,11 @@ class NullEventPublisher:
 
 
 class ZmqEventPublisher:
-    """PUB + replay ROUTER sockets, served by a background thread (the module docstring).
+    """PUB + replay ROUTER sockets, served by a background thread (the module docstring); counts
+    :attr:`num_dropped_batches` and :attr:`num_malformed_requests` (replay requests ignored).
     ``RuntimeError`` from :meth:`publish` once shut down; ``ValueError`` naming the field at
-    construction for an endpoint that cannot be bound or connected (e.g. a port in use)."""
+    construction for an endpoint that cannot be bound or connected (a port in use; an ``ipc://`` path
+    in use or not a socket: :func:`_bind`)."""
 
     SHUTDOWN_TIMEOUT_S = 1.0
     POLL_S = 0.1
@@ -125,12 +150,14 @@ class ZmqEventPublisher:
         import zmq
 
         self.data_parallel_rank = data_parallel_rank
-        self.num_dropped_batches = 0
+        self.num_dropped_batches = self.num_malformed_requests = 0
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._next_seq = 0
-        context = zmq.Context.instance()
+        self._replays: list[list] = []  # [identity, the batches it asked for, how many were sent] of each replay
+        # a context of its own: terminating it waits until its sockets are closed, so their endpoints are free
+        self._context = context = zmq.Context()
         self._pub = context.socket(zmq.PUB)
         self._replay = None
         field = "endpoint"
@@ -138,14 +165,15 @@ class ZmqEventPublisher:
             self._pub.set_hwm(config.hwm)
             endpoint = config.endpoint
             if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-                self._pub.bind(endpoint)
+                _bind(self._pub, endpoint)
             else:
                 self._pub.connect(endpoint)
             if config.replay_endpoint is not None:
                 field = "replay_endpoint"
                 self._replay = context.socket(zmq.ROUTER)
-                self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError as err:
+                self._replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_FRAME_LIMIT)
+                _bind(self._replay, config.replay_endpoint)
+        except (zmq.ZMQError, OSError) as err:  # OSError: _bind's check
             self._close_sockets()
             raise ValueError(f"kv_events_config.{field}: expected an address this process can use, got "
                              f"{getattr(config, field)!r} ({err})") from err
@@ -168,54 +196,95 @@ class ZmqEventPublisher:
             self.num_dropped_batches += 1
 
     def shutdown(self) -> None:
-        """Send what is queued (for up to ``SHUTDOWN_TIMEOUT_S``), stop the thread, close the sockets."""
+        """Stop the thread once it has sent what is queued (waiting up to ``SHUTDOWN_TIMEOUT_S``); it
+        closes the sockets as it ends."""
         if not self._running:
             return
         self._running = False
         self._thread.join(self.SHUTDOWN_TIMEOUT_S)
         if self._thread.is_alive():
-            log.warning("the KV event publisher thread did not stop within %.1f s; %d batches unsent",
-                        self.SHUTDOWN_TIMEOUT_S, self._queue.qsize())
-            return  # its sockets are its own: closed by the process's exit
-        self._close_sockets()
+            log.warning("the KV event publisher thread did not stop within %.1f s (%d batches unsent); its "
+                        "sockets close when it does", self.SHUTDOWN_TIMEOUT_S, self._queue.qsize())
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        self._context.term()
 
     def _serve(self) -> None:
+        try:
+            self._publish_until_shut_down()
+        finally:
+            self._close_sockets()
+
+    def _publish_until_shut_down(self) -> None:
+        """Live batches first: each round sends all that are queued, then at most
+        :data:`REPLAY_CHUNK` buffered batches to each replay in progress (a flood of replay requests
+        slows the replays, not the live events). Replays still going at shutdown end unfinished (no
+        end marker)."""
         encoder = msgspec.msgpack.Encoder()
         while self._running or not self._queue.empty():
-            if self._replay is not None and self._replay.poll(0):
-                try:
-                    self._answer_replay()
-                except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
-                    log.exception("answering a KV event replay request failed")
+            if self._replay is not None:
+                self._continue_replays()
             try:
-                seq, batch = self._queue.get(timeout=self.POLL_S)
+                item = self._queue.get(timeout=0 if self._replays else self.POLL_S)
             except queue.Empty:
                 continue
-            try:
-                self._send(seq, encoder.encode(batch))
-            except Exception:  # noqa: BLE001 -- one batch lost (its seq leaves a gap); the thread goes on
-                log.exception("publishing KV event batch %d failed", seq)
+            while item is not None:
+                seq, batch = item
+                try:
+                    self._send(seq, encoder.encode(batch))
+                except Exception:  # noqa: BLE001 -- one batch lost (its seq leaves a gap); the thread goes on
+                    log.exception("publishing KV event batch %d failed", seq)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
 
     def _send(self, seq: int, payload: bytes) -> None:
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
 
-    def _answer_replay(self) -> None:
-        """One replay request: ``[identity, "", start_seq]`` (anything else is ignored)."""
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            log.warning("ignoring a malformed KV event replay request of %d frames", len(frames))
-            return
-        identity, start = frames[0], int.from_bytes(frames[2], "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+    def _continue_replays(self) -> None:
+        """Take new replay requests (up to :data:`MAX_REPLAYS` in progress; more wait in the socket)
+        and send each replay's next chunk, or its end marker."""
+        while len(self._replays) < MAX_REPLAYS and self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:  # a request is [identity, "", start_seq]
+                self.num_malformed_requests += 1  # a warning for the first only: a flood of them is no log flood
+                log.log(logging.WARNING if self.num_malformed_requests == 1 else logging.DEBUG,
+                        "ignoring a malformed KV event replay request of %d frames (more are logged at debug level)",
+                        len(frames))
+                continue
+            start = int.from_bytes(frames[2], "big")
+            self._replays.append([frames[0], [item for item in self._buffer if item[0] >= start], 0])
+        for replay in list(self._replays):
+            identity, batches, at = replay
+            try:
+                for seq, payload in batches[at:at + REPLAY_CHUNK]:
+                    self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                replay[2] = at + REPLAY_CHUNK
+                if replay[2] >= len(batches):
+                    self._replay.send_multipart((identity, b"", END_SEQ, b""))
+                    self._replays.remove(replay)
+            except Exception:  # noqa: BLE001 -- that replay is cut short; publishing goes on
+                log.exception("answering a KV event replay request failed")
+                self._replays.remove(replay)
+
+
+def _bind(sock, endpoint: str) -> None:
+    """``sock.bind(endpoint)``, but ``FileExistsError`` for an ``ipc://`` path that is a file other
+    than a socket, or a socket something listens on: ZeroMQ would replace either (a stale socket it may)."""
+    path = endpoint.removeprefix("ipc://")
+    if path != endpoint and not path.startswith("@") and os.path.lexists(path):  # "@": Linux's abstract names
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(f"{path} is a file, not a socket")
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.setblocking(False)  # a listener with a full backlog: EAGAIN, not a wait
+            if probe.connect_ex(path) not in (errno.ECONNREFUSED, errno.ENOENT):
+                raise FileExistsError(f"{path} is a socket in use")
+    sock.bind(endpoint)
 
 
 def make_publisher(config: KVEventsConfig | None) -> NullEventPublisher | ZmqEventPublisher:
@@ -224,3 +293,14 @@ def make_publisher(config: KVEventsConfig | None) -> NullEventPublisher | ZmqEve
         return NullEventPublisher()
     return ZmqEventPublisher(config)
 
+
+
+@contextlib.contextmanager
+def publisher_for(config: KVEventsConfig | None):
+    """:func:`make_publisher`'s publisher, shut down if the block raises (its sockets free again)."""
+    publisher = make_publisher(config)
+    try:
+        yield publisher
+    except BaseException:
+        publisher.shutdown()
+        raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import selectors
 import socket
 import struct
 import time
@@ -25,6 +26,8 @@ READY = b"ready"  # a worker's frame once its program is built
 _HELLO = struct.Struct("<q")
 _LENGTH = struct.Struct("<Q")
 HELLO_TIMEOUT_S = 5.0  # a connection that does not say who it is within this is closed
+MAX_PENDING = 64  # connections whose hello is still coming
+_HELLO_BYTES = TOKEN_BYTES + _HELLO.size
 
 
 def new_token() -> bytes:
@@ -74,53 +77,90 @@ class RankListener:
 
     def __init__(self, host: str, world_size: int):
         self.token, self.world_size = new_token(), world_size
-        self._server = socket.create_server((host, 0), backlog=world_size)
+        self._server = socket.create_server((host, 0), backlog=MAX_PENDING)  # strangers leave the workers room
         self.port = self._server.getsockname()[1]
 
     def accept_all(self, deadline_s: float, gone) -> dict[int, socket.socket]:
         """Each worker rank's connection by rank, once all have said hello. ``gone()``: polled
         meanwhile, a truthy description of a worker that ended (``RuntimeError`` with it);
-        ``TimeoutError`` after ``deadline_s`` seconds."""
+        ``TimeoutError`` after ``deadline_s`` seconds. Hellos are read side by side, each within
+        :data:`HELLO_TIMEOUT_S` (at most :data:`MAX_PENDING` at once, the oldest closed first): a
+        connection that sends nothing, or a byte at a time, delays no other."""
         conns: dict[int, socket.socket] = {}
+        pending: dict[socket.socket, tuple[bytes, float]] = {}  # hello bytes so far, its deadline
         deadline = time.monotonic() + deadline_s
-        self._server.settimeout(0.2)
+        self._server.setblocking(False)
         try:
-            while len(conns) < self.world_size - 1:
-                ended = gone()
-                if ended:
-                    raise RuntimeError(ended)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the workers did not connect within {deadline_s:.0f} s")
-                try:
-                    conn, _ = self._server.accept()
-                except TimeoutError:
-                    continue
-                rank = self._hello(conn)
-                if rank is None or rank in conns:
-                    conn.close()
-                else:
-                    conns[rank] = conn
+            with selectors.DefaultSelector() as selector:
+                selector.register(self._server, selectors.EVENT_READ)
+                while len(conns) < self.world_size - 1:
+                    ended = gone()
+                    if ended:
+                        raise RuntimeError(ended)
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise TimeoutError(f"the workers did not connect within {deadline_s:.0f} s")
+                    for conn in [c for c, (_, until) in pending.items() if now > until]:
+                        _drop(selector, pending, conn)
+                    for key, _ in selector.select(0.2):
+                        if key.fileobj is self._server:
+                            self._accept(selector, pending, now)
+                        elif key.fileobj in pending and (rank := self._hello(selector, pending, key.fileobj,
+                                                                             conns)) is not None:
+                            conns[rank] = key.fileobj
         except BaseException:
             for conn in conns.values():
                 conn.close()
             raise
         finally:
+            for conn in pending:
+                conn.close()
             self.close()
+        for conn in conns.values():
+            conn.setblocking(True)
         return conns
 
     def close(self) -> None:
         """Stop listening (once every worker connected, or when starting them failed)."""
         self._server.close()
 
-    def _hello(self, conn: socket.socket) -> int | None:
-        """The rank a connection's hello names, None for a wrong token or rank, or none in time."""
-        conn.settimeout(HELLO_TIMEOUT_S)
+    def _accept(self, selector, pending: dict, now: float) -> None:
         try:
-            hello = _recv_exactly(conn, TOKEN_BYTES + _HELLO.size)
+            conn, _ = self._server.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if len(pending) >= MAX_PENDING:
+            _drop(selector, pending, next(iter(pending)))
+        conn.setblocking(False)
+        pending[conn] = (b"", now + HELLO_TIMEOUT_S)
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _hello(self, selector, pending: dict, conn: socket.socket, taken: dict) -> int | None:
+        """The rank a connection's hello names once it is whole and right (the connection leaves
+        ``pending``), else None. A wrong token, a rank out of range or ``taken``, or an early close
+        closes it."""
+        got, until = pending[conn]
+        try:
+            chunk = conn.recv(_HELLO_BYTES - len(got))
+        except (BlockingIOError, InterruptedError):
+            return None
         except OSError:
+            chunk = b""
+        got += chunk
+        if chunk and len(got) < _HELLO_BYTES:
+            pending[conn] = (got, until)
             return None
-        (rank,) = _HELLO.unpack(hello[TOKEN_BYTES:])
-        if not hmac.compare_digest(hello[:TOKEN_BYTES], self.token) or not 0 < rank < self.world_size:
+        _drop(selector, pending, conn, close=False)
+        rank = _HELLO.unpack(got[TOKEN_BYTES:])[0] if len(got) == _HELLO_BYTES else None
+        if rank is None or not hmac.compare_digest(got[:TOKEN_BYTES], self.token) or not 0 < rank < self.world_size \
+                or rank in taken:
+            conn.close()
             return None
-        conn.settimeout(None)
         return rank
+
+
+def _drop(selector, pending: dict, conn: socket.socket, close: bool = True) -> None:
+    selector.unregister(conn)
+    del pending[conn]
+    if close:
+        conn.close()

@@ -8,6 +8,7 @@ ROUTER answering ``["", start_seq]`` with ``["", seq, payload]`` frames and the 
 are checked against an independent sha256 chain built from the formula ``block_hash.py``
 documents. The references: the pool's own ``BlockPool.cached_blocks()``, the prompts sent.
 """
+import dataclasses
 import hashlib
 import json
 import struct
@@ -196,7 +197,7 @@ def test_a_subscriber_rebuilds_the_pool_s_cache_from_the_events(llm, endpoints):
     late.close()
 
 
-def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
+def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints, caplog):
     folder = endpoints[0].rsplit("/", 1)[0]
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"{folder}/pub2", replay_endpoint=f"{folder}/rep2",
                             max_queue_size=2, topic=TOPIC)
@@ -220,6 +221,9 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         assert time.monotonic() - start < 1.0 and publisher.num_dropped_batches == 8  # 2 queued, 8 dropped
         release.set()
         subscriber = Subscriber(f"{folder}/pub2", f"{folder}/rep2")
+        hostile = zmq.Context.instance().socket(zmq.DEALER)
+        hostile.connect(f"{folder}/rep2")
+        hostile.send_multipart([b"", b"x" * (1 << 20)])  # over REPLAY_FRAME_LIMIT: disconnected, never read
         subscriber.dealer.send_multipart([b"", b"not 8 bytes"])  # malformed: ignored, the next one answered
         subscriber.dealer.send_multipart([b"", b"", b"", b""])
         assert sorted(subscriber.settled()) == [0, 1, 2]
@@ -227,7 +231,9 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
         replayed = subscriber.settled()
         assert sorted(replayed) == [0, 1, 2, 11]  # the dropped ones' sequence numbers: a gap subscribers see
         assert [msgspec.msgpack.decode(replayed[s])[0] for s in (0, 1, 11)] == [1.0, 2.0, 3.0]
+        assert caplog.text.count("WARNING") == 1 and publisher.num_malformed_requests == 2  # the 1 MiB one never read
         subscriber.close()
+        hostile.close(linger=0)
     finally:
         release.set()
         publisher.shutdown()
@@ -237,8 +243,82 @@ def test_a_full_queue_drops_and_counts_batches_instead_of_blocking(endpoints):
                             replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
     taken = ZmqEventPublisher(config)  # the replay port is this one's until it shuts down
     with pytest.raises(ValueError, match="kv_events_config.replay_endpoint: expected an address this process can"):
-        ZmqEventPublisher(config)
+        ZmqEventPublisher(dataclasses.replace(config, endpoint=f"{folder}/pub3b"))
     taken.shutdown()
+
+
+def test_a_flood_of_replay_requests_does_not_make_live_batches_drop():
+    """50 replays of 3,000 buffered batches wait while live batches come every 2 ms: each round of the
+    publisher thread sends what is queued first (before, a whole replay went between two batches, and
+    the 16-batch queue overflowed)."""
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://live",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", max_queue_size=16)
+    publisher = ZmqEventPublisher(config)
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for i in range(3000):
+            publisher._queue.put((i, KVEventBatch(ts=0.0, events=[AllBlocksCleared()])))
+        while not publisher._queue.empty():
+            time.sleep(0.01)
+        flood.connect(config.replay_endpoint)
+        for _ in range(50):
+            flood.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.05)
+        for _ in range(40):
+            publisher.publish(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]))
+            time.sleep(0.002)
+        assert publisher.num_dropped_batches == 0
+    finally:
+        flood.close(linger=0)
+        publisher.shutdown()
+
+
+def test_a_publisher_thread_past_the_shutdown_timeout_frees_its_addresses_when_it_ends(monkeypatch):
+    monkeypatch.setattr(ZmqEventPublisher, "SHUTDOWN_TIMEOUT_S", 0.1)
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://stuck",
+                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    publisher = ZmqEventPublisher(config)
+    entered, release = threading.Event(), threading.Event()
+    send = publisher._send
+
+    def stuck(seq, payload):
+        entered.set()
+        release.wait(10)
+        send(seq, payload)
+
+    publisher._send = stuck
+    publisher.publish(KVEventBatch(ts=1.0, events=[]))
+    assert entered.wait(10)
+    publisher.shutdown()  # gives up waiting; the thread still sends its batch, then closes
+    release.set()
+    publisher._thread.join(10)
+    ZmqEventPublisher(config).shutdown()  # the addresses are free (they stayed bound until the process ended)
+
+
+def test_an_llm_binds_its_kv_event_sockets_before_the_build_and_frees_them_if_it_fails(monkeypatch, tmp_path):
+    """A second engine on the same endpoint fails before loading the model; a failed build leaves
+    the endpoint free for the next."""
+    def build(builder):
+        raise RuntimeError("the build")
+
+    monkeypatch.setattr("pagedpack.llm.ProgramBuilder.build", build)
+    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    taken = ZmqEventPublisher(KVEventsConfig.parse(config))
+    try:
+        with pytest.raises(ValueError, match="kv_events_config.endpoint: expected an address this process can use"):
+            LLM("tiny", kv_events_config={**config, "replay_endpoint": None})  # before the build
+        with pytest.raises(ValueError, match="kv_events_config.replay_endpoint: expected an address this process"):
+            LLM("tiny", kv_events_config={**config, "endpoint": f"ipc://{tmp_path}/pub2"})
+    finally:
+        taken.shutdown()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the build"):
+            LLM("tiny", kv_events_config=config)
+    (tmp_path / "file").write_text("kept")  # ZeroMQ would replace it with its socket
+    with pytest.raises(ValueError, match=rf"kv_events_config.endpoint: .* \({tmp_path}/file is a file, not a socket\)"):
+        ZmqEventPublisher(KVEventsConfig.parse({**config, "endpoint": f"ipc://{tmp_path}/file"}))
+    assert (tmp_path / "file").read_text() == "kept"
 
 
 def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
@@ -249,7 +329,13 @@ def test_kv_events_config_takes_vllm_s_fields_and_names_a_bad_one(capsys):
                        ({"buffer_steps": "10"}, "kv_events_config.buffer_steps: expected an int"),
                        ({"enable_kv_cache_events": 1}, "kv_events_config.enable_kv_cache_events: expected a bool"),
                        ({"publisher": "kafka"}, "kv_events_config.publisher: expected 'null' or 'zmq'"),
-                       ({"max_queue_size": 0}, "kv_events_config.max_queue_size: expected an int >= 1"),
+                       ({"max_queue_size": 0}, "kv_events_config.max_queue_size: expected an int from 1 to"),
+                       ({"buffer_steps": 10**20},  # an OverflowError from the deque
+                        "kv_events_config.buffer_steps: expected an int from 0 to 2147483647, got 10{20}"),
+                       ({"hwm": 2**31}, "kv_events_config.hwm: expected an int from 0 to 2147483647, got 2147483648"),
+                       ({"topic": "kv\ud800"}, r"kv_events_config.topic: expected text UTF-8 can encode"),
+                       ({"endpoint": "tcp://*:99999"}, r"kv_events_config.endpoint: expected a port from 0 to 65535"),
+                       ({"replay_endpoint": "tcp://127.0.0.1:-5"}, "kv_events_config.replay_endpoint: expected a port"),
                        ({"replay_endpoint": "localhost:5558"}, "kv_events_config.replay_endpoint: expected a ZeroMQ"),
                        ("[1]", "kv_events_config: expected a JSON object"), ("{", "kv_events_config: expected a JSON")):
         with pytest.raises(ValueError, match=named):

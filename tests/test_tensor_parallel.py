@@ -7,6 +7,7 @@ real ``torch.distributed`` processes (gloo) against one rank's tokens.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -432,6 +433,26 @@ def test_the_command_channel_keeps_only_the_engines_token_and_bounds_frames():
             sock.close()
 
 
+def test_the_command_channel_reads_hellos_side_by_side(monkeypatch):
+    """Connections that send nothing or part of a token (slowloris), more than ``MAX_PENDING`` of
+    them, delay no worker's hello; each is closed by the time the workers are in."""
+    monkeypatch.setattr(rank_channel, "HELLO_TIMEOUT_S", 1.0)
+    listener = rank_channel.RankListener("127.0.0.1", 2)
+    monkeypatch.setattr(rank_channel, "MAX_PENDING", 3)
+    strangers = [socket.create_connection(("127.0.0.1", listener.port), timeout=5) for _ in range(4)]
+    strangers[3].sendall(listener.token[:5])
+    time.sleep(0.1)  # the strangers are first in the queue
+    rank1 = rank_channel.connect("127.0.0.1", listener.port, listener.token, 1, timeout_s=5)
+    started = time.monotonic()
+    conns = listener.accept_all(5, lambda: None)
+    try:
+        assert list(conns) == [1] and time.monotonic() - started < 0.9
+        assert all(stranger.recv(1) == b"" for stranger in strangers)
+    finally:
+        for sock in (rank1, *strangers, *conns.values()):
+            sock.close()
+
+
 def test_engine_args_reach_a_worker_as_json_validated_again():
     args = EngineArgs(model="tiny", dtype="bfloat16", kv_cache_memory="64MiB", block_size=16, tensor_parallel_size=2)
     assert EngineArgs.from_json(args.to_json()).as_kwargs() == args.as_kwargs()
@@ -441,6 +462,15 @@ def test_engine_args_reach_a_worker_as_json_validated_again():
         EngineArgs.from_json('{"model": "tiny", "x": 1}')
     with pytest.raises(ValueError, match=r"block_size: expected an int >= 1, got -1"):
         EngineArgs.from_json('{"model": "tiny", "block_size": -1}')
+
+
+@pytest.mark.parametrize("spec", ["os:abort", "builtins:input", "os:getpid", "pagedpack.passes.manager:PassManager"])
+def test_extra_passes_from_json_calls_nothing_but_a_pass_class(spec):
+    """A worker makes ``extra_passes`` again from their names: a name of another callable is refused
+    before it is called (``os:abort`` would end the process, ``builtins:input`` wait on stdin)."""
+    with pytest.raises(ValueError, match=rf"expected MODULE:CLASS of a pagedpack.passes.manager.Pass subclass, "
+                                         rf"got '{spec}'"):
+        EngineArgs.from_json(json.dumps({"model": "tiny", "extra_passes": [spec]}))
 
 
 # ---------------------------------------------------------------- ranks as Ray actors
