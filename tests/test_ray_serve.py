@@ -100,10 +100,12 @@ def test_app_builder_arguments():
 
     assert build_app({"model": "tiny", "data_parallel_size": "2", "engine_args": '{"num_blocks": 64}'}) is not None
     assert build_app({"model": "tiny", "data_parallel_size": 2, "engine_args": {"num_blocks": 64}}) is not None
+    assert build_app({"model": "tiny", "num_cpus": 1, "routing_stats_period_s": 2}) is not None  # YAML's whole numbers
     for args, name in [({"data_parallel_size": "2"}, "model"), ({"model": "tiny", "replicas": "2"}, "replicas"),
                        ({"model": "tiny", "data_parallel_size": "two"}, "data_parallel_size"),
                        ({"model": "tiny", "data_parallel_size": "0"}, "data_parallel_size"),
                        ({"model": "tiny", "request_router": "random"}, "request_router"),
+                       ({"model": "tiny", "num_cpus": True}, "num_cpus"),
                        ({"model": "tiny", "engine_args": "[1]"}, "engine_args")]:
         with pytest.raises(ValueError, match=f"^{name}:"):
             build_app(args)

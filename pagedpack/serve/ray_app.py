@@ -35,11 +35,14 @@ import json
 import queue
 import signal
 import struct
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import httpx
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -370,8 +373,14 @@ def run(app, *, host: str, port: int) -> int:
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=APP_NAME, route_prefix="/")
-        print(f"pagedpack: serving on http://{host}:{port}/v1 (Ray Serve application {APP_NAME!r})", flush=True)
-        stop.wait()
+        status = 0 if _answers(host, port) else 1
+        if not status:
+            print(f"pagedpack: serving on http://{host}:{port}/v1 (Ray Serve application {APP_NAME!r})", flush=True)
+            stop.wait()
+        else:  # Serve was running already: it keeps the HTTP options it started with
+            print(f"pagedpack: error: --port: Ray Serve on this cluster already serves HTTP elsewhere (it keeps the "
+                  f"options of its first start), nothing answers on {host}:{port}; stop it (`serve shutdown`) "
+                  f"or use its port", file=sys.stderr, flush=True)
         # bounded: a Ctrl-C in a terminal reaches the Ray processes this one started too, and a delete
         # then waits for a controller that is gone
         deleting = threading.Thread(target=serve.delete, args=(APP_NAME,), daemon=True)
@@ -379,7 +388,20 @@ def run(app, *, host: str, port: int) -> int:
         deleting.join(DELETE_TIMEOUT_S)
     finally:
         ray.shutdown()
-    return 0
+    return status
+
+
+def _answers(host: str, port: int, timeout_s: float = 10.0) -> bool:
+    """Whether Serve's HTTP proxy answers ``GET /health`` on ``host:port`` within ``timeout_s``."""
+    address = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(f"http://{address}:{port}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
 
 _SERVING_ARGS = {"served_model_name", "chat_template", "trust_request_chat_template", "max_queue",
@@ -421,8 +443,11 @@ def build_app(args: dict):
 
 
 def _parsed(name: str, value, kind: type):
-    """``value`` as ``kind``: as given, or parsed from the string the command line gives."""
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+    """``value`` as ``kind``: as given (a YAML config's whole number for a float too), or parsed from
+    the string the command line gives."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool)):
         return value
     if isinstance(value, str):
         try:
