@@ -47,15 +47,15 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 
-from pagedpack.async_llm import AsyncLLM, check_online
+from pagedpack.async_llm import check_online
 from pagedpack.engine_args import EngineArgs
 from pagedpack.llm import LLM
 from pagedpack.runtime.block_hash import extend_block_hashes
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app as build_fastapi_app
-from pagedpack.serve.metrics import ServerMetrics
-from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig, ServingError, _num_chars, chat_text
+from pagedpack.serve.openai_serving import ServingConfig, ServingError, _num_chars, chat_text
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedpack.serve.server import serving_over
 
 APP_NAME = "pagedpack"
 DELETE_TIMEOUT_S = 30.0  # pagedpack serve -dp N: how long a stop waits for Serve to delete the application
@@ -104,22 +104,19 @@ class PagedpackEngine:
         def drive():  # builds the model and steps it in one thread, as pagedpack serve does (one OpenMP pool)
             try:
                 llm = LLM.from_engine_args(engine_args)
-                llm._loop.flow_control = flow_control
-                llm.llm_engine.runner.commit_kv_memory()
+                serving = serving_over(llm, config, flow_control=flow_control, metrics_namespace=metrics_namespace)
             except BaseException as err:  # noqa: BLE001 -- raised by the constructor
                 built.put(err)
                 return
-            built.put(llm)
+            built.put(serving)
             llm._loop.serve_forever(self._stop)  # if it dies: loop.error is set, the health check fails
 
         threading.Thread(target=drive, name="pagedpack-engine", daemon=True).start()
-        llm = built.get()
-        if isinstance(llm, BaseException):
-            raise llm
-        self.llm = llm
-        metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=metrics_namespace)
-        self.serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
-        self.kv = llm.llm_engine.scheduler.kv_cache_manager
+        serving = built.get()
+        if isinstance(serving, BaseException):
+            raise serving
+        self.serving, self.llm = serving, serving.llm
+        self.kv = self.llm.llm_engine.scheduler.kv_cache_manager
 
     def routing_info(self) -> dict:
         """What the ingress needs to compute block hashes and check bodies as this replica does."""

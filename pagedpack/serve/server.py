@@ -70,21 +70,29 @@ class ServerOptions:
     flow_control: FlowControl = FlowControl(stall_timeout_s=60.0)
 
 
+def serving_over(llm: LLM, config: ServingConfig, *, flow_control: FlowControl,
+                 metrics_namespace: str) -> OpenAIServing:
+    """The OpenAI API's request handling over ``llm``, as a server runs it (one process's, or a Ray
+    Serve engine replica's): ``flow_control`` on its engine loop, its KV pages committed (call it in
+    the thread that built ``llm``), its metrics under ``metrics_namespace``."""
+    llm._loop.flow_control = flow_control
+    llm.llm_engine.runner.commit_kv_memory()
+    metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=metrics_namespace)
+    return OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
+
+
 def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     """Serve ``llm`` until SIGINT / SIGTERM; call it in the main thread (the one that built
     ``llm``). Returns the exit status: 0 after a clean stop, 1 if the server could not start
     (e.g. the port is taken) or the engine loop died (the HTTP front then stays up, answering
     503, until stopped)."""
     sys.setswitchinterval(GIL_SWITCH_S)
-    llm._loop.flow_control = options.flow_control
-    llm.llm_engine.runner.commit_kv_memory()
+    serving = serving_over(llm, config, flow_control=options.flow_control, metrics_namespace=options.metrics_namespace)
     # The model, its graphs and the tokenizer live as long as the process: out of the collector's
     # sight (as vLLM does after start-up), they cost no full collection while serving and none at
     # exit, which took 2-5 s to walk them.
     gc.collect()
     gc.freeze()
-    metrics = ServerMetrics(llm._loop, model_name=config.model_name, namespace=options.metrics_namespace)
-    serving = OpenAIServing(AsyncLLM.from_llm(llm), config, metrics)
     notice = pool_notice(llm.engine_args, num_blocks=llm.num_blocks, bytes_per_token=llm.bytes_per_token,
                          max_model_len=llm.max_model_len)
     if notice is not None:  # serving.max_model_len: the tokens the pool holds
