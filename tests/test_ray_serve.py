@@ -157,7 +157,8 @@ def test_replica_killed_in_flight(app):
         deadline = time.monotonic() + 30
         while len(streaming) < len(prompts) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        running = {name: ray.get(replica.record_routing_stats.remote())["num_running"] for name, replica in before.items()}
+        running = {name: ray.get(replica.record_routing_stats.remote())["num_running"]
+                   for name, replica in before.items()}
         ray.kill(before[max(running, key=running.get)], no_restart=True)
         return running, await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
