@@ -88,6 +88,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
+        self.kv_transfer_params: dict | None = None  # what a KV connector's request_finished returned
         # per output token, with SamplingParams.logprobs: (logprob, rank, [(token id, logprob), ...])
         self.output_logprobs: list[tuple] = []
         # with SamplingParams.prompt_logprobs, the same for prompt tokens 1, 2, ... as their rows are computed
