@@ -1,7 +1,7 @@
 """The KV block transport of prefill/decode disaggregation (``runtime/kv_connector/tcp_transfer.py``), on its
 own with tensors: blocks arrive bit for bit; a bad or dying peer (truncated frame, oversized header, wrong
 magic, a field of the wrong type, a checksum that does not match, a stall, other tokens, another layout)
-fails that transfer with an error naming what, and the producer lets the blocks go and serves on."""
+fails that transfer with an error naming what, and the producer lets the request go and serves on."""
 import contextlib
 import hashlib
 import socket
@@ -18,6 +18,7 @@ from pagedpack.runtime.kv_connector.tcp_transfer import (
     KVBlockServer,
     KVTransferError,
     pull_blocks,
+    read_blocks,
     request_block_hashes,
     write_blocks,
 )
@@ -37,31 +38,38 @@ def pool(seed: int, num_blocks: int = 8) -> list[torch.Tensor]:
 @pytest.fixture
 def producer():
     caches = pool(0)
-    server = KVBlockServer("127.0.0.1", 0, lambda: caches, timeout_s=2.0)
+    server = KVBlockServer("127.0.0.1", 0, timeout_s=2.0)
     yield server, caches
     server.close()
 
 
-def pull(server, request_id="r", tokens=TOKENS, first_block=0, layout=None, port=None, timeout_s=2.0):
-    return pull_blocks("127.0.0.1", port or server.port, request_id,
-                       layout=layout or BlockLayout.of(pool(1)), num_tokens=len(tokens), first_block=first_block,
-                       block_hashes=request_block_hashes(tokens, BLOCK_SIZE, None), timeout_s=timeout_s)
+def hold(server, caches, request_id, block_ids, tokens=TOKENS, salt=None):
+    data = read_blocks(caches, block_ids)
+    assert request_id in server._held or server.expect(request_id, data.numel())
+    server.hold(request_id, data, request_block_hashes(tokens, BLOCK_SIZE, salt), len(tokens), BlockLayout.of(caches))
+
+
+def pull(server, request_id="r", tokens=TOKENS, first_block=0, num_blocks=None, layout=None, port=None,
+         timeout_s=2.0):
+    hashes = request_block_hashes(tokens, BLOCK_SIZE, None)
+    return pull_blocks("127.0.0.1", port or server.port, request_id, layout=layout or BlockLayout.of(pool(1)),
+                       num_tokens=len(tokens), first_block=first_block, block_hashes=hashes, timeout_s=timeout_s,
+                       num_blocks=len(hashes) - first_block if num_blocks is None else num_blocks)
 
 
 def released(server, request_id, within_s=2.0):
-    """Whether ``server`` lets ``request_id`` go within ``within_s`` (what it let go is kept on it)."""
-    deadline, seen = time.monotonic() + within_s, server.__dict__.setdefault("seen", set())
-    while request_id not in seen and time.monotonic() < deadline:
-        seen.update(server.take_released())
+    """Whether ``server`` lets ``request_id`` go within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while request_id in server._held and time.monotonic() < deadline:
         time.sleep(0.01)
-    return request_id in seen
+    return request_id not in server._held
 
 
 @pytest.mark.parametrize("first_block", [0, 2])
 def test_blocks_arrive_bit_for_bit_and_the_producer_lets_them_go(producer, first_block):
     server, caches = producer
     src = [5, 1, 6]
-    server.hold("r", src, request_block_hashes(TOKENS, BLOCK_SIZE, None), len(TOKENS))
+    hold(server, caches, "r", src)
     got = pull(server, first_block=first_block)
     assert released(server, "r") and server.num_held == 0
     consumer = pool(1)
@@ -79,28 +87,41 @@ def test_blocks_arrive_bit_for_bit_and_the_producer_lets_them_go(producer, first
 
 def test_the_consumer_refuses_other_tokens_and_another_layout(producer):
     server, caches = producer
-    hashes = request_block_hashes(TOKENS, BLOCK_SIZE, None)
-    server.hold("a", [1, 2, 3], hashes, len(TOKENS))
+    hold(server, caches, "a", [1, 2, 3])
     with pytest.raises(KVTransferError, match=r"kv_blocks.block_hashes: .* from block 2 on"):
         pull(server, "a", tokens=TOKENS[:9] + [7])
-    server.hold("b", [1, 2, 3], hashes, len(TOKENS))
+    hold(server, caches, "b", [1, 2, 3])
     with pytest.raises(KVTransferError, match=r"kv_blocks.caches: expected"):
         pull(server, "b", layout=BlockLayout.of(pool(1)[:3]))
-    server.hold("c", [1, 2, 3], request_block_hashes(TOKENS, BLOCK_SIZE, "salt"), len(TOKENS))
+    hold(server, caches, "c", [1, 2, 3], salt="salt")
     with pytest.raises(KVTransferError, match=r"block_hashes: .* from block 0 on"):  # another cache_salt
         pull(server, "c")
-    assert released(server, "a") and released(server, "b") and released(server, "c")
-    assert server.stats.failures == 3 and server.stats.requests == 0
+    hold(server, caches, "d", [1, 2, 3])
+    with pytest.raises(KVTransferError, match=r"pull.num_blocks: blocks 1 .. 3 asked, the request has 3"):
+        pull(server, "d", first_block=1, num_blocks=3)
+    assert all(released(server, r) for r in "abcd")
+    assert server.stats.failures == 4 and server.stats.requests == 0
 
 
-def test_held_blocks_nobody_pulls_are_let_go_after_the_hold_timeout():
-    server = KVBlockServer("127.0.0.1", 0, lambda: pool(0), hold_timeout_s=0.05)
+def test_held_blocks_nobody_pulls_are_let_go_after_the_hold_timeout_and_the_bytes_are_capped():
+    server = KVBlockServer("127.0.0.1", 0, hold_timeout_s=0.2, max_held_bytes=1000)
     try:
-        server.hold("r", [1], request_block_hashes(TOKENS[:3], BLOCK_SIZE, None), 3)
-        assert server.take_released() == []
-        assert released(server, "r") and server.num_held == 0
+        assert server.expect("r", 600) and not server.expect("s", 401) and server.held_bytes == 600
+        assert server.num_held == 1 and released(server, "r") and server.held_bytes == 0
+        assert server.expect("s", 1000)
     finally:
         server.close()
+
+
+def test_a_pull_that_comes_before_the_blocks_are_staged_waits_for_them(producer):
+    server, caches = producer
+    assert server.expect("early", 3 * BlockLayout.of(caches).block_bytes)
+    threading.Timer(0.2, hold, (server, caches, "early", [1, 2, 3])).start()
+    assert torch.equal(pull(server, "early").data, read_blocks(caches, [1, 2, 3]))
+    assert server.expect("never", 10)
+    threading.Timer(0.2, server.drop, ("never",)).start()
+    with pytest.raises(KVTransferError, match="no held KV blocks for 'never'"):
+        pull(server, "never")
 
 
 class FakeProducer:
@@ -128,7 +149,7 @@ class FakeProducer:
 
 def _good_frame(**changes) -> tuple[tt.KVBlocks, bytes]:
     caches, hashes = pool(0), request_block_hashes(TOKENS, BLOCK_SIZE, None)
-    data = tt._gather(caches, [1, 2, 3])
+    data = read_blocks(caches, [1, 2, 3])
     header = tt.KVBlocks("r", len(TOKENS), 0, hashes, [(d, list(s)) for d, s in BlockLayout.of(caches).caches],
                          [hashlib.sha256(row).digest() for row in data.numpy()], data.numel())
     for name, value in changes.items():
@@ -171,20 +192,19 @@ def test_a_stalled_producer_fails_the_pull_at_its_deadline():
 
 def test_a_consumer_that_dies_or_lies_fails_its_pull_only(producer):
     server, caches = producer
-    hashes = request_block_hashes(TOKENS, BLOCK_SIZE, None)
-    server.hold("dies", [1, 2, 3], hashes, len(TOKENS))
+    hold(server, caches, "dies", [1, 2, 3])
     with socket.create_connection(("127.0.0.1", server.port)) as conn:  # reads the header, dies mid-payload
-        conn.sendall(_frame(tt.Pull("dies", 0)))
+        conn.sendall(_frame(tt.Pull("dies", 0, 3)))
         conn.recv(100)
-    for garbage in (struct.pack(">4sI", b"PPKV", 2**30), b"GET / HTTP/1.1\r\n\r\n", _frame(tt.Pull("x", -1))):
+    for garbage in (struct.pack(">4sI", b"PPKV", 2**30), b"GET / HTTP/1.1\r\n\r\n", _frame(tt.Pull("x", -1, 1))):
         with socket.create_connection(("127.0.0.1", server.port)) as conn:
             conn.sendall(garbage)
             conn.settimeout(2)
             with pytest.raises(ConnectionResetError) if garbage[:4] == b"GET " else contextlib.nullcontext():
                 assert conn.recv(100) == b""  # closed (reset when what it sent is left unread)
     assert released(server, "dies")
-    server.hold("next", [4, 5, 6], hashes, len(TOKENS))
+    hold(server, caches, "next", [4, 5, 6])
     got = pull(server, "next")
-    assert torch.equal(got.data, tt._gather(caches, [4, 5, 6]))
+    assert torch.equal(got.data, read_blocks(caches, [4, 5, 6]))
     assert released(server, "next")  # after its count
     assert server.stats.requests == 1 and server.stats.failures == 4

@@ -1,18 +1,18 @@
 """KV blocks from one engine's pool to another's over TCP: the transport of prefill/decode
 disaggregation on one machine (``P2pTcpConnector``, :mod:`pagedpack.runtime.kv_connector.p2p_tcp_connector`).
 
-The producer (the engine that prefilled) runs a :class:`KVBlockServer`: it :meth:`~KVBlockServer.hold`\\ s a
-finished request's blocks (they stay allocated) until a consumer pulled them, the pull failed, or
-``hold_timeout_s`` passed; :meth:`~KVBlockServer.take_released` then names the requests whose blocks
-may be freed. The consumer (the engine that decodes) calls :func:`pull_blocks`, which returns the
-blocks' bytes, checked, in a staging tensor; :func:`write_blocks` copies them into its own blocks
-(on the thread that steps the engine). One pull per held request: whatever its outcome, the producer
-lets the blocks go (a consumer whose pull failed recomputes the tokens itself).
+The producer (the engine that prefilled) runs a :class:`KVBlockServer`: it holds a copy of a finished
+request's blocks (:func:`read_blocks`, on the thread that steps the engine, so the pool's blocks are free
+again at once) until a consumer pulled them, the pull failed, or ``hold_timeout_s`` passed. The consumer
+(the engine that decodes) calls :func:`pull_blocks`, which returns the blocks' bytes, checked, in a staging
+tensor; :func:`write_blocks` copies them into its own blocks (on the thread that steps the engine). One
+pull per held request: whatever its outcome, the producer lets the blocks go (a consumer whose pull
+failed recomputes the tokens itself).
 
 Wire format, both ways: a frame is the 4 bytes ``PPKV``, the header's length (uint32, big-endian), the
 header (a msgpack map tagged by ``"type"``, decoded by ``msgspec`` into the structs below: a wrong type,
 a missing or unknown field is refused naming it; never pickle) and, for ``kv_blocks`` only, its
-``payload_bytes`` of raw block bytes. The consumer sends ``pull {request_id, first_block}``; the
+``payload_bytes`` of raw block bytes. The consumer sends ``pull {request_id, first_block, num_blocks}``; the
 producer answers ``kv_blocks`` (or ``error {message}``): the request's ``num_tokens``, the hash of each
 of its blocks (:func:`request_block_hashes`: the consumer compares them with its own prompt's, so KV
 never lands under other tokens), each cache's dtype and one block's shape, and per block sent the
@@ -34,7 +34,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Union
 
@@ -62,6 +62,7 @@ class KVTransferError(ConnectionError):
 class Pull(msgspec.Struct, tag="pull", tag_field="type", forbid_unknown_fields=True):
     request_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
     first_block: _Count
+    num_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)]
 
 
 class KVBlocks(msgspec.Struct, tag="kv_blocks", tag_field="type", forbid_unknown_fields=True):
@@ -149,27 +150,31 @@ class TransferStats:
 
 @dataclass
 class _Held:
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    num_tokens: int
+    nbytes: int  # reserved by expect(), the staged data's size
     deadline: float
+    data: torch.Tensor | None = None  # uint8 [num_blocks, block_bytes] once staged
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_tokens: int = 0
+    layout: BlockLayout | None = None
     pulling: bool = False
 
 
 class KVBlockServer:
     """The producer's end: listens on ``host:port`` (0: a free port, :attr:`port`) in a thread of its own and
-    answers pulls of held requests with their blocks, read from ``kv_caches()`` (the pool's caches,
-    ``[num_blocks, *block shape]`` each, as now). ``hold_timeout_s``: a held request nobody pulls is let go
-    after it; ``timeout_s``: each connection's deadline per read and per answer; ``max_connections``: pulls
+    answers each pull of a held request with its staged blocks. A request is first expected (:meth:`expect`:
+    its bytes reserved, before its ``kv_transfer_params`` go out), then held (:meth:`hold`: its blocks' bytes,
+    copied out of the pool; a pull arriving in between waits for them); it is let go after one pull, whatever
+    its outcome, or ``hold_timeout_s`` after it was expected. ``max_held_bytes``: the most bytes expected and held
+    at once; ``timeout_s``: each connection's deadline per read and per answer; ``max_connections``: pulls
     served at once (a connection past them is closed). ``OSError`` if the address cannot be bound."""
 
-    def __init__(self, host: str, port: int, kv_caches: Callable[[], Sequence[torch.Tensor]], *,
-                 hold_timeout_s: float = 120.0, timeout_s: float = 10.0, max_connections: int = 16):
-        self.kv_caches, self.hold_timeout_s, self.timeout_s = kv_caches, hold_timeout_s, timeout_s
+    def __init__(self, host: str, port: int, *, hold_timeout_s: float = 120.0, timeout_s: float = 10.0,
+                 max_held_bytes: int = 2**30, max_connections: int = 16):
+        self.hold_timeout_s, self.timeout_s, self.max_held_bytes = hold_timeout_s, timeout_s, max_held_bytes
         self.stats = TransferStats()
         self._held: dict[str, _Held] = {}
-        self._released: list[str] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a hold staged, a request let go
         self._slots = threading.BoundedSemaphore(max_connections)
         self._server = socket.create_server((host, port), backlog=max_connections)
         self.port = self._server.getsockname()[1]
@@ -177,40 +182,57 @@ class KVBlockServer:
         self._thread = threading.Thread(target=self._serve, name="pagedpack-kv-server", daemon=True)
         self._thread.start()
 
-    def hold(self, request_id: str, block_ids: list[int], block_hashes: list[bytes], num_tokens: int) -> None:
-        """Keep ``block_ids`` (the request's blocks, in order, holding the K/V of its first ``num_tokens``
-        tokens, whose :func:`request_block_hashes` are ``block_hashes``) for one pull."""
+    def expect(self, request_id: str, nbytes: int) -> bool:
+        """Reserve ``nbytes`` for ``request_id``'s blocks; False (nothing reserved) past ``max_held_bytes``."""
         with self._lock:
-            self._held[request_id] = _Held(list(block_ids), list(block_hashes), num_tokens,
-                                           time.monotonic() + self.hold_timeout_s)
+            if sum(h.nbytes for h in self._held.values()) + nbytes > self.max_held_bytes:
+                return False
+            self._held[request_id] = _Held(nbytes, time.monotonic() + self.hold_timeout_s)
+            return True
 
-    def take_released(self) -> list[str]:
-        """The held requests let go since the last call (pulled, failed or expired): their blocks may be freed."""
-        now = time.monotonic()
+    def hold(self, request_id: str, data: torch.Tensor, block_hashes: list[bytes], num_tokens: int,
+             layout: BlockLayout) -> None:
+        """Stage the blocks of an expected ``request_id`` for its pull: ``data`` uint8 ``[num_blocks,
+        layout.block_bytes]`` (:func:`read_blocks`), the K/V of its first ``num_tokens`` tokens, whose
+        :func:`request_block_hashes` are ``block_hashes``. Nothing if it is no longer expected (let go)."""
         with self._lock:
-            for request_id in [r for r, h in self._held.items() if not h.pulling and h.deadline < now]:
-                log.warning("request %r: no consumer pulled its KV blocks within %.0f s; freeing them",
-                            request_id, self.hold_timeout_s)
-                del self._held[request_id]
-                self._released.append(request_id)
-            released, self._released = self._released, []
-        return released
+            held = self._held.get(request_id)
+            if held is not None:
+                held.data, held.block_hashes, held.num_tokens = data, list(block_hashes), num_tokens
+                held.layout = layout
+                self._changed.notify_all()
+
+    def drop(self, request_id: str) -> None:
+        """Let ``request_id`` go (its blocks will not be staged)."""
+        with self._lock:
+            self._held.pop(request_id, None)
+            self._changed.notify_all()
 
     @property
     def num_held(self) -> int:
+        """Requests expected or held, not yet pulled."""
         with self._lock:
             return len(self._held)
 
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
+
     def close(self) -> None:
-        """Stop listening; pulls under way end at their next read or write."""
+        """Stop listening and let every request go; pulls under way end at their next read or write."""
         self._stopped.set()
         self._server.close()
         self._thread.join(timeout=5)
+        with self._lock:
+            self._held.clear()
+            self._changed.notify_all()
 
     def _serve(self) -> None:
         with selectors.DefaultSelector() as selector:
             selector.register(self._server, selectors.EVENT_READ)
             while not self._stopped.is_set():
+                self._expire()
                 try:
                     ready = selector.select(0.25)
                     conn = self._server.accept()[0] if ready else None
@@ -223,54 +245,62 @@ class KVBlockServer:
                     continue
                 threading.Thread(target=self._answer, args=(conn,), name="pagedpack-kv-send", daemon=True).start()
 
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for request_id in [r for r, h in self._held.items() if not h.pulling and h.deadline < now]:
+                log.warning("request %r: no consumer pulled its KV blocks within %.0f s; letting them go",
+                            request_id, self.hold_timeout_s)
+                del self._held[request_id]
+
     def _answer(self, conn: socket.socket) -> None:
         request_id, start = None, time.monotonic()
         try:
             with conn:
                 deadline = start + self.timeout_s
                 pull = _recv_header(conn, deadline, Pull)
-                request_id = self._take(pull.request_id)
-                if request_id is None:
+                held = self._take(pull.request_id, deadline)
+                if held is None:
                     _send(conn, Error(f"request_id: no held KV blocks for {pull.request_id!r} (never held, pulled "
                                       "already, or let go after the hold timeout)"), deadline=deadline)
                     return
-                held = self._held_now(request_id)
-                if not 0 <= pull.first_block <= len(held.block_ids):
-                    problem = f"pull.first_block: expected 0..{len(held.block_ids)}, got {pull.first_block}"
+                request_id, total = pull.request_id, len(held.data)
+                if pull.first_block + pull.num_blocks > total:
+                    problem = (f"pull.num_blocks: blocks {pull.first_block} .. {pull.first_block + pull.num_blocks - 1}"
+                               f" asked, the request has {total}")
                     _send(conn, Error(problem), deadline=deadline)
                     raise KVTransferError(problem)
-                caches = list(self.kv_caches())
-                data = _gather(caches, held.block_ids[pull.first_block:])
+                data = held.data[pull.first_block:pull.first_block + pull.num_blocks]
                 header = KVBlocks(request_id, held.num_tokens, pull.first_block, held.block_hashes,
-                                  [(d, list(s)) for d, s in BlockLayout.of(caches).caches],
+                                  [(d, list(s)) for d, s in held.layout.caches],
                                   [hashlib.sha256(row).digest() for row in data.numpy()], data.numel())
                 _send(conn, header, data.numpy(), deadline=time.monotonic() + self.timeout_s)
                 ack = _recv_header(conn, time.monotonic() + self.timeout_s, Ack)
                 if not ack.ok:
                     raise KVTransferError(f"the consumer refused the blocks of {request_id!r}: {ack.error}")
-                self.stats.add(blocks=data.shape[0], nbytes=data.numel(), seconds=time.monotonic() - start)
+                self.stats.add(blocks=len(data), nbytes=data.numel(), seconds=time.monotonic() - start)
         except (OSError, KVTransferError) as err:
             self.stats.add(failed=True)
             log.warning("KV pull%s failed: %s", f" of {request_id!r}" if request_id else "", err)
         finally:
             self._slots.release()
             if request_id is not None:
-                with self._lock:
-                    self._held.pop(request_id, None)
-                    self._released.append(request_id)
+                self.drop(request_id)
 
-    def _take(self, request_id: str) -> str | None:
-        """Mark ``request_id``'s blocks as being pulled (one pull each); None if none are held for it."""
+    def _take(self, request_id: str, deadline: float) -> _Held | None:
+        """``request_id``'s staged blocks, marked as being pulled (one pull each), waiting until ``deadline``
+        for an expected request to be staged; None if none are (or will be) held for it."""
         with self._lock:
             held = self._held.get(request_id)
             if held is None or held.pulling:
                 return None
-            held.pulling = True
-            return request_id
-
-    def _held_now(self, request_id: str) -> _Held:
-        with self._lock:
-            return self._held[request_id]
+            held.pulling = True  # not expired while it waits
+            while held.data is None and self._held.get(request_id) is held and time.monotonic() < deadline:
+                self._changed.wait(max(0.0, deadline - time.monotonic()))
+            if held.data is None or self._held.get(request_id) is not held:
+                self._held.pop(request_id, None)
+                return None
+            return held
 
 
 @dataclass(frozen=True)
@@ -283,11 +313,11 @@ class PulledBlocks:
 
 
 def pull_blocks(host: str, port: int, request_id: str, *, layout: BlockLayout, block_hashes: list[bytes],
-                num_tokens: int, first_block: int, timeout_s: float = 10.0) -> PulledBlocks:
-    """Pull the blocks ``first_block ..`` of ``request_id`` from the producer at ``host:port``: the request must
-    hold ``num_tokens`` tokens whose :func:`request_block_hashes` are ``block_hashes``, in caches of
-    ``layout``. Each read and write has ``timeout_s``. ``KVTransferError`` naming what differed (the
-    producer is told, and lets the blocks go either way)."""
+                num_tokens: int, first_block: int, num_blocks: int, timeout_s: float = 10.0) -> PulledBlocks:
+    """Pull the blocks ``first_block .. first_block + num_blocks - 1`` of ``request_id`` from the producer at
+    ``host:port``: the request must hold ``num_tokens`` tokens whose :func:`request_block_hashes` are
+    ``block_hashes``, in caches of ``layout``. Each read and write has ``timeout_s``. ``KVTransferError``
+    naming what differed (the producer is told, and lets the blocks go either way)."""
     start = time.monotonic()
     try:
         conn = socket.create_connection((host, port), timeout=timeout_s)
@@ -296,7 +326,7 @@ def pull_blocks(host: str, port: int, request_id: str, *, layout: BlockLayout, b
     try:
         with conn:
             data = _pull(conn, f"{host}:{port}", request_id, layout=layout, block_hashes=block_hashes,
-                         num_tokens=num_tokens, first_block=first_block, timeout_s=timeout_s)
+                         num_tokens=num_tokens, first_block=first_block, num_blocks=num_blocks, timeout_s=timeout_s)
     except KVTransferError:
         raise
     except OSError as err:  # reset, broken pipe
@@ -305,7 +335,7 @@ def pull_blocks(host: str, port: int, request_id: str, *, layout: BlockLayout, b
 
 
 def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayout, block_hashes: list[bytes],
-          num_tokens: int, first_block: int, timeout_s: float) -> torch.Tensor:
+          num_tokens: int, first_block: int, num_blocks: int, timeout_s: float) -> torch.Tensor:
     def deadline() -> float:
         return time.monotonic() + timeout_s
 
@@ -313,13 +343,13 @@ def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayou
         _send(conn, Ack(request_id, False, error[:4096]), deadline=deadline())
         raise KVTransferError(error)
 
-    _send(conn, Pull(request_id, first_block), deadline=deadline())
+    _send(conn, Pull(request_id, first_block, num_blocks), deadline=deadline())
     header = _recv_header(conn, deadline(), KVBlocks, Error)
     if isinstance(header, Error):
         raise KVTransferError(f"the KV producer at {peer}: {header.message}")
     try:
-        num_blocks = _check_blocks(header, request_id=request_id, layout=layout, block_hashes=block_hashes,
-                                   num_tokens=num_tokens, first_block=first_block)
+        _check_blocks(header, request_id=request_id, layout=layout, block_hashes=block_hashes,
+                      num_tokens=num_tokens, first_block=first_block, num_blocks=num_blocks)
     except KVTransferError as err:
         refuse(str(err))
     data = torch.empty((num_blocks, layout.block_bytes), dtype=torch.uint8)
@@ -332,8 +362,8 @@ def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayou
 
 
 def _check_blocks(header: KVBlocks, *, request_id: str, layout: BlockLayout, block_hashes: list[bytes],
-                  num_tokens: int, first_block: int) -> int:
-    """The number of blocks ``header`` announces, once every field is what this consumer expects."""
+                  num_tokens: int, first_block: int, num_blocks: int) -> None:
+    """``KVTransferError`` naming the first field of ``header`` that is not what this consumer expects."""
     expected = {"request_id": request_id, "num_tokens": num_tokens, "first_block": first_block,
                 "caches": [(d, list(s)) for d, s in layout.caches]}
     for name, value in expected.items():
@@ -346,13 +376,11 @@ def _check_blocks(header: KVBlocks, *, request_id: str, layout: BlockLayout, blo
         raise KVTransferError(f"kv_blocks.block_hashes: the producer's request holds other tokens than this "
                               f"one's from block {first} on ({len(header.block_hashes)} blocks, expected "
                               f"{len(block_hashes)})")
-    num_blocks = len(block_hashes) - first_block
     if len(header.block_sha256) != num_blocks:
         raise KVTransferError(f"kv_blocks.block_sha256: expected {num_blocks} digests, got {len(header.block_sha256)}")
     if header.payload_bytes != num_blocks * layout.block_bytes:
         raise KVTransferError(f"kv_blocks.payload_bytes: expected {num_blocks * layout.block_bytes} "
                               f"({num_blocks} blocks of {layout.block_bytes} bytes), got {header.payload_bytes}")
-    return num_blocks
 
 
 def write_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], data: torch.Tensor) -> None:
@@ -360,18 +388,21 @@ def write_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], da
     blocks ``block_ids`` of ``kv_caches`` (whose :class:`BlockLayout` it has)."""
     ids, offset = torch.tensor(list(block_ids), dtype=torch.long), 0
     for cache, size in zip(kv_caches, BlockLayout.of(kv_caches).cache_bytes):
+        if not size:
+            continue
         part = data[:, offset:offset + size].contiguous().view(cache.dtype).view(len(ids), *cache.shape[1:])
         cache.index_copy_(0, ids, part)
         offset += size
 
 
-def _gather(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
-    """uint8 ``[len(block_ids), block_bytes]``: each block's bytes in every cache, in order."""
+def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """uint8 ``[len(block_ids), block_bytes]``: a copy of each block's bytes in every cache, in order (the
+    :class:`BlockLayout` of ``kv_caches``)."""
     ids = torch.tensor(list(block_ids), dtype=torch.long)
-    if not kv_caches or not len(ids):
-        return torch.empty((len(ids), 0), dtype=torch.uint8)
-    return torch.cat([c.index_select(0, ids).contiguous().view(torch.uint8).reshape(len(ids), -1)
-                      for c in kv_caches], dim=1)
+    sizes = BlockLayout.of(kv_caches).cache_bytes
+    parts = [c.index_select(0, ids).contiguous().view(torch.uint8).reshape(len(ids), size)
+             for c, size in zip(kv_caches, sizes) if size]
+    return torch.cat(parts, dim=1) if parts else torch.empty((len(ids), 0), dtype=torch.uint8)
 
 
 def _send(conn: socket.socket, header: msgspec.Struct, payload=None, *, deadline: float) -> None:
