@@ -65,7 +65,7 @@ def released(server, request_id, within_s=2.0):
     return request_id not in server._held
 
 
-@pytest.mark.parametrize("first_block", [0, 2])
+@pytest.mark.parametrize("first_block", [0, 2, 3])  # 3: no block (the consumer holds the prompt already)
 def test_blocks_arrive_bit_for_bit_and_the_producer_lets_them_go(producer, first_block):
     server, caches = producer
     src = [5, 1, 6]

@@ -353,7 +353,8 @@ def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayou
     except KVTransferError as err:
         refuse(str(err))
     data = torch.empty((num_blocks, layout.block_bytes), dtype=torch.uint8)
-    _recv_into(conn, memoryview(data.numpy()).cast("B"), deadline())
+    if data.numel():  # (a memoryview of no bytes cannot be cast)
+        _recv_into(conn, memoryview(data.numpy()).cast("B"), deadline())
     for i, (row, digest) in enumerate(zip(data.numpy(), header.block_sha256)):
         if hashlib.sha256(row).digest() != digest:
             refuse(f"kv_blocks.block_sha256[{i}]: the bytes of block {first_block + i} do not match their sha256")
