@@ -126,6 +126,9 @@ class EngineArgs:
             :class:`pagedpack.runtime.kv_event_publisher.KVEventsConfig`): publish the prefix cache's
             changes as vLLM's KV events over ZeroMQ (docs/serving.md, KV events; tensor-parallel rank 0
             alone publishes); None (default): none.
+        kv_transfer_config: vLLM's ``KVTransferConfig`` (a dict, its JSON text, or
+            :class:`pagedpack.runtime.kv_connector.factory.KVTransferConfig`): the KV connector the engine
+            loads and saves KV blocks through (docs/kv-offload.md); None (default): none.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -156,6 +159,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     kv_events_config: object = None
+    kv_transfer_config: object = None
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -192,6 +196,7 @@ class EngineArgs:
         from pagedpack.runtime.kv_event_publisher import KVEventsConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        self._check_kv_transfer()
 
         CpuThreads.check(self.num_threads, self.reserved_cpus)
         if self.extra_passes and self.is_exported:
@@ -204,6 +209,14 @@ class EngineArgs:
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
+
+    def _check_kv_transfer(self) -> None:
+        """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``)."""
+        from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is not None:
+            KVConnectorFactory.get_connector_class(self.kv_transfer_config)  # the name, checked before the build
 
     def _check_tensor_parallel(self, target: Target) -> None:
         """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size,
@@ -414,6 +427,11 @@ class EngineArgs:
                             help="publish KV cache events as vLLM does: a JSON object of vLLM's KVEventsConfig, "
                                  "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
                                  "\"replay_endpoint\": \"tcp://*:5558\"}' (docs/serving.md, KV events)")
+        parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                            help="a KV connector, as vLLM's: a JSON object of KVTransferConfig, e.g. "
+                                 "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+                                 "\"kv_connector_extra_config\": {\"kv_offload_size\": 1073741824}}' "
+                                 "(docs/kv-offload.md)")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="

@@ -47,6 +47,9 @@ class BlockPool:
         self._peak_used = 0
         self.num_evictions = 0
         self.kv_events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None  # since take_events
+        # (hash, block id) of each cached block handed out for other contents, since take_evicted:
+        # its K/V are still in the block until the step that allocated it runs (a KV connector saves them)
+        self.evicted: list[tuple[BlockHash, int]] = []
 
     # --- counts ---------------------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class BlockPool:
             del self._cached[block_hash]
             self._hashes[block_id] = None
             self.num_evictions += 1
+            self.evicted.append((block_hash, block_id))
             if self.kv_events is not None:
                 self.kv_events.append(block_removed(block_hash))
         self._ref_counts[block_id] = 1
@@ -174,6 +178,21 @@ class BlockPool:
         if self.kv_events is not None:
             self.kv_events.append(AllBlocksCleared())
         return True
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """``(hash, block_id)`` of each block evicted since the last call, in order."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def lru_cached_free_blocks(self, limit: int) -> list[tuple[BlockHash, int]]:
+        """``(hash, block_id)`` of up to ``limit`` cached blocks nobody owns, next evicted first."""
+        found = []
+        for block_id in self._free:
+            if len(found) >= limit:
+                break
+            if self._hashes[block_id] is not None:
+                found.append((self._hashes[block_id], block_id))
+        return found
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call, in order (none with events off)."""

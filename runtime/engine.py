@@ -20,6 +20,7 @@ from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
 from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.kv_connector.driver import KVConnectorDriver, make_connectors
 from pagedpack.runtime.kv_event_publisher import KVEventsConfig, NullEventPublisher, make_publisher
 from pagedpack.runtime.kv_events import KVEventBatch
 from pagedpack.runtime.model_runner import ModelRunner
@@ -28,7 +29,7 @@ from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
 from pagedpack.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
-from pagedpack.runtime.scheduler import Scheduler, SchedulerOutput
+from pagedpack.runtime.scheduler import KVConnectorOutput, Scheduler, SchedulerOutput
 from pagedpack.step.contract import ModelDescription, bytes_per_token
 from pagedpack.step.metadata import state_metadata
 
@@ -129,8 +130,10 @@ class LLMEngine:
     collected or the process exits)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
-                 description: ModelDescription | None = None, kv_event_publisher=None):
+                 description: ModelDescription | None = None, kv_event_publisher=None, kv_connector=None):
         self.runner, self.scheduler = runner, scheduler
+        # a KV connector's WORKER half (the scheduler holds its SCHEDULER half), driven around each step
+        self.kv_connector = KVConnectorDriver(kv_connector, runner) if kv_connector is not None else None
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
         self._close_publisher = weakref.finalize(self, self.kv_event_publisher.shutdown)
         self.sampler = sampler or Sampler()
@@ -144,12 +147,15 @@ class LLMEngine:
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
-              kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None) -> "LLMEngine":
+              kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None,
+              kv_transfer_config=None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
         ``kv_events_config``: vLLM's KV events configuration (None: no events); ``kv_event_publisher``:
-        its publisher if made already (``LLM`` binds its sockets before the build), else made here."""
+        its publisher if made already (``LLM`` binds its sockets before the build), else made here;
+        ``kv_transfer_config``: a :class:`~pagedpack.runtime.kv_connector.factory.KVTransferConfig` (None: no
+        KV connector)."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if enable_prefix_caching and num_state_slots:
@@ -161,10 +167,13 @@ class LLMEngine:
         kv_cache_manager = KVCacheManager(num_blocks, block_size, num_state_slots=num_state_slots,
                                           enable_prefix_caching=enable_prefix_caching and not num_state_slots,
                                           enable_kv_cache_events=events)
+        scheduler_connector, worker_connector = make_connectors(kv_transfer_config, runner, kv_cache_manager,
+                                                                workers=workers, num_state_slots=num_state_slots)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, connector=scheduler_connector)
         publisher = kv_event_publisher or make_publisher(kv_events_config)
-        return cls(runner, scheduler, description=description, kv_event_publisher=publisher)
+        return cls(runner, scheduler, description=description, kv_event_publisher=publisher,
+                   kv_connector=worker_connector)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Request, str | None]:
         """``(request, prompt text)`` for ``prompt`` (text, token ids or a dict as
@@ -280,12 +289,17 @@ class LLMEngine:
         return done
 
     def close(self) -> None:
-        """Shut the KV event publisher down (its sockets closed; later events go nowhere); idempotent."""
+        """Shut the KV event publisher and the KV connector down (later events go nowhere); idempotent."""
         self._close_publisher()
         self.kv_event_publisher = NullEventPublisher()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.scheduler.connector.shutdown()
 
     def _publish_kv_events(self) -> None:
         events = self.scheduler.kv_cache_manager.pool.take_events()
+        if self.scheduler.connector is not None:
+            events += self.scheduler.connector.take_events()
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
@@ -305,8 +319,15 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
         if not output.scheduled:
+            if self.kv_connector is not None:  # saves and asynchronous loads still finish (vLLM: no forward)
+                self.kv_connector.before_step(output)
+                self.kv_connector.after_step()
+                self.scheduler.update_from_connector_output(output, self.kv_connector.finish_step(output))
             return []
+        connector_output, rolled_back = KVConnectorOutput(), set()
         try:
+            if self.kv_connector is not None:
+                self.kv_connector.before_step(output)
             if output.blocks_to_copy:
                 self.runner.copy_blocks(output.blocks_to_copy)
             if output.states_to_copy:
@@ -319,6 +340,10 @@ class LLMEngine:
                                    [s.request.num_computed_tokens for s in output.scheduled],
                                    self.runner.device) if self.runner.state_specs else ()
             logits = self.runner.execute(batch, *state)
+            if self.kv_connector is not None:
+                self.kv_connector.after_step()
+                connector_output = self.kv_connector.finish_step(output)
+                rolled_back = self.scheduler.update_from_connector_output(output, connector_output)
         except EngineDeadError:
             raise
         except Exception as err:  # noqa: BLE001 -- not one request's: the step's requests fail, the others run on
@@ -328,7 +353,7 @@ class LLMEngine:
             logits = logits[:len(output.scheduled)]
         rows, to_sample = [], []
         for i, s in enumerate(output.scheduled):
-            takers = s.sample_requests
+            takers = s.sample_requests if s.request.request_id not in rolled_back else []
             if takers:
                 rows += [i] * len(takers)
                 to_sample += takers
@@ -343,7 +368,7 @@ class LLMEngine:
                 if logprobs is not None:
                     request.output_logprobs.append(logprobs)
         self._count(output)
-        finished = self.scheduler.update_from_output(output, sampled, failed)
+        finished = self.scheduler.update_from_output(output, sampled, failed, rolled_back)
         outputs, stopped, broken = self.output_processor.process(
             [*to_sample, *(r for r in finished if r.request_id not in sampled and r.request_id not in failed)])
         if stopped:  # by a stop string in the text

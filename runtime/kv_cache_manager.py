@@ -158,32 +158,48 @@ class KVCacheManager:
         revived = sum(self.pool.ref_count(b) == 0 for b in prefix.block_ids)
         return max(0, needed - kept) + revived
 
-    def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
-        """Whether ``allocate_slots(request, num_new_tokens, prefix)`` would succeed now."""
+    def can_allocate(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX,
+                     num_external_tokens: int = 0) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens, prefix, num_external_tokens)`` would succeed now."""
         if self.num_state_slots and request.state_slot < 0 and not self._free_slots:
             return False
-        return self._num_missing_blocks(request, num_new_tokens, prefix) <= self.num_free_blocks
+        return self._num_missing_blocks(request, num_external_tokens + num_new_tokens, prefix) <= self.num_free_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX,
+                       num_external_tokens: int = 0, *, name_external: bool = True) -> bool:
         """Extend ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         With ``prefix`` (from :meth:`find_cached_prefix`, for a request holding no blocks) the
         request first takes the prefix's blocks and ``num_computed_tokens = prefix.num_tokens``,
-        and the admission is counted in :attr:`prefix_cache_stats`. All or nothing: returns
-        ``False`` and changes nothing when too few blocks are free.
+        and the admission is counted in :attr:`prefix_cache_stats`. ``num_external_tokens`` (a whole
+        number of blocks, for a request holding no blocks): tokens past the prefix that a KV connector
+        loads into the blocks allocated for them; they count as computed. They are named for the
+        prefix cache with the step's blocks (their load runs before the step), or, with
+        ``name_external=False`` (an asynchronous load), only when a later allocation covers them.
+        All or nothing: returns ``False`` and changes nothing when too few blocks are free.
         """
-        if not self.can_allocate(request, num_new_tokens, prefix):
+        if not self.can_allocate(request, num_new_tokens, prefix, num_external_tokens):
             return False
         if self.num_state_slots and request.state_slot < 0:
             request.state_slot = self._free_slots.pop()
         if prefix is not NO_PREFIX:
             self._take_prefix(request, prefix)
+        named_up_to = request.num_computed_tokens + (num_external_tokens if name_external else 0) + num_new_tokens
+        request.num_computed_tokens += num_external_tokens
         missing = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
         request.block_ids.extend(self.pool.allocate() for _ in range(missing))
         if prefix.copies_last_block(self.block_size):
             self._pending_copies.append((prefix.block_ids[-1], request.block_ids[len(prefix.block_ids) - 1]))
-        self._name_blocks(request, request.num_computed_tokens + num_new_tokens)
+        self._name_blocks(request, named_up_to)
         return True
+
+    def forget_blocks(self, request: Request, first: int) -> None:
+        """``request``'s blocks from index ``first`` on do not hold what their hashes say (a KV
+        connector's load failed): uncache them and let the request name them again once recomputed."""
+        for block_id in request.block_ids[first:]:
+            if self.pool.block_hash(block_id) is not None:
+                self.pool.uncache(block_id)
+        request.num_cached_blocks = min(request.num_cached_blocks, first)
 
     def _take_prefix(self, request: Request, prefix: CachedPrefix) -> None:
         for block_id in prefix.block_ids:

@@ -87,6 +87,12 @@ class ModelRunner:
             out, *self.kv_caches = out
         return out
 
+    def layer_kv_caches(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The caches by a KV connector's layer name: ``"layer.<i>"`` -> ``(K, V)`` of cache pair ``i``
+        (:mod:`pagedpack.runtime.kv_connector.base`)."""
+        return {f"layer.{i}": (self.kv_caches[2 * i], self.kv_caches[2 * i + 1])
+                for i in range(len(self.kv_caches) // 2)}
+
     @torch.inference_mode()
     def commit_kv_memory(self) -> None:
         """Make every page of the caches resident now (a server claims its whole pool at start, as

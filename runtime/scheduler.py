@@ -16,26 +16,58 @@ first takes the longest cached prefix of its tokens and computes only the rest; 
 offered to the cache when the step that fills them is scheduled (as vLLM does); preemption frees
 blocks into the cache, so a preempted request coming back finds its own blocks unless they were
 evicted.
+
+With a KV connector (its ``SCHEDULER`` half, :mod:`pagedpack.runtime.kv_connector.base`) a request being
+admitted is also offered the tokens past its local prefix that the connector can load
+(``get_num_new_matched_tokens``, then ``update_state_after_alloc``); each step's output carries the
+connector's metadata (``build_connector_meta``); a finished request's blocks stay allocated while the
+connector saves them if it asks (``request_finished``), until the worker names it in
+``finished_sending``; a request whose external tokens load asynchronously waits, holding its blocks,
+until the worker names it in ``finished_recving``; a block whose load failed rolls the requests holding it
+back to that block's first token (vLLM's ``get_block_ids_with_load_errors``), so they recompute it.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from pagedpack.runtime.kv_cache_manager import KVCacheManager
+from pagedpack.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager, PrefixCacheStats
 from pagedpack.runtime.request import Request, RequestStatus, ScheduledRequest  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1
 
 
 @dataclass
 class SchedulerOutput:
     """One step: what to compute, who was preempted to make room, and the ``(src, dst)`` KV
-    block copies (every layer's K and V) and recurrent-state slot copies to make before the step runs."""
+    block copies (every layer's K and V) and recurrent-state slot copies to make before the step runs.
+
+    evicted_blocks: ``(hash, block_id)`` of the cached blocks this step's allocations took over (their
+    old K/V are in the blocks until the step runs). finished_req_ids: requests finished since the last
+    step (vLLM's; the worker's ``get_finished`` takes them). kv_connector_metadata: the connector's
+    instructions for the step (None without a connector)."""
 
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_batched_tokens: int
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     states_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    evicted_blocks: list[tuple[bytes, int]] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half of a KV connector reported after a step (vLLM's ``KVConnectorOutput``):
+    requests whose delayed blocks may be freed, requests whose asynchronous load is done, and the
+    ids of blocks whose load failed."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 class Scheduler:
@@ -53,6 +85,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -68,6 +101,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: dict[str, Request] = {}  # taken out of scheduling by pause_requests, holding no blocks
+        self.connector = connector  # a KV connector's SCHEDULER half, or None
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # holding blocks an asynchronous load fills
+        self.finished_sending: dict[str, Request] = {}  # finished, blocks held until the connector saved them
+        self._finished_req_ids: set[str] = set()  # since the last step
+        # the tokens of admitted requests (queries) and those a connector supplied (hits), as vLLM's
+        # connector_prefix_cache_stats
+        self.connector_prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_running(self) -> int:
@@ -78,8 +118,8 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        """Requests to schedule (paused ones are not)."""
-        return bool(self.waiting or self.running)
+        """Requests to schedule or waiting for a connector (paused ones are not)."""
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs or self.finished_sending)
 
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` could never be served by this scheduler."""
@@ -131,33 +171,68 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = self._admit(request, budget)
-            if not num_new:
+            if num_new is None:
                 break
             self.waiting.popleft()
+            if not num_new:  # its external tokens load asynchronously
+                self.waiting_for_remote_kvs[request.request_id] = request
+                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget,
-                               self.kv_cache_manager.take_block_copies(), self.kv_cache_manager.take_state_copies())
+        kv = self.kv_cache_manager
+        output = SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget,
+                                 kv.take_block_copies(), kv.take_state_copies(), kv.pool.take_evicted(),
+                                 self._finished_req_ids)
+        self._finished_req_ids = set()
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
 
-    def _admit(self, request: Request, budget: int) -> int:
-        """Give a waiting ``request`` its cached prefix (if any) and blocks for its next chunk;
-        returns the chunk's token count, 0 if the pool cannot take it now."""
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Give a waiting ``request`` its cached prefix (if any), the tokens a connector loads, and
+        blocks for its next chunk; returns the chunk's token count (0: it waits for an asynchronous
+        load), None if it cannot be admitted now."""
         for prefix in self.kv_cache_manager.find_cached_prefix(request):
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, prefix):
+            num_external, load_async = self._external_tokens(request, prefix)
+            if num_external is None:
+                return None
+            computed = max(prefix.num_tokens, request.num_computed_tokens) + num_external  # resumed: its own
+            num_new = 0 if load_async else min(request.num_tokens - computed, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, prefix, num_external,
+                                                    name_external=not load_async):
+                if self.connector is not None:
+                    self.connector_prefix_cache_stats.queries += request.num_tokens
+                    self.connector_prefix_cache_stats.hits += num_external
+                    self.connector.update_state_after_alloc(request, list(request.block_ids), num_external)
                 return num_new
-        return 0
+        return None
+
+    def _external_tokens(self, request: Request, prefix) -> tuple[int | None, bool]:
+        """``(tokens, load_async)`` the connector supplies past ``prefix`` (a whole number of blocks,
+        leaving the last token to compute); ``(0, False)`` without a connector, for a request holding
+        blocks (resumed from an asynchronous load) or one whose prefix copies its last block."""
+        if (self.connector is None or request.block_ids or request.first_missing_prompt_logprob is not None
+                or prefix.copies_last_block(self.kv_cache_manager.block_size)):
+            return 0, False
+        start = prefix.num_tokens if prefix is not NO_PREFIX else 0
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, start)
+        if num_external is None:
+            return None, False
+        size = self.kv_cache_manager.block_size
+        num_external = max(0, min(num_external, request.num_tokens - 1 - start)) // size * size
+        return num_external, load_async and num_external > 0
 
     def abort_all(self) -> list[Request]:
         """Drop every queued, running and paused request (freeing their blocks); returns them."""
-        aborted = [*self.running, *self.waiting, *self.paused.values()]
-        for request in self.running:
+        aborted = [*self.running, *self.waiting, *self.paused.values(), *self.waiting_for_remote_kvs.values()]
+        for request in [*self.running, *self.waiting_for_remote_kvs.values(), *self.finished_sending.values()]:
             self.kv_cache_manager.free(request)
         self.kv_cache_manager.reset()
         self.running, self.waiting, self.paused = [], deque(), {}
+        self.waiting_for_remote_kvs, self.finished_sending = {}, {}
         return aborted
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
@@ -167,9 +242,10 @@ class Scheduler:
         ids = set(request_ids)
         done = [r for r in [*self.running, *self.waiting] if r.request_id in ids]
         done += [self.paused.pop(i) for i in ids & self.paused.keys()]
+        done += [self.waiting_for_remote_kvs.pop(i) for i in ids & self.waiting_for_remote_kvs.keys()]
         for request in done:
-            self.kv_cache_manager.free(request)
             request.finish(status)
+            self._free_finished(request)
             request.forks = []
         if done:
             self.running = [r for r in self.running if r.request_id not in ids]
@@ -205,28 +281,33 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-                           failed: dict[str, str] | None = None) -> list[Request]:
+                           failed: dict[str, str] | None = None, rolled_back: set[str] = frozenset()) -> list[Request]:
         """Record a computed step: advance ``num_computed_tokens``, append sampled tokens.
 
         ``sampled_token_ids`` maps ``request_id`` to the new token, and ``failed`` to why it could
         take none (the sampler's error; it finishes with ``"error"``), for exactly the scheduled
         requests whose ``needs_sample`` is true, together (``ValueError`` otherwise; nothing changes
         then). Finished requests leave ``running`` and free their blocks; they are returned.
+        ``rolled_back``: scheduled requests a failed KV load rolled back
+        (:meth:`update_from_connector_output`): they take no tokens (none expected) and compute again.
         """
         failed = failed or {}
         sampled = [s for s in output.scheduled if s.needs_sample]
-        expected = {r.request_id for s in sampled for r in s.sample_requests}
+        expected = {r.request_id for s in sampled if s.request.request_id not in rolled_back for r in s.sample_requests}
         if expected != sampled_token_ids.keys() | failed.keys() or sampled_token_ids.keys() & failed.keys():
             raise ValueError(
                 f"sampled_token_ids, failed: expected tokens or errors for exactly {sorted(expected)}, "
                 f"got tokens for {sorted(sampled_token_ids)}, errors for {sorted(failed)}"
             )
         for s in output.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            if s.request.request_id not in rolled_back:
+                s.request.num_computed_tokens += s.num_new_tokens
         self.kv_cache_manager.end_step()
         finished = []
         for s in sampled:
             request, forks = s.request, s.request.forks
+            if request.request_id in rolled_back:
+                continue
             if request.request_id in failed:
                 request.fail(failed[request.request_id])
                 finished.append(request)
@@ -237,9 +318,45 @@ class Scheduler:
                 finished += self._fork(request, forks, [sampled_token_ids.get(f.request_id) for f in forks], failed)
         if finished:
             for request in finished:
-                self.kv_cache_manager.free(request)
+                self._free_finished(request)
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def _free_finished(self, request: Request) -> None:
+        """Free a finished ``request``'s blocks, unless the connector keeps them while it saves them."""
+        self._finished_req_ids.add(request.request_id)
+        if self.connector is not None and request.block_ids:
+            delay, request.kv_transfer_params = self.connector.request_finished(request, list(request.block_ids))
+            if delay:
+                self.finished_sending[request.request_id] = request
+                return
+        self.kv_cache_manager.free(request)
+
+    def update_from_connector_output(self, output: SchedulerOutput, connector_output: KVConnectorOutput) -> set[str]:
+        """Apply the worker half's report of the step ``output`` (before :meth:`update_from_output`):
+        free the blocks of requests done sending; queue first the requests whose asynchronous load is done;
+        roll back every request holding a block whose load failed to that block's first token, forgetting
+        the hashes of its blocks from there. Returns the ids of the scheduled requests rolled back: their
+        step's tokens are not counted and what they sampled is dropped (:meth:`update_from_output`)."""
+        for request_id in connector_output.finished_sending:
+            request = self.finished_sending.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        invalid = connector_output.invalid_block_ids
+        rolled_back = set()
+        if invalid:
+            holders = [*self.running, *self.waiting_for_remote_kvs.values()]
+            for request in holders:
+                first = next((j for j, b in enumerate(request.block_ids) if b in invalid), None)
+                if first is None or first * self.kv_cache_manager.block_size >= request.num_computed_tokens:
+                    continue
+                self.kv_cache_manager.forget_blocks(request, first)
+                request.num_computed_tokens = first * self.kv_cache_manager.block_size
+                rolled_back.add(request.request_id)
+        ready = [self.waiting_for_remote_kvs.pop(i) for i in connector_output.finished_recving
+                 if i in self.waiting_for_remote_kvs]
+        self.waiting.extendleft(reversed(ready))
+        return rolled_back & {s.request.request_id for s in output.scheduled}
 
     def _fork(self, parent: Request, forks: list[Request], tokens: list[int | None],
               failed: dict[str, str]) -> list[Request]:

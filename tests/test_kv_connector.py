@@ -1,0 +1,205 @@
+"""The KV connector interface (runtime/kv_connector): its config and registry, and the scheduler and
+engine driving a connector end to end: loads of blocks a connector holds, a failed load recomputed,
+blocks kept while a finished request is saved, asynchronous loads. The connector here is the test's
+own (a dict of saved blocks by hash), and the tokens are checked against the unmodified model run one
+prompt at a time."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.engine_args import EngineArgs
+from pagedpack.models.tiny import default_model
+from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+
+from conftest import greedy_alone, random_prompts
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+class DictMetadata(KVConnectorMetadata):
+    def __init__(self, loads, saves, finished):
+        self.loads, self.saves, self.finished = loads, saves, finished
+
+
+class DictConnector(KVConnectorBase_V1):
+    """Saves every block a step completes into ``shared["store"]`` (hash -> per layer (K, V)) and loads
+    what it holds. ``shared["mode"]``: ``"sync"``; ``"async"`` (loads finish in the next step's
+    ``get_finished``); ``"fail"`` (loads write noise and are reported failed). ``shared["delay_free"]``:
+    finished requests' blocks are kept until the next ``get_finished``."""
+
+    def __init__(self, config, role, *, block_size, shared, kv_cache_manager=None):
+        super().__init__(config, role, block_size=block_size)
+        self.shared, self.kv = shared, kv_cache_manager
+        shared.setdefault("store", {})
+        shared.setdefault("mode", "sync")
+        shared.setdefault("delay_free", False)
+        self._loads, self._finished, self._errors, self._async, self._caches = [], [], set(), [], {}
+
+    # scheduler half
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        hashes = self.kv.block_hashes(request)
+        n = 0
+        for block_hash in hashes[num_computed_tokens // self.block_size:]:
+            if block_hash not in self.shared["store"]:
+                break
+            n += 1
+        return n * self.block_size, self.shared["mode"] == "async" and n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        first = (request.num_computed_tokens - num_external_tokens) // self.block_size
+        for j in range(first, first + num_external_tokens // self.block_size):
+            self._loads.append((request.request_id, blocks[j], request.block_hashes[j]))
+
+    def build_connector_meta(self, scheduler_output):
+        saves = []
+        for s in scheduler_output.scheduled:
+            r = s.request
+            hashes = self.kv.block_hashes(r)
+            for j in range(r.num_computed_tokens // self.block_size,
+                           min(r.num_computed_tokens + s.num_new_tokens, r.num_tokens) // self.block_size):
+                saves.append((r.block_ids[j], hashes[j]))
+        meta = DictMetadata(self._loads, saves, self._finished)
+        self._loads, self._finished = [], []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        if self.shared["delay_free"]:
+            self._finished.append(request.request_id)
+        return self.shared["delay_free"], {"saved_blocks": len(block_ids)}
+
+    # worker half
+    def register_kv_caches(self, kv_caches):
+        self._caches = kv_caches
+
+    def start_load_kv(self, forward_context=None, **kwargs):
+        meta = self._get_connector_metadata()
+        self._async_done = {request_id for request_id, _, _ in self._async}
+        for request_id, block_id, block_hash in self._async:
+            self._load(block_id, block_hash)
+        self._async = []
+        for load in meta.loads:
+            if self.shared["mode"] == "async":
+                self._async.append(load)
+            else:
+                self._load(load[1], load[2])
+        self._sending = set(meta.finished)
+
+    def _load(self, block_id, block_hash):
+        for name, (k, v) in self._caches.items():
+            if self.shared["mode"] == "fail":
+                k[block_id].normal_()
+                v[block_id].normal_()
+                self._errors.add(block_id)
+            else:
+                k[block_id], v[block_id] = self.shared["store"][block_hash][name]
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        k, v = kv_layer
+        for block_id, block_hash in self._get_connector_metadata().saves:
+            self.shared.setdefault("pending", {}).setdefault(block_hash, {})[layer_name] = (
+                k[block_id].clone(), v[block_id].clone())
+
+    def wait_for_save(self):
+        pending = self.shared.pop("pending", {})
+        for block_hash, layers in pending.items():
+            if len(layers) == len(self._caches):
+                self.shared["store"].setdefault(block_hash, layers)
+
+    def get_finished(self, finished_req_ids):
+        sending, self._sending = getattr(self, "_sending", set()), set()
+        done, self._async_done = getattr(self, "_async_done", set()), set()
+        return sending, done
+
+    def get_block_ids_with_load_errors(self):
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+KVConnectorFactory.register_connector("DictConnector", __name__, "DictConnector")
+CONFIG = {"kv_connector": "DictConnector", "kv_role": "kv_both"}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM("tiny", block_size=BLOCK, num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64,
+              enable_prefix_caching=False, kv_transfer_config=CONFIG)
+    yield llm
+    llm.llm_engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference():
+    prompts = random_prompts([13, 9, 16, 22], seed=5)
+    return prompts, greedy_alone(default_model()[0], prompts, GREEDY.max_tokens)
+
+
+def shared(llm) -> dict:
+    return llm.llm_engine.kv_connector.connector.shared
+
+
+def run(llm, prompts, mode, delay_free=False):
+    state = shared(llm)
+    state["mode"], state["delay_free"] = mode, delay_free
+    scheduler = llm.llm_engine.scheduler
+    before = scheduler.connector_prefix_cache_stats.hits
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # finished requests' blocks are kept while "saved" (freed by a later step's get_finished)
+    assert bool(scheduler.kv_cache_manager.num_used_blocks) == bool(scheduler.finished_sending) == delay_free
+    assert not scheduler.waiting_for_remote_kvs
+    return [o.outputs[0].token_ids for o in outs], scheduler.connector_prefix_cache_stats.hits - before
+
+
+def test_config_errors_name_the_field():
+    for text, field in [('{"kv_connector": "DictConnector", "kv_role": "both"}', "kv_role"),
+                        ('{"kv_connector": "DictConnector", "kv_port": 70000}', "kv_port"),
+                        ('{"kv_connector": "DictConnector", "kv_rank": 0}', "kv_rank"),
+                        ('{"kv_connector": "DictConnector", "kv_connector_extra_config": []}',
+                         "kv_connector_extra_config"),
+                        ('{"kv_role": "kv_both"}', "kv_connector")]:
+        with pytest.raises(ValueError, match=rf"kv_transfer_config\.{field}:"):
+            KVTransferConfig.parse(text)
+    with pytest.raises(ValueError, match=r"kv_transfer_config: expected a JSON object"):
+        KVTransferConfig.parse("[1")
+    with pytest.raises(ValueError, match=r"kv_transfer_config\.kv_connector: expected one of"):
+        EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "NoSuchConnector"})
+    with pytest.raises(ValueError, match="already registered"):
+        KVConnectorFactory.register_connector("DictConnector", __name__, "DictConnector")
+    config = KVTransferConfig.parse(CONFIG)
+    assert config.is_kv_producer and config.is_kv_consumer and config.kv_ip == "127.0.0.1"
+    made = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, block_size=4, shared={})
+    assert isinstance(made, DictConnector) and made.role is KVConnectorRole.WORKER
+
+
+def test_loads_from_the_connector_give_the_models_tokens(llm, prompts_and_reference):
+    prompts, reference = prompts_and_reference
+    first, hits = run(llm, prompts, "sync")
+    assert first == reference
+    again, hits = run(llm, prompts, "sync")  # prefix caching is off: every full block comes from the connector
+    assert again == reference
+    assert hits == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)  # what admission can load: the prompts
+
+
+def test_a_failed_load_is_recomputed(llm, prompts_and_reference):
+    prompts, reference = prompts_and_reference
+    run(llm, prompts, "sync")
+    got, hits = run(llm, prompts, "fail")  # noise in every loaded block, reported failed
+    assert hits > 0 and got == reference
+
+
+def test_asynchronous_loads_and_delayed_frees(llm, prompts_and_reference):
+    prompts, reference = prompts_and_reference
+    run(llm, prompts, "sync")
+    got, hits = run(llm, prompts, "async", delay_free=True)
+    assert hits > 0 and got == reference
+    state = shared(llm)
+    state["delay_free"] = False
+    got, _ = run(llm, prompts[:1], "sync")  # its first step's get_finished frees the kept blocks
+    assert got == reference[:1]
+    assert torch.is_tensor(next(iter(state["store"].values()))["layer.0"][0])
