@@ -49,10 +49,10 @@ def exported(tmp_path_factory):
 class _Proxy:
     """The proxy's application on a free port, served by uvicorn in a thread of this process."""
 
-    def __init__(self, prefill_url: str, decode_url: str):
+    def __init__(self, prefill_url: str, decode_url: str, **options):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_proxy_app(DisaggProxy(prefill_url, decode_url))
+        app = build_proxy_app(DisaggProxy(prefill_url, decode_url), **options)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -222,3 +222,28 @@ def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, c
     later = httpx.post(f"{producer.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3,
                                                                "ignore_eos": True}, timeout=30)
     assert later.status_code == 200 and later.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_proxy_answers_for_servers_it_cannot_reach_and_bodies_it_will_not_read(capsys):
+    proxy = _Proxy(f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}", max_body_bytes=1000)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # started: /health answers (503: neither server is there)
+            try:
+                assert httpx.get(f"{proxy.url}/health").status_code == 503
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        declared = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * 1001)
+        streamed = httpx.post(f"{proxy.url}/v1/completions", content=iter([b"y" * 600, b"y" * 600]))
+        assert declared.status_code == streamed.status_code == 413
+        assert "more than the 1000 bytes" in declared.json()["error"]["message"]
+        assert "expected a JSON object" in httpx.post(f"{proxy.url}/v1/completions", content=b"[1]").text
+        gone = httpx.post(f"{proxy.url}/v1/chat/completions", json={"messages": []})
+        assert gone.status_code == 502 and "could not be reached" in gone.json()["error"]["message"]
+    finally:
+        proxy.stop()
+    code, _, err = run_cli(capsys, "disagg-proxy", "--prefill", "127.0.0.1:8100", "--decode", "http://127.0.0.1:8200")
+    assert code == 2 and "--prefill: expected an http:// or https:// URL, got '127.0.0.1:8100'" in err
+

@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedpack.serve.app import MAX_BODY_BYTES, _disconnected
+from pagedpack.serve.app import MAX_BODY_BYTES, _App, _disconnected, _error
 from pagedpack.serve.openai_serving import ServingError
 
 _PASSED_HEADERS = ("authorization",)
@@ -121,28 +122,24 @@ class DisaggProxy:
 
 
 def build_proxy_app(proxy: DisaggProxy, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The proxy's FastAPI application (errors as OpenAI's body, :class:`ServingError`)."""
+    """The proxy's FastAPI application (errors as OpenAI's body, :class:`ServingError`; a body over
+    ``max_body_bytes``, declared or streamed, is a 413)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
         await proxy.aclose()
 
-    app = FastAPI(title="pagedpack disagg-proxy", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = _App(title="pagedpack disagg-proxy", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan, max_body_size=max_body_bytes)
 
     @app.exception_handler(ServingError)
     async def serving_error(_, err: ServingError):
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return _error(err)
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next):
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            err = ServingError(413, f"body: more than the {max_body_bytes} bytes a request may have",
-                               headers={"Connection": "close"})
-            return JSONResponse(err.body(), status_code=413, headers=err.headers)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, err: StarletteHTTPException):  # an unknown route, a body over the limit
+        return _error(ServingError(err.status_code, str(err.detail)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
