@@ -22,10 +22,8 @@ from pagedpack.host.child_process import free_port
 from pagedpack.runtime.kv_connector.p2p_tcp_connector import P2pTcpOptions
 from pagedpack.runtime.kv_connector.tcp_transfer import Pull, _encoder
 from pagedpack.serve.disagg_proxy import DisaggProxy, build_proxy_app
-from pagedpack.serve.remote import RemoteServer as _RemoteServer
-from pagedpack.serve.remote import pagedpack_serve_command
 
-from conftest import random_prompts, run_cli
+from conftest import RemoteServer, random_prompts, run_cli
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -68,12 +66,11 @@ def servers(exported):
     _, path, folder = exported
     common = (str(path), "--served-model-name", "tiny", "--num-blocks", "128", "--chat-template",
               str(folder / "chat.jinja"), "--kv-transfer-config")
-    producer = _RemoteServer(lambda port: pagedpack_serve_command(*common, _connector(
-        "kv_producer", kv_port=free_port(), kv_connector_extra_config={"hold_timeout_s": 2}), port=port),
-        log_path=folder / "producer.log")
-    consumer = _RemoteServer(lambda port: pagedpack_serve_command(
-        *common, _connector("kv_consumer", kv_connector_extra_config={"timeout_s": 5}), port=port),
-        log_path=folder / "consumer.log")
+    producer = RemoteServer(*common, _connector("kv_producer", kv_port=free_port(),
+                                                kv_connector_extra_config={"hold_timeout_s": 2}),
+                            log_path=folder / "producer.log")
+    consumer = RemoteServer(*common, _connector("kv_consumer", kv_connector_extra_config={"timeout_s": 5}),
+                            log_path=folder / "consumer.log")
     proxy = _Proxy(producer.url, consumer.url)
     try:
         with producer, consumer:
@@ -192,6 +189,25 @@ def test_errors_keep_their_status_and_name_the_field(servers, exported, capsys):
         P2pTcpOptions.parse({"timeout_s": -1})
     with pytest.raises(ValueError, match=r"kv_connector_extra_config.hold_time_s: expected one of"):
         P2pTcpOptions.parse({"hold_time_s": 1})
+
+
+def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, servers):
+    """A consumer whose pull fails (a request id the producer never had; a prompt of other tokens, here
+    another ``cache_salt``; a copy pulled already) computes the prompt itself: the one process's answer."""
+    llm, _, _ = exported
+    proxy, producer, consumer = servers
+    failures = "pagedpack:kv_transfer_failures_total{direction=received}"
+    before = _metrics(consumer)[failures]
+    prompt = random_prompts((40,), seed=8)[0]
+    params = httpx.post(f"{producer.url}/v1/completions", timeout=30, json={
+        "prompt": prompt, "max_tokens": 1, "cache_salt": "a", "kv_transfer_params": {"do_remote_decode": True}}
+    ).json()["kv_transfer_params"]
+    for salt, sent in (("a", {**params, "remote_request_id": "cmpl-never-0"}), ("b", params), ("c", params)):
+        answer = httpx.post(f"{consumer.url}/v1/completions", timeout=30, json={
+            "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "cache_salt": salt, "kv_transfer_params": sent}).json()  # a salt of its own: no prefix hit
+        assert answer["choices"][0]["text"] == _alone(llm, prompt, SAMPLING[0]), salt
+    assert _settled(consumer)[failures] == before + 3
 
 
 def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, client):
