@@ -41,7 +41,7 @@ from typing import Annotated, Union
 import msgspec
 import torch
 
-from pagedpack.runtime.block_hash import extend_block_hashes, hash_block_tokens
+from pagedpack.runtime.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 
 log = logging.getLogger("pagedpack.kv_transfer")
 
@@ -121,7 +121,7 @@ def request_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: 
     tail = token_ids[len(hashes) * block_size:]
     if tail:
         extra = (cache_salt,) if not hashes and cache_salt is not None else ()
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else b"\0" * 32, tail, extra))
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else ROOT_HASH, tail, extra))
     return hashes
 
 
