@@ -9,7 +9,9 @@ schedule):
 - ``disaggregated``: ``pagedpack serve MODEL --kv-transfer-config`` ``P2pTcpConnector`` as ``kv_producer`` and
   as ``kv_consumer``, behind ``pagedpack disagg-proxy`` (the client talks to the proxy).
 
-Every server gets the same ``--num-blocks``; prefix caching stays on (the prompts are random: no hits).
+Every server gets the same ``--num-blocks``; prefix caching stays on (the prompts are random: no hits). The
+four processes start side by side and stay up; each configuration is measured while the other's servers
+sit idle (an idle server takes no CPU).
 Prints one JSON object: per configuration the completed and failed requests, request throughput, output
 tokens/s, TTFT and inter-token latency p50/p99 (ms); for the disaggregated one also the KV transfers
 (``/metrics``: requests, bytes, mean ms per transfer, failures, from the consumer's side); the 1-minute load
@@ -100,20 +102,22 @@ def main() -> None:
         def measure(url: str) -> dict:
             return asyncio.run(asyncio.wait_for(run(url, "bench", plan), args.timeout))
 
-        results = {}
-        with RemoteServer(_serve(model, args), log_path=folder / "one.log", start_s=600) as one:
-            results["one_process"] = measure(one.url)
-        with ExitStack() as stack:
-            producer = stack.enter_context(RemoteServer(_serve(
-                model, args, "--kv-transfer-config", _connector("kv_producer", kv_port=free_port())),
-                log_path=folder / "producer.log", start_s=600))
-            consumer = stack.enter_context(RemoteServer(_serve(
-                model, args, "--kv-transfer-config", _connector("kv_consumer")), log_path=folder / "consumer.log",
-                start_s=600))
-            proxy = stack.enter_context(RemoteServer(
-                lambda port: [sys.executable, "-m", "pagedpack.cli", "disagg-proxy", "--prefill", producer.url,
-                              "--decode", consumer.url, "--port", str(port), "--log-level", "warning"],
-                log_path=folder / "proxy.log", start_s=60))
+        with ExitStack() as stack:  # all four started side by side; an idle server takes no CPU
+            def start(command, name: str) -> RemoteServer:
+                server = RemoteServer(command, log_path=folder / f"{name}.log", start_s=600)
+                stack.callback(server.stop)  # stopped even if another never comes up
+                return server
+
+            one = start(_serve(model, args), "one")
+            producer = start(_serve(model, args, "--kv-transfer-config",
+                                    _connector("kv_producer", kv_port=free_port())), "producer")
+            consumer = start(_serve(model, args, "--kv-transfer-config", _connector("kv_consumer")), "consumer")
+            proxy = start(lambda port: [sys.executable, "-m", "pagedpack.cli", "disagg-proxy", "--prefill",
+                                        producer.url, "--decode", consumer.url, "--port", str(port),
+                                        "--log-level", "warning"], "proxy")
+            for server in (one, producer, consumer, proxy):
+                server.__enter__()  # until /health answers
+            results = {"one_process": measure(one.url)}
             results["disaggregated"] = {**measure(proxy.url), "kv_transfers": _transfers(consumer.url)}
     print(json.dumps({"model": args.model, "rate": args.rate, "num": args.num, "input_len": args.input_len,
                       "output_len": args.output_len, "num_blocks": args.num_blocks, "results": results,
