@@ -213,6 +213,11 @@ class LLMEngine:
         why = getattr(self.runner.program, "one_logits_row_per_seq", None)
         if params.prompt_logprobs is not None and why:
             raise ValueError(f"prompt_logprobs: {why}")
+        if (params.extra_args or {}).get("kv_transfer_params") is not None:
+            if self.scheduler.connector is None:
+                raise ValueError("kv_transfer_params: this engine has no KV connector (kv_transfer_config); expected "
+                                 "none")
+            self.scheduler.connector.check_kv_transfer_params(request)
         try:
             if vocab is not None:
                 check_token_ids(request.prompt_token_ids, vocab)

@@ -94,6 +94,7 @@ class OutputProcessor:
         moved: dict[str, list[CompletionOutput]] = {}
         errors: dict[str, str] = {}
         prompt_logprobs: dict[str, list] = {}
+        transfer: dict[str, dict] = {}  # a KV connector's kv_transfer_params of a finished request
         stopped, failed = [], []
         for request in requests:
             state = self._by_child.get(request.request_id)
@@ -117,8 +118,10 @@ class OutputProcessor:
                 failed.append(request)
             if request.error:
                 errors[state.request_id] = request.error
+            if request.is_finished and request.kv_transfer_params is not None:
+                transfer.setdefault(state.request_id, request.kv_transfer_params)
             moved.setdefault(state.request_id, []).append(delta)
-        outputs = [self._output(self._states[rid], deltas, errors.get(rid), prompt_logprobs.get(rid))
+        outputs = [self._output(self._states[rid], deltas, errors.get(rid), prompt_logprobs.get(rid), transfer.get(rid))
                    for rid, deltas in moved.items()]
         return outputs, [r for r in stopped if r not in failed], failed
 
@@ -195,14 +198,14 @@ class OutputProcessor:
                         for token, entry in zip(source.prompt_token_ids[1:], source.prompt_logprobs))]
 
     def _output(self, state: _RequestState, deltas: list[CompletionOutput], error: str | None,
-                prompt_logprobs: list | None = None) -> RequestOutput:
+                prompt_logprobs: list | None = None, kv_transfer_params: dict | None = None) -> RequestOutput:
         finished = all(c.finished for c in state.completions.values())
         if finished:
             del self._states[state.request_id]
             for child in state.completions:
                 self._by_child.pop(child, None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, deltas, error=error,
-                             finished=finished, prompt_logprobs=prompt_logprobs)
+                             finished=finished, prompt_logprobs=prompt_logprobs, kv_transfer_params=kv_transfer_params)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

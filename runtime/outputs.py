@@ -47,7 +47,9 @@ class RequestOutput:
     failed; ``finished``: every completion has finished. With ``SamplingParams.prompt_logprobs``:
     ``prompt_logprobs``, None for the first prompt token, then one ``{token id: Logprob}`` per prompt
     token (the token itself and the top ``prompt_logprobs``); in the first delta that has them all
-    (the one with the first output tokens), None in the others."""
+    (the one with the first output tokens), None in the others. ``kv_transfer_params``: what the engine's KV
+    connector says of the request's KV blocks once it finished (vLLM's: where a decoding engine pulls them
+    from), in its last delta; None without."""
 
     request_id: str
     prompt: str | None
@@ -56,6 +58,7 @@ class RequestOutput:
     error: str | None = None
     finished: bool = True
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,5 +86,6 @@ def merge(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
     whole.error = whole.error or delta.error
     if delta.prompt_logprobs is not None:
         whole.prompt_logprobs = delta.prompt_logprobs
+    whole.kv_transfer_params = whole.kv_transfer_params or delta.kv_transfer_params
     whole.finished = delta.finished
     return whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +67,9 @@ class SamplingParams:
     prompt_logprobs: None, or the number ``0 .. 20`` of most likely tokens returned with each
         prompt token's own log-probability given the tokens before it (the first token has None),
         once per request in ``RequestOutput.prompt_logprobs`` (:mod:`pagedpack.runtime.prompt_logprobs`).
+    extra_args: None, or a dict with string keys for what reads it besides the sampler (vLLM's field): a KV
+        connector reads ``extra_args["kv_transfer_params"]`` (vLLM's ``kv_transfer_params``: where a
+        request's KV comes from or goes to; :mod:`pagedpack.runtime.kv_connector`).
 
     Penalties, bias and ``min_tokens`` apply to greedy requests too; then temperature, ``min_p``,
     top-k and top-p, in vLLM's order.
@@ -92,6 +96,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -145,6 +150,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name}: expected None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args: expected None or a dict with string keys, got {self.extra_args!r:.120}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")

@@ -1,4 +1,4 @@
-"""``pagedpack`` command line: ``generate``, ``serve``, ``inspect``, ``export`` and ``plan``."""
+"""``pagedpack`` command line: ``generate``, ``serve``, ``disagg-proxy``, ``inspect``, ``export`` and ``plan``."""
 from __future__ import annotations
 
 import argparse
@@ -116,6 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-cpus-per-replica", type=float, default=1.0,
                      help="with --data-parallel-size: the Ray CPUs each engine replica reserves")
 
+    proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill server and a decode server "
+                                                 "(prefill/decode disaggregation: docs/serving.md)",
+                           formatter_class=_HelpFormatter)
+    proxy.add_argument("--prefill", required=True, metavar="URL",
+                       help="the prefill server (pagedpack serve --kv-transfer-config with kv_role kv_producer), "
+                            "e.g. http://127.0.0.1:8100")
+    proxy.add_argument("--decode", required=True, metavar="URL",
+                       help="the decode server (kv_role kv_consumer), e.g. http://127.0.0.1:8200")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level")
+
     insp = sub.add_parser("inspect", help="print the pass report (and optionally the rewritten graph)",
                           formatter_class=_HelpFormatter)
     EngineArgs.add_cli_args(insp, engine=False)
@@ -144,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"generate": _generate, "serve": _serve, "inspect": _inspect, "export": _export, "plan": _plan}
+        commands = {"generate": _generate, "serve": _serve, "disagg-proxy": _disagg_proxy, "inspect": _inspect,
+                    "export": _export, "plan": _plan}
         return commands[args.command](args)
     except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
         sys.stderr.close()
@@ -267,6 +281,26 @@ def _serve(args) -> int:
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                                             metrics_namespace=args.metrics_namespace, log_level=args.log_level,
                                             graceful_s=args.timeout_graceful_shutdown, flow_control=flow_control))
+
+
+def _disagg_proxy(args) -> int:
+    import uvicorn
+
+    from pagedpack.serve.disagg_proxy import DisaggProxy, build_proxy_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: expected an int in [0, 65535], got {args.port}")
+    for name in ("prefill", "decode"):
+        url = getattr(args, name)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--{name}: expected an http:// or https:// URL, got {url!r}")
+    app = build_proxy_app(DisaggProxy(args.prefill, args.decode))
+    print(f"pagedpack: disagg-proxy on http://{args.host}:{args.port}/v1 (prefill {args.prefill}, decode "
+          f"{args.decode})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False))
+    server.run()
+    return 0 if server.started else 1
 
 
 def _kv_timeline(args):

@@ -18,6 +18,12 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
   looked up / found at admission), ``num_preemptions_total``, and ``kv_events_dropped_batches_total``
   (KV event batches dropped because the publisher's queue was full: pagedpack's, vLLM has no such
   metric; 0 without ``--kv-events-config``: :mod:`pagedpack.runtime.kv_event_publisher`);
+- with a KV connector that moves KV between engines (``--kv-transfer-config``, e.g. ``P2pTcpConnector``:
+  prefill/decode disaggregation), pagedpack's own counters by ``direction`` (``sent``: pulled from this
+  engine; ``received``: pulled by it): ``kv_transfer_requests_total``, ``kv_transfer_blocks_total``,
+  ``kv_transfer_bytes_total``, ``kv_transfer_seconds_total`` (from a pull's connection to its last byte
+  checked: the mean transfer time is its ratio to the requests) and ``kv_transfer_failures_total``; and the
+  gauges ``kv_transfer_held_requests`` / ``kv_transfer_held_bytes`` (a producer's copies waiting for a pull);
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
   ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
@@ -86,6 +92,31 @@ class _EngineCollector:
             family = CounterMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        connector = engine.scheduler.connector
+        yield from self._kv_transfer(name, connector.get_kv_connector_stats() if connector is not None else None)
+
+    def _kv_transfer(self, name: str, stats: dict | None):
+        """The KV connector's transfer counters (``sent`` / ``received``) and held copies, if it moves any."""
+        directions = [d for d in ("sent", "received") if stats and d in stats]
+        if not directions:
+            return
+        for metric, doc, field in (("requests", "Requests whose KV blocks moved between engines.", "requests"),
+                                   ("blocks", "KV blocks moved between engines.", "blocks"),
+                                   ("bytes", "Bytes of KV blocks moved between engines.", "bytes"),
+                                   ("seconds", "Seconds KV transfers took, connection to last byte checked.",
+                                    "seconds"),
+                                   ("failures", "KV transfers that failed (the tokens are computed again).",
+                                    "failures")):
+            family = CounterMetricFamily(f"{name}kv_transfer_{metric}", doc, labels=["model_name", "direction"])
+            for direction in directions:
+                family.add_metric([self.model_name, direction], getattr(stats[direction], field))
+            yield family
+        for metric, doc in (("held_requests", "Requests whose KV blocks wait for a consumer's pull."),
+                            ("held_bytes", "Bytes of KV blocks waiting for a consumer's pull.")):
+            if metric in stats:
+                family = GaugeMetricFamily(f"{name}kv_transfer_{metric}", doc, labels=["model_name"])
+                family.add_metric([self.model_name], stats[metric])
+                yield family
 
 
 class ServerMetrics:

@@ -461,7 +461,11 @@ class _Response:
                 choices.append(choice)
         num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
         num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return {**self.header(chunk=False), "choices": choices, "usage": _usage(num_prompt, num_out)}
+        body = {**self.header(chunk=False), "choices": choices, "usage": _usage(num_prompt, num_out)}
+        transfer = [o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None]
+        if transfer:  # vLLM's: one request's (a body of one prompt with n = 1 is what the connector serves)
+            body["kv_transfer_params"] = transfer[0]
+        return body
 
     def _logprobs(self, index: int, part: CompletionOutput) -> dict | None:
         """OpenAI's logprobs of ``part``'s tokens: chat ``{"content": [...]}``; completions

@@ -3,7 +3,7 @@
 Field names, types and defaults are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
 vLLM's extra parameters in the body (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``; chat: ``chat_template``,
+``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``, ``kv_transfer_params``; chat: ``chat_template``,
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``). A field the API
 does not have is refused (OpenAI's "Unrecognized request argument"), so a misspelt parameter never
 passes silently; the values themselves are checked by
@@ -118,6 +118,9 @@ class _SamplingBody(_Body):
     cache_salt: Text | None = None
     return_tokens_as_token_ids: StrictBool = False  # logprobs name tokens "token_id:<id>"
     prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt tokens' logprobs, in each choice
+    # vLLM's: where the request's KV comes from or goes to (prefill/decode disaggregation); its fields are the
+    # server's KV connector's, which checks them (a server without one refuses it)
+    kv_transfer_params: dict[Text, Any] | None = None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
@@ -137,7 +140,8 @@ class _SamplingBody(_Body):
             **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs,
+            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
 
     def check_unsupported(self) -> None:
         """``ValueError`` naming the field for what this server does not take (a feature, a combination)."""

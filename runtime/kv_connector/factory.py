@@ -137,3 +137,5 @@ class KVConnectorFactory:
         return cls.get_connector_class(config)(config, role, **kwargs)
 
 
+KVConnectorFactory.register_connector("P2pTcpConnector", "pagedpack.runtime.kv_connector.p2p_tcp_connector",
+                                      "P2pTcpConnector")
