@@ -137,3 +137,6 @@ class KVConnectorFactory:
         return cls.get_connector_class(config)(config, role, **kwargs)
 
 
+
+KVConnectorFactory.register_connector("OffloadingConnector", "pagedpack.runtime.kv_connector.offloading_connector",
+                                      "OffloadingConnector")
