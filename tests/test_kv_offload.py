@@ -19,6 +19,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.kv_connector.offload_tier import DiskTier, HostTier
 from pagedpack.runtime.scheduler import SchedulerOutput
+from pagedpack.serve.metrics import ServerMetrics
 
 from conftest import greedy_alone, random_prompts
 
@@ -65,7 +66,14 @@ def test_prefixes_beyond_the_pool_come_back_from_the_tier(llm, workload):
     assert tier_of(llm).stats.saves > 0  # the pool evicted prefix blocks into the tier
     got, from_tier = run(llm, prompts, reset=False)
     assert got == reference and from_tier >= 32  # a whole prefix's worth of tokens evicted and loaded back
-    assert llm.get_stats().kv_blocks_used == 0
+    stats = llm.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.external_prefix_cache_hits >= from_tier
+    text = ServerMetrics(llm._loop, model_name="m").exposition().decode()
+    tier = tier_of(llm).stats
+    assert f'pagedpack:kv_offload_loads_total{{medium="DISK",model_name="m"}} {float(tier.loads)}' in text
+    assert f'pagedpack:kv_offload_bytes_used{{medium="DISK",model_name="m"}} {float(tier.bytes_used)}' in text
+    assert f'pagedpack:external_prefix_cache_hits_total{{model_name="m"}} {float(stats.external_prefix_cache_hits)}' \
+        in text
 
 
 def test_corrupt_truncated_and_misnamed_files_are_misses(llm, workload):

@@ -165,6 +165,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 -- vLLM's name
         ``finished_sending``; the params go back to the client (vLLM's ``kv_transfer_params``)."""
         return False, None
 
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The connector's counters for ``/metrics`` (names and units the connector documents), or None."""
+        return None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """KV events of the connector's own tier since the last call (``medium`` its name)."""
         return ()

@@ -115,6 +115,11 @@ class OffloadingConnector(KVConnectorBase_V1):
     def take_events(self):
         return self.tier.take_events()
 
+    def get_kv_connector_stats(self) -> dict:
+        """The tier's :class:`~pagedpack.runtime.kv_connector.offload_tier.OffloadStats` as a dict, and its
+        ``medium`` (``"CPU"`` / ``"DISK"``) and ``capacity`` (bytes)."""
+        return {**vars(self.tier.stats), "medium": self.tier.medium, "capacity": self.tier.capacity}
+
     # --- worker half -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
