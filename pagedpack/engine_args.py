@@ -229,9 +229,6 @@ class EngineArgs:
                 if getattr(self, name) != unset:
                     raise ValueError(f"{name}: expected kv_offload_size with it (the tier's size), got "
                                      f"{name}={getattr(self, name)!r:.80} and no kv_offload_size")
-        elif self.kv_transfer_config is not None:
-            raise ValueError("kv_offload_size, kv_transfer_config: expected at most one of them (kv_offload_size "
-                             "makes the OffloadingConnector's kv_transfer_config), got both")
         else:
             self.kv_offload_size = parse_bytes("kv_offload_size", self.kv_offload_size)
             if self.kv_offload_dir is not None:
@@ -239,8 +236,12 @@ class EngineArgs:
             extra = {"kv_offload_size": self.kv_offload_size, "kv_offload_dir": self.kv_offload_dir,
                      "kv_offload_watermark": self.kv_offload_watermark}
             OffloadingConfig.parse(extra, prefix="")  # errors name kv_offload_<option>
-            self.kv_transfer_config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                       kv_connector_extra_config=extra)
+            made = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                    kv_connector_extra_config=extra)
+            if self.kv_transfer_config not in (None, made):  # made here already: EngineArgs of EngineArgs' fields
+                raise ValueError("kv_offload_size, kv_transfer_config: expected at most one of them (kv_offload_size "
+                                 "makes the OffloadingConnector's kv_transfer_config), got both")
+            self.kv_transfer_config = made
         if self.kv_transfer_config is not None:
             # the name and the connector's options, checked before the build
             KVConnectorFactory.get_connector_class(self.kv_transfer_config).check_config(self.kv_transfer_config)
