@@ -13,7 +13,10 @@ pool or loaded from the tier / tokens looked up, from ``/metrics``), tier hit ra
 token throughput, TTFT p50/p99, ITL p99, and the tier's counters. One JSON object on stdout.
 
 ``python benchmarks/kv_offload.py [--model smollm2-135m] [--concurrency 50,80,100,150]`` (long: minutes
-per point on 2 cores); ``--quick``: the built-in tiny model, small numbers, under a minute.
+per point on 2 cores); ``--quick``: the built-in tiny model, small numbers (three server starts: about a
+minute on a quiet host). ``--swap-vs-recompute``: instead, in this process, the time per block to
+recompute (prefill of 512 tokens, best of 3) against copying out and storing, and loading back, with the
+host and the disk tier (the figures behind docs/kv-offload.md's rule).
 """
 from __future__ import annotations
 
@@ -76,6 +79,42 @@ def _point(url: str, prefixes, suffixes, concurrency: int, args, rng: random.Ran
     return figures
 
 
+def swap_vs_recompute(model: str, num_tokens: int = 512) -> dict:
+    """Milliseconds per KV block (module docstring)."""
+    import hashlib
+
+    from pagedpack import LLM, SamplingParams
+    from pagedpack.runtime.kv_connector.offload_tier import DiskTier, HostTier, gather_blocks, scatter_block
+
+    llm = LLM(model, enable_prefix_caching=False, max_num_batched_tokens=num_tokens,
+              num_blocks=2 * num_tokens // 16 + 8, block_size=16)
+    prompt, params = [(i * 7919) % 200 + 3 for i in range(num_tokens)], SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([prompt], params, use_tqdm=False)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    caches, ids = llm.llm_engine.runner.kv_caches, list(range(num_tokens // 16))
+    hashes = [hashlib.sha256(i.to_bytes(4, "little")).digest() for i in ids]
+    out = {"model": model, "block_size": 16, "recompute_ms": round(min(times) / len(ids) * 1e3, 3)}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, tier in (("host", HostTier(1 << 34)), ("disk", DiskTier(1 << 34, folder))):
+            tier.bind_layout(caches)
+            start = time.perf_counter()
+            tier.put(hashes, gather_blocks(caches, ids))
+            if name == "disk":
+                tier.flush()
+            out[f"{name}_save_ms"] = round((time.perf_counter() - start) / len(ids) * 1e3, 3)
+            start = time.perf_counter()
+            for block_hash, block_id in zip(hashes, ids):
+                scatter_block(caches, block_id, tier.get(block_hash))
+            out[f"{name}_load_ms"] = round((time.perf_counter() - start) / len(ids) * 1e3, 3)
+            tier.close()
+        out["block_bytes"] = tier.block_bytes
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -95,7 +134,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds, per point")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, small numbers: checks it runs")
+    parser.add_argument("--swap-vs-recompute", action="store_true",
+                        help="measure per-block recompute vs save and load times of --model (no server)")
     args = parser.parse_args()
+    if args.swap_vs_recompute:
+        print(json.dumps({**swap_vs_recompute(args.model), "load_1min": load_1min(), "cpu": cpu_model()}))
+        return
     if args.quick:
         args.model, args.concurrency, args.num_prefixes, args.prefix_len = "tiny", "8", 4, "96,128"
         args.suffix_len, args.max_tokens, args.requests_per_concurrency, args.timeout = 8, 8, 2, 60.0
