@@ -69,20 +69,21 @@ def block_layout(caches: list[torch.Tensor]) -> str:
 
 
 def gather_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-    """The payloads of ``block_ids``: ``uint8 [len(block_ids), block_bytes]`` (a copy)."""
+    """The payloads of ``block_ids``: ``uint8 [len(block_ids), block_bytes]`` in host memory (a copy; from a
+    device pool, one device-to-host copy per cache)."""
     index = torch.tensor(block_ids, dtype=torch.long)
-    return torch.cat([c.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8) for c in caches
-                      if c.numel()], dim=1)
+    return torch.cat([c.index_select(0, index.to(c.device)).reshape(len(block_ids), -1).view(torch.uint8).cpu()
+                      for c in caches if c.numel()], dim=1)
 
 
 def scatter_block(caches: list[torch.Tensor], block_id: int, payload: torch.Tensor) -> None:
-    """Write one block's ``payload`` (``uint8 [block_bytes]``) into ``block_id`` of every cache."""
+    """Write one block's ``payload`` (host ``uint8 [block_bytes]``) into ``block_id`` of every cache."""
     offset = 0
     for c in caches:
         if not c.numel():
             continue
         nbytes = c[0].numel() * c.element_size()
-        c[block_id] = payload[offset:offset + nbytes].view(c.dtype).view(c.shape[1:])
+        c[block_id] = payload[offset:offset + nbytes].view(c.dtype).view(c.shape[1:]).to(c.device)
         offset += nbytes
 
 
