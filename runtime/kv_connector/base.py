@@ -165,8 +165,13 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 -- vLLM's name
         ``finished_sending``; the params go back to the client (vLLM's ``kv_transfer_params``)."""
         return False, None
 
+    def check_kv_transfer_params(self, request: Request) -> None:
+        """``ValueError`` naming ``kv_transfer_params.<field>`` if this connector cannot take the
+        ``kv_transfer_params`` ``request`` came with (``SamplingParams.extra_args``, from a client): called when
+        the request is made, in any thread, so that it is refused before it is queued. Default: any."""
+
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """The connector's counters for ``/metrics`` (names and units the connector documents), or None."""
+        """The connector's transfer counters for the server's metrics (vLLM's name), or None."""
         return None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
