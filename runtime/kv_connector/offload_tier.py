@@ -92,8 +92,8 @@ class OffloadTier:
 
     medium = ""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, *, block_size: int = 0) -> None:
+        self.capacity, self.block_size = capacity, block_size  # block_size: tokens, for the events
         self.stats = OffloadStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> bytes it costs; front = evicted first
@@ -130,7 +130,8 @@ class OffloadTier:
             self.stats.bytes_used += cost
             self.stats.saves += 1
             self._events.append(BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
-                                            block_size=0, lora_id=None, medium=self.medium, lora_name=None))
+                                            block_size=self.block_size, lora_id=None, medium=self.medium,
+                                            lora_name=None))
             if evicted:
                 self._events.append(BlockRemoved(block_hashes=evicted, medium=self.medium))
         return evicted
@@ -155,8 +156,8 @@ class HostTier(OffloadTier):
 
     medium = MEDIUM_CPU
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, *, block_size: int = 0) -> None:
+        super().__init__(capacity, block_size=block_size)
         self._slots: dict[bytes, int] = {}
         self._free: list[int] = []
         self._pool: torch.Tensor | None = None
@@ -198,8 +199,8 @@ class DiskTier(OffloadTier):
 
     medium = MEDIUM_DISK
 
-    def __init__(self, capacity: int, directory: str) -> None:
-        super().__init__(capacity)
+    def __init__(self, capacity: int, directory: str, *, block_size: int = 0) -> None:
+        super().__init__(capacity, block_size=block_size)
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile

@@ -74,7 +74,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.options = OffloadingConfig.parse(config.kv_connector_extra_config)
         if "tier" not in shared:
             size, directory = self.options.kv_offload_size, self.options.kv_offload_dir
-            shared["tier"] = DiskTier(size, directory) if directory is not None else HostTier(size)
+            shared["tier"] = DiskTier(size, directory, block_size=block_size) if directory is not None else \
+                HostTier(size, block_size=block_size)
         self.tier = shared["tier"]
         self.kv = kv_cache_manager
         self._loads: list[tuple[bytes, int]] = []
