@@ -129,6 +129,10 @@ class EngineArgs:
         kv_transfer_config: vLLM's ``KVTransferConfig`` (a dict, its JSON text, or
             :class:`pagedpack.runtime.kv_connector.factory.KVTransferConfig`): the KV connector the engine
             loads and saves KV blocks through (docs/kv-offload.md); None (default): none.
+        kv_offload_size / kv_offload_dir / kv_offload_watermark: the ``OffloadingConnector``'s tier, a shorthand
+            for its ``kv_transfer_config``: its size (bytes, or a string such as ``"2GiB"``; vLLM's
+            ``kv_offloading_size`` is in GiB), a folder for a disk tier (None: host memory), and the fraction of
+            the pool's blocks below which free ones start background saves (0, default: none); docs/kv-offload.md.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -160,6 +164,9 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     kv_events_config: object = None
     kv_transfer_config: object = None
+    kv_offload_size: int | float | str | None = None
+    kv_offload_dir: str | os.PathLike | None = None
+    kv_offload_watermark: float = 0.0
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -211,12 +218,33 @@ class EngineArgs:
                              f"got dtype={self.dtype}, device={self.device!r}")
 
     def _check_kv_transfer(self) -> None:
-        """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``)."""
+        """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``), or make the
+        ``OffloadingConnector``'s from the ``kv_offload_*`` fields."""
         from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+        from pagedpack.runtime.kv_connector.offloading_connector import OffloadingConfig
 
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_offload_size is None:
+            for name, unset in (("kv_offload_dir", None), ("kv_offload_watermark", 0.0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name}: expected kv_offload_size with it (the tier's size), got "
+                                     f"{name}={getattr(self, name)!r:.80} and no kv_offload_size")
+        else:
+            self.kv_offload_size = parse_bytes("kv_offload_size", self.kv_offload_size)
+            if self.kv_offload_dir is not None:
+                self.kv_offload_dir = os.fspath(self.kv_offload_dir)
+            extra = {"kv_offload_size": self.kv_offload_size, "kv_offload_dir": self.kv_offload_dir,
+                     "kv_offload_watermark": self.kv_offload_watermark}
+            OffloadingConfig.parse(extra, prefix="")  # errors name kv_offload_<option>
+            made = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                    kv_connector_extra_config=extra)
+            if self.kv_transfer_config not in (None, made):  # made here already: EngineArgs of EngineArgs' fields
+                raise ValueError("kv_offload_size, kv_transfer_config: expected at most one of them (kv_offload_size "
+                                 "makes the OffloadingConnector's kv_transfer_config), got both")
+            self.kv_transfer_config = made
         if self.kv_transfer_config is not None:
-            KVConnectorFactory.get_connector_class(self.kv_transfer_config)  # the name, checked before the build
+            # the name and the connector's options, checked before the build
+            KVConnectorFactory.get_connector_class(self.kv_transfer_config).check_config(self.kv_transfer_config)
 
     def _check_tensor_parallel(self, target: Target) -> None:
         """Tensor parallelism runs a captured model or a tensor-parallel export's manifest (whose size,
@@ -432,6 +460,15 @@ class EngineArgs:
                                  "'{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
                                  "\"kv_connector_extra_config\": {\"kv_offload_size\": 1073741824}}' "
                                  "(docs/kv-offload.md)")
+        parser.add_argument("--kv-offload-size", default=None, metavar="BYTES",
+                            help="keep evicted prefix blocks in a second tier of this size (bytes or e.g. 2GiB): "
+                                 "host memory, or files in --kv-offload-dir (docs/kv-offload.md)")
+        parser.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                            help="with --kv-offload-size: keep the tier as one file per block in this folder")
+        parser.add_argument("--kv-offload-watermark", type=float, default=0.0, metavar="FRACTION",
+                            help="with --kv-offload-size: while fewer than this fraction of the pool's blocks are "
+                                 "free, save least recently used cached blocks to the tier ahead of their eviction "
+                                 "(default 0: a block is saved when evicted)")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="

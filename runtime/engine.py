@@ -73,6 +73,8 @@ class Stats:
     ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that. ``prefix_caching``: whether the prefix cache
     is on (off for a model with recurrent layers: their state is not cached with a prefix's blocks);
     ``state_slots_total`` / ``state_slots_used``: the recurrent-state slots (0 without such layers).
+    With a KV connector (vLLM's ``external_prefix_cache_*``): ``external_prefix_cache_queries`` (tokens of
+    requests admitted) and ``external_prefix_cache_hits`` (of those, tokens the connector loaded).
     """
 
     num_steps: int
@@ -95,6 +97,8 @@ class Stats:
     prefix_caching: bool
     state_slots_total: int
     state_slots_used: int
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class RequestRejected(ValueError):
@@ -283,7 +287,9 @@ class LLMEngine:
             kv_cache_dtype=", ".join(sorted({str(s.dtype).removeprefix("torch.") for s in specs})),
             kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks,
             prefix_caching=kv.enable_prefix_caching, state_slots_total=kv.num_state_slots,
-            state_slots_used=kv.num_state_slots - kv.num_free_state_slots)
+            state_slots_used=kv.num_state_slots - kv.num_free_state_slots,
+            external_prefix_cache_queries=self.scheduler.connector_prefix_cache_stats.queries,
+            external_prefix_cache_hits=self.scheduler.connector_prefix_cache_stats.hits)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block nobody holds (vLLM's ``reset_prefix_cache``) and publish the

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+from pagedpack.runtime.request import Request
+from pagedpack.runtime.scheduler import KVConnectorOutput, SchedulerOutput
 
 from conftest import greedy_alone, random_prompts
+from test_scheduler import check_pool, make_scheduler, solo_stream
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -203,3 +208,93 @@ def test_asynchronous_loads_and_delayed_frees(llm, prompts_and_reference):
     got, _ = run(llm, prompts[:1], "sync")  # its first step's get_finished frees the kept blocks
     assert got == reference[:1]
     assert torch.is_tensor(next(iter(state["store"].values()))["layer.0"][0])
+
+
+# --- the scheduler's side, over the echo model: random arrivals, evictions into a tier, failed loads ---
+
+
+class EchoTier(KVConnectorBase_V1):
+    """Over the echo model's cache: saves each evicted block's tokens by hash (the tier), loads them back;
+    ``failures`` says, load by load, which ones write garbage and are reported failed."""
+
+    def __init__(self, kv, model, failures):
+        super().__init__(KVTransferConfig(kv_connector="EchoTier"), KVConnectorRole.SCHEDULER, block_size=kv.block_size)
+        self.kv, self.model, self.failures = kv, model, list(failures)
+        self.store, self._loads = {}, []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        n = 0
+        for block_hash in self.kv.block_hashes(request)[num_computed_tokens // self.block_size:]:
+            if block_hash not in self.store:
+                break
+            n += 1
+        return n * self.block_size, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        first = (request.num_computed_tokens - num_external_tokens) // self.block_size
+        self._loads += [(request.block_hashes[j], blocks[j])
+                        for j in range(first, first + num_external_tokens // self.block_size)]
+
+    def build_connector_meta(self, scheduler_output):
+        meta = DictMetadata(self._loads, scheduler_output.evicted_blocks, [])
+        self._loads = []
+        return meta
+
+    def run_worker(self, meta) -> set[int]:
+        """Saves (before anything overwrites the blocks), then loads; returns the failed loads' blocks."""
+        bs, cache, failed = self.block_size, self.model.cache, set()
+        for block_hash, block_id in meta.saves:
+            self.store.setdefault(block_hash, cache[block_id * bs:(block_id + 1) * bs])
+        for block_hash, block_id in meta.loads:
+            fail = self.failures.pop(0) if self.failures else False
+            cache[block_id * bs:(block_id + 1) * bs] = [-1] * bs if fail else self.store[block_hash]
+            if fail:
+                failed.add(block_id)
+        return failed
+
+    def start_load_kv(self, forward_context=None, **kwargs):  # run_worker does the worker's work here
+        raise AssertionError("not driven by an engine")
+
+    wait_for_layer_load = save_kv_layer = wait_for_save = start_load_kv
+
+
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.integers(1, 3), num_blocks=st.integers(6, 10), max_num_batched_tokens=st.integers(2, 16),
+       prefixes=st.lists(st.lists(st.integers(1, 3), min_size=4, max_size=9), min_size=2, max_size=3),
+       specs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2), st.lists(st.integers(1, 3), max_size=2),
+                                st.integers(1, 3)), min_size=1, max_size=10),
+       failures=st.lists(st.booleans(), max_size=12))
+def test_tier_hits_and_failed_loads_keep_every_request_its_own(block_size, num_blocks, max_num_batched_tokens,
+                                                              prefixes, specs, failures):
+    """Requests over shared prefixes that a tight pool cannot keep, with evicted blocks kept by a connector
+    and loaded back, some loads failing, in random arrival orders: the pool's invariants hold every step,
+    every request reads back exactly its own tokens (the echo model, run after the rollback as the engine
+    discards a rolled-back request's step) and produces its solo stream (the stop rules alone)."""
+    scheduler, model = make_scheduler(num_blocks=num_blocks, block_size=block_size,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=14)
+    tier = EchoTier(scheduler.kv_cache_manager, model, failures)
+    scheduler.connector = tier
+    pending = sorted(enumerate(specs), key=lambda item: item[1][0])
+    requests = []
+    for step_index in range(10_000):
+        while pending and pending[0][1][0] <= step_index:
+            i, (_, which, suffix, max_tokens) = pending.pop(0)
+            prompt = prefixes[which % len(prefixes)] + suffix
+            r = Request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            if scheduler.kv_cache_manager.num_blocks_for(len(prompt) + max_tokens) <= num_blocks:
+                scheduler.add_request(r)
+                requests.append(r)
+        if not pending and not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        failed = tier.run_worker(out.kv_connector_metadata)
+        rolled_back = scheduler.update_from_connector_output(out, KVConnectorOutput(invalid_block_ids=failed))
+        kept = SchedulerOutput([s for s in out.scheduled if s.request.request_id not in rolled_back], [], 0,
+                               out.blocks_to_copy)
+        sampled = model(kept)
+        check_pool(scheduler.kv_cache_manager, scheduler.running, out.blocks_to_copy)
+        scheduler.update_from_output(out, sampled, rolled_back=rolled_back)
+    pool = scheduler.kv_cache_manager.pool
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == num_blocks
+    for r in requests:
+        assert (r.output_token_ids, r.finish_reason) == solo_stream(r.prompt_token_ids, r.sampling_params, None, 14)

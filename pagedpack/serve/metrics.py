@@ -12,6 +12,13 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
   pagedpack's, vLLM keeps a hybrid's state in its KV blocks);
   ``cache_config_info`` (1, the KV cache's ``block_size``, ``cache_dtype``, ``num_gpu_blocks`` and
   ``enable_prefix_caching`` as labels, vLLM's label names);
+- with a KV connector (``--kv-transfer-config``, ``--kv-offload-size``): ``external_prefix_cache_queries_total`` /
+  ``external_prefix_cache_hits_total`` (vLLM's: tokens of admitted requests / of those, tokens the connector
+  loaded); with the ``OffloadingConnector``, labelled ``medium`` (``CPU`` or ``DISK``): the gauge
+  ``kv_offload_bytes_used`` and the counters ``kv_offload_saves_total``, ``kv_offload_loads_total`` (blocks
+  stored in / loaded back from the tier: its hits), ``kv_offload_misses_total`` (blocks it could not give
+  back, ``kv_offload_corrupt_total`` of them a bad file), ``kv_offload_save_seconds_total`` and
+  ``kv_offload_load_seconds_total`` (pagedpack's names; docs/kv-offload.md);
 - counters: ``prompt_tokens_total`` and ``generation_tokens_total`` (of requests served, counted
   as their outputs arrive), ``request_success_total{finished_reason}``, and read from the
   engine's own counters ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
@@ -58,6 +65,26 @@ class _EngineCollector:
     def __init__(self, loop: EngineLoop, namespace: str, model_name: str):
         self.loop, self.namespace, self.model_name = loop, namespace, model_name
 
+    def _offload(self, engine):
+        connector = engine.scheduler.connector
+        tier = connector.get_kv_connector_stats() if connector is not None else None
+        if not tier or "medium" not in tier:
+            return
+        name, labels = f"{self.namespace}:kv_offload_", [self.model_name, tier["medium"]]
+        used = GaugeMetricFamily(name + "bytes_used", "Bytes the KV offload tier holds.",
+                                 labels=["model_name", "medium"])
+        used.add_metric(labels, tier["bytes_used"])
+        yield used
+        for metric, doc in (("saves", "Blocks stored in the KV offload tier."),
+                            ("loads", "Blocks loaded back from the KV offload tier (its hits)."),
+                            ("misses", "Blocks the KV offload tier could not give back (recomputed)."),
+                            ("corrupt", "Of the misses, blocks whose file was bad."),
+                            ("save_seconds", "Seconds spent saving blocks to the KV offload tier."),
+                            ("load_seconds", "Seconds spent loading blocks from the KV offload tier.")):
+            family = CounterMetricFamily(name + metric, doc, labels=["model_name", "medium"])
+            family.add_metric(labels, tier[metric])
+            yield family
+
     def collect(self):
         engine = self.loop.engine
         stats = engine.get_stats()
@@ -81,6 +108,7 @@ class _EngineCollector:
                                  labels=["model_name", *config])
         info.add_metric([self.model_name, *map(str, config.values())], 1.0)
         yield info
+        yield from self._offload(engine)
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
@@ -88,6 +116,11 @@ class _EngineCollector:
                      stats.num_preemptions),
                     ("kv_events_dropped_batches", "KV event batches dropped: the publisher's queue was full.",
                      engine.kv_event_publisher.num_dropped_batches))
+        if engine.scheduler.connector is not None:
+            counters += (("external_prefix_cache_queries", "Tokens of requests admitted with a KV connector.",
+                          stats.external_prefix_cache_queries),
+                         ("external_prefix_cache_hits", "Tokens a KV connector loaded at admission.",
+                          stats.external_prefix_cache_hits))
         for metric, doc, value in counters:
             family = CounterMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -73,6 +73,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 -- vLLM's name
         self.block_size = block_size
         self._connector_metadata: KVConnectorMetadata | None = None
 
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        """``ValueError`` naming ``kv_transfer_config.kv_connector_extra_config.<key>`` for options this
+        connector does not take (called before the engine is built)."""
+
     @property
     def role(self) -> KVConnectorRole:
         return self._role

@@ -96,7 +96,9 @@ class KVTransferConfig:
 class KVConnectorFactory:
     """Connectors by name (vLLM's ``KVConnectorFactory``)."""
 
-    _registry: ClassVar[dict[str, tuple[str, str]]] = {}
+    _registry: ClassVar[dict[str, tuple[str, str]]] = {
+        "OffloadingConnector": ("pagedpack.runtime.kv_connector.offloading_connector", "OffloadingConnector"),
+    }
 
     @classmethod
     def register_connector(cls, name: str, module_path: str, class_name: str) -> None:

@@ -1,0 +1,192 @@
+"""The OffloadingConnector's second KV tier (runtime/kv_connector/offload_tier.py, offloading_connector.py):
+prefix blocks evicted from a pool too small for the workload come back from the tier with the
+unmodified model's tokens; corrupt, truncated and misnamed block files are misses (recomputed); a
+writer killed mid-save leaves a folder the next process reads; the tiers' LRU bound and events."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.engine_args import EngineArgs
+from pagedpack.models.tiny import default_model
+from pagedpack.runtime.kv_connector.offload_tier import DiskTier, HostTier
+from pagedpack.runtime.scheduler import SchedulerOutput
+from pagedpack.serve.metrics import ServerMetrics
+
+from conftest import greedy_alone, random_prompts
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """6 prompts over 3 shared 32-token prefixes: 24+ blocks of prefixes for a pool of 24 blocks."""
+    prefixes, suffixes = random_prompts([32, 32, 32], seed=1), random_prompts([3] * 6, seed=2)
+    prompts = [prefixes[i % 3] + suffixes[i] for i in range(6)]
+    return prompts, greedy_alone(default_model()[0], prompts, GREEDY.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tier")
+    llm = LLM("tiny", block_size=BLOCK, num_blocks=24, max_num_seqs=2, max_num_batched_tokens=64,
+              kv_offload_size=1 << 20, kv_offload_dir=str(folder))
+    yield llm
+    llm.llm_engine.close()
+
+
+def tier_of(llm) -> DiskTier:
+    return llm.llm_engine.scheduler.connector.tier
+
+
+def run(llm, prompts, reset=True):
+    """Tokens of ``prompts``, with the local prefix cache emptied first (``reset``: what it held must come
+    from the tier or be recomputed), and the tokens the tier supplied."""
+    engine = llm.llm_engine
+    assert not reset or engine.reset_prefix_cache()
+    before = engine.scheduler.connector_prefix_cache_stats.hits
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    tier_of(llm).flush()
+    return [o.outputs[0].token_ids for o in outs], engine.scheduler.connector_prefix_cache_stats.hits - before
+
+
+def test_prefixes_beyond_the_pool_come_back_from_the_tier(llm, workload):
+    prompts, reference = workload
+    got, _ = run(llm, prompts)
+    assert got == reference
+    assert tier_of(llm).stats.saves > 0  # the pool evicted prefix blocks into the tier
+    got, from_tier = run(llm, prompts, reset=False)
+    assert got == reference and from_tier >= 32  # a whole prefix's worth of tokens evicted and loaded back
+    stats = llm.get_stats()
+    assert stats.kv_blocks_used == 0 and stats.external_prefix_cache_hits >= from_tier
+    text = ServerMetrics(llm._loop, model_name="m").exposition().decode()
+    tier = tier_of(llm).stats
+    assert f'pagedpack:kv_offload_loads_total{{medium="DISK",model_name="m"}} {float(tier.loads)}' in text
+    assert f'pagedpack:kv_offload_bytes_used{{medium="DISK",model_name="m"}} {float(tier.bytes_used)}' in text
+    assert f'pagedpack:external_prefix_cache_hits_total{{model_name="m"}} {float(stats.external_prefix_cache_hits)}' \
+        in text
+
+
+def test_corrupt_truncated_and_misnamed_files_are_misses(llm, workload):
+    prompts, reference = workload
+    run(llm, prompts)
+    tier = tier_of(llm)
+    folder = tier.directory
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".kvblock"))
+    assert len(names) >= 4
+    flipped, truncated, moved, target = (os.path.join(folder, n) for n in names[:4])
+    with open(flipped, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) // 2)
+    os.replace(moved, target)  # a file under another block's name
+    corrupt = tier.stats.corrupt
+    got, from_tier = run(llm, prompts)
+    assert got == reference and from_tier > 0
+    # the misnamed file and the flipped and truncated ones, if asked for (the moved one is simply gone)
+    assert tier.stats.corrupt > corrupt
+    assert not any(n.startswith(".tmp-") for n in os.listdir(folder))
+
+
+def test_watermark_saves_ahead_of_eviction(llm):
+    connector = llm.llm_engine.scheduler.connector
+    pool = llm.llm_engine.scheduler.kv_cache_manager.pool
+    run(llm, random_prompts([30, 30], seed=9))  # leaves cached blocks nobody owns, never evicted
+    assert pool.num_free_blocks - pool.num_cached_free_blocks < 0.9 * pool.num_blocks
+    assert not connector.build_connector_meta(SchedulerOutput([], [], 0)).saves  # no eviction, no watermark
+    connector.options.kv_offload_watermark = 0.9
+    try:  # below the watermark: the least recently used ones the tier lacks are copied out
+        meta = connector.build_connector_meta(SchedulerOutput([], [], 0))
+    finally:
+        connector.options.kv_offload_watermark = 0.0
+    lru = [(h, b) for h, b in pool.lru_cached_free_blocks(pool.num_blocks) if not connector.tier.contains(h)]
+    assert meta.saves and meta.saves == lru[:len(meta.saves)]
+
+
+WRITER = textwrap.dedent("""
+    import hashlib, sys, torch
+    from pagedpack.runtime.kv_connector.offload_tier import DiskTier
+    tier = DiskTier(1 << 30, sys.argv[1])
+    tier.bind_layout([torch.zeros(4, 4, 2, 1024)])
+    i = 0
+    while True:
+        h = hashlib.sha256(str(i).encode()).digest()
+        tier.put([h], torch.tensor(list(h) * (tier.block_bytes // 32), dtype=torch.uint8)[None])
+        i += 1
+        if i == 8:
+            tier.flush()
+            print("ready", flush=True)
+""")
+
+
+def test_a_writer_killed_mid_save_leaves_a_readable_tier(tmp_path):
+    folder = str(tmp_path / "tier")
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, folder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    tier = DiskTier(1 << 30, folder)
+    try:
+        tier.bind_layout([torch.zeros(4, 4, 2, 1024)])
+        assert not any(n.startswith(".tmp-") for n in os.listdir(folder))  # a half-written file removed
+        good = 0
+        for i in range(len(os.listdir(folder)) + 64):
+            h = hashlib.sha256(str(i).encode()).digest()
+            payload = tier.get(h)
+            if payload is not None:
+                assert payload.tolist() == list(h) * (tier.block_bytes // 32)
+                good += 1
+        assert good >= 8 and tier.stats.corrupt == 0
+    finally:
+        tier.close()
+
+
+def test_tiers_evict_least_recently_used_and_say_their_medium(tmp_path):
+    caches = [torch.zeros(8, 4, 1, 2)]
+    payloads = torch.arange(3 * 32, dtype=torch.uint8).reshape(3, 32)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    host = HostTier(64)  # two blocks of 32 bytes
+    host.bind_layout(caches)
+    host.put(hashes[:2], payloads[:2])
+    assert host.get(hashes[0]).tolist() == payloads[0].tolist()  # hashes[0] now the most recent
+    host.put(hashes[2:], payloads[2:])
+    assert host.get(hashes[1]) is None and host.get(hashes[2]).tolist() == payloads[2].tolist()
+    events = host.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored", "BlockStored", "BlockRemoved"]
+    assert {e.medium for e in events} == {"CPU"} and events[-1].block_hashes == [hashes[1]]
+    disk = DiskTier(10_000, str(tmp_path))
+    try:
+        disk.bind_layout(caches)
+        disk.put(hashes, payloads)
+        disk.flush()
+        assert {e.medium for e in disk.take_events()} == {"DISK"}
+        assert sorted(os.listdir(tmp_path)) == sorted(h.hex() + ".kvblock" for h in hashes)
+    finally:
+        disk.close()
+
+
+def test_options_errors_name_the_option(tmp_path):
+    (tmp_path / "file").write_text("")
+    for kwargs, name in [({"kv_offload_size": "1MiB", "kv_offload_watermark": 1.0}, "kv_offload_watermark"),
+                         ({"kv_offload_dir": str(tmp_path)}, "kv_offload_dir"),
+                         ({"kv_offload_size": "1MiB", "kv_offload_dir": str(tmp_path / "file")}, "kv_offload_dir"),
+                         ({"kv_offload_size": 0}, "kv_offload_size"),
+                         ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                                                  "kv_connector_extra_config": {"kv_offload_size": 8, "size": 1}}},
+                          "kv_transfer_config.kv_connector_extra_config.size")]:
+        with pytest.raises(ValueError, match=rf"^{name}:"):
+            EngineArgs(model="tiny", **kwargs)
