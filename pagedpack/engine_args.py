@@ -220,7 +220,8 @@ class EngineArgs:
     def _check_kv_transfer(self) -> None:
         """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``), or make the
         ``OffloadingConnector``'s from the ``kv_offload_*`` fields."""
-        from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+        from pagedpack.runtime.kv_connector.config import KVTransferConfig
+        from pagedpack.runtime.kv_connector.factory import KVConnectorFactory
         from pagedpack.runtime.kv_connector.offloading_connector import OffloadingConfig
 
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)

@@ -47,8 +47,7 @@ class LLM:
         self.engine_args, self._builder = args, ProgramBuilder(args, rank=self.ranks.rank, join_group=self.ranks.join)
         events = args.kv_events_config if self.ranks.rank == 0 else None
         with publisher_for(events) as publisher:  # bound first: an endpoint in use fails before the model loads
-            self.program, description = self._builder.build()
-            self.target = self._builder.target
+            (self.program, description), self.target = self._builder.build(), self._builder.target
             release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
             if args.tokenizer is not None:
                 from pagedpack.models.loading import load_tokenizer

@@ -14,7 +14,8 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+from pagedpack.runtime.kv_connector.config import KVTransferConfig
+from pagedpack.runtime.kv_connector.factory import KVConnectorFactory
 from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import KVConnectorOutput, SchedulerOutput
 

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pagedpack.runtime.kv_connector.factory import KVTransferConfig
+    from pagedpack.runtime.kv_connector.config import KVTransferConfig
     from pagedpack.runtime.kv_events import KVCacheEvent
     from pagedpack.runtime.request import Request
 

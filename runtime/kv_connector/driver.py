@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorRole
-from pagedpack.runtime.kv_connector.factory import KVConnectorFactory, KVTransferConfig
+from pagedpack.runtime.kv_connector.config import KVTransferConfig
+from pagedpack.runtime.kv_connector.factory import KVConnectorFactory
 from pagedpack.runtime.scheduler import KVConnectorOutput, SchedulerOutput
 
 

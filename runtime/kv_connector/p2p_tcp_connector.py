@@ -63,7 +63,7 @@ from pagedpack.runtime.request import RequestStatus
 if TYPE_CHECKING:
     import torch
 
-    from pagedpack.runtime.kv_connector.factory import KVTransferConfig
+    from pagedpack.runtime.kv_connector.config import KVTransferConfig
     from pagedpack.runtime.request import Request
 
 log = logging.getLogger("pagedpack.kv_transfer")
