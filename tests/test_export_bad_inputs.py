@@ -27,7 +27,6 @@ from pagedpack.lowering.onnx.export import export_onnx, load_onnx
 from pagedpack.lowering.reference.pt2 import export_pt2, load_pt2
 from pagedpack.models.capture import capture
 from pagedpack.models.tiny import VOCAB_SIZE, tiny_model
-from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.passes.pipeline import UnsupportedModelError, rewrite
 from pagedpack.step.contract import ModelDescription, StateSpec, step_input_names
 
@@ -43,17 +42,16 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def llm(model):
-    """The un-exported reference, with a pool large enough never to preempt."""
-    return LLM(model, tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64, keep_source_model=True)
+def llm(tiny_llama_exported):
+    """The un-exported reference (a tiny Llama of its own), with a pool large enough never to preempt:
+    conftest's, shared with test_trust_and_faults.py."""
+    return tiny_llama_exported[0]
 
 
 @pytest.fixture(scope="module")
-def files(llm, tmp_path_factory):
-    """``{"onnx": path, "pt2": path}``: the tiny Llama exported once in each format."""
-    folder = tmp_path_factory.mktemp("exports")
-    return {fmt: export(llm.rewritten, folder / f"tiny-llama.{fmt}", llm.description)
-            for fmt, export in EXPORTERS.items()}
+def files(tiny_llama_exported):
+    """``{"onnx": path, "pt2": path}``: the tiny Llama exported once in each format (conftest's; read-only)."""
+    return tiny_llama_exported[1]
 
 
 def tokens(outputs) -> list[list[int]]:

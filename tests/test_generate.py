@@ -28,18 +28,25 @@ def test_mixed_batch_matches_unmodified_model(family_model, mixed_prompts):
     assert llm.llm_engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
-def test_prefill_logits_match(family_model, mixed_prompts):
-    llm = LLM(family_model, block_size=16, num_blocks=128)
+@pytest.fixture(scope="module")
+def stepped_llm(family_model):
+    """The family's LLM for the hand-built steps (``run_step``): the two tests' requests hold 66 and
+    9 of its blocks, none shared (each test's requests are its own objects, with ids of their own)."""
+    return LLM(family_model, block_size=16, num_blocks=128)
+
+
+def test_prefill_logits_match(family_model, mixed_prompts, stepped_llm):
     requests = [Request(str(i), p, GREEDY) for i, p in enumerate(mixed_prompts)]
-    logits = run_step(llm, [(r, r.num_tokens) for r in requests])
+    logits = run_step(stepped_llm, [(r, r.num_tokens) for r in requests])
     for row, prompt in zip(logits, mixed_prompts):
         torch.testing.assert_close(row, hf_last_logits(family_model, prompt), atol=1e-4, rtol=0)
 
 
-def test_mixed_prefill_decode_and_chunked_prefillrun_step(family_model):
+def test_mixed_prefill_decode_and_chunked_prefillrun_step(family_model, stepped_llm):
     """One step holding a fresh prefill, a decode, and a chunked prefill resuming mid-block."""
-    llm = LLM(family_model, block_size=16, num_blocks=64)
-    fresh, decoding, chunked = (Request(str(i), p, GREEDY) for i, p in enumerate(random_prompts((37, 21, 70), seed=3)))
+    llm = stepped_llm
+    fresh, decoding, chunked = (Request(name, p, GREEDY) for name, p in
+                                zip(("fresh", "decoding", "chunked"), random_prompts((37, 21, 70), seed=3)))
     run_step(llm, [(decoding, 20), (chunked, 21)])  # earlier step: both cached in part (21 = mid-block)
     logits = run_step(llm, [(fresh, 37), (decoding, 1), (chunked, 30)])
     expected = [hf_last_logits(family_model, fresh.all_token_ids),

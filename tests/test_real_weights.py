@@ -1,9 +1,9 @@
 """Real weights: SmolLM2-135M-Instruct (the ``smollm2-135m`` alias) through pagedpack against the
 unmodified ``transformers`` model, greedy, float32.
 
-Eight English prompts (three longer than 600 tokens) run together through one ``LLM`` with
+Seven English prompts (two of about 600-700 tokens) run together through one ``LLM`` with
 ``max_num_batched_tokens=256``, so the scheduler batches them continuously and prefills the
-long ones in chunks; each prompt's tokens must equal the unmodified model's greedy ``generate``
+long ones in three chunks each; each prompt's tokens must equal the unmodified model's greedy ``generate``
 run on that prompt alone, up to the first step where the unmodified model's top-2 logits tie
 within ``TIE`` (from there either token is a correct greedy choice).
 
@@ -35,117 +35,6 @@ BUDGET = 256  # max_num_batched_tokens: every prompt above it is prefilled in ch
 TIE = 1e-5
 
 PROMPTS = [
-    # Julius Caesar, act 3, scene 2
-    (
-        'Antony:\n'
-        'Friends, Romans, countrymen, lend me your ears;\n'
-        'I come to bury Caesar, not to praise him.\n'
-        'The evil that men do lives after them;\n'
-        'The good is oft interred with their bones;\n'
-        'So let it be with Caesar. The noble Brutus\n'
-        'Hath told you Caesar was ambitious:\n'
-        'If it were so, it was a grievous fault,\n'
-        "And grievously hath Caesar answer'd it.\n"
-        'Here, under leave of Brutus and the rest--\n'
-        'For Brutus is an honourable man;\n'
-        'So are they all, all honourable men--\n'
-        "Come I to speak in Caesar's funeral.\n"
-        'He was my friend, faithful and just to me:\n'
-        'But Brutus says he was ambitious;\n'
-        'And Brutus is an honourable man.\n'
-        'He hath brought many captives home to Rome\n'
-        'Whose ransoms did the general coffers fill:\n'
-        'Did this in Caesar seem ambitious?\n'
-        'When that the poor have cried, Caesar hath wept:\n'
-        'Ambition should be made of sterner stuff:\n'
-        'Yet Brutus says he was ambitious;\n'
-        'And Brutus is an honourable man.\n'
-        'You all did see that on the Lupercal\n'
-        'I thrice presented him a kingly crown,\n'
-        'Which he did thrice refuse: was this ambition?\n'
-        'Yet Brutus says he was ambitious;\n'
-        'And, sure, he is an honourable man.\n'
-        'I speak not to disprove what Brutus spoke,\n'
-        'But here I am to speak what I do know.\n'
-        'You all did love him once, not without cause:\n'
-        'What cause withholds you then, to mourn for him?\n'
-        'O judgment! thou art fled to brutish beasts,\n'
-        'And men have lost their reason. Bear with me;\n'
-        'My heart is in the coffin there with Caesar,\n'
-        'And I must pause till it come back to me.\n'
-        '\n'
-        'First Citizen:\n'
-        'Methinks there is much reason in his sayings.\n'
-        '\n'
-        'Second Citizen:\n'
-        'If thou consider rightly of the matter,\n'
-        'Caesar has had great wrong.\n'
-        '\n'
-        'Third Citizen:\n'
-        'Has he, masters?\n'
-        'I fear there will a worse come in his place.\n'
-        '\n'
-        'Fourth Citizen:\n'
-        "Mark'd ye his words? He would not take the crown;\n"
-        "Therefore 'tis certain he was not ambitious.\n"
-        '\n'
-        'First Citizen:\n'
-        'If it be found so, some will dear abide it.\n'
-        '\n'
-        'Second Citizen:\n'
-        'Poor soul! his eyes are red as fire with weeping.\n'
-        '\n'
-        'Third Citizen:\n'
-        "There's not a nobler man in Rome than Antony.\n"
-        '\n'
-        'Fourth Citizen:\n'
-        'Now mark him, he begins again to speak.\n'
-        '\n'
-        'Antony:\n'
-        'But yesterday the word of Caesar might\n'
-        'Have stood against the world; now lies he there.\n'
-        'And none so poor to do him reverence.\n'
-        'O masters, if I were disposed to stir\n'
-        'Your hearts and minds to mutiny and rage,\n'
-        'I should do Brutus wrong, and Cassius wrong,\n'
-        'Who, you all know, are honourable men:\n'
-        'I will not do them wrong; I rather choose\n'
-        'To wrong the dead, to wrong myself and you,\n'
-        'Than I will wrong such honourable men.\n'
-        "But here's a parchment with the seal of Caesar;\n"
-        "I found it in his closet, 'tis his will:\n"
-        'Let but the commons hear this testament--\n'
-        'Which, pardon me, I do not mean to read--\n'
-        "And they would go and kiss dead Caesar's wounds\n"
-        'And dip their napkins in his sacred blood,\n'
-        'Yea, beg a hair of him for memory,\n'
-        'And, dying, mention it within their wills,\n'
-        'Bequeathing it as a rich legacy\n'
-        'Unto their issue.\n'
-        '\n'
-        'Fourth Citizen:\n'
-        "We'll hear the will: read it, Mark Antony.\n"
-        '\n'
-        'All:\n'
-        "The will, the will! we will hear Caesar's will.\n"
-        '\n'
-        'Antony:\n'
-        'Have patience, gentle friends, I must not read it;\n'
-        'It is not meet you know how Caesar loved you.\n'
-        'You are not wood, you are not stones, but men;\n'
-        'And, being men, bearing the will of Caesar,\n'
-        'It will inflame you, it will make you mad:\n'
-        "'Tis good you know not that you are his heirs;\n"
-        'For, if you should, O, what would come of it!\n'
-        '\n'
-        'Fourth Citizen:\n'
-        "Read the will; we'll hear it, Antony;\n"
-        "You shall read us the will, Caesar's will.\n"
-        '\n'
-        'Antony:\n'
-        'Will you be patient? will you stay awhile?\n'
-        "I have o'ershot myself to tell you of it:"
-    ),
     # Hamlet, act 3, scene 1
     (
         'Hamlet:\n'
@@ -412,9 +301,11 @@ def _greedy_steps_checked(model, prompt_ids: list[int], tokens: list[int]) -> in
 
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
 def test_greedy_tokens_equal_the_unmodified_model(alias):
-    """All eight prompts together (continuous batching, chunked prefill), 32 greedy tokens each,
+    """All seven prompts together (continuous batching, chunked prefill), 32 greedy tokens each,
     against the unmodified model run one prompt at a time. Gemma-3's local layers have a 512-token
-    sliding window, shorter than three of the prompts."""
+    sliding window, shorter than two of the prompts. (An eighth prompt of 950-970 tokens, dropped for
+    the suite's time, was a third of the tokens both sides ran and exercised nothing these two do not:
+    a window passed, a prompt prefilled in more than two chunks.)"""
     from pagedpack import LLM, SamplingParams
 
     checkpoint = fetch_alias_or_skip(alias)
@@ -423,11 +314,11 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     paged_s = time.perf_counter() - start
     lens = [len(o.prompt_token_ids) for o in outputs]
-    assert sum(n > 600 for n in lens) >= 2, lens
+    assert sum(n > 2 * BUDGET for n in lens) >= 2, lens  # each prefilled in three chunks
     assert not any(o.error for o in outputs)
     window = getattr(llm.model.config, "sliding_window", None)
-    assert window is None or max(lens) > window
-    # all eight ran together: far fewer steps than one request after the other would take
+    assert window is None or sum(n > window for n in lens) >= 2, (window, lens)
+    # all seven ran together: far fewer steps than one request after the other would take
     sequential = sum(math.ceil(n / BUDGET) + MAX_TOKENS - 1 for n in lens)
     assert llm.llm_engine.stats.num_steps < sequential / 2, (llm.llm_engine.stats.num_steps, sequential)
 
@@ -471,7 +362,7 @@ def _check_streaming_and_chat(llm):
     from pagedpack import SamplingParams
 
     tokenizer = llm.tokenizer
-    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate(PROMPTS * 5)]
+    prompts = [f"{p.splitlines()[0][:60]} ({i})" for i, p in enumerate((PROMPTS * 6)[:40])]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(len(prompts))]
     streamed = {}
     for delta in llm.generate(prompts, params, stream=True):

@@ -31,7 +31,6 @@ from pagedpack.formats.files import atomic_write
 from pagedpack.formats.pt2_check import UntrustedFileError
 from pagedpack.kernels import native
 from pagedpack.lowering.onnx.export import export_onnx
-from pagedpack.lowering.reference.pt2 import export_pt2
 from pagedpack.models.tiny import tiny_model
 from pagedpack.models.tokenizer import byte_level_tokenizer
 from pagedpack.runtime.request import Request
@@ -43,16 +42,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(tiny_model("llama"), tokenizer=byte_level_tokenizer(), block_size=16, num_blocks=64,
-               keep_source_model=True)
+def llm(tiny_llama_exported):
+    """The tiny Llama (byte-level tokenizer, 64 blocks of 16, source kept): conftest's, shared."""
+    return tiny_llama_exported[0]
 
 
 @pytest.fixture(scope="module")
-def files(llm, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("exports")
-    return {"pt2": export_pt2(llm.rewritten, folder / "tiny.pt2", llm.description),
-            "onnx": export_onnx(llm.rewritten, folder / "tiny.onnx", llm.description)}
+def files(tiny_llama_exported):
+    """``{"pt2": path, "onnx": path}``: ``llm`` exported once in each format (conftest's; read-only)."""
+    return tiny_llama_exported[1]
 
 
 class Payload:
