@@ -49,7 +49,10 @@ class LLM:
         with publisher_for(events) as publisher:  # bound first: an endpoint in use fails before the model loads
             self.program, description = self._builder.build()
             self.target = self._builder.target
-            release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
+            # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held (a
+            # model under SMALL_MODEL_BYTES: left to the interpreter's collections)
+            built = self._builder.lowered.weight_bytes
+            release_memory(built[True] if built is not None else None)
             if args.tokenizer is not None:
                 from pagedpack.models.loading import load_tokenizer
 
