@@ -7,6 +7,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -275,7 +276,9 @@ def capture_once(monkeypatch, _module_captures):
         key = (id(module), next(module.parameters()).dtype, tuple(map(id, args.extra_passes)))
         if key not in _module_captures:  # the module kept with it: its id is not reused meanwhile
             _module_captures[key] = (module, real(module, args))
-        return copy.deepcopy(_module_captures[key][1])
+        with warnings.catch_warnings():  # copying the graph's pytree specs: torch's own LeafSpec deprecation
+            warnings.simplefilter("ignore", FutureWarning)
+            return copy.deepcopy(_module_captures[key][1])
 
     monkeypatch.setattr(program, "rewrite_module", rewrite_module)
 
