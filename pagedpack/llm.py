@@ -48,7 +48,8 @@ class LLM:
         events = args.kv_events_config if self.ranks.rank == 0 else None
         with publisher_for(events) as publisher:  # bound first: an endpoint in use fails before the model loads
             (self.program, description), self.target = self._builder.build(), self._builder.target
-            release_memory()  # what the rewrite's float64 checks, a let-go source model or a lowered .pt2 program held
+            built = self._builder.lowered.weight_bytes  # release what the float64 checks, a let-go source model or
+            release_memory(built[True] if built is not None else None)  # a .pt2 program held (SMALL_MODEL_BYTES: not)
             if args.tokenizer is not None:
                 from pagedpack.models.loading import load_tokenizer
 

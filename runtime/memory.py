@@ -15,7 +15,13 @@ def _libc():
     return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
-def release_memory() -> bool:
+# Below this many weight bytes a build's leftovers (the float64 checks hold about twice the fp32
+# weights) are left to the interpreter's own collections: a full collection costs 0.2-0.5 s in a
+# process holding many objects (a test worker), more than a tiny model's few MB are worth.
+SMALL_MODEL_BYTES = 32 << 20
+
+
+def release_memory(weight_bytes: int | None = None) -> bool:
     """Free what a finished phase left behind and give it back to the OS.
 
     The rewrite's checks run float64 copies of the model (twice its fp32 size) as
@@ -23,7 +29,12 @@ def release_memory() -> bool:
     freed only by a full ``gc.collect()``, which may not come for a long while. Their tensors, a
     few MB each, come from glibc's heap, which keeps freed memory mapped until ``malloc_trim``.
     Without both, SmolLM2-135M's process stays about 1 GB larger for its whole life. Returns
-    False where there is no glibc (the collection still ran)."""
+    False where there is no glibc (the collection still ran).
+
+    ``weight_bytes``: the weights of the model just built, when known; under ``SMALL_MODEL_BYTES``
+    nothing is collected or trimmed (returns False)."""
+    if weight_bytes is not None and weight_bytes < SMALL_MODEL_BYTES:
+        return False
     gc.collect()
     return trim_heap()
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -251,6 +252,35 @@ def cpu_kernels(request):
 @pytest.fixture(scope="session")
 def mixed_prompts() -> list[list[int]]:
     return random_prompts(MIXED_PROMPT_LENS)
+
+
+@pytest.fixture(scope="module")
+def _module_captures():
+    return {}
+
+
+@pytest.fixture
+def capture_once(monkeypatch, _module_captures):
+    r"""Capture once, lower many: while the test runs, ``LLM``\ s built from the same module object
+    (same parameter dtype, same extra passes) share one capture and rewrite, kept for the test file:
+    each build after the first lowers a deep copy of the first's rewritten step (lowering may change
+    its graph in place; the report's notes are the build's own). For tests that lower one model to
+    several targets or graph options: the capture each would repeat produces the same program
+    (the rewritten graph depends on the module and the passes only), and what they check is the
+    lowering and the serving."""
+    from pagedpack.compiler import program
+
+    real = program.rewrite_module
+
+    def rewrite_module(module, args):
+        key = (id(module), next(module.parameters()).dtype, tuple(map(id, args.extra_passes)))
+        if key not in _module_captures:  # the module kept with it: its id is not reused meanwhile
+            _module_captures[key] = (module, real(module, args))
+        with warnings.catch_warnings():  # copying the graph's pytree specs: torch's own LeafSpec deprecation
+            warnings.simplefilter("ignore", FutureWarning)
+            return copy.deepcopy(_module_captures[key][1])
+
+    monkeypatch.setattr(program, "rewrite_module", rewrite_module)
 
 
 def snapshot(model):

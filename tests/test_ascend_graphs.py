@@ -98,7 +98,8 @@ def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_
 
 
 @pytest.mark.parametrize("mode", ["aclgraph", "decode_buckets"])
-def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, references, monkeypatch, mode):
+def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, references, capture_once, monkeypatch,
+                                                                    mode):
     """40 steps: prefills and a mixed step (eager), then decode batches of every size 1..37 in a
     shuffled order (graphs): one ACL graph captured per bucket used and replayed for every decode
     step, or one TorchAir graph compiled per bucket (a recording backend counts what dynamo
@@ -143,7 +144,7 @@ def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, r
         assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
 
 
-def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, monkeypatch):
+def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, capture_once, monkeypatch):
     """Decode steps in one bucket with different sequences: each replays the graph the first
     captured. With the length refresh the logits are the reference's; without it FIA reads the
     capture's KV lengths and the logits are wrong, so a missing refresh cannot pass."""
@@ -190,7 +191,7 @@ def test_the_capture_reads_no_device_value():
     assert x.tolist() == [2, 3, 4, 5]
 
 
-def test_every_graph_mode_gives_the_reference_tokens(tnd_model):
+def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
     """The reference target, the replayed ACL graphs, the padded TorchAir decode graphs and the
     dynamic graph mode each give the
     unmodified model's greedy tokens, a bf16 tie aside (the targets' attention sums in different
@@ -258,7 +259,7 @@ def test_a_model_with_sinks_and_sliding_windows_generates_the_reference_tokens_t
         assert_greedy_tokens_or_tie(exact, prompt, output.outputs[0].token_ids, tokens)
 
 
-def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model):
+def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_model, capture_once):
     """TorchAir restores the in-place cache write after functionalisation only when each cache input
     has two users, the view the scatter reads and one ``copy_`` back into it whose source is a view
     of the scatter result (``torchair/patterns/_recover_view_inplace_pattern.py``); otherwise every

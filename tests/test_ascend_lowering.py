@@ -303,7 +303,7 @@ def tnd_model():
     return tiny_model("llama", **TND_MODEL)
 
 
-def test_mixed_batch_matches_the_reference_target(tnd_model, mixed_prompts):
+def test_mixed_batch_matches_the_reference_target(tnd_model, capture_once, mixed_prompts):
     """The core issue's 12 prompts, block_size 128, at most 200 tokens a step: chunked prefills
     resume mid-block (128 + 72) and steps mix prefill and decode."""
     steps = []
@@ -328,7 +328,7 @@ def test_mixed_batch_matches_the_reference_target(tnd_model, mixed_prompts):
         assert_greedy_tokens_or_tie(tnd_model, prompt, got, expected)
 
 
-def test_mixed_step_logits_match_the_reference_target(tnd_model):
+def test_mixed_step_logits_match_the_reference_target(tnd_model, capture_once):
     """One step with a fresh prefill, a decode and a chunked prefill resuming mid-block (200)."""
     logits = []
     for model, target in ((tnd_model, "reference"), (tnd_model, "ascend"), (snapshot(tnd_model).float(), "reference")):
@@ -347,7 +347,7 @@ def test_mixed_step_logits_match_the_reference_target(tnd_model):
     assert_within_own_error(logits[1], logits[0], logits[2])
 
 
-def test_ascend_target_defaults_to_block_size_128_and_reports_the_lowering(tnd_model):
+def test_ascend_target_defaults_to_block_size_128_and_reports_the_lowering(tnd_model, capture_once):
     llm = LLM(tnd_model, target="ascend", num_blocks=8)
     assert llm.block_size == 128 and LLM(tnd_model, num_blocks=8).block_size == 16
     note = llm.report.notes[-1]
@@ -387,7 +387,7 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
 # ---------------------------------------------------------------- torch.compile on Ascend
 
 
-def test_graph_handed_to_torchair_holds_aten_and_ascend_ops_and_serves_every_composition(tnd_model):
+def test_graph_handed_to_torchair_holds_aten_and_ascend_ops_and_serves_every_composition(tnd_model, capture_once):
     """``compile_step`` + ``ascend_backend`` with a stand-in for TorchAir's backend that records the
     graph (and runs it on the emulation); logits against the reference target's step graph."""
     rewritten = rewrite(capture(tnd_model))

@@ -268,7 +268,7 @@ def test_window_and_soft_cap_survive_the_onnx_target_and_the_pt2_export(family, 
     assert [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)] == want
 
 
-def test_llama4_s_onnx_target_and_pt2_export_are_refused_naming_why(tmp_path):
+def test_llama4_s_onnx_target_and_pt2_export_are_refused_naming_why(tmp_path, capture_once):
     """Llama-4's RoPE multiplies complex tensors, and torch.export cannot prove a guard of its experts for
     every step size: each a ValueError naming it, not the exporter's own error from deep inside (the ONNX
     functions' chunks: tests/test_onnx_functions.py)."""

@@ -177,7 +177,8 @@ def test_seeded_samples_of_prompts_sharing_a_prefix_equal_each_seed_run_alone(hy
     assert llm.get_stats().prefix_cache_hits == 0
 
 
-def test_an_int8_kv_cache_quantizes_the_attention_layers_and_leaves_the_state_in_the_model_dtype(model, caplog):
+def test_an_int8_kv_cache_quantizes_the_attention_layers_and_leaves_the_state_in_the_model_dtype(model, capture_once,
+                                                                                                 caplog):
     """``kv_cache_dtype="int8"`` applies to the attention layers' caches; the conv states stay fp32. Batched
     with forks and preemption, each prompt gets the tokens it gets alone on the same engine. Prefix caching,
     asked for by default, is off with a warning."""
@@ -207,7 +208,7 @@ def test_requests_arriving_and_aborted_while_others_run(llm, solo, arrival, abor
     ("tp", "tensor_parallel_size: the model's recurrent layers .* are not split over ranks yet"),
     ("tp-export", "tensor_parallel_size: the model's recurrent layers .* are not split over ranks yet"),
 ])
-def test_paths_without_recurrent_state_refuse_it_by_name(model, llm, how, message, tmp_path):
+def test_paths_without_recurrent_state_refuse_it_by_name(model, capture_once, llm, how, message, tmp_path):
     run = {"onnx-export": lambda: llm.export(tmp_path / "m.onnx", format="onnx"),
            "onnx": lambda: LLM(model, target="onnx"), "tp": lambda: LLM(model, tensor_parallel_size=2),
            "tp-export": lambda: llm.export(tmp_path / "m.json", tensor_parallel_size=2)}

@@ -32,7 +32,7 @@ def test_alibi_models_without_a_position_limit_get_the_default_with_a_note():
     assert limit == 2048 and "no position limit" in note
 
 
-def test_bloom_loads_with_and_without_max_model_len():
+def test_bloom_loads_with_and_without_max_model_len(capture_once):
     # Regression: AttributeError 'max_position_embeddings' from llm.py before the pass ran.
     model = BloomForCausalLM(BloomConfig(vocab_size=VOCAB_SIZE, hidden_size=64, n_layer=2, n_head=4)).eval()
     assert LLM(model, max_model_len=256, num_blocks=8).max_model_len == 256
