@@ -48,8 +48,7 @@ class LLM:
         events = args.kv_events_config if self.ranks.rank == 0 else None
         with publisher_for(events) as publisher:  # bound first: an endpoint in use fails before the model loads
             (self.program, description), self.target = self._builder.build(), self._builder.target
-            built = self._builder.lowered.weight_bytes  # release what the float64 checks, a let-go source model or
-            release_memory(built[True] if built is not None else None)  # a .pt2 program held (SMALL_MODEL_BYTES: not)
+            release_memory(self._builder.weight_bytes(True))  # the float64 checks', a let-go model's, a .pt2's
             if args.tokenizer is not None:
                 from pagedpack.models.loading import load_tokenizer
 

@@ -369,9 +369,10 @@ class ProgramBuilder:
                                    tensor_parallel_size=tp_size, **options)
         return fmt.export(self.source_graph(), path, description, **options)
 
-    def weight_bytes(self, keep_source_model: bool) -> int:
-        """Bytes of weights serving holds, with the source model and the rewritten graph kept or not."""
-        return self.lowered.weight_bytes[keep_source_model]
+    def weight_bytes(self, keep_source_model: bool) -> int | None:
+        """Bytes of weights serving holds, with the source model and the rewritten graph kept or not
+        (None where the lowering did not count them)."""
+        return None if self.lowered.weight_bytes is None else self.lowered.weight_bytes[keep_source_model]
 
     def activation_peak(self):
         """The rewritten step graph's activation peak (:mod:`pagedpack.passes.activation_memory`),
