@@ -54,6 +54,11 @@ class EngineStats:
     compositions: set = field(default_factory=set)
 
 
+# A step that schedules nothing because every live request waits on the KV connector (a pull, a
+# delayed free) sleeps this long before the loop asks again: a pull takes milliseconds, and a loop
+# spinning on it keeps a core busy that other processes' computation could use.
+CONNECTOR_POLL_S = 0.001
+
 MAX_COMPOSITIONS = 1024
 
 
@@ -334,6 +339,7 @@ class LLMEngine:
                 self.kv_connector.before_step(output)
                 self.kv_connector.after_step()
                 self.scheduler.update_from_connector_output(output, self.kv_connector.finish_step(output))
+                time.sleep(CONNECTOR_POLL_S)  # every request waits on the connector: poll it, don't spin a core
             return []
         connector_output, rolled_back = KVConnectorOutput(), set()
         try:

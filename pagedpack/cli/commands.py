@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --data-parallel-size: the Ray CPUs each engine replica reserves")
 
     proxy = sub.add_parser("disagg-proxy", help="one OpenAI endpoint over a prefill server and a decode server "
-                                                 "(prefill/decode disaggregation: docs/serving.md)",
+                                                 "(prefill/decode disaggregation: docs/disaggregation.md)",
                            formatter_class=_HelpFormatter)
     proxy.add_argument("--prefill", required=True, metavar="URL",
                        help="the prefill server (pagedpack serve --kv-transfer-config with kv_role kv_producer), "

@@ -97,6 +97,9 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
                          max_model_len=llm.max_model_len)
     if notice is not None:  # serving.max_model_len: the tokens the pool holds
         print(f"pagedpack: {notice}", file=sys.stderr, flush=True)
+    connector = llm.llm_engine.scheduler.connector
+    if connector is not None:
+        print(f"pagedpack: KV connector {connector.describe()}", file=sys.stderr, flush=True)
     threads = llm.llm_engine.runner.cpu_threads
     if threads is not None:
         print(f"pagedpack: the CPU step runs with {threads.describe()}", file=sys.stderr, flush=True)

@@ -78,6 +78,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 -- vLLM's name
         """``ValueError`` naming ``kv_transfer_config.kv_connector_extra_config.<key>`` for options this
         connector does not take (called before the engine is built)."""
 
+    def describe(self) -> str:
+        """One line for a server's start-up log: the connector, its role, where it keeps or moves KV."""
+        return f"{type(self).__name__} ({self._kv_transfer_config.kv_role})"
+
     @property
     def role(self) -> KVConnectorRole:
         return self._role

@@ -82,6 +82,11 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._caches: list = []
         self._load_errors: set[int] = set()
 
+    def describe(self) -> str:
+        where = f" in {self.tier.directory}" if self.tier.medium == "DISK" else ""
+        return (f"{super().describe()}: a {self.tier.medium} tier of {self.tier.capacity / 2**30:.2f} GiB{where}, "
+                f"watermark {self.options.kv_offload_watermark}")
+
     @classmethod
     def check_config(cls, config) -> None:
         OffloadingConfig.parse(config.kv_connector_extra_config)

@@ -153,6 +153,11 @@ class P2pTcpConnector(KVConnectorBase_V1):
             if config.is_kv_consumer:
                 self._pulls = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="pagedpack-kv-pull")
 
+    def describe(self) -> str:
+        server = self.state.server
+        return super().describe() + (f": KV blocks served on {self._kv_transfer_config.kv_ip}:{server.port}"
+                                     if server is not None else "")
+
     # --- what a request may ask -------------------------------------------------------------
 
     def check_kv_transfer_params(self, request: Request) -> None:

@@ -278,7 +278,8 @@ class KVBlockServer:
                 ack = _recv_header(conn, time.monotonic() + self.timeout_s, Ack)
                 if not ack.ok:
                     raise KVTransferError(f"the consumer refused the blocks of {request_id!r}: {ack.error}")
-                self.stats.add(blocks=len(data), nbytes=data.numel(), seconds=time.monotonic() - start)
+                if len(data):  # a pull of no block only lets the copy go: not a transfer (the consumer counts none)
+                    self.stats.add(blocks=len(data), nbytes=data.numel(), seconds=time.monotonic() - start)
         except (OSError, KVTransferError) as err:
             self.stats.add(failed=True)
             log.warning("KV pull%s failed: %s", f" of {request_id!r}" if request_id else "", err)
