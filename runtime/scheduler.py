@@ -171,6 +171,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = self._admit(request, budget)
+            if num_new is None and not self.running and self._release_a_waiting_holder(request):
+                continue
             if num_new is None:
                 break
             self.waiting.popleft()
@@ -190,6 +192,19 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def _release_a_waiting_holder(self, head: Request) -> bool:
+        """With nothing running, the blocks ``head`` lacks can only be held by waiting requests whose
+        connector load is done (an asynchronous load allocates blocks for the loaded tokens alone): free
+        the last such request's, as a preemption frees a running one's, so that the queue moves (it
+        computes its tokens again). False if no other waiting request holds blocks."""
+        for victim in reversed(self.waiting):
+            if victim is not head and victim.block_ids:
+                self.kv_cache_manager.free(victim)
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                return True
+        return False
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Give a waiting ``request`` its cached prefix (if any), the tokens a connector loads, and

@@ -299,3 +299,46 @@ def test_tier_hits_and_failed_loads_keep_every_request_its_own(block_size, num_b
     assert pool.num_used_blocks == 0 and pool.num_free_blocks == num_blocks
     for r in requests:
         assert (r.output_token_ids, r.finish_reason) == solo_stream(r.prompt_token_ids, r.sampling_params, None, 14)
+
+
+def test_a_burst_of_pulled_prompts_filling_the_pool_is_answered():
+    """From an adversarial trial: requests whose asynchronous load (a P2pTcpConnector pull) is done hold
+    blocks for their loaded tokens only; 12 of them filled a 64-block pool, none found the block its last
+    prompt token needs, and nothing ran to be preempted: every request waited forever. The scheduler now
+    frees a waiting holder's blocks (it computes again), and each answer is the one-process answer."""
+    import random
+    import threading
+
+    producer = LLM("tiny", num_blocks=256, kv_transfer_config={"kv_connector": "P2pTcpConnector",
+                                                               "kv_role": "kv_producer", "kv_port": 0})
+    consumer = LLM("tiny", num_blocks=64, kv_transfer_config={"kv_connector": "P2pTcpConnector",
+                                                              "kv_role": "kv_consumer"})
+    try:
+        rng = random.Random(0)
+        prompts = [{"prompt_token_ids": [rng.randrange(256) for _ in range(129)]} for _ in range(12)]  # 8 blocks + 1
+        prefill = SamplingParams(max_tokens=1, temperature=0.0,
+                                 extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        outs = producer.generate(prompts, prefill, use_tqdm=False)
+        assert all(o.kv_transfer_params for o in outs)
+        decode = [SamplingParams(max_tokens=4, temperature=0.0, extra_args={"kv_transfer_params": o.kv_transfer_params})
+                  for o in outs]
+        box = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", consumer.generate(prompts, decode,
+                                                                                         use_tqdm=False)), daemon=True)
+        worker.start()
+        worker.join(90)
+        assert "out" in box, "the consumer did not answer within 90 s"
+        expected = producer.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in box["out"]] == [o.outputs[0].token_ids for o in expected]
+        assert consumer.llm_engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    finally:
+        producer.llm_engine.close()
+        consumer.llm_engine.close()
+
+
+@pytest.mark.parametrize("extra", [{"timeout_s": -1}, {"remote_hosts": "127.0.0.1"}, {"bogus": 1}])
+def test_p2p_options_are_checked_before_the_model_is_built(extra):
+    """From an adversarial trial: these were refused only once the model was built (10-15 s later)."""
+    with pytest.raises(ValueError, match="kv_connector_extra_config"):
+        EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_consumer",
+                                                      "kv_connector_extra_config": extra})

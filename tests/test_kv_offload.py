@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -190,3 +191,82 @@ def test_options_errors_name_the_option(tmp_path):
                           "kv_transfer_config.kv_connector_extra_config.size")]:
         with pytest.raises(ValueError, match=rf"^{name}:"):
             EngineArgs(model="tiny", **kwargs)
+
+
+# From an adversarial trial of the disk tier: files replaced while serving, and the writer's temporary
+# name predicted.
+@pytest.fixture
+def disk_llm(tmp_path):
+    llm = LLM("tiny", kv_offload_size=20 * 4299, kv_offload_dir=str(tmp_path), block_size=4, num_blocks=24,
+              max_num_seqs=2, max_num_batched_tokens=64)
+    yield llm, llm.llm_engine.scheduler.connector.tier
+    llm.llm_engine.close()
+
+
+def _bounded(fn, seconds: float):
+    """``fn()``'s value, asserting it returned within ``seconds`` (a hang fails the test, not the run)."""
+    import threading
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert "value" in box, f"did not return within {seconds} s (or raised)"
+    return box["value"]
+
+
+def _shared_prefix_prompts(seed: int = 1):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(32)] for _ in range(3)]
+    return [{"prompt_token_ids": prefixes[i % 3] + [7, i, 9]} for i in range(6)]
+
+
+def _greedy_tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0),
+                                                          use_tqdm=False)]
+
+
+@pytest.mark.parametrize("replacement", ["directory", "fifo"])
+def test_block_files_replaced_while_serving_are_misses(disk_llm, replacement):
+    """A block file replaced by a directory failed the step; by a FIFO, blocked the stepping thread."""
+    llm, tier = disk_llm
+    reference = _greedy_tokens(llm, _shared_prefix_prompts())
+    tier.flush()
+    assert tier._index
+    for block_hash in list(tier._index):
+        path = tier._path(block_hash)
+        os.unlink(path)
+        os.mkdir(path) if replacement == "directory" else os.mkfifo(path)
+    llm.llm_engine.reset_prefix_cache()
+    assert _bounded(lambda: _greedy_tokens(llm, _shared_prefix_prompts()), 60) == reference
+
+
+def test_the_writer_survives_a_victim_it_cannot_remove(disk_llm):
+    """An LRU victim that is a directory killed the writer thread; every later save then stayed in memory."""
+    llm, tier = disk_llm
+    _greedy_tokens(llm, _shared_prefix_prompts())
+    tier.flush()
+    victim = tier._path(next(iter(tier._index)))
+    os.unlink(victim)
+    os.mkdir(victim)
+    rng = random.Random(0)
+    for _ in range(4):
+        _greedy_tokens(llm, [{"prompt_token_ids": [rng.randrange(256) for _ in range(40)]} for _ in range(6)])
+    _bounded(tier.flush, 30)
+    assert tier._writer.is_alive()
+
+
+def test_the_writer_writes_nothing_outside_its_folder(tmp_path):
+    """A symlink planted under the temporary name the writer used (predictable from a prompt's block hash,
+    the pid and the thread) made it overwrite the file the link names."""
+    folder, outside = tmp_path / "tier", tmp_path / "outside.txt"
+    outside.write_text("important data\n")
+    tier = DiskTier(1 << 20, str(folder))
+    tier.bind_layout([torch.zeros(4, 4, 2, 16)])
+    block_hash = bytes(range(32))
+    os.symlink(outside, folder / f".tmp-{block_hash.hex()}-{os.getpid()}-{tier._writer.ident}")
+    tier.put([block_hash], torch.full((1, tier.block_bytes), 65, dtype=torch.uint8))
+    tier.flush()
+    tier.close()
+    assert outside.read_text() == "important data\n"
+    assert not (folder / f"{block_hash.hex()}.kvblock").is_symlink()

@@ -30,7 +30,9 @@ import hashlib
 import os
 import queue
 import re
+import stat
 import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -266,19 +268,30 @@ class DiskTier(OffloadTier):
         data = payload.numpy().tobytes()
         layout = self.layout.encode()
         header = HEADER.pack(MAGIC, VERSION, block_hash, len(data), hashlib.sha256(data).digest(), len(layout))
-        tmp = os.path.join(self.directory, f".tmp-{block_hash.hex()}-{os.getpid()}-{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(header + layout + data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path(block_hash))
+        # a name of its own, made by mkstemp (O_EXCL): a symlink planted under a name the hash and pid
+        # predict is never opened; removed if the write fails (a full disk)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{block_hash.hex()}-", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header + layout + data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(block_hash))
+        except BaseException:
+            self._remove(tmp)
+            raise
         return len(header) + len(layout) + len(data)
 
-    def _unlink(self, block_hash: bytes) -> None:
+    @staticmethod
+    def _remove(path: str) -> None:
+        """Remove a file of the folder; whatever is there (gone, a directory, no permission) is left."""
         try:
-            os.unlink(self._path(block_hash))
-        except FileNotFoundError:
+            os.unlink(path)
+        except OSError:
             pass
+
+    def _unlink(self, block_hash: bytes) -> None:
+        self._remove(self._path(block_hash))
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:
         """The payload of ``block_hash`` read and checked (module docstring), or None: a miss (counted;
@@ -294,8 +307,11 @@ class DiskTier(OffloadTier):
         return payload
 
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
-        try:
-            with open(self._path(block_hash), "rb") as f:
+        try:  # a regular file only: a symlink, a directory or a FIFO put in its place is a miss, never a hang
+            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return self._corrupt(block_hash)
                 head = f.read(HEADER.size)
                 if len(head) != HEADER.size:
                     return self._corrupt(block_hash)

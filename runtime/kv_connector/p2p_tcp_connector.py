@@ -153,6 +153,10 @@ class P2pTcpConnector(KVConnectorBase_V1):
             if config.is_kv_consumer:
                 self._pulls = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="pagedpack-kv-pull")
 
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        P2pTcpOptions.parse(config.kv_connector_extra_config)
+
     def describe(self) -> str:
         server = self.state.server
         return super().describe() + (f": KV blocks served on {self._kv_transfer_config.kv_ip}:{server.port}"
