@@ -63,7 +63,7 @@ class LLM:
                 max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                 cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
                 workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher,
-                kv_transfer_config=args.kv_transfer_config)
+                kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

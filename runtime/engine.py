@@ -157,14 +157,15 @@ class LLMEngine:
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
               kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None,
-              kv_transfer_config=None) -> "LLMEngine":
+              kv_transfer_config=None, model_stamp=None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
         ``kv_events_config``: vLLM's KV events configuration (None: no events); ``kv_event_publisher``:
         its publisher if made already (``LLM`` binds its sockets before the build), else made here;
         ``kv_transfer_config``: a :class:`~pagedpack.runtime.kv_connector.factory.KVTransferConfig` (None: no
-        KV connector)."""
+        KV connector); ``model_stamp``: what tells the model's checkpoint apart, for a connector
+        keeping blocks across processes (None: unknown)."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if enable_prefix_caching and num_state_slots:
@@ -177,7 +178,8 @@ class LLMEngine:
                                           enable_prefix_caching=enable_prefix_caching and not num_state_slots,
                                           enable_kv_cache_events=events)
         scheduler_connector, worker_connector = make_connectors(kv_transfer_config, runner, kv_cache_manager,
-                                                                workers=workers, num_state_slots=num_state_slots)
+                                                                workers=workers, num_state_slots=num_state_slots,
+                                                                model_stamp=model_stamp)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, connector=scheduler_connector)
         publisher = kv_event_publisher or make_publisher(kv_events_config)

@@ -218,6 +218,8 @@ class Scheduler:
             num_new = 0 if load_async else min(request.num_tokens - computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, prefix, num_external,
                                                     name_external=not load_async):
+                if load_async and not self.connector.cache_loaded_blocks:  # never offered to the prefix cache
+                    request.num_cached_blocks = request.num_computed_tokens // self.kv_cache_manager.block_size
                 if self.connector is not None:
                     self.connector_prefix_cache_stats.queries += request.num_tokens
                     self.connector_prefix_cache_stats.hits += num_external

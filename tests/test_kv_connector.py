@@ -342,3 +342,38 @@ def test_p2p_options_are_checked_before_the_model_is_built(extra):
     with pytest.raises(ValueError, match="kv_connector_extra_config"):
         EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_consumer",
                                                       "kv_connector_extra_config": extra})
+
+
+def test_a_listener_a_request_names_cannot_give_other_requests_its_kv():
+    """From an adversarial trial: a client that reached the decode server directly named a listener of its
+    own in kv_transfer_params; the blocks it served (well-formed, checksummed, noise) entered the prefix
+    cache, and the next client's request with the same prompt got them (wrong tokens). Pulled blocks now
+    serve their own request only. Reference: an engine without a connector, prefix caching off."""
+    import random
+
+    from pagedpack.runtime.kv_connector.tcp_transfer import BlockLayout, KVBlockServer, request_block_hashes
+
+    llm = LLM("tiny", num_blocks=64, kv_transfer_config={"kv_connector": "P2pTcpConnector",
+                                                          "kv_role": "kv_consumer"})
+    fake = KVBlockServer("127.0.0.1", 0)
+    try:
+        caches = [c for pair in llm.llm_engine.runner.layer_kv_caches().values() for c in pair]
+        layout, block = BlockLayout.of(caches), llm.llm_engine.scheduler.kv_cache_manager.block_size
+        prompt = [random.Random(5).randrange(256) for _ in range(5 * block)]
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        honest = LLM("tiny", num_blocks=64, enable_prefix_caching=False)
+        reference = honest.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        honest.llm_engine.close()
+        fake.expect("evil", 5 * layout.block_bytes)
+        noise = torch.randn(5, layout.block_bytes // 4, generator=torch.Generator().manual_seed(0)) * 50
+        fake.hold("evil", noise.view(torch.uint8).reshape(5, -1), request_block_hashes(prompt, block, None),
+                  len(prompt), layout)
+        attack = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": {
+            "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": fake.port,
+            "remote_request_id": "evil", "remote_num_tokens": len(prompt)}})
+        llm.generate([{"prompt_token_ids": prompt}], attack, use_tqdm=False)
+        victim = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert victim == reference
+    finally:
+        fake.close()
+        llm.llm_engine.close()

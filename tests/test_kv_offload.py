@@ -119,7 +119,7 @@ def test_watermark_saves_ahead_of_eviction(llm):
 WRITER = textwrap.dedent("""
     import hashlib, sys, torch
     from pagedpack.runtime.kv_connector.offload_tier import DiskTier
-    tier = DiskTier(1 << 30, sys.argv[1])
+    tier = DiskTier(1 << 30, sys.argv[1], model="writer")
     tier.bind_layout([torch.zeros(4, 4, 2, 1024)])
     i = 0
     while True:
@@ -140,7 +140,7 @@ def test_a_writer_killed_mid_save_leaves_a_readable_tier(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    tier = DiskTier(1 << 30, folder)
+    tier = DiskTier(1 << 30, folder, model="writer")
     try:
         tier.bind_layout([torch.zeros(4, 4, 2, 1024)])
         assert not any(n.startswith(".tmp-") for n in os.listdir(folder))  # a half-written file removed
@@ -175,7 +175,7 @@ def test_tiers_evict_least_recently_used_and_say_their_medium(tmp_path):
         disk.put(hashes, payloads)
         disk.flush()
         assert {e.medium for e in disk.take_events()} == {"DISK"}
-        assert sorted(os.listdir(tmp_path)) == sorted(h.hex() + ".kvblock" for h in hashes)
+        assert sorted(os.listdir(tmp_path)) == sorted([h.hex() + ".kvblock" for h in hashes] + ["tier.json"])
     finally:
         disk.close()
 
@@ -270,3 +270,35 @@ def test_the_writer_writes_nothing_outside_its_folder(tmp_path):
     tier.close()
     assert outside.read_text() == "important data\n"
     assert not (folder / f"{block_hash.hex()}.kvblock").is_symlink()
+
+
+def test_a_folder_keeps_its_blocks_for_the_same_model_only(tmp_path):
+    """From an adversarial trial: a folder another model filled (same layout, other weights) gave that
+    model's blocks, and wrong tokens. ``tier.json`` names the model; another's, or an unknown one's
+    (no checkpoint stamp), blocks are removed at start. References: the unmodified models one prompt at
+    a time."""
+    from pagedpack.models.tiny import tiny_model
+    from pagedpack.models.tokenizer import byte_level_tokenizer
+
+    folder = str(tmp_path / "tier")
+    kw = dict(tokenizer=byte_level_tokenizer(), block_size=4, num_blocks=24, max_num_seqs=2,
+              max_num_batched_tokens=64, kv_offload_size=1 << 20, kv_offload_dir=folder)
+    prompts = _shared_prefix_prompts()
+    for seed in (0, 1):  # model 1 starts on the folder model 0 filled
+        module = tiny_model(seed=seed)
+        expected = greedy_alone(module, [p["prompt_token_ids"] for p in prompts], 6)
+        llm = LLM(module, **kw)
+        got = _greedy_tokens(llm, prompts) + _greedy_tokens(llm, prompts)
+        llm.llm_engine.scheduler.connector.tier.flush()
+        llm.llm_engine.close()
+        assert got == expected + expected, seed
+    blocks = [f for f in os.listdir(folder) if f.endswith(".kvblock")]
+    assert blocks
+    layout = [torch.zeros(4, 4, 2, 16)]
+    for model, kept in (("a", False), ("a", True), ("b", False), (None, False)):
+        tier = DiskTier(1 << 20, folder, model=model)
+        tier.bind_layout(layout)
+        assert bool(tier._index) == kept, (model, kept)
+        tier.put([bytes(32)], torch.zeros((1, tier.block_bytes), dtype=torch.uint8))
+        tier.flush()
+        tier.close()

@@ -65,7 +65,13 @@ class KVConnectorMetadata:  # noqa: B903 -- a connector subclasses it with its o
 
 class KVConnectorBase_V1(ABC):  # noqa: N801 -- vLLM's name
     """A KV connector (module docstring). ``config``: the engine's :class:`KVTransferConfig`;
-    ``role``: which half this instance is; ``block_size``: tokens per KV block of the engine's pool."""
+    ``role``: which half this instance is; ``block_size``: tokens per KV block of the engine's pool.
+
+    ``cache_loaded_blocks`` (pagedpack's): whether blocks an asynchronous load filled enter the prefix
+    cache, for other requests to read; False for a connector whose source the request names (a client
+    could name a source of its own and give other requests its KV)."""
+
+    cache_loaded_blocks = True
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, *, block_size: int, **kwargs: Any) -> None:
         self._kv_transfer_config = config

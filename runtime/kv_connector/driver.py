@@ -2,6 +2,8 @@
 :mod:`pagedpack.runtime.kv_connector.base` documents), and how an engine makes its two halves."""
 from __future__ import annotations
 
+import hashlib
+
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorRole
 from pagedpack.runtime.kv_connector.config import KVTransferConfig
 from pagedpack.runtime.kv_connector.factory import KVConnectorFactory
@@ -9,10 +11,13 @@ from pagedpack.runtime.scheduler import KVConnectorOutput, SchedulerOutput
 
 
 def make_connectors(config: KVTransferConfig | None, runner, kv_cache_manager, *, workers=None,
-                    num_state_slots: int = 0) -> tuple[KVConnectorBase_V1 | None, KVConnectorBase_V1 | None]:
+                    num_state_slots: int = 0, model_stamp=None) -> tuple[KVConnectorBase_V1 | None,
+                                                                         KVConnectorBase_V1 | None]:
     """``(scheduler half, worker half)`` of ``config``'s connector, or ``(None, None)`` without one. The
     halves of one engine run in one process: both get the same ``shared`` dict (a connector may keep
-    state both see there), the worker half the runner's caches. ``ValueError`` naming
+    state both see there; ``shared["model_fingerprint"]``: a sha256 hex of ``model_stamp``, what tells
+    the model's checkpoint apart (:func:`pagedpack.models.aliases.checkpoint_stamp`), None without one),
+    the worker half the runner's caches. ``ValueError`` naming
     ``kv_transfer_config`` for an engine a connector cannot serve (tensor-parallel ranks in other
     processes, recurrent layers whose state no block holds)."""
     if config is None:
@@ -23,7 +28,8 @@ def make_connectors(config: KVTransferConfig | None, runner, kv_cache_manager, *
     if num_state_slots:
         raise ValueError("kv_transfer_config: a model with recurrent layers keeps state no KV block holds; "
                          "expected a model of attention layers only")
-    shared: dict = {}
+    shared: dict = {"model_fingerprint": None if model_stamp is None else
+                    hashlib.sha256(repr(model_stamp).encode()).hexdigest()}
     common = dict(block_size=kv_cache_manager.block_size, shared=shared)
     scheduler_half = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
                                                          kv_cache_manager=kv_cache_manager, **common)

@@ -17,8 +17,11 @@ Two media (vLLM's names in the KV events' ``medium``):
 
   (little-endian). A file whose header, layout, length or checksum does not match is a *miss* (counted
   in ``corrupt``; the block is recomputed): never an error, never a wrong block. Nothing is unpickled.
-  A folder is reused across processes: its ``*.kvblock`` files are indexed at start (oldest first in the
-  LRU), leftover temporary files (a process killed mid-write) removed.
+  A folder is reused across processes of one model: ``tier.json`` names the model whose blocks it holds
+  (``{"format": 1, "model": <fingerprint>}``); a process of another model, or of one without a
+  fingerprint, removes the blocks first (a block's hash names tokens, not weights). Its ``*.kvblock``
+  files are indexed at start (oldest first in the LRU), leftover temporary files (a process killed
+  mid-write) removed.
 
 Both are bounded by ``capacity`` bytes (a disk block costs its file's size) and evict least recently
 used blocks first; :meth:`OffloadTier.take_events` gives ``BlockStored`` / ``BlockRemoved`` with their
@@ -27,6 +30,7 @@ medium. Thread-safe (the stepping thread, the scheduler, the disk writer).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import re
@@ -48,6 +52,7 @@ MAGIC, VERSION = b"PPKV", 1
 HEADER = struct.Struct("<4sI32sQ32sI")
 FILE_NAME = re.compile(r"^([0-9a-f]{64})\.kvblock$")
 MAX_LAYOUT_BYTES = 1 << 16
+MANIFEST, MAX_MANIFEST_BYTES = "tier.json", 4096
 
 
 @dataclass
@@ -201,10 +206,13 @@ class DiskTier(OffloadTier):
 
     medium = MEDIUM_DISK
 
-    def __init__(self, capacity: int, directory: str, *, block_size: int = 0) -> None:
+    def __init__(self, capacity: int, directory: str, *, block_size: int = 0, model: str | None = None) -> None:
+        """``model``: the fingerprint of the model whose blocks these are (None: unknown, nothing
+        kept from an earlier process)."""
         super().__init__(capacity, block_size=block_size)
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
+        self._claim(model)
         self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
         self._queue: queue.Queue = queue.Queue()
         self._scan()
@@ -213,6 +221,24 @@ class DiskTier(OffloadTier):
 
     def _path(self, block_hash: bytes) -> str:
         return os.path.join(self.directory, block_hash.hex() + ".kvblock")
+
+    def _claim(self, model: str | None) -> None:
+        """Remove the folder's blocks unless its manifest names ``model``; then name it."""
+        manifest = {"format": VERSION, "model": model}
+        path = os.path.join(self.directory, MANIFEST)
+        held = _read_regular_file(path, MAX_MANIFEST_BYTES)
+        try:
+            held = None if held is None else json.loads(held)
+        except ValueError:
+            held = None
+        if model is None or held != manifest:
+            for entry in os.scandir(self.directory):
+                if FILE_NAME.match(entry.name):
+                    self._remove(entry.path)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-manifest-", dir=self.directory)
+            with os.fdopen(fd, "w") as f:
+                json.dump(manifest, f)
+            os.replace(tmp, path)
 
     def _scan(self) -> None:
         """Index the folder's block files, oldest first; remove temporary files a killed writer left."""
@@ -223,8 +249,8 @@ class DiskTier(OffloadTier):
                 continue
             match = FILE_NAME.match(entry.name)
             if match and entry.is_file(follow_symlinks=False):
-                stat = entry.stat(follow_symlinks=False)
-                found.append((stat.st_mtime, bytes.fromhex(match.group(1)), stat.st_size))
+                info = entry.stat(follow_symlinks=False)
+                found.append((info.st_mtime, bytes.fromhex(match.group(1)), info.st_size))
         for _, block_hash, size in sorted(found):
             for old in self._stored(block_hash, size):
                 self._unlink(old)
@@ -349,3 +375,14 @@ class DiskTier(OffloadTier):
         """Finish the queued writes and stop the writer."""
         self._queue.put(None)
         self._writer.join()
+
+
+def _read_regular_file(path: str, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes of ``path`` if it is a regular file (not a symlink, a directory or a FIFO,
+    which would block), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None

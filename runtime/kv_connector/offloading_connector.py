@@ -74,8 +74,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.options = OffloadingConfig.parse(config.kv_connector_extra_config)
         if "tier" not in shared:
             size, directory = self.options.kv_offload_size, self.options.kv_offload_dir
-            shared["tier"] = DiskTier(size, directory, block_size=block_size) if directory is not None else \
-                HostTier(size, block_size=block_size)
+            if directory is None:
+                shared["tier"] = HostTier(size, block_size=block_size)
+            else:  # the folder's blocks are kept if an earlier process of this model wrote them
+                shared["tier"] = DiskTier(size, directory, block_size=block_size, model=shared.get("model_fingerprint"))
         self.tier = shared["tier"]
         self.kv = kv_cache_manager
         self._loads: list[tuple[bytes, int]] = []

@@ -153,6 +153,8 @@ class P2pTcpConnector(KVConnectorBase_V1):
             if config.is_kv_consumer:
                 self._pulls = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="pagedpack-kv-pull")
 
+    cache_loaded_blocks = False  # the producer is the one a request's kv_transfer_params name
+
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
         P2pTcpOptions.parse(config.kv_connector_extra_config)
