@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -160,3 +160,25 @@ def parse_bytes(name: str, value) -> int:
         raise ValueError(f"{name}: expected a positive number of bytes such as 4294967296, '4GiB' or '512MB', "
                          f"got {value!r}")
     return int(number * _UNITS[unit])
+
+
+def parse_config(cls, value, name: str):
+    """An instance of the dataclass ``cls`` from JSON text (the command line's), a dict of its fields, or
+    an instance; None passes. ``ValueError`` naming ``name`` (or ``name.<field>``, for a field ``cls``
+    lacks) otherwise; the fields' own checks are ``cls``'s."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, (str, bytes)):
+        import msgspec
+
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as err:
+            raise ValueError(f"{name}: expected a JSON object, got {value!r:.80} ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object (a dict), got {value!r:.80}")
+    known = [f.name for f in fields(cls)]
+    for key in value:
+        if key not in known:
+            raise ValueError(f"{name}.{key}: expected one of the fields {known}, got {key!r:.80}")
+    return cls(**value)

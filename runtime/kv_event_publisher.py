@@ -36,11 +36,12 @@ import socket
 import stat
 import threading
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
+from pagedpack.inputs import parse_config
 from pagedpack.runtime.kv_events import EventBatch
 
 log = logging.getLogger("pagedpack.kv_events")
@@ -106,22 +107,8 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, value) -> "KVEventsConfig | None":
-        """A config from a JSON object (the command line's string) or a dict; None and a config
-        pass as they are."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = msgspec.json.decode(value)
-            except msgspec.DecodeError as err:
-                raise ValueError(f"kv_events_config: expected a JSON object, got {value!r:.80} ({err})") from err
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: expected a JSON object (a dict), got {value!r:.80}")
-        known = [f.name for f in fields(cls)]
-        for name in value:
-            if name not in known:
-                raise ValueError(f"kv_events_config.{name}: expected one of the fields {known}, got {name!r:.80}")
-        return cls(**value)
+        """A config from JSON text (the command line's), a dict, or a config; None passes."""
+        return parse_config(cls, value, "kv_events_config")
 
 
 class NullEventPublisher:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import msgspec
+from pagedpack.inputs import parse_config
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -66,20 +66,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value) -> KVTransferConfig | None:
         """A config from JSON text (the command line's), a dict, or a config; None passes."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, (str, bytes)):
-            try:
-                value = msgspec.json.decode(value)
-            except msgspec.DecodeError as err:
-                raise ValueError(f"kv_transfer_config: expected a JSON object, got {value!r:.80} ({err})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config: expected a JSON object (a dict), got {value!r:.80}")
-        known = [f.name for f in fields(cls)]
-        for name in value:
-            if name not in known:
-                raise ValueError(f"kv_transfer_config.{name}: expected one of the fields {known}, got {name!r:.80}")
-        return cls(**value)
+        return parse_config(cls, value, "kv_transfer_config")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
