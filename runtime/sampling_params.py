@@ -3,6 +3,7 @@ made; the sampler itself is :mod:`pagedpack.runtime.sampling`. A module of its o
 (:mod:`pagedpack.runtime.request` keeps one) and the sampler (which reads requests)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,74 @@ REPETITION_PENALTY_RANGE = (_FLOAT32.tiny, _FLOAT32.max)
 
 def _is_real(value: object) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    json: a JSON schema (a dict, or its JSON text) the output must validate against;
+    regex: a regular expression the whole output must match;
+    choice: a non-empty list of strings, the output is one of them;
+    grammar: an EBNF grammar (xgrammar's GBNF dialect, vLLM's ``grammar``) the output must derive;
+    json_object: True, the output is any JSON object (OpenAI's ``response_format: json_object``);
+    structural_tag: xgrammar's structural tag (a dict or its JSON text): free text with constrained
+        segments between begin / end tags (vLLM's ``structural_tag``).
+
+    disable_any_whitespace: JSON without whitespace between tokens (vLLM's flag, for ``json`` /
+        ``json_object``); disable_additional_properties: objects without ``additionalProperties``
+        in the schema admit no other keys.
+
+    This checks the shape only and raises ``ValueError`` naming ``structured_outputs.<field>``; a
+    schema or grammar the grammar engine cannot compile is refused when the request is made.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: expected exactly one of {', '.join(self.KINDS)}, "
+                             f"got {', '.join(given) or 'none'}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as err:
+                    raise ValueError(f"structured_outputs.{name}: expected a JSON object, got text that "
+                                     f"does not parse ({err})") from None
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"structured_outputs.{name}: expected a JSON object, got {value!r:.80}")
+            setattr(self, name, value)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name}: expected a non-empty str, got {value!r:.80}")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice: expected a non-empty list of non-empty strings, "
+                             f"got {self.choice!r:.80}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name}: expected a bool, got {value!r:.80}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``KINDS``."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -70,6 +139,8 @@ class SamplingParams:
     extra_args: None, or a dict with string keys for what reads it besides the sampler (vLLM's field): a KV
         connector reads ``extra_args["kv_transfer_params"]`` (vLLM's ``kv_transfer_params``: where a
         request's KV comes from or goes to; :mod:`pagedpack.runtime.kv_connector`).
+    structured_outputs: None, or a :class:`StructuredOutputsParams` (or a dict of its fields): the
+        output is constrained to a JSON schema, regex, choice, grammar or structural tag (vLLM's field).
 
     Penalties, bias and ``min_tokens`` apply to greedy requests too; then temperature, ``min_p``,
     top-k and top-p, in vLLM's order.
@@ -97,6 +168,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -156,6 +228,14 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown fields {sorted(unknown)!r:.120}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs: expected None, a StructuredOutputsParams or a dict of its fields, "
+                             f"got {self.structured_outputs!r:.120}")
 
     @property
     def is_greedy(self) -> bool:
