@@ -44,8 +44,8 @@ _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "flash_prefill_
                                       "rotary_cpu.cpp", "silu_and_mul_cpu.cpp", "recurrent_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
 }
 # a build from scratch on two idle cores, for the messages (docs/cpu-kernels.md); 139-146 s measured
 # at a 1-minute load of 4-6 on two cores
