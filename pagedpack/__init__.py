@@ -29,6 +29,7 @@ _PUBLIC = {
     "RequestOutput": "pagedpack.runtime.outputs",
     "EngineArgs": "pagedpack.engine_args",
     "SamplingParams": "pagedpack.runtime.sampling",
+    "StructuredOutputsParams": "pagedpack.runtime.sampling_params",
     "rewrite": "pagedpack.passes.pipeline",
     "UnsupportedModelError": "pagedpack.step.contract",
     "load_exported": "pagedpack.compiler.program",

@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedpack.inputs import check_token_ids, normalize_prompt
 from pagedpack.runtime.batch import build_batch
@@ -32,6 +33,9 @@ from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
 from pagedpack.runtime.scheduler import KVConnectorOutput, Scheduler, SchedulerOutput
 from pagedpack.step.contract import ModelDescription, bytes_per_token
 from pagedpack.step.metadata import state_metadata
+
+if TYPE_CHECKING:
+    from pagedpack.runtime.grammar_bitmask import StepBitmask
 
 log = logging.getLogger("pagedpack.engine")
 
@@ -151,6 +155,8 @@ class LLMEngine:
         self.step_observers: list = []  # called with the engine after every step that ran
         self.tokenizer_lock = threading.Lock()  # encoding (any thread) and decoding (the stepping one)
         self.output_processor = OutputProcessor(self.description.tokenizer, self.tokenizer_lock)
+        self._structured_outputs = None  # a StructuredOutputManager, made by the first request asking for one
+        self._structured_outputs_lock = threading.Lock()
 
     @classmethod
     def build(cls, program, description: ModelDescription, *, num_blocks: int, block_size: int, device,
@@ -211,6 +217,10 @@ class LLMEngine:
             token_ids = prompt.content
         request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
                                cache_salt=prompt.cache_salt)
+        if params.structured_outputs is not None:
+            matchers = self.structured_outputs.matchers(params.structured_outputs, params.n)
+            for completion, matcher in zip([request, *request.forks], matchers):
+                completion.grammar = matcher
         vocab = self.description.vocab_size
         if vocab is not None and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias: expected token ids in [0, vocab_size={vocab}), got "
@@ -237,6 +247,23 @@ class LLMEngine:
             message = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
             raise RequestRejected(message, request.prompt_token_ids) from err
         return request, prompt.content if isinstance(prompt.content, str) else None
+
+    @property
+    def structured_outputs(self):
+        """The :class:`~pagedpack.runtime.structured_output.StructuredOutputManager` of this model's
+        tokenizer, made on first use (importing xgrammar takes seconds); ``ValueError`` naming
+        ``structured_outputs`` for a model without a tokenizer or a known vocabulary size."""
+        with self._structured_outputs_lock:
+            if self._structured_outputs is None:
+                tokenizer, vocab = self.description.tokenizer, self.description.vocab_size
+                if tokenizer is None or vocab is None:
+                    lacking = "tokenizer" if tokenizer is None else "vocab_size"
+                    raise ValueError(f"structured_outputs: a grammar is made of the tokenizer's tokens and the model "
+                                     f"({self._model_name}) has no {lacking}; pass a tokenizer with LLM(..., "
+                                     "tokenizer=...) / --tokenizer, or leave structured_outputs out")
+                from pagedpack.runtime.structured_output import StructuredOutputManager
+                self._structured_outputs = StructuredOutputManager(tokenizer, vocab, self.description.eos_token_ids)
+            return self._structured_outputs
 
     @property
     def _model_name(self) -> str:
@@ -358,6 +385,9 @@ class LLMEngine:
             state = state_metadata([s.request.state_slot for s in output.scheduled],
                                    [s.request.num_computed_tokens for s in output.scheduled],
                                    self.runner.device) if self.runner.state_specs else ()
+            takers = [r for s in output.scheduled for r in s.sample_requests]
+            # filled in a worker thread while the model runs; None (no thread) without a constrained request
+            grammar = self._structured_outputs.bitmasks.start(takers) if self._structured_outputs else None
             logits = self.runner.execute(batch, *state)
             if self.kv_connector is not None:
                 self.kv_connector.after_step()
@@ -378,10 +408,17 @@ class LLMEngine:
                 to_sample += takers
         sampled, failed = {}, {}
         if rows:
-            sample = self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample)
+            if grammar is not None and len(to_sample) < len(takers):  # rolled back: no token
+                grammar = grammar.select([takers.index(r) for r in to_sample])
+            sample = self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample, grammar)
             failed = {to_sample[i].request_id: why for i, why in sample.errors.items()}
             for request, token, logprobs in zip(to_sample, sample.token_ids, sample.logprobs):
                 if request.request_id in failed:
+                    continue
+                if request.grammar is not None and not request.grammar.accept_token(token):  # masked: cannot happen
+                    failed[request.request_id] = (f"structured_outputs: request {request.request_id!r} sampled token "
+                                                  f"{token}, which its grammar does not accept")
+                    log.error("%s", failed[request.request_id])
                     continue
                 sampled[request.request_id] = token
                 if logprobs is not None:
@@ -398,17 +435,18 @@ class LLMEngine:
             observe(self)
         return outputs
 
-    def _sample(self, logits, requests: list[Request]) -> SamplerOutput:
-        """The sampler's output for ``requests``; if it raises, each row is sampled alone and a row
-        that raises again fails its request only."""
+    def _sample(self, logits, requests: list[Request], grammar: StepBitmask | None) -> SamplerOutput:
+        """The sampler's output for ``requests`` (``grammar``: their rows' bitmask, None if none is
+        constrained); if it raises, each row is sampled alone and a row that raises again fails its
+        request only."""
         try:
-            return self.sampler.sample(logits, requests)
+            return self.sampler.sample(logits, requests, grammar)
         except Exception:  # noqa: BLE001 -- find the row it came from
             log.exception("sampling %d rows failed; sampling them one by one", len(requests))
         whole = SamplerOutput([0] * len(requests), [None] * len(requests))
         for i, request in enumerate(requests):
             try:
-                alone = self.sampler.sample(logits[i:i + 1], [request])
+                alone = self.sampler.sample(logits[i:i + 1], [request], grammar and grammar.select([i]))
             except Exception as err:  # noqa: BLE001 -- this request's alone
                 log.exception("sampling request %r failed", request.request_id)
                 whole.errors[i] = f"sampling: request {request.request_id!r} failed ({type(err).__name__})"

@@ -54,6 +54,9 @@ class Request:
             salt of its own), as vLLM's ``cache_salt``.
         block_hashes / num_cached_blocks: the content hashes of its full blocks and how many of
             its leading blocks were offered to the prefix cache (the ``KVCacheManager``'s).
+        grammar: with ``SamplingParams.structured_outputs``, the completion's own matcher (an
+            ``xgrammar.GrammarMatcher``: :mod:`pagedpack.runtime.structured_output`), which has
+            accepted each output token; dropped when the request finishes. None otherwise.
         forks: parallel samples of the same prompt (``SamplingParams.n``), not yet scheduled:
             once this request's prompt is computed they take their first tokens from its last
             logits row, share its full blocks and run on their own (``Scheduler``).
@@ -88,6 +91,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
+        self.grammar = None
         self.kv_transfer_params: dict | None = None  # what a KV connector's request_finished returned
         # per output token, with SamplingParams.logprobs: (logprob, rank, [(token id, logprob), ...])
         self.output_logprobs: list[tuple] = []
@@ -133,17 +137,18 @@ class Request:
     def append_output(self, token_id: int, max_model_len: int) -> bool:
         """Append a generated token; finish the request if a stop condition holds.
 
-        Stop conditions, in order: the EOS token (unless ``ignore_eos``) or a
-        ``stop_token_ids`` entry -> "stop"; ``max_tokens`` outputs or ``max_model_len`` tokens
-        in all -> "length". The stopping token stays in ``output_token_ids``.
-        Returns whether the request finished. Raises ``RuntimeError`` if it already had.
+        Stop conditions, in order: the EOS token (unless ``ignore_eos``), a ``stop_token_ids``
+        entry, or a token that terminated its grammar (``grammar``, which accepted it) -> "stop";
+        ``max_tokens`` outputs or ``max_model_len`` tokens in all -> "length". The stopping token
+        stays in ``output_token_ids``. Returns whether the request finished. Raises ``RuntimeError`` if it already had.
         """
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is already finished ({self.status.name})")
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         params = self.sampling_params
-        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in self._stop_token_ids:
+        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in self._stop_token_ids or (
+                self.grammar is not None and self.grammar.is_terminated()):
             self.finish(RequestStatus.FINISHED_STOPPED)
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
@@ -155,8 +160,10 @@ class Request:
         self.finish(RequestStatus.FINISHED_ERROR)
 
     def finish(self, status: RequestStatus) -> None:
-        """End the request with a finished ``status`` (its ``finish_reason`` follows)."""
+        """End the request with a finished ``status`` (its ``finish_reason`` follows); its grammar
+        matcher goes."""
         self.status = status
+        self.grammar = None
         self.finish_reason = status.finish_reason
 
 

@@ -33,6 +33,7 @@ from pagedpack.runtime.sampling_params import (  # noqa: F401  (re-exported: pag
 )
 
 if TYPE_CHECKING:
+    from pagedpack.runtime.grammar_bitmask import StepBitmask
     from pagedpack.runtime.request import Request
 
 @dataclass
@@ -51,7 +52,10 @@ class Sampler:
     (:meth:`sample` also returns log-probabilities and the rows that failed).
 
     Row ``i`` of ``logits`` (any float dtype) belongs to ``requests[i]``. Penalties, bias and
-    ``min_tokens`` (:mod:`pagedpack.runtime.logits_processors`) apply first; a row whose maximum
+    ``min_tokens`` (:mod:`pagedpack.runtime.logits_processors`) apply first, then the grammar
+    bitmask of the constrained rows (``grammar``: a :class:`~pagedpack.runtime.grammar_bitmask.StepBitmask`,
+    None when no row is constrained; the same as vLLM's mask-first order, as ``-inf`` stays ``-inf``
+    under bias and penalties); a row whose maximum
     is then not finite (NaN, ``+inf``, or every token masked) fails alone, named in
     ``SamplerOutput.errors``. Greedy rows take the argmax (the lowest id among tied maxima); the
     others are drawn as :mod:`pagedpack.runtime.sampling_ops` describes. Seeded requests draw from
@@ -62,7 +66,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         return self.sample(logits, requests).token_ids
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               grammar: StepBitmask | None = None) -> SamplerOutput:
+        """``logits`` ``[N, V]``: its constrained rows may be masked in place (unless a request
+        asks for logprobs, which stay the raw logits')."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(
                 f"logits: expected shape [{len(requests)}, vocab] (one row per request), "
@@ -72,6 +79,10 @@ class Sampler:
         # fp32 (exact from bf16 / fp16, the same first-max index): ATen's CPU max over bf16 rows took 3x the
         # conversion plus fp32's (1.12 vs 0.35 ms for 12 x 49,152)
         logits = process_logits(logits, requests).float()
+        if grammar is not None:
+            if logits is raw and any(requests[i].sampling_params.logprobs is not None for i in grammar.rows):
+                logits = logits.clone()
+            grammar.apply(logits)
         row_max, tokens = first_max(logits)
         errors = {} if bool(torch.isfinite(row_max).all()) else {
             i: _no_token(requests[i], float(row_max[i])) for i in (~torch.isfinite(row_max)).nonzero()[:, 0].tolist()}
@@ -125,7 +136,11 @@ def _uniforms(requests: list[Request], device) -> torch.Tensor:
 def _no_token(request: Request, row_max: float) -> str:
     """Why ``request``'s row can take no token (its logits' maximum ``row_max`` is not finite)."""
     p = request.sampling_params
-    if row_max == -math.inf:
+    if row_max == -math.inf and p.structured_outputs is not None:
+        why = (f"its structured_outputs grammar allows no token but EOS, and min_tokens={p.min_tokens} bans EOS until "
+               "then" if request.num_output_tokens < p.min_tokens else "its structured_outputs grammar and logit_bias "
+               "leave every token masked")
+    elif row_max == -math.inf:
         why = (f"every token is masked: until min_tokens={p.min_tokens} its stop_token_ids and EOS are banned, "
                "and they cover the vocabulary") if p.min_tokens else "every logit is -inf"
     else:

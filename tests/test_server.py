@@ -437,8 +437,15 @@ BAD_CHATS = [
      "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
      "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}],  # a schema xgrammar refuses, named as the request gave it
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a("}},
+     "structured_outputs.regex"),
+    ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
 ]
 
 

@@ -63,10 +63,12 @@ class ServingError(Exception):
 
     @classmethod
     def bad_request(cls, err: ValueError) -> "ServingError":
-        """A 400 from a ``ValueError`` whose message starts with the field's name (``"top_p: ..."``)."""
+        """A 400 from a ``ValueError`` whose message starts with the field's name (``"top_p: ..."``,
+        ``"structured_outputs.regex: ..."``)."""
         message = str(err)
         field = message.split(":", 1)[0] if ":" in message else None
-        return cls(400, message, param=field if field and field.isidentifier() else None)
+        named = field and all(part.isidentifier() for part in field.split("."))
+        return cls(400, message, param=field if named else None)
 
     @classmethod
     def internal(cls, err: BaseException) -> "ServingError":
@@ -189,8 +191,8 @@ class OpenAIServing:
             self._abort(ids)
             if isinstance(err, RequestRejected):  # a prompt that can never run (too long, ids outside the vocabulary)
                 raise ServingError(400, str(err), param="messages" if chat else "prompt") from err
-            if isinstance(err, ValueError):
-                raise ServingError.bad_request(err) from err
+            if isinstance(err, ValueError):  # a schema, regex or grammar xgrammar refuses, ...
+                raise ServingError.bad_request(body.renamed(err)) from err
             if isinstance(err, EngineDeadError):
                 raise ServingError(503, str(err)) from err
             raise

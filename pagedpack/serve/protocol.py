@@ -3,7 +3,8 @@
 Field names, types and defaults are OpenAI's (``/v1/completions``, ``/v1/chat/completions``) plus
 vLLM's extra parameters in the body (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``, ``kv_transfer_params``; chat: ``chat_template``,
+``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``, ``kv_transfer_params``,
+``structured_outputs``; OpenAI's ``response_format`` on both endpoints, as vLLM; chat: ``chat_template``,
 ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``). A field the API
 does not have is refused (OpenAI's "Unrecognized request argument"), so a misspelt parameter never
 passes silently; the values themselves are checked by
@@ -91,6 +92,34 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk
 
 
+class JsonSchema(_Body):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted: the output
+    always follows the schema)."""
+
+    name: Text
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (the output validates against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def structured_outputs(self) -> dict | None:
+        """Its :class:`~pagedpack.runtime.sampling_params.StructuredOutputsParams` fields (None for text)."""
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(f"response_format: expected json_schema with (and only with) type json_schema, got "
+                             f"type {self.type} {'with' if self.json_schema else 'without'} json_schema")
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return {"json": schema} if schema is not None else {"json_object": True}
+
+
 class _SamplingBody(_Body):
     """What both endpoints share: the sampling parameters (OpenAI's, then vLLM's extras)."""
 
@@ -121,6 +150,9 @@ class _SamplingBody(_Body):
     # vLLM's: where the request's KV comes from or goes to (prefill/decode disaggregation); its fields are the
     # server's KV connector's, which checks them (a server without one refuses it)
     kv_transfer_params: dict[Text, Any] | None = None
+    # vLLM's: StructuredOutputsParams' fields (json, regex, choice, grammar, json_object, structural_tag, ...)
+    structured_outputs: dict[Text, Any] | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on /v1/completions too)
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
@@ -130,18 +162,34 @@ class _SamplingBody(_Body):
             if bad:
                 raise ValueError(f"logit_bias: expected token ids (as strings of digits) for keys, got {bad[:5]}")
             bias = {int(token): value for token, value in self.logit_bias.items()}
+        structured = self.structured_outputs
+        if self.response_format is not None:
+            if structured is not None:
+                raise ValueError("response_format: give response_format or structured_outputs, not both")
+            structured = self.response_format.structured_outputs()
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
             "stop_token_ids": self.stop_token_ids, "logit_bias": bias,
         }
-        return SamplingParams(
-            **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
+        try:
+            return SamplingParams(
+                **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
+                ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs, structured_outputs=structured,
+                extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
+        except ValueError as err:
+            raise self.renamed(err) from None
+
+    def renamed(self, err: ValueError) -> ValueError:
+        """``err`` about ``structured_outputs.<field>`` named after ``response_format`` when that is
+        what the request gave; ``err`` itself otherwise."""
+        field, _, why = str(err).partition(": ")
+        if self.response_format is None or not field.startswith("structured_outputs"):
+            return err
+        return ValueError(f"response_format: {why}")
 
     def check_unsupported(self) -> None:
         """``ValueError`` naming the field for what this server does not take (a feature, a combination)."""
@@ -208,10 +256,6 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]  # json_object / json_schema (guided decoding) are not supported
-
-
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
 
@@ -220,7 +264,6 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: StrictBool | None = None
