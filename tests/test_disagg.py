@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.host.child_process import free_port
@@ -23,7 +22,7 @@ from pagedpack.runtime.kv_connector.p2p_tcp_connector import P2pTcpOptions
 from pagedpack.runtime.kv_connector.tcp_transfer import Pull, _encoder
 from pagedpack.serve.disagg_proxy import DisaggProxy, build_proxy_app
 
-from conftest import RemoteServer, random_prompts, run_cli
+from conftest import RemoteServer, idle_metrics, random_prompts, run_cli, server_metrics
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -92,28 +91,6 @@ def _alone(llm, prompt: list[int], sampling: dict) -> str:
     return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].text
 
 
-def _metrics(server) -> dict[str, float]:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
-
-
-def _settled(server, timeout_s: float = 10.0) -> dict[str, float]:
-    """The metrics once nothing runs, waits, holds KV blocks or keeps blocks for a pull."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(server)
-        busy = {k: m.get(f"pagedpack:{k}{{}}", 0) for k in ("num_requests_running", "num_requests_waiting",
-                                                            "kv_cache_usage_perc", "kv_transfer_held_requests")}
-        if not any(busy.values()):
-            return m
-        assert time.monotonic() < deadline, f"still busy: {busy}"
-        time.sleep(0.05)
-
-
 def test_disaggregated_answers_equal_one_process(exported, servers, client):
     llm, _, _ = exported
     proxy, producer, consumer = servers
@@ -137,7 +114,7 @@ def test_disaggregated_answers_equal_one_process(exported, servers, client):
                                           max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=11,
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == expected
-    sent, received = _settled(producer), _settled(consumer)
+    sent, received = idle_metrics(producer), idle_metrics(consumer)
     # the whole blocks before each prompt's last token moved (17: 1, 40: 2; once: repeats hit the decoder's
     # prefix cache), nothing failed or waits
     assert received["pagedpack:kv_transfer_blocks_total{direction=received}"] >= 3
@@ -151,13 +128,13 @@ def test_disaggregated_answers_equal_one_process(exported, servers, client):
 def test_a_client_abort_aborts_on_both_sides(servers):
     proxy, producer, consumer = servers
     aborted = "pagedpack:request_success_total{finished_reason=abort}"
-    before = _metrics(consumer).get(aborted, 0)
+    before = server_metrics(consumer).get(aborted, 0)
     body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-    _settled(producer)
-    assert _settled(consumer).get(aborted, 0) == before + 1
+    idle_metrics(producer)
+    assert idle_metrics(consumer).get(aborted, 0) == before + 1
 
 
 def test_errors_keep_their_status_and_name_the_field(servers, exported, capsys):
@@ -197,7 +174,7 @@ def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, server
     llm, _, _ = exported
     proxy, producer, consumer = servers
     failures = "pagedpack:kv_transfer_failures_total{direction=received}"
-    before = _metrics(consumer)[failures]
+    before = server_metrics(consumer)[failures]
     prompt = random_prompts((40,), seed=8)[0]
     params = httpx.post(f"{producer.url}/v1/completions", timeout=30, json={
         "prompt": prompt, "max_tokens": 1, "cache_salt": "a", "kv_transfer_params": {"do_remote_decode": True}}
@@ -207,13 +184,13 @@ def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, server
             "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "cache_salt": salt, "kv_transfer_params": sent}).json()  # a salt of its own: no prefix hit
         assert answer["choices"][0]["text"] == _alone(llm, prompt, SAMPLING[0]), salt
-    assert _settled(consumer)[failures] == before + 3
+    assert idle_metrics(consumer)[failures] == before + 3
 
 
 def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, client):
     proxy, producer, consumer = servers
     failures = "pagedpack:kv_transfer_failures_total{direction=sent}"
-    before = _metrics(producer)[failures]
+    before = server_metrics(producer)[failures]
     # a consumer that takes the header and goes away mid-payload
     prefilled = httpx.post(f"{producer.url}/v1/completions", timeout=30, json={
         "prompt": PROMPTS[3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
@@ -233,7 +210,7 @@ def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, c
             pass
     with pytest.raises(openai.InternalServerError, match="could not be reached"):  # 502 naming it
         client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2)
-    settled = _settled(producer)
+    settled = idle_metrics(producer)
     assert settled[failures] == before + 1
     later = httpx.post(f"{producer.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3,
                                                                "ignore_eos": True}, timeout=30)
