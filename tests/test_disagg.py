@@ -68,7 +68,7 @@ def servers(exported):
     producer = RemoteServer(*common, _connector("kv_producer", kv_port=free_port(),
                                                 kv_connector_extra_config={"hold_timeout_s": 2}),
                             log_path=folder / "producer.log")
-    consumer = RemoteServer(*common, _connector("kv_consumer", kv_connector_extra_config={"timeout_s": 5}),
+    consumer = RemoteServer(*common, _connector("kv_consumer", kv_connector_extra_config={"transfer_timeout_s": 3}),
                             log_path=folder / "consumer.log")
     proxy = _Proxy(producer.url, consumer.url)
     try:
@@ -185,6 +185,49 @@ def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, server
             "cache_salt": salt, "kv_transfer_params": sent}).json()  # a salt of its own: no prefix hit
         assert answer["choices"][0]["text"] == _alone(llm, prompt, SAMPLING[0]), salt
     assert idle_metrics(consumer)[failures] == before + 3
+
+
+def test_producers_that_never_answer_delay_no_other_request_s_pull(exported, servers, client):
+    """From an adversarial trial: requests naming a listener that accepts and never answers took the
+    decode server's 4 pull threads (other requests' latency 0.21 s -> 19 s). Each pull now starts at once
+    in a thread of its own and fails by ``transfer_timeout_s`` (3 s here): a request sent through the proxy
+    after 6 stalled pulls started is answered before any of them, and they are computed by the decode
+    server (the one process's answer)."""
+    llm, _, _ = exported
+    proxy, producer, consumer = servers
+    failures = "pagedpack:kv_transfer_failures_total{direction=received}"
+    before = server_metrics(consumer)[failures]
+    stalled, fresh = random_prompts((40, 40), seed=21)
+    hole = socket.create_server(("127.0.0.1", 0), backlog=16)  # accepts, never answers
+    hole.settimeout(10)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": hole.getsockname()[1],
+              "remote_num_tokens": len(stalled)}
+    answered: dict[int, tuple[float, str]] = {}
+
+    def ask(i: int) -> None:
+        answer = httpx.post(f"{consumer.url}/v1/completions", timeout=30, json={
+            "prompt": stalled, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {**params, "remote_request_id": f"cmpl-hole-{i}"}})
+        answered[i] = (time.monotonic(), answer.json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        held = [hole.accept()[0] for _ in threads]  # every pull connected: none waits for another's slot
+        good = client.completions.create(model="tiny", prompt=fresh, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        good_at = time.monotonic()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        hole.close()
+    assert good.choices[0].text == _alone(llm, fresh, SAMPLING[0])
+    assert sorted(answered) == list(range(6)) and all(at > good_at for at, _ in answered.values())
+    assert {text for _, text in answered.values()} == {_alone(llm, stalled, SAMPLING[0])}
+    assert idle_metrics(consumer)[failures] == before + 6
+    for conn in held:
+        conn.close()
 
 
 def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, client):
