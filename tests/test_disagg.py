@@ -157,6 +157,17 @@ def test_errors_keep_their_status_and_name_the_field(servers, exported, capsys):
         answer = httpx.post(f"{server.url}/v1/completions",
                             json={"prompt": [1, 2], "max_tokens": 2, "kv_transfer_params": params})
         assert answer.status_code == 400 and error in answer.json()["error"]["message"], answer.text
+    # from an adversarial trial: n > 1 (best_of n) was taken with kv_transfer_params; one sequence's KV moves
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for server, params in ((consumer, pull), (producer, {"do_remote_decode": True})):
+        for path, body, got in [("completions", {"prompt": [1, 2], "n": 2}, "n=2"),
+                                ("completions", {"prompt": [1, 2], "n": 3, "best_of": 3}, "n=3"),
+                                ("chat/completions", {**chat, "n": 2}, "n=2"),
+                                ("completions", {"prompt": [[1, 2], [1, 2]]}, "got 2")]:
+            answer = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2, "kv_transfer_params": params})
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == "kv_transfer_params", answer.text
+            assert error["message"].startswith("kv_transfer_params: one sequence's KV") and got in error["message"]
     _, path, _ = exported
     code, _, err = run_cli(capsys, "serve", str(path), "--kv-transfer-config", _connector("kv_producer", kv_port=70000))
     assert code == 2 and "kv_transfer_config.kv_port: expected a port from 0 to 65535, got 70000" in err

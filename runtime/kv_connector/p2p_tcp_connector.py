@@ -222,9 +222,10 @@ class P2pTcpConnector(KVConnectorBase_V1):
                 raise ValueError(f"kv_transfer_params.{key}: expected one of the fields {sorted(_PARAMS)}")
             if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
                 raise ValueError(f"kv_transfer_params.{key}: expected a {kind.__name__} or null, got {value!r:.80}")
-        if request.sampling_params.n != 1:
-            raise ValueError(f"kv_transfer_params: one request's KV moves at a time; expected n=1, got "
-                             f"n={request.sampling_params.n}")
+        num_sequences = 1 + len(request.forks)  # n > 1 (best_of n): the first sequence, n=1, and its forks
+        if num_sequences != 1:
+            raise ValueError(f"kv_transfer_params: one sequence's KV moves at a time; expected n=1 (and best_of 1 "
+                             f"or none) with kv_transfer_params, got n={num_sequences}")
         config = self._kv_transfer_config
         if params.get("do_remote_decode") and params.get("do_remote_prefill"):
             raise ValueError("kv_transfer_params.do_remote_prefill: expected do_remote_decode or do_remote_prefill, "
