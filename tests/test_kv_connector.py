@@ -360,6 +360,25 @@ def test_p2p_options_are_checked_before_the_model_is_built(extra):
                                                       "kv_connector_extra_config": extra})
 
 
+def test_a_kv_port_another_process_holds_is_refused_before_the_model_is_built():
+    """From an adversarial trial: a producer's kv_port in use was reported only once the model was built."""
+    import socket
+
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(ValueError, match=rf"^kv_transfer_config.kv_port: expected a port this producer can "
+                                             rf"listen on, got 127.0.0.1:{port}, which cannot be bound"):
+            EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_both",
+                                                          "kv_port": port})
+        EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_consumer",
+                                                      "kv_port": port})  # a consumer listens on nothing
+    finally:
+        holder.close()
+    EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_producer",
+                                                  "kv_port": port})  # free again: taken (bound and let go)
+
+
 def test_a_listener_a_request_names_cannot_give_other_requests_its_kv():
     """From an adversarial trial: a client that reached the decode server directly named a listener of its
     own in kv_transfer_params; the blocks it served (well-formed, checksummed, noise) entered the prefix

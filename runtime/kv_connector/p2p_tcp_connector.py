@@ -46,6 +46,7 @@ pull is not scheduled), and binds metadata only to steps that run.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import uuid
 from concurrent.futures import Future
@@ -190,8 +191,7 @@ class P2pTcpConnector(KVConnectorBase_V1):
                                                       hold_timeout_s=self.options.hold_timeout_s,
                                                       max_held_bytes=self.options.max_held_bytes)
                 except OSError as err:
-                    raise ValueError(f"kv_transfer_config.kv_port: cannot listen on {config.kv_ip}:{config.kv_port} "
-                                     f"({err})") from err
+                    raise ValueError(_cannot_listen(config, err)) from err
             if config.is_kv_consumer:
                 self._pulls = _PullThreads(self.options.max_pulls)
 
@@ -199,7 +199,15 @@ class P2pTcpConnector(KVConnectorBase_V1):
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
+        """The options, and for a producer whether ``kv_ip:kv_port`` can be listened on (bound and let go at
+        once: another process holding the port is refused before the model is built); ``ValueError`` naming
+        ``kv_transfer_config.<field>``."""
         P2pTcpOptions.parse(config.kv_connector_extra_config)
+        if config.is_kv_producer and config.kv_port:
+            try:
+                socket.create_server((config.kv_ip, config.kv_port)).close()
+            except OSError as err:
+                raise ValueError(_cannot_listen(config, err)) from err
 
     def describe(self) -> str:
         server = self.state.server
@@ -379,6 +387,11 @@ class P2pTcpConnector(KVConnectorBase_V1):
         if self.role is KVConnectorRole.WORKER:
             if self.state.server is not None:
                 self.state.server.close()  # pulls under way end by their transfer_timeout_s
+
+
+def _cannot_listen(config: KVTransferConfig, err: OSError) -> str:
+    return (f"kv_transfer_config.kv_port: expected a port this producer can listen on, got {config.kv_ip}:"
+            f"{config.kv_port}, which cannot be bound ({err.strerror or err}; another process holds it?)")
 
 
 def _incoming(request: Request):
