@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -189,8 +190,47 @@ def test_options_errors_name_the_option(tmp_path):
                          ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
                                                   "kv_connector_extra_config": {"kv_offload_size": 8, "size": 1}}},
                           "kv_transfer_config.kv_connector_extra_config.size")]:
-        with pytest.raises(ValueError, match=rf"^{name}:"):
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
             EngineArgs(model="tiny", **kwargs)
+
+
+def test_a_tier_beyond_the_machine_s_memory_or_disk_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """From an adversarial trial: --kv-offload-size 1e99 failed once the model had loaded, naming no flag.
+    The machine's figures are pinned (10**6 bytes of memory available, 5000 bytes of free disk) so that the
+    limits are exact: a disk tier may also take the room of its own blocks already in its folder."""
+    import shutil
+
+    from conftest import run_cli
+
+    flag = r"^kv_offload_size \(--kv-offload-size\): "
+    code, _, err = run_cli(capsys, "serve", "--model", "tiny", "--kv-offload-size", "1e99")  # the real machine
+    assert code == 2 and re.search(flag[1:] + r"expected at most the memory this machine has available for a "
+                                              r"host tier \(\d+ bytes\), got 1.000e\+99 bytes$", err, re.M), err
+    monkeypatch.setattr("pagedpack.runtime.kv_connector.offloading_connector.available_memory", lambda: 10**6)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 5000, 5000))
+    (tmp_path / ("ab" * 32 + ".kvblock")).write_bytes(b"x" * 1000)  # a block of an earlier process
+    (tmp_path / "notes.txt").write_bytes(b"x" * 700)  # not the tier's
+    new = tmp_path / "new" / "tier"
+    folder = re.escape(str(tmp_path))
+    for kwargs, expected in [
+            ({"kv_offload_size": 10**6 + 1}, r"expected at most the memory this machine has available for a "
+                                             r"host tier \(1000000 bytes\), got 1000001 bytes$"),
+            ({"kv_offload_size": 6001, "kv_offload_dir": tmp_path},
+             rf"expected at most the free disk space of {folder} and the tier's blocks there \(6000 bytes\), "
+             r"got 6001 bytes$"),
+            ({"kv_offload_size": "1e99", "kv_offload_dir": tmp_path},
+             r"expected at most .* \(6000 bytes\), got 1.000e\+99 bytes$"),
+            ({"kv_offload_size": 5001, "kv_offload_dir": new},
+             rf"expected at most the free disk space of {folder}, where {re.escape(str(new))} would be made "
+             r"\(5000 bytes\), got 5001 bytes$"),
+            *[({"kv_offload_size": bad}, rf"expected a positive number of bytes .*, got {re.escape(repr(bad))}$")
+              for bad in ("inf", "nan", "-1", "1e-3", "lots", float("inf"), -5)]]:
+        with pytest.raises(ValueError, match=flag + expected):
+            EngineArgs(model="tiny", **kwargs)
+    for kwargs in ({"kv_offload_size": 10**6}, {"kv_offload_size": 6000, "kv_offload_dir": tmp_path},
+                   {"kv_offload_size": 5000, "kv_offload_dir": new}):
+        EngineArgs(model="tiny", **kwargs)  # at the limit: taken
 
 
 # From an adversarial trial of the disk tier: files replaced while serving, and the writer's temporary
