@@ -239,7 +239,7 @@ class EngineArgs:
                 self.kv_offload_dir = os.fspath(self.kv_offload_dir)
             extra = {"kv_offload_size": self.kv_offload_size, "kv_offload_dir": self.kv_offload_dir,
                      "kv_offload_watermark": self.kv_offload_watermark}
-            OffloadingConfig.parse(extra, name=flag).check_room(name=flag)
+            OffloadingConfig.parse(extra, name=flag).check_medium(name=flag)
             made = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                     kv_connector_extra_config=extra)
             if self.kv_transfer_config not in (None, made):  # made here already: EngineArgs of EngineArgs' fields

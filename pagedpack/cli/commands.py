@@ -258,6 +258,9 @@ def _serve(args) -> int:
         raise ValueError(f"--timeout-graceful-shutdown: expected seconds >= 0, got {args.timeout_graceful_shutdown}")
     if not args.stream_stall_timeout > 0:
         raise ValueError(f"--stream-stall-timeout: expected seconds > 0, got {args.stream_stall_timeout}")
+    if args.data_parallel_size != 1 and args.kv_offload_dir is not None:  # each replica would lock it
+        raise ValueError(f"--kv-offload-dir: a folder serves one live process (its lock); expected none with "
+                         f"--data-parallel-size {args.data_parallel_size}, got {args.kv_offload_dir!r}")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")

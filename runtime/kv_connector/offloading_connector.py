@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from pagedpack.runtime.kv_connector.offload_tier import FILE_NAME, DiskTier, HostTier, gather_blocks, scatter_block
+from pagedpack.runtime.kv_connector.tier_folder import folder_holder
 from pagedpack.runtime.memory import available_memory
 
 MAX_WATERMARK_SAVES = 16  # blocks per step: bounds the stepping thread's copy-out time
@@ -66,9 +67,14 @@ class OffloadingConfig:
             raise ValueError(f"{name('kv_offload_watermark')}: expected a fraction in [0, 1), got {watermark!r:.80}")
         return cls(size, directory, float(watermark))
 
-    def check_room(self, name=_extra_config_name) -> None:
-        """``ValueError`` naming ``name("kv_offload_size")`` if the size is beyond what the tier's medium has
-        room for now (:func:`tier_room`): checked before the model is loaded."""
+    def check_medium(self, name=_extra_config_name) -> None:
+        """Before the model is loaded: ``ValueError`` naming ``name("kv_offload_size")`` if the size is beyond
+        what the tier's medium has room for now (:func:`tier_room`), ``name("kv_offload_dir")`` if another
+        live process holds the folder (its lock, :mod:`~pagedpack.runtime.kv_connector.tier_folder`)."""
+        holder = None if self.kv_offload_dir is None else folder_holder(self.kv_offload_dir)
+        if holder is not None:
+            raise ValueError(f"{name('kv_offload_dir')}: expected a folder no other live process uses, got "
+                             f"{self.kv_offload_dir!r}, {holder}")
         room, what = tier_room(self.kv_offload_dir)
         if room is not None and self.kv_offload_size > room:
             size = self.kv_offload_size
@@ -126,8 +132,8 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """The options (:meth:`OffloadingConfig.parse`) and the tier's room (:meth:`OffloadingConfig.check_room`)."""
-        OffloadingConfig.parse(config.kv_connector_extra_config).check_room()
+        """The options (:meth:`OffloadingConfig.parse`), the tier's medium (:meth:`OffloadingConfig.check_medium`)."""
+        OffloadingConfig.parse(config.kv_connector_extra_config).check_medium()
 
     # --- scheduler half --------------------------------------------------------------------------
 
