@@ -44,12 +44,13 @@ def exported(tmp_path_factory):
 
 
 class _Proxy:
-    """The proxy's application on a free port, served by uvicorn in a thread of this process."""
+    """The proxy's application on a free port, served by uvicorn in a thread of this process
+    (``proxy_options``: :class:`DisaggProxy`'s, ``options``: :func:`build_proxy_app`'s)."""
 
-    def __init__(self, prefill_url: str, decode_url: str, **options):
+    def __init__(self, prefill_url: str, decode_url: str, proxy_options: dict | None = None, **options):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_proxy_app(DisaggProxy(prefill_url, decode_url), **options)
+        app = build_proxy_app(DisaggProxy(prefill_url, decode_url, **(proxy_options or {})), **options)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -57,6 +58,18 @@ class _Proxy:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def _started(proxy: _Proxy, timeout_s: float = 10.0) -> None:
+    """Returns once ``proxy`` accepts connections."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -274,14 +287,8 @@ def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, c
 def test_the_proxy_answers_for_servers_it_cannot_reach_and_bodies_it_will_not_read(capsys):
     proxy = _Proxy(f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}", max_body_bytes=1000)
     try:
-        deadline = time.monotonic() + 10
-        while True:  # started: /health answers (503: neither server is there)
-            try:
-                assert httpx.get(f"{proxy.url}/health").status_code == 503
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        _started(proxy)
+        assert httpx.get(f"{proxy.url}/health").status_code == 503  # neither server is there
         declared = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * 1001)
         streamed = httpx.post(f"{proxy.url}/v1/completions", content=iter([b"y" * 600, b"y" * 600]))
         assert declared.status_code == streamed.status_code == 413
@@ -294,3 +301,55 @@ def test_the_proxy_answers_for_servers_it_cannot_reach_and_bodies_it_will_not_re
     code, _, err = run_cli(capsys, "disagg-proxy", "--prefill", "127.0.0.1:8100", "--decode", "http://127.0.0.1:8200")
     assert code == 2 and "--prefill: expected an http:// or https:// URL, got '127.0.0.1:8100'" in err
 
+
+
+class _StalledServer:
+    """A "prefill server" that reads each HTTP request and never answers; ``closed`` is set when the
+    proxy closes a connection."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.closed = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn):
+        with conn:
+            while conn.recv(65536):  # the request, then nothing until the proxy hangs up
+                pass
+            self.closed.set()
+
+
+def test_a_stalled_prefill_server_is_a_504_and_its_request_is_aborted(capsys):
+    """From an adversarial trial: the proxy waited for a stalled prefill server as long as the client did.
+    Past --prefill-timeout the client gets a 504 with OpenAI's error body, the prefill request's
+    connection is closed (what aborts it on a pagedpack server), and the proxy serves on."""
+    stalled = _StalledServer()
+    proxy = _Proxy(stalled.url, f"http://127.0.0.1:{free_port()}", proxy_options={"prefill_timeout_s": 0.5})
+    try:
+        _started(proxy)
+        for _ in range(2):  # the proxy is not wedged by the first
+            stalled.closed.clear()
+            start = time.monotonic()
+            answer = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
+            assert 0.5 <= time.monotonic() - start < 5
+            assert answer.status_code == 504 and answer.json() == {"error": {
+                "message": f"the prefill server at {stalled.url} did not answer /v1/completions within 0.5 s "
+                           "(--prefill-timeout); the request there was aborted",
+                "type": "InternalServerError", "param": None, "code": 504}}
+            assert stalled.closed.wait(5)
+        assert httpx.get(f"{proxy.url}/v1/models", timeout=30).status_code == 502  # others still answered
+    finally:
+        proxy.stop()
+        stalled.sock.close()
+    code, _, err = run_cli(capsys, "disagg-proxy", "--prefill", stalled.url, "--decode", stalled.url,
+                           "--prefill-timeout", "nan")
+    assert code == 2 and "--prefill-timeout: expected seconds > 0, got nan" in err
