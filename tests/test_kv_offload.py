@@ -442,3 +442,4 @@ def test_a_folder_another_live_process_holds_is_refused_and_a_dead_one_s_is_not(
         assert not tier._index  # model a's block removed: this folder is model b's now
     finally:
         tier.close()
+
