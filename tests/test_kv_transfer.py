@@ -139,18 +139,15 @@ class FakeProducer:
         conn, _ = self.sock.accept()
         with conn:
             tt._recv_header(conn, time.monotonic() + 2, tt.Pull)
-            answer = self.reply(_good_frame())
-            try:
-                for i in range(0, len(answer), 1 if self.drip_s else len(answer)):
-                    conn.sendall(answer[i:i + (1 if self.drip_s else len(answer))])
+            answer, step = self.reply(_good_frame()), 1 if self.drip_s else None
+            try:  # OSError: the consumer gave up (closed) first; KVTransferError included
+                for i in range(0, len(answer), step or max(1, len(answer))):
+                    conn.sendall(answer[i:i + (step or len(answer))])
                     time.sleep(self.drip_s)
-            except OSError:  # the consumer gave up
-                return
-            if not self.stall:
-                conn.shutdown(socket.SHUT_WR)  # what it sent is all it sends
-            try:
+                if not self.stall:
+                    conn.shutdown(socket.SHUT_WR)  # what it sent is all it sends
                 self.acks.append(tt._recv_header(conn, time.monotonic() + 2, tt.Ack))
-            except OSError:  # KVTransferError included
+            except OSError:
                 pass
             time.sleep(0.1)
 
