@@ -231,12 +231,15 @@ class EngineArgs:
                     raise ValueError(f"{name}: expected kv_offload_size with it (the tier's size), got "
                                      f"{name}={getattr(self, name)!r:.80} and no kv_offload_size")
         else:
-            self.kv_offload_size = parse_bytes("kv_offload_size", self.kv_offload_size)
+            def flag(key: str) -> str:  # errors name the field and its flag: kv_offload_size (--kv-offload-size)
+                return f"{key} (--{key.replace('_', '-')})"
+
+            self.kv_offload_size = parse_bytes(flag("kv_offload_size"), self.kv_offload_size)
             if self.kv_offload_dir is not None:
                 self.kv_offload_dir = os.fspath(self.kv_offload_dir)
             extra = {"kv_offload_size": self.kv_offload_size, "kv_offload_dir": self.kv_offload_dir,
                      "kv_offload_watermark": self.kv_offload_watermark}
-            OffloadingConfig.parse(extra, prefix="")  # errors name kv_offload_<option>
+            OffloadingConfig.parse(extra, name=flag).check_medium(name=flag)
             made = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                     kv_connector_extra_config=extra)
             if self.kv_transfer_config not in (None, made):  # made here already: EngineArgs of EngineArgs' fields

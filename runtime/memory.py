@@ -1,4 +1,4 @@
-"""Handing the heap memory a finished phase freed back to the operating system."""
+"""Handing the heap memory a finished phase freed back to the operating system; the machine's memory."""
 from __future__ import annotations
 
 import ctypes
@@ -55,3 +55,16 @@ def physical_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give without swapping (Linux's ``MemAvailable``; elsewhere
+    :func:`physical_memory`), or None where the OS does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory()

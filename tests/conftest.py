@@ -374,6 +374,34 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 
+def server_metrics(server) -> dict[str, float]:
+    """Every sample of ``server``'s ``/metrics`` (anything with a ``url``) by ``name{labels}`` (its labels
+    but ``model_name``, sorted)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def idle_metrics(server, timeout_s: float = 20.0) -> dict[str, float]:
+    """``server_metrics(server)`` once nothing runs, waits, holds KV blocks or keeps blocks for a pull;
+    an ``AssertionError`` naming what is still busy after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server_metrics(server)
+        busy = {k: m.get(f"pagedpack:{k}{{}}", 0) for k in ("num_requests_running", "num_requests_waiting",
+                                                            "kv_cache_usage_perc", "kv_transfer_held_requests")}
+        if not any(busy.values()):
+            return m
+        assert time.monotonic() < deadline, f"still busy: {busy}"
+        time.sleep(0.05)
+
+
 class RemoteServer(_RemoteServer):
     """``pagedpack serve ARGS`` in a child process on 127.0.0.1 and a free port (as vLLM's tests'
     ``RemoteOpenAIServer``), logging to ``log_path``: a context manager that waits for ``/health``

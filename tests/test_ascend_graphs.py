@@ -317,3 +317,31 @@ def test_target_options_from_the_command_line():
                          ("size=3", "the ascend target's options\\), got 'size=3'")):
         with pytest.raises(ValueError, match=message):
             EngineArgs.from_cli_args(parser.parse_args([*argv[:5], "--target-option", bad]))
+
+
+def test_prefixes_beyond_the_device_pool_come_back_from_the_host_tier(tnd_model, capture_once):
+    """The second KV tier on the ascend target (docs/kv-offload.md): three shared prefixes of 3 blocks
+    (9 blocks) do not fit the emulated device pool of 8; with a host tier (``kv_offload_size``) a second
+    pass takes them from it, with the tokens of caching off (the same engine, each prompt with a
+    ``cache_salt`` of its own: nothing cached is shared)."""
+    llm = LLM(tnd_model, target="ascend", target_options={"graph_batch_sizes": [2]}, block_size=BLOCK, num_blocks=8,
+              max_num_seqs=2, max_num_batched_tokens=512, kv_offload_size=16 << 20)
+    try:
+        engine, greedy = llm.llm_engine, SamplingParams(max_tokens=4, temperature=0.0)
+        rng = random.Random(1)
+        prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(3 * BLOCK)] for _ in range(3)]
+        prompts = [prefixes[i % 3] + [7, i, 9] for i in range(6)]
+        alone = llm.generate([{"prompt_token_ids": p, "cache_salt": f"alone-{i}"} for i, p in enumerate(prompts)],
+                             greedy, use_tqdm=False)
+        assert engine.scheduler.kv_cache_manager.pool.num_blocks < 9 and engine.reset_prefix_cache()
+        tier, stats = engine.scheduler.connector.tier, engine.scheduler.connector_prefix_cache_stats
+        shared = [{"prompt_token_ids": p} for p in prompts]
+        first = llm.generate(shared, greedy, use_tqdm=False)
+        hits = stats.hits
+        second = llm.generate(shared, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second] == \
+            [o.outputs[0].token_ids for o in alone]
+        assert tier.medium == "CPU" and tier.stats.misses == 0
+        assert stats.hits - hits >= 3 * BLOCK  # a whole prefix or more came from the tier
+    finally:
+        llm.llm_engine.close()

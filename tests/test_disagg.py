@@ -15,7 +15,6 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.host.child_process import free_port
@@ -23,7 +22,7 @@ from pagedpack.runtime.kv_connector.p2p_tcp_connector import P2pTcpOptions
 from pagedpack.runtime.kv_connector.tcp_transfer import Pull, _encoder
 from pagedpack.serve.disagg_proxy import DisaggProxy, build_proxy_app
 
-from conftest import RemoteServer, random_prompts, run_cli
+from conftest import RemoteServer, idle_metrics, random_prompts, run_cli, server_metrics
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
            "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -45,12 +44,13 @@ def exported(tmp_path_factory):
 
 
 class _Proxy:
-    """The proxy's application on a free port, served by uvicorn in a thread of this process."""
+    """The proxy's application on a free port, served by uvicorn in a thread of this process
+    (``proxy_options``: :class:`DisaggProxy`'s, ``options``: :func:`build_proxy_app`'s)."""
 
-    def __init__(self, prefill_url: str, decode_url: str, **options):
+    def __init__(self, prefill_url: str, decode_url: str, proxy_options: dict | None = None, **options):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = build_proxy_app(DisaggProxy(prefill_url, decode_url), **options)
+        app = build_proxy_app(DisaggProxy(prefill_url, decode_url, **(proxy_options or {})), **options)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -58,6 +58,18 @@ class _Proxy:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def _started(proxy: _Proxy, timeout_s: float = 10.0) -> None:
+    """Returns once ``proxy`` accepts connections."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +81,7 @@ def servers(exported):
     producer = RemoteServer(*common, _connector("kv_producer", kv_port=free_port(),
                                                 kv_connector_extra_config={"hold_timeout_s": 2}),
                             log_path=folder / "producer.log")
-    consumer = RemoteServer(*common, _connector("kv_consumer", kv_connector_extra_config={"timeout_s": 5}),
+    consumer = RemoteServer(*common, _connector("kv_consumer", kv_connector_extra_config={"transfer_timeout_s": 3}),
                             log_path=folder / "consumer.log")
     proxy = _Proxy(producer.url, consumer.url)
     try:
@@ -90,28 +102,6 @@ def _alone(llm, prompt: list[int], sampling: dict) -> str:
     """The reference: ``prompt``'s text from the model in this process, alone."""
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling)
     return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].text
-
-
-def _metrics(server) -> dict[str, float]:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
-
-
-def _settled(server, timeout_s: float = 10.0) -> dict[str, float]:
-    """The metrics once nothing runs, waits, holds KV blocks or keeps blocks for a pull."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(server)
-        busy = {k: m.get(f"pagedpack:{k}{{}}", 0) for k in ("num_requests_running", "num_requests_waiting",
-                                                            "kv_cache_usage_perc", "kv_transfer_held_requests")}
-        if not any(busy.values()):
-            return m
-        assert time.monotonic() < deadline, f"still busy: {busy}"
-        time.sleep(0.05)
 
 
 def test_disaggregated_answers_equal_one_process(exported, servers, client):
@@ -137,7 +127,7 @@ def test_disaggregated_answers_equal_one_process(exported, servers, client):
                                           max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=11,
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == expected
-    sent, received = _settled(producer), _settled(consumer)
+    sent, received = idle_metrics(producer), idle_metrics(consumer)
     # the whole blocks before each prompt's last token moved (17: 1, 40: 2; once: repeats hit the decoder's
     # prefix cache), nothing failed or waits
     assert received["pagedpack:kv_transfer_blocks_total{direction=received}"] >= 3
@@ -151,13 +141,13 @@ def test_disaggregated_answers_equal_one_process(exported, servers, client):
 def test_a_client_abort_aborts_on_both_sides(servers):
     proxy, producer, consumer = servers
     aborted = "pagedpack:request_success_total{finished_reason=abort}"
-    before = _metrics(consumer).get(aborted, 0)
+    before = server_metrics(consumer).get(aborted, 0)
     body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-    _settled(producer)
-    assert _settled(consumer).get(aborted, 0) == before + 1
+    idle_metrics(producer)
+    assert idle_metrics(consumer).get(aborted, 0) == before + 1
 
 
 def test_errors_keep_their_status_and_name_the_field(servers, exported, capsys):
@@ -180,6 +170,17 @@ def test_errors_keep_their_status_and_name_the_field(servers, exported, capsys):
         answer = httpx.post(f"{server.url}/v1/completions",
                             json={"prompt": [1, 2], "max_tokens": 2, "kv_transfer_params": params})
         assert answer.status_code == 400 and error in answer.json()["error"]["message"], answer.text
+    # from an adversarial trial: n > 1 (best_of n) was taken with kv_transfer_params; one sequence's KV moves
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for server, params in ((consumer, pull), (producer, {"do_remote_decode": True})):
+        for path, body, got in [("completions", {"prompt": [1, 2], "n": 2}, "n=2"),
+                                ("completions", {"prompt": [1, 2], "n": 3, "best_of": 3}, "n=3"),
+                                ("chat/completions", {**chat, "n": 2}, "n=2"),
+                                ("completions", {"prompt": [[1, 2], [1, 2]]}, "got 2")]:
+            answer = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2, "kv_transfer_params": params})
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == "kv_transfer_params", answer.text
+            assert error["message"].startswith("kv_transfer_params: one sequence's KV") and got in error["message"]
     _, path, _ = exported
     code, _, err = run_cli(capsys, "serve", str(path), "--kv-transfer-config", _connector("kv_producer", kv_port=70000))
     assert code == 2 and "kv_transfer_config.kv_port: expected a port from 0 to 65535, got 70000" in err
@@ -197,7 +198,7 @@ def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, server
     llm, _, _ = exported
     proxy, producer, consumer = servers
     failures = "pagedpack:kv_transfer_failures_total{direction=received}"
-    before = _metrics(consumer)[failures]
+    before = server_metrics(consumer)[failures]
     prompt = random_prompts((40,), seed=8)[0]
     params = httpx.post(f"{producer.url}/v1/completions", timeout=30, json={
         "prompt": prompt, "max_tokens": 1, "cache_salt": "a", "kv_transfer_params": {"do_remote_decode": True}}
@@ -207,13 +208,56 @@ def test_a_pull_that_fails_is_computed_again_not_answered_wrong(exported, server
             "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "cache_salt": salt, "kv_transfer_params": sent}).json()  # a salt of its own: no prefix hit
         assert answer["choices"][0]["text"] == _alone(llm, prompt, SAMPLING[0]), salt
-    assert _settled(consumer)[failures] == before + 3
+    assert idle_metrics(consumer)[failures] == before + 3
+
+
+def test_producers_that_never_answer_delay_no_other_request_s_pull(exported, servers, client):
+    """From an adversarial trial: requests naming a listener that accepts and never answers took the
+    decode server's 4 pull threads (other requests' latency 0.21 s -> 19 s). Each pull now starts at once
+    in a thread of its own and fails by ``transfer_timeout_s`` (3 s here): a request sent through the proxy
+    after 6 stalled pulls started is answered before any of them, and they are computed by the decode
+    server (the one process's answer)."""
+    llm, _, _ = exported
+    proxy, producer, consumer = servers
+    failures = "pagedpack:kv_transfer_failures_total{direction=received}"
+    before = server_metrics(consumer)[failures]
+    stalled, fresh = random_prompts((40, 40), seed=21)
+    hole = socket.create_server(("127.0.0.1", 0), backlog=16)  # accepts, never answers
+    hole.settimeout(10)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": hole.getsockname()[1],
+              "remote_num_tokens": len(stalled)}
+    answered: dict[int, tuple[float, str]] = {}
+
+    def ask(i: int) -> None:
+        answer = httpx.post(f"{consumer.url}/v1/completions", timeout=30, json={
+            "prompt": stalled, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {**params, "remote_request_id": f"cmpl-hole-{i}"}})
+        answered[i] = (time.monotonic(), answer.json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    try:
+        held = [hole.accept()[0] for _ in threads]  # every pull connected: none waits for another's slot
+        good = client.completions.create(model="tiny", prompt=fresh, max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        good_at = time.monotonic()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        hole.close()
+    assert good.choices[0].text == _alone(llm, fresh, SAMPLING[0])
+    assert sorted(answered) == list(range(6)) and all(at > good_at for at, _ in answered.values())
+    assert {text for _, text in answered.values()} == {_alone(llm, stalled, SAMPLING[0])}
+    assert idle_metrics(consumer)[failures] == before + 6
+    for conn in held:
+        conn.close()
 
 
 def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, client):
     proxy, producer, consumer = servers
     failures = "pagedpack:kv_transfer_failures_total{direction=sent}"
-    before = _metrics(producer)[failures]
+    before = server_metrics(producer)[failures]
     # a consumer that takes the header and goes away mid-payload
     prefilled = httpx.post(f"{producer.url}/v1/completions", timeout=30, json={
         "prompt": PROMPTS[3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
@@ -233,7 +277,7 @@ def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, c
             pass
     with pytest.raises(openai.InternalServerError, match="could not be reached"):  # 502 naming it
         client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2)
-    settled = _settled(producer)
+    settled = idle_metrics(producer)
     assert settled[failures] == before + 1
     later = httpx.post(f"{producer.url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 3,
                                                                "ignore_eos": True}, timeout=30)
@@ -243,14 +287,8 @@ def test_a_consumer_that_dies_mid_transfer_costs_the_producer_nothing(servers, c
 def test_the_proxy_answers_for_servers_it_cannot_reach_and_bodies_it_will_not_read(capsys):
     proxy = _Proxy(f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}", max_body_bytes=1000)
     try:
-        deadline = time.monotonic() + 10
-        while True:  # started: /health answers (503: neither server is there)
-            try:
-                assert httpx.get(f"{proxy.url}/health").status_code == 503
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        _started(proxy)
+        assert httpx.get(f"{proxy.url}/health").status_code == 503  # neither server is there
         declared = httpx.post(f"{proxy.url}/v1/completions", content=b"x" * 1001)
         streamed = httpx.post(f"{proxy.url}/v1/completions", content=iter([b"y" * 600, b"y" * 600]))
         assert declared.status_code == streamed.status_code == 413
@@ -263,3 +301,55 @@ def test_the_proxy_answers_for_servers_it_cannot_reach_and_bodies_it_will_not_re
     code, _, err = run_cli(capsys, "disagg-proxy", "--prefill", "127.0.0.1:8100", "--decode", "http://127.0.0.1:8200")
     assert code == 2 and "--prefill: expected an http:// or https:// URL, got '127.0.0.1:8100'" in err
 
+
+
+class _StalledServer:
+    """A "prefill server" that reads each HTTP request and never answers; ``closed`` is set when the
+    proxy closes a connection."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.closed = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn):
+        with conn:
+            while conn.recv(65536):  # the request, then nothing until the proxy hangs up
+                pass
+            self.closed.set()
+
+
+def test_a_stalled_prefill_server_is_a_504_and_its_request_is_aborted(capsys):
+    """From an adversarial trial: the proxy waited for a stalled prefill server as long as the client did.
+    Past --prefill-timeout the client gets a 504 with OpenAI's error body, the prefill request's
+    connection is closed (what aborts it on a pagedpack server), and the proxy serves on."""
+    stalled = _StalledServer()
+    proxy = _Proxy(stalled.url, f"http://127.0.0.1:{free_port()}", proxy_options={"prefill_timeout_s": 0.5})
+    try:
+        _started(proxy)
+        for _ in range(2):  # the proxy is not wedged by the first
+            stalled.closed.clear()
+            start = time.monotonic()
+            answer = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=30)
+            assert 0.5 <= time.monotonic() - start < 5
+            assert answer.status_code == 504 and answer.json() == {"error": {
+                "message": f"the prefill server at {stalled.url} did not answer /v1/completions within 0.5 s "
+                           "(--prefill-timeout); the request there was aborted",
+                "type": "InternalServerError", "param": None, "code": 504}}
+            assert stalled.closed.wait(5)
+        assert httpx.get(f"{proxy.url}/v1/models", timeout=30).status_code == 502  # others still answered
+    finally:
+        proxy.stop()
+        stalled.sock.close()
+    code, _, err = run_cli(capsys, "disagg-proxy", "--prefill", stalled.url, "--decode", stalled.url,
+                           "--prefill-timeout", "nan")
+    assert code == 2 and "--prefill-timeout: expected seconds > 0, got nan" in err

@@ -336,12 +336,47 @@ def test_a_burst_of_pulled_prompts_filling_the_pool_is_answered():
         consumer.llm_engine.close()
 
 
+def test_kv_transfer_params_with_n_above_1_are_refused_by_the_python_api():
+    """From an adversarial trial: n > 1 with kv_transfer_params was taken (the engine's first sequence has
+    n=1 and the others as forks: the check read n=1). One sequence's KV moves at a time."""
+    llm = LLM("tiny", num_blocks=16, kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_both",
+                                                          "kv_port": 0})
+    try:
+        for n in (2, 3):
+            params = SamplingParams(n=n, max_tokens=2, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+            with pytest.raises(ValueError, match=rf"^kv_transfer_params: .* expected n=1 .*, got n={n}$"):
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        one = SamplingParams(max_tokens=2, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], one, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.llm_engine.close()
+
+
 @pytest.mark.parametrize("extra", [{"timeout_s": -1}, {"remote_hosts": "127.0.0.1"}, {"bogus": 1}])
 def test_p2p_options_are_checked_before_the_model_is_built(extra):
     """From an adversarial trial: these were refused only once the model was built (10-15 s later)."""
     with pytest.raises(ValueError, match="kv_connector_extra_config"):
         EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_consumer",
                                                       "kv_connector_extra_config": extra})
+
+
+def test_a_kv_port_another_process_holds_is_refused_before_the_model_is_built():
+    """From an adversarial trial: a producer's kv_port in use was reported only once the model was built."""
+    import socket
+
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(ValueError, match=rf"^kv_transfer_config.kv_port: expected a port this producer can "
+                                             rf"listen on, got 127.0.0.1:{port}, which cannot be bound"):
+            EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_both",
+                                                          "kv_port": port})
+        EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_consumer",
+                                                      "kv_port": port})  # a consumer listens on nothing
+    finally:
+        holder.close()
+    EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "P2pTcpConnector", "kv_role": "kv_producer",
+                                                  "kv_port": port})  # free again: taken (bound and let go)
 
 
 def test_a_listener_a_request_names_cannot_give_other_requests_its_kv():

@@ -4,9 +4,12 @@ unmodified model's tokens; corrupt, truncated and misnamed block files are misse
 writer killed mid-save leaves a folder the next process reads; the tiers' LRU bound and events."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,10 +22,11 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import default_model
 from pagedpack.runtime.kv_connector.offload_tier import DiskTier, HostTier
+from pagedpack.runtime.kv_connector.tier_folder import folder_holder
 from pagedpack.runtime.scheduler import SchedulerOutput
 from pagedpack.serve.metrics import ServerMetrics
 
-from conftest import greedy_alone, random_prompts
+from conftest import greedy_alone, random_prompts, run_cli
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -175,7 +179,8 @@ def test_tiers_evict_least_recently_used_and_say_their_medium(tmp_path):
         disk.put(hashes, payloads)
         disk.flush()
         assert {e.medium for e in disk.take_events()} == {"DISK"}
-        assert sorted(os.listdir(tmp_path)) == sorted([h.hex() + ".kvblock" for h in hashes] + ["tier.json"])
+        assert sorted(os.listdir(tmp_path)) == sorted([h.hex() + ".kvblock" for h in hashes] + ["tier.json",
+                                                                                              "tier.lock"])
     finally:
         disk.close()
 
@@ -189,8 +194,43 @@ def test_options_errors_name_the_option(tmp_path):
                          ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
                                                   "kv_connector_extra_config": {"kv_offload_size": 8, "size": 1}}},
                           "kv_transfer_config.kv_connector_extra_config.size")]:
-        with pytest.raises(ValueError, match=rf"^{name}:"):
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
             EngineArgs(model="tiny", **kwargs)
+
+
+def test_a_tier_beyond_the_machine_s_memory_or_disk_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """From an adversarial trial: --kv-offload-size 1e99 failed once the model had loaded, naming no flag.
+    The machine's figures are pinned (10**6 bytes of memory available, 5000 bytes of free disk) so that the
+    limits are exact: a disk tier may also take the room of its own blocks already in its folder."""
+    flag = r"^kv_offload_size \(--kv-offload-size\): "
+    code, _, err = run_cli(capsys, "serve", "--model", "tiny", "--kv-offload-size", "1e99")  # the real machine
+    assert code == 2 and re.search(flag[1:] + r"expected at most the memory this machine has available for a "
+                                              r"host tier \(\d+ bytes\), got 1.000e\+99 bytes$", err, re.M), err
+    monkeypatch.setattr("pagedpack.runtime.kv_connector.offloading_connector.available_memory", lambda: 10**6)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 5000, 5000))
+    (tmp_path / ("ab" * 32 + ".kvblock")).write_bytes(b"x" * 1000)  # a block of an earlier process
+    (tmp_path / "notes.txt").write_bytes(b"x" * 700)  # not the tier's
+    new = tmp_path / "new" / "tier"
+    folder = re.escape(str(tmp_path))
+    for kwargs, expected in [
+            ({"kv_offload_size": 10**6 + 1}, r"expected at most the memory this machine has available for a "
+                                             r"host tier \(1000000 bytes\), got 1000001 bytes$"),
+            ({"kv_offload_size": 6001, "kv_offload_dir": tmp_path},
+             rf"expected at most the free disk space of {folder} and the tier's blocks there \(6000 bytes\), "
+             r"got 6001 bytes$"),
+            ({"kv_offload_size": "1e99", "kv_offload_dir": tmp_path},
+             r"expected at most .* \(6000 bytes\), got 1.000e\+99 bytes$"),
+            ({"kv_offload_size": 5001, "kv_offload_dir": new},
+             rf"expected at most the free disk space of {folder}, where {re.escape(str(new))} would be made "
+             r"\(5000 bytes\), got 5001 bytes$"),
+            *[({"kv_offload_size": bad}, rf"expected a positive number of bytes .*, got {re.escape(repr(bad))}$")
+              for bad in ("inf", "nan", "-1", "1e-3", "lots", float("inf"), -5)]]:
+        with pytest.raises(ValueError, match=flag + expected):
+            EngineArgs(model="tiny", **kwargs)
+    for kwargs in ({"kv_offload_size": 10**6}, {"kv_offload_size": 6000, "kv_offload_dir": tmp_path},
+                   {"kv_offload_size": 5000, "kv_offload_dir": new}):
+        EngineArgs(model="tiny", **kwargs)  # at the limit: taken
 
 
 # From an adversarial trial of the disk tier: files replaced while serving, and the writer's temporary
@@ -302,3 +342,104 @@ def test_a_folder_keeps_its_blocks_for_the_same_model_only(tmp_path):
         tier.put([bytes(32)], torch.zeros((1, tier.block_bytes), dtype=torch.uint8))
         tier.flush()
         tier.close()
+
+
+class _FullDisk:
+    """A file whose first ``write`` stores half its bytes and then fails as a full disk does."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_write_the_disk_has_no_room_for_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """From an adversarial trial: a failed write (ENOSPC) left ``.tmp-*`` files until a restart (the
+    manifest's did). Every write through a temporary file removes it when it fails; the block is not
+    kept (a miss), the writer goes on, and once there is room again blocks are written."""
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: (
+        _FullDisk(real_fdopen(fd, mode, *a, **k)) if "w" in mode else real_fdopen(fd, mode, *a, **k)))
+    with pytest.raises(OSError, match="No space left on device"):  # the manifest, at start
+        DiskTier(1 << 20, str(tmp_path), model="m")
+    assert sorted(os.listdir(tmp_path)) == ["tier.lock"]
+    assert folder_holder(str(tmp_path)) is None  # the failed start let the folder's lock go
+    monkeypatch.undo()
+    tier = DiskTier(1 << 20, str(tmp_path), model="m")
+    try:
+        tier.bind_layout([torch.zeros(4, 4, 2, 16)])
+        full, later = bytes(range(32)), bytes(range(1, 33))
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: (
+            _FullDisk(real_fdopen(fd, mode, *a, **k)) if "w" in mode else real_fdopen(fd, mode, *a, **k)))
+        tier.put([full], torch.full((1, tier.block_bytes), 7, dtype=torch.uint8))
+        tier.flush()
+        assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path)), os.listdir(tmp_path)
+        assert not tier.contains(full) and tier.get(full) is None and tier.stats.saves == 0
+        monkeypatch.undo()
+        tier.put([later], torch.full((1, tier.block_bytes), 9, dtype=torch.uint8))
+        tier.flush()
+        assert tier._writer.is_alive() and tier.get(later).tolist() == [9] * tier.block_bytes
+        assert sorted(os.listdir(tmp_path)) == sorted([later.hex() + ".kvblock", "tier.json", "tier.lock"])
+    finally:
+        tier.close()
+
+
+HOLDER = textwrap.dedent("""
+    import sys, torch
+    from pagedpack.runtime.kv_connector.offload_tier import DiskTier
+    tier = DiskTier(1 << 20, sys.argv[1], model="model-a")
+    tier.bind_layout([torch.zeros(4, 4, 2, 16)])
+    tier.put([bytes(32)], torch.ones((1, tier.block_bytes), dtype=torch.uint8))
+    tier.flush()
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_folder_another_live_process_holds_is_refused_and_a_dead_one_s_is_not(tmp_path, capsys):
+    """From an adversarial trial: two processes of different models on one --kv-offload-dir each took the
+    folder (the second removed the first's blocks and temporary files under it, and could read blocks the
+    first wrote later). The folder's lock refuses the second before its model loads, naming the holder;
+    once the holder is killed the lock is gone with it."""
+    folder = str(tmp_path / "tier")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, folder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        held = rf"expected a folder no other live process uses, got '{re.escape(folder)}', which process " \
+               rf"{proc.pid} \(model 'model-a'\) holds \(tier.lock\)$"
+        with pytest.raises(ValueError, match=r"^kv_offload_dir \(--kv-offload-dir\): " + held):
+            EngineArgs(model="tiny", kv_offload_size="1MiB", kv_offload_dir=folder)
+        with pytest.raises(ValueError, match=r"^kv_transfer_config.kv_connector_extra_config.kv_offload_dir: " + held):
+            EngineArgs(model="tiny", kv_transfer_config={"kv_connector": "OffloadingConnector",
+                                                          "kv_connector_extra_config": {"kv_offload_size": 2**20,
+                                                                                        "kv_offload_dir": folder}})
+        with pytest.raises(ValueError, match="^kv_offload_dir: " + held):  # the tier itself (started meanwhile)
+            DiskTier(1 << 20, folder, model="model-b")
+        assert os.path.exists(os.path.join(folder, bytes(32).hex() + ".kvblock"))  # the holder's block is left
+    finally:
+        proc.kill()
+        proc.wait()
+    EngineArgs(model="tiny", kv_offload_size="1MiB", kv_offload_dir=folder)  # a dead holder's lock is gone
+    code, _, err = run_cli(capsys, "serve", "--model", "tiny", "--data-parallel-size", "2", "--kv-offload-size",
+                           "1MiB", "--kv-offload-dir", folder)  # replicas would share it
+    assert code == 2 and "--kv-offload-dir: a folder serves one live process (its lock); expected none with " \
+                         "--data-parallel-size 2" in err
+    tier = DiskTier(1 << 20, folder, model="model-b")
+    try:
+        assert not tier._index  # model a's block removed: this folder is model b's now
+    finally:
+        tier.close()
+

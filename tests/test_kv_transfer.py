@@ -50,10 +50,11 @@ def hold(server, caches, request_id, block_ids, tokens=TOKENS, salt=None):
 
 
 def pull(server, request_id="r", tokens=TOKENS, first_block=0, num_blocks=None, layout=None, port=None,
-         timeout_s=2.0):
+         timeout_s=2.0, transfer_timeout_s=5.0):
     hashes = request_block_hashes(tokens, BLOCK_SIZE, None)
     return pull_blocks("127.0.0.1", port or server.port, request_id, layout=layout or BlockLayout.of(pool(1)),
                        num_tokens=len(tokens), first_block=first_block, block_hashes=hashes, timeout_s=timeout_s,
+                       transfer_timeout_s=transfer_timeout_s,
                        num_blocks=len(hashes) - first_block if num_blocks is None else num_blocks)
 
 
@@ -125,24 +126,28 @@ def test_a_pull_that_comes_before_the_blocks_are_staged_waits_for_them(producer)
 
 
 class FakeProducer:
-    """A peer that answers one pull with ``reply(header)`` bytes (then closes)."""
+    """A peer that answers one pull with ``reply(header)`` bytes (then closes; ``drip_s``: one byte each
+    ``drip_s`` seconds)."""
 
-    def __init__(self, reply, *, stall: bool = False):
+    def __init__(self, reply, *, stall: bool = False, drip_s: float = 0.0):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.reply, self.stall, self.acks = reply, stall, []
+        self.reply, self.stall, self.drip_s, self.acks = reply, stall, drip_s, []
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
         conn, _ = self.sock.accept()
         with conn:
             tt._recv_header(conn, time.monotonic() + 2, tt.Pull)
-            conn.sendall(self.reply(_good_frame()))
-            if not self.stall:
-                conn.shutdown(socket.SHUT_WR)  # what it sent is all it sends
-            try:
+            answer, step = self.reply(_good_frame()), 1 if self.drip_s else None
+            try:  # OSError: the consumer gave up (closed) first; KVTransferError included
+                for i in range(0, len(answer), step or max(1, len(answer))):
+                    conn.sendall(answer[i:i + (step or len(answer))])
+                    time.sleep(self.drip_s)
+                if not self.stall:
+                    conn.shutdown(socket.SHUT_WR)  # what it sent is all it sends
                 self.acks.append(tt._recv_header(conn, time.monotonic() + 2, tt.Ack))
-            except OSError:  # KVTransferError included
+            except OSError:
                 pass
             time.sleep(0.1)
 
@@ -188,6 +193,23 @@ def test_a_stalled_producer_fails_the_pull_at_its_deadline():
     with pytest.raises(KVTransferError, match="before the deadline"):
         pull(None, port=fake.port, timeout_s=0.3)
     assert time.monotonic() - start < 2
+
+
+def test_a_producer_that_never_answers_or_drips_fails_the_pull_by_the_whole_transfer_deadline():
+    """From an adversarial trial: a listener that accepts and never answers held a pull thread per phase
+    (connect, header, payload) for ``timeout_s`` each; one that sends a byte at a time never tripped a
+    per-read deadline. The whole pull now ends by ``transfer_timeout_s``."""
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody ever reads or answers
+    drip = FakeProducer(lambda g: _frame(*g), drip_s=0.02)  # a byte each 20 ms: each read gets one in time
+    try:
+        for port, error in ((silent.getsockname()[1], "sent 0 of 8 bytes before the deadline"),
+                            (drip.port, "bytes before the deadline")):
+            start = time.monotonic()
+            with pytest.raises(KVTransferError, match=error):
+                pull(None, port=port, timeout_s=1.0, transfer_timeout_s=0.4)
+            assert 0.35 < time.monotonic() - start < 1.0, port
+    finally:
+        silent.close()
 
 
 def test_a_consumer_that_dies_or_lies_fails_its_pull_only(producer):

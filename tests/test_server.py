@@ -15,12 +15,11 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedpack import LLM
 from pagedpack.models.tiny import default_model
 
-from conftest import RemoteServer, hf_greedy, random_prompts
+from conftest import RemoteServer, hf_greedy, idle_metrics, random_prompts, server_metrics
 
 KEY = "test-key"
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
@@ -69,13 +68,13 @@ def server(tmp_path_factory, kept):
         # a stream whose client never reads (~5 MB of logprobs, more than the sockets hold: its sends wait) is
         # cancelled by uvicorn, without a traceback. It fits the KV pool: the engine finishes it meanwhile.
         generated = "pagedpack:generation_tokens_total{}"
-        counted = [_metrics(remote)[generated]]
+        counted = [server_metrics(remote)[generated]]
         unread = _unread_stream(remote.port, {"prompt": "Hello", "max_tokens": 220, "n": 36, "stream": True,
                                               "ignore_eos": True, "logprobs": 20})
         deadline = time.monotonic() + 30  # until its tokens are no longer taken: it waits to send
         while time.monotonic() < deadline and (counted[-1] < counted[0] + 1280 or counted[-1] != counted[-2]):
             time.sleep(0.5)
-            counted.append(_metrics(remote)[generated])
+            counted.append(server_metrics(remote)[generated])
         body = {"prompt": "Hello", "max_tokens": 1000, "n": 64, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{remote.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:
@@ -112,30 +111,6 @@ def _chat_ids(tokenizer, content: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], chat_template=TEMPLATE,
                                          tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def _metrics(server) -> dict[str, float]:
-    """Every sample of ``/metrics`` by ``name{labels}`` (labels but model_name, sorted)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
-
-
-def _idle(server, timeout_s: float = 20.0) -> dict[str, float]:
-    """The metrics once nothing runs, waits or holds KV blocks (fails after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = _metrics(server)
-        busy = [m["pagedpack:num_requests_running{}"], m["pagedpack:num_requests_waiting{}"],
-                m["pagedpack:kv_cache_usage_perc{}"]]
-        if not any(busy):
-            return m
-        assert time.monotonic() < deadline, f"running, waiting, KV usage still {busy}"
-        time.sleep(0.1)
 
 
 def test_completions_equal_the_unmodified_model_s_greedy_tokens(client, reference, tokenizer):
@@ -278,7 +253,7 @@ def test_poison_requests_beside_four_streams_fail_alone_and_count_as_errors(serv
     """Issue 51: while 4 streams run, each poison request (streamed and whole) gets a 400 or its own
     error; the 4 streams end with the unmodified model's tokens, and /metrics counts the poison
     requests that failed as errors, the others as finished."""
-    before = _idle(server)
+    before = idle_metrics(server)
     aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     normal = [dict(prompt=PROMPTS[i], max_tokens=48, temperature=0) for i in range(4)]
 
@@ -295,7 +270,7 @@ def test_poison_requests_beside_four_streams_fail_alone_and_count_as_errors(serv
     outcomes, *texts = asyncio.run(everyone())
     assert texts == [reference(kw["prompt"], kw["max_tokens"]) for kw in normal]
     failed = sum(_check_poison(status, got, expected) for (status, got), expected in outcomes)
-    delta = {k: v - before.get(k, 0) for k, v in _idle(server).items()}
+    delta = {k: v - before.get(k, 0) for k, v in idle_metrics(server).items()}
     assert failed == 2 and delta["pagedpack:request_success_total{finished_reason=error}"] == failed
     finished = {reason: delta.get(f"pagedpack:request_success_total{{finished_reason={reason}}}", 0)
                 for reason in ("length", "stop", "abort")}
@@ -330,14 +305,14 @@ def test_extreme_sampling_values_fail_no_other_request(server, reference, values
 
 
 def test_token_counters_are_exact_after_a_known_workload(server, client):
-    before = _idle(server)
+    before = idle_metrics(server)
     prompts = PROMPTS[2:5]
     for prompt in prompts:
         client.completions.create(model="tiny", prompt=prompt, max_tokens=7, temperature=0,
                                   extra_body={"ignore_eos": True})
     list(client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=5, stream=True, temperature=0,
                                    extra_body={"ignore_eos": True}))
-    after = _idle(server)
+    after = idle_metrics(server)
     delta = {k: after[k] - before.get(k, 0) for k in after}
     assert delta["pagedpack:prompt_tokens_total{}"] == sum(map(len, prompts)) + len(PROMPTS[6])
     assert delta["pagedpack:generation_tokens_total{}"] == 3 * 7 + 5
@@ -360,11 +335,11 @@ def test_clients_that_leave_mid_stream_free_their_requests(server):
             assert response.status_code == 200
             lines.append(response.iter_lines())
             assert next(lines[-1]).startswith("data: ")
-        busy = _metrics(server)
+        busy = server_metrics(server)
         assert busy["pagedpack:num_requests_running{}"] + busy["pagedpack:num_requests_waiting{}"] > 0
         for stream in streams:
             stream.__exit__(None, None, None)
-    m = _idle(server)
+    m = idle_metrics(server)
     assert m["pagedpack:request_success_total{finished_reason=abort}"] == 64
 
 
@@ -388,7 +363,7 @@ def test_200_requests_timed_out_by_their_clients_do_not_block_a_later_one(server
     out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, timeout=60)
     assert out.choices[0].text == reference(PROMPTS[0], 6)
     assert time.monotonic() - start < 30
-    _idle(server)
+    idle_metrics(server)
 
 
 BAD_COMPLETIONS = [  # (body, param the error names)
@@ -621,13 +596,13 @@ def test_huge_chat_bodies_are_refused_at_once_and_do_not_slow_the_others(server)
 
 def test_metrics_count_each_of_n_completions_as_vllm_does(server, client):
     """n = 3: every per-request series counts 3 (vLLM v1's 3 child requests), in agreement."""
-    before = _idle(server)
+    before = idle_metrics(server)
     prompt = PROMPTS[1]
     client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=0,
                               extra_body={"ignore_eos": True})
     list(client.completions.create(model="tiny", prompt=prompt, max_tokens=5, n=3, temperature=1, seed=1,
                                    stream=True, extra_body={"ignore_eos": True}))
-    after = _idle(server)
+    after = idle_metrics(server)
     delta = {k: after[k] - before.get(k, 0) for k in after}
     assert delta["pagedpack:request_success_total{finished_reason=length}"] == 6
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
@@ -702,13 +677,13 @@ def test_models_version_and_metrics_names(server, client):
     assert model.id == "tiny" and model.owned_by == "pagedpack"
     assert json.loads(httpx.get(f"{server.url}/version").text)["version"]
     client.completions.create(model="tiny", prompt="x", max_tokens=2)  # a finished request: a labelled sample
-    names = {name.split("{")[0] for name in _metrics(server)}
+    names = {name.split("{")[0] for name in server_metrics(server)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_success_total"):
         assert f"pagedpack:{name}" in names
-    no_state = _metrics(server)  # a model without recurrent layers: no state slots
+    no_state = server_metrics(server)  # a model without recurrent layers: no state slots
     assert no_state["pagedpack:recurrent_state_slots_used{}"] == no_state["pagedpack:recurrent_state_usage_perc{}"] == 0
 
 

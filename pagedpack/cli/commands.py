@@ -22,6 +22,7 @@ from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.flow_control import MAX_UNSENT_TOKENS, FlowControl
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams
+from pagedpack.serve import DEFAULT_PREFILL_TIMEOUT_S
 
 DEFAULT_PROMPTS = [
     "Hello",
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the decode server (kv_role kv_consumer), e.g. http://127.0.0.1:8200")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=int, default=8000, help="port to listen on")
+    proxy.add_argument("--prefill-timeout", type=float, default=DEFAULT_PREFILL_TIMEOUT_S, metavar="SECONDS",
+                       help="the prefill server's whole (one-token) answer; past it the client gets a 504 and the "
+                            "prefill request is aborted")
     proxy.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level")
 
@@ -258,6 +262,9 @@ def _serve(args) -> int:
         raise ValueError(f"--timeout-graceful-shutdown: expected seconds >= 0, got {args.timeout_graceful_shutdown}")
     if not args.stream_stall_timeout > 0:
         raise ValueError(f"--stream-stall-timeout: expected seconds > 0, got {args.stream_stall_timeout}")
+    if args.data_parallel_size != 1 and args.kv_offload_dir is not None:  # each replica would lock it
+        raise ValueError(f"--kv-offload-dir: a folder serves one live process (its lock); expected none with "
+                         f"--data-parallel-size {args.data_parallel_size}, got {args.kv_offload_dir!r}")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
@@ -294,7 +301,7 @@ def _disagg_proxy(args) -> int:
         url = getattr(args, name)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--{name}: expected an http:// or https:// URL, got {url!r}")
-    app = build_proxy_app(DisaggProxy(args.prefill, args.decode))
+    app = build_proxy_app(DisaggProxy(args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout))
     print(f"pagedpack: disagg-proxy on http://{args.host}:{args.port}/v1 (prefill {args.prefill}, decode "
           f"{args.decode})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

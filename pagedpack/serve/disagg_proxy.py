@@ -15,9 +15,13 @@ answer's ``kv_transfer_params`` name one request's blocks. A client's own ``kv_t
 (400): only the proxy says where blocks are. An error answer of either server (status and body) goes to
 the client as it came; a server that cannot be reached, or ends a whole answer early, is a 502 naming it;
 one that ends a stream early, an error event then ``data: [DONE]`` (only whole events are relayed, so the
-client never parses half a chunk). A client that goes away closes the server request under way, which
-aborts it there. ``Authorization`` is passed on to both servers. ``GET /health``: 200 when both servers
-answer 200; ``GET /v1/models``: the decode server's.
+client never parses half a chunk). A prefill server whose whole answer does not come within
+``prefill_timeout_s`` (``--prefill-timeout``) is a 504 naming it, and its request is closed (which aborts
+it there); the decode server's answer has no limit of the proxy's (its length is the client's
+``max_tokens``: the client's own timeout, a disconnect, ends it). A client that goes away closes the
+server request under way, which aborts it there. ``Authorization`` is passed on to both servers. ``GET
+/health``: 200 when both servers answer 200; ``GET /v1/models``: the decode server's (both within
+:data:`QUICK_ANSWER_S`).
 """
 from __future__ import annotations
 
@@ -31,18 +35,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedpack.serve import DEFAULT_PREFILL_TIMEOUT_S
 from pagedpack.serve.app import MAX_BODY_BYTES, _App, _disconnected, _error
 from pagedpack.serve.openai_serving import ServingError
 
 _PASSED_HEADERS = ("authorization",)
+QUICK_ANSWER_S = 5.0  # /health and /v1/models: seconds either server has to answer
 
 
 class DisaggProxy:
     """The proxy's work over the servers at ``prefill_url`` and ``decode_url`` (``http://host:port``);
-    ``connect_timeout_s``: to reach either (an answer may take as long as it takes)."""
+    ``connect_timeout_s``: to reach either; ``prefill_timeout_s``: the prefill server's whole answer
+    (seconds; module docstring). ``ValueError`` for a timeout that is not a finite number > 0."""
 
-    def __init__(self, prefill_url: str, decode_url: str, *, connect_timeout_s: float = 10.0):
+    def __init__(self, prefill_url: str, decode_url: str, *, connect_timeout_s: float = 10.0,
+                 prefill_timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S):
+        if not 0 < prefill_timeout_s < float("inf"):  # NaN too
+            raise ValueError(f"--prefill-timeout: expected seconds > 0, got {prefill_timeout_s}")
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.prefill_timeout_s = prefill_timeout_s
         timeout = httpx.Timeout(None, connect=connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
@@ -70,7 +81,13 @@ class DisaggProxy:
         prefill.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         if "max_completion_tokens" in body:
             prefill["max_completion_tokens"] = 1
-        answer = await self._whole(self.prefill_url, path, prefill, headers)
+        try:  # past the deadline the request is cancelled: its connection closed, which aborts it there
+            answer = await asyncio.wait_for(self._whole(self.prefill_url, path, prefill, headers),
+                                            self.prefill_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServingError(504, f"the prefill server at {self.prefill_url} did not answer {path} within "
+                                    f"{self.prefill_timeout_s:g} s (--prefill-timeout); the request there was "
+                                    "aborted") from None
         if answer.status_code != 200:
             return answer
         data = json.loads(answer.body)
@@ -111,7 +128,7 @@ class DisaggProxy:
     async def healthy(self) -> bool:
         for url in (self.prefill_url, self.decode_url):
             try:
-                if (await self.client.get(f"{url}/health", timeout=5)).status_code != 200:
+                if (await self.client.get(f"{url}/health", timeout=QUICK_ANSWER_S)).status_code != 200:
                     return False
             except httpx.HTTPError:
                 return False
@@ -163,7 +180,7 @@ def build_proxy_app(proxy: DisaggProxy, *, max_body_bytes: int = MAX_BODY_BYTES)
 async def _get(proxy: DisaggProxy, path: str, request: Request) -> Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
     try:
-        answer = await proxy.client.get(proxy.decode_url + path, headers=headers)
+        answer = await proxy.client.get(proxy.decode_url + path, headers=headers, timeout=QUICK_ANSWER_S)
     except httpx.HTTPError as err:
         raise _unreachable(proxy.decode_url, err) from err
     return Response(answer.content, status_code=answer.status_code,

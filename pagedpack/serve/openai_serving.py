@@ -171,6 +171,9 @@ class OpenAIServing:
     # -- shared ---------------------------------------------------------------------------------
     def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool):
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
+        if body.kv_transfer_params is not None and len(prompts) > 1:  # n > 1: the KV connector refuses it
+            raise ServingError(400, f"kv_transfer_params: one sequence's KV moves at a time; expected one prompt "
+                                    f"with kv_transfer_params, got {len(prompts)}", param="kv_transfer_params")
         params = [self._params(body, prompt, max_tokens, logprobs) for prompt in prompts]
         demand, max_queue = len(prompts) * body.n, self.config.max_queue
         if demand > max_queue:  # could never be taken: not a retry

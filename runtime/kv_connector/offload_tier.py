@@ -17,11 +17,12 @@ Two media (vLLM's names in the KV events' ``medium``):
 
   (little-endian). A file whose header, layout, length or checksum does not match is a *miss* (counted
   in ``corrupt``; the block is recomputed): never an error, never a wrong block. Nothing is unpickled.
-  A folder is reused across processes of one model: ``tier.json`` names the model whose blocks it holds
+  A folder is reused across processes of one model, one live process at a time (its lock:
+  :mod:`pagedpack.runtime.kv_connector.tier_folder`): ``tier.json`` names the model whose blocks it holds
   (``{"format": 1, "model": <fingerprint>}``); a process of another model, or of one without a
   fingerprint, removes the blocks first (a block's hash names tokens, not weights). Its ``*.kvblock``
   files are indexed at start (oldest first in the LRU), leftover temporary files (a process killed
-  mid-write) removed.
+  mid-write) removed; a write that fails (a full disk) leaves none.
 
 Both are bounded by ``capacity`` bytes (a disk block costs its file's size) and evict least recently
 used blocks first; :meth:`OffloadTier.take_events` gives ``BlockStored`` / ``BlockRemoved`` with their
@@ -36,7 +37,6 @@ import queue
 import re
 import stat
 import struct
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +45,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedpack.runtime.kv_connector.tier_folder import (
+    TEMP_PREFIX,
+    lock_folder,
+    read_regular_file,
+    remove_file,
+    write_atomically,
+)
 from pagedpack.runtime.kv_events import BlockRemoved, BlockStored
 
 MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"
@@ -208,25 +215,35 @@ class DiskTier(OffloadTier):
 
     def __init__(self, capacity: int, directory: str, *, block_size: int = 0, model: str | None = None) -> None:
         """``model``: the fingerprint of the model whose blocks these are (None: unknown, nothing
-        kept from an earlier process)."""
+        kept from an earlier process). :class:`~pagedpack.runtime.kv_connector.tier_folder.FolderInUse`
+        (a ``ValueError`` naming the holder) if another live tier holds the folder; ``OSError`` if the
+        folder cannot be made, locked or named."""
         super().__init__(capacity, block_size=block_size)
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
-        self._claim(model)
+        self._lock_fd: int | None = lock_folder(directory, model)  # before anything there is read or removed
+        try:
+            self._claim(model)
+            self._scan()
+        except BaseException:
+            self._unlock()
+            raise
         self._pending: dict[bytes, torch.Tensor] = {}  # queued for the writer, readable meanwhile
         self._queue: queue.Queue = queue.Queue()
-        self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="pagedpack-kv-offload", daemon=True)
         self._writer.start()
 
+    @staticmethod
+    def _name(block_hash: bytes) -> str:
+        return block_hash.hex() + ".kvblock"
+
     def _path(self, block_hash: bytes) -> str:
-        return os.path.join(self.directory, block_hash.hex() + ".kvblock")
+        return os.path.join(self.directory, self._name(block_hash))
 
     def _claim(self, model: str | None) -> None:
         """Remove the folder's blocks unless its manifest names ``model``; then name it."""
         manifest = {"format": VERSION, "model": model}
-        path = os.path.join(self.directory, MANIFEST)
-        held = _read_regular_file(path, MAX_MANIFEST_BYTES)
+        held = read_regular_file(os.path.join(self.directory, MANIFEST), MAX_MANIFEST_BYTES)
         try:
             held = None if held is None else json.loads(held)
         except ValueError:
@@ -234,17 +251,14 @@ class DiskTier(OffloadTier):
         if model is None or held != manifest:
             for entry in os.scandir(self.directory):
                 if FILE_NAME.match(entry.name):
-                    self._remove(entry.path)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-manifest-", dir=self.directory)
-            with os.fdopen(fd, "w") as f:
-                json.dump(manifest, f)
-            os.replace(tmp, path)
+                    remove_file(entry.path)
+            write_atomically(self.directory, MANIFEST, json.dumps(manifest).encode(), tag="manifest")
 
     def _scan(self) -> None:
         """Index the folder's block files, oldest first; remove temporary files a killed writer left."""
         found = []
         for entry in os.scandir(self.directory):
-            if entry.name.startswith(".tmp-") and entry.is_file(follow_symlinks=False):
+            if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
                 os.unlink(entry.path)
                 continue
             match = FILE_NAME.match(entry.name)
@@ -291,33 +305,15 @@ class DiskTier(OffloadTier):
             self.stats.save_seconds += time.perf_counter() - start
 
     def _write(self, block_hash: bytes, payload: torch.Tensor) -> int:
+        """Write the block's file (its bytes: the return value); ``OSError``, leaving no file, if it fails."""
         data = payload.numpy().tobytes()
         layout = self.layout.encode()
         header = HEADER.pack(MAGIC, VERSION, block_hash, len(data), hashlib.sha256(data).digest(), len(layout))
-        # a name of its own, made by mkstemp (O_EXCL): a symlink planted under a name the hash and pid
-        # predict is never opened; removed if the write fails (a full disk)
-        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{block_hash.hex()}-", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(header + layout + data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(block_hash))
-        except BaseException:
-            self._remove(tmp)
-            raise
+        write_atomically(self.directory, self._name(block_hash), header + layout + data, tag=block_hash.hex())
         return len(header) + len(layout) + len(data)
 
-    @staticmethod
-    def _remove(path: str) -> None:
-        """Remove a file of the folder; whatever is there (gone, a directory, no permission) is left."""
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
     def _unlink(self, block_hash: bytes) -> None:
-        self._remove(self._path(block_hash))
+        remove_file(self._path(block_hash))
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:
         """The payload of ``block_hash`` read and checked (module docstring), or None: a miss (counted;
@@ -372,17 +368,12 @@ class DiskTier(OffloadTier):
             time.sleep(0.001)
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer."""
+        """Finish the queued writes, stop the writer and let the folder go (its lock)."""
         self._queue.put(None)
         self._writer.join()
+        self._unlock()
 
-
-def _read_regular_file(path: str, limit: int) -> bytes | None:
-    """Up to ``limit`` bytes of ``path`` if it is a regular file (not a symlink, a directory or a FIFO,
-    which would block), else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

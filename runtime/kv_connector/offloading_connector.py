@@ -15,19 +15,28 @@ Preemption thus swaps out lazily: a preempted request's full blocks stay cached 
 the tier only if evicted; coming back it takes them from the pool, the tier, or recomputes, in that
 order (docs/kv-offload.md has the measurements behind loading rather than recomputing).
 
-Options (``kv_connector_extra_config``; ``--kv-offload-*``): ``kv_offload_size`` (bytes, > 0),
-``kv_offload_dir`` (None: host memory), ``kv_offload_watermark`` (0 <= w < 1).
+Options (``kv_connector_extra_config``; ``--kv-offload-*``): ``kv_offload_size`` (bytes, > 0, at most the
+memory the machine has available for a host tier, the folder's free disk space and the tier's blocks in
+it for a disk tier), ``kv_offload_dir`` (None: host memory), ``kv_offload_watermark`` (0 <= w < 1).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, fields
 
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
-from pagedpack.runtime.kv_connector.offload_tier import DiskTier, HostTier, gather_blocks, scatter_block
+from pagedpack.runtime.kv_connector.offload_tier import FILE_NAME, DiskTier, HostTier, gather_blocks, scatter_block
+from pagedpack.runtime.kv_connector.tier_folder import folder_holder
+from pagedpack.runtime.memory import available_memory
 
 MAX_WATERMARK_SAVES = 16  # blocks per step: bounds the stepping thread's copy-out time
+
+
+def _extra_config_name(key: str) -> str:
+    """How an option is named in errors when it comes in ``--kv-transfer-config``."""
+    return f"kv_transfer_config.kv_connector_extra_config.{key}"
 
 
 @dataclass
@@ -39,23 +48,55 @@ class OffloadingConfig:
     kv_offload_watermark: float = 0.0
 
     @classmethod
-    def parse(cls, extra: dict, prefix: str = "kv_transfer_config.kv_connector_extra_config.") -> OffloadingConfig:
-        """From ``kv_connector_extra_config``; ``ValueError`` naming ``<prefix><key>``."""
+    def parse(cls, extra: dict, name=_extra_config_name) -> OffloadingConfig:
+        """From ``kv_connector_extra_config``; ``ValueError`` naming ``name(key)``, what was expected and what
+        came: a key unknown, a value of the wrong type or range."""
         known = [f.name for f in fields(cls)]
-        for name in extra:
-            if name not in known:
-                raise ValueError(f"{prefix}{name}: expected one of {known}, got {name!r:.80}")
+        for key in extra:
+            if key not in known:
+                raise ValueError(f"{name(key)}: expected one of {known}, got {key!r:.80}")
         size, directory = extra.get("kv_offload_size", 0), extra.get("kv_offload_dir")
         watermark = extra.get("kv_offload_watermark", 0.0)
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise ValueError(f"{prefix}kv_offload_size: expected a size in bytes > 0, got {size!r:.80}")
+            raise ValueError(f"{name('kv_offload_size')}: expected a size in bytes > 0, got {size!r:.80}")
         if directory is not None and not (isinstance(directory, str) and directory):
-            raise ValueError(f"{prefix}kv_offload_dir: expected a folder's path or null, got {directory!r:.80}")
+            raise ValueError(f"{name('kv_offload_dir')}: expected a folder's path or null, got {directory!r:.80}")
         if directory is not None and os.path.exists(directory) and not os.path.isdir(directory):
-            raise ValueError(f"{prefix}kv_offload_dir: expected a folder, got {directory!r:.80}, which is not one")
+            raise ValueError(f"{name('kv_offload_dir')}: expected a folder, got {directory!r:.80}, which is not one")
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise ValueError(f"{prefix}kv_offload_watermark: expected a fraction in [0, 1), got {watermark!r:.80}")
+            raise ValueError(f"{name('kv_offload_watermark')}: expected a fraction in [0, 1), got {watermark!r:.80}")
         return cls(size, directory, float(watermark))
+
+    def check_medium(self, name=_extra_config_name) -> None:
+        """Before the model is loaded: ``ValueError`` naming ``name("kv_offload_size")`` if the size is beyond
+        what the tier's medium has room for now (:func:`tier_room`), ``name("kv_offload_dir")`` if another
+        live process holds the folder (its lock, :mod:`~pagedpack.runtime.kv_connector.tier_folder`)."""
+        holder = None if self.kv_offload_dir is None else folder_holder(self.kv_offload_dir)
+        if holder is not None:
+            raise ValueError(f"{name('kv_offload_dir')}: expected a folder no other live process uses, got "
+                             f"{self.kv_offload_dir!r}, {holder}")
+        room, what = tier_room(self.kv_offload_dir)
+        if room is not None and self.kv_offload_size > room:
+            size = self.kv_offload_size
+            raise ValueError(f"{name('kv_offload_size')}: expected at most {what} ({room} bytes), got "
+                             f"{size if size < 10**18 else format(size, '.3e')} bytes")
+
+
+def tier_room(directory: str | None) -> tuple[int | None, str]:
+    """``(bytes, what they are)``: the most a tier in ``directory`` (None: host memory) can hold, its folder's
+    free disk space and the tier's block files already in it (the nearest existing folder above it if it is
+    not there yet), or the memory the machine has available; None where the OS does not say."""
+    if directory is None:
+        return available_memory(), "the memory this machine has available for a host tier"
+    folder = os.path.abspath(directory)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if folder != os.path.abspath(directory):
+        return free, f"the free disk space of {folder}, where {directory} would be made"
+    held = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder)
+               if FILE_NAME.match(e.name) and e.is_file(follow_symlinks=False))
+    return free + held, f"the free disk space of {folder} and the tier's blocks there"
 
 
 class OffloadingMetadata(KVConnectorMetadata):
@@ -91,7 +132,8 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     @classmethod
     def check_config(cls, config) -> None:
-        OffloadingConfig.parse(config.kv_connector_extra_config)
+        """The options (:meth:`OffloadingConfig.parse`), the tier's medium (:meth:`OffloadingConfig.check_medium`)."""
+        OffloadingConfig.parse(config.kv_connector_extra_config).check_medium()
 
     # --- scheduler half --------------------------------------------------------------------------
 

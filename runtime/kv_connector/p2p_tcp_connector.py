@@ -8,7 +8,12 @@
 
 - ``hold_timeout_s`` (120): a producer lets go of blocks no consumer pulled in this long (vLLM's NIXL
   ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``);
-- ``timeout_s`` (10): each transfer's deadline per read and per write, both sides;
+- ``timeout_s`` (2): a transfer's deadline for the connect and for each read and write, both sides;
+- ``transfer_timeout_s`` (5): a whole transfer's deadline, both sides: a producer that accepts and never
+  answers, or answers a byte at a time, fails the pull when it passes (the tokens are computed here);
+- ``max_pulls`` (32): pulls a consumer runs at once, each in a thread of its own: a pull asked for while as
+  many run fails at once (its tokens computed here) rather than waiting behind them, so a stalled
+  producer delays no other request's pull;
 - ``max_held_bytes`` (1 GiB): the most bytes a producer holds for pulls at once; a request past it gets no
   ``kv_transfer_params`` (its decoder computes the prompt itself);
 - ``remote_hosts`` (``["127.0.0.1", "localhost", "::1"]``): the only hosts a consumer pulls from (the
@@ -41,9 +46,11 @@ pull is not scheduled), and binds metadata only to steps that run.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from pagedpack.runtime.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -51,6 +58,7 @@ from pagedpack.runtime.kv_connector.tcp_transfer import (
     MAX_ID_CHARS,
     BlockLayout,
     KVBlockServer,
+    KVTransferError,
     PulledBlocks,
     TransferStats,
     pull_blocks,
@@ -71,7 +79,6 @@ log = logging.getLogger("pagedpack.kv_transfer")
 _PARAMS = {"do_remote_decode": bool, "do_remote_prefill": bool, "remote_engine_id": str, "remote_request_id": str,
            "remote_host": str, "remote_port": int, "remote_block_ids": list, "remote_num_tokens": int}
 _NEEDED_TO_PULL = ("remote_host", "remote_port", "remote_request_id", "remote_num_tokens")
-MAX_PULLS = 4  # pulls in flight at once per consumer
 
 
 @dataclass(frozen=True)
@@ -79,29 +86,64 @@ class P2pTcpOptions:
     """``kv_connector_extra_config`` (module docstring)."""
 
     hold_timeout_s: float = 120.0
-    timeout_s: float = 10.0
+    timeout_s: float = 2.0
+    transfer_timeout_s: float = 5.0
     max_held_bytes: int = 2**30
+    max_pulls: int = 32
     remote_hosts: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
 
     @classmethod
     def parse(cls, extra: dict) -> "P2pTcpOptions":
+        """The options of ``kv_connector_extra_config``; ``ValueError`` naming
+        ``kv_transfer_config.kv_connector_extra_config.<key>``, what was expected and what came."""
         name = "kv_transfer_config.kv_connector_extra_config"
-        known = {"hold_timeout_s", "timeout_s", "max_held_bytes", "remote_hosts"}
+        known = {f.name for f in fields(cls)}
         for key in extra:
             if key not in known:
                 raise ValueError(f"{name}.{key}: expected one of {sorted(known)} for P2pTcpConnector, got {key!r:.80}")
-        for key in ("hold_timeout_s", "timeout_s"):
+        for key in ("hold_timeout_s", "timeout_s", "transfer_timeout_s"):
             value = extra.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise ValueError(f"{name}.{key}: expected seconds in (0, 1e6), got {value!r:.80}")
         held = extra.get("max_held_bytes", 0)
         if isinstance(held, bool) or not isinstance(held, int) or not 0 <= held < 2**63:
             raise ValueError(f"{name}.max_held_bytes: expected an int >= 0, got {held!r:.80}")
+        pulls = extra.get("max_pulls", 1)
+        if isinstance(pulls, bool) or not isinstance(pulls, int) or not 1 <= pulls <= 1024:
+            raise ValueError(f"{name}.max_pulls: expected an int in [1, 1024], got {pulls!r:.80}")
         hosts = extra.get("remote_hosts", ["127.0.0.1"])
         if not isinstance(hosts, list) or not hosts or not all(isinstance(h, str) and h for h in hosts):
             raise ValueError(f"{name}.remote_hosts: expected a non-empty list of host names, got {hosts!r:.80}")
         given = {k: tuple(v) if k == "remote_hosts" else v for k, v in extra.items()}
         return cls(**given)
+
+
+class _PullThreads:
+    """Runs each pull in a thread of its own, at most ``limit`` at once; a pull submitted while ``limit``
+    run fails at once (``KVTransferError``) instead of queueing: no pull waits behind a stalled one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def submit(self, fn, /, *args: Any, **kwargs: Any) -> Future:
+        """A future of ``fn(*args, **kwargs)``, run now in a new daemon thread, or failed if none is free."""
+        future: Future = Future()
+        if not self._slots.acquire(blocking=False):
+            future.set_exception(KVTransferError(f"{self.limit} pulls run already (kv_connector_extra_config."
+                                                 "max_pulls)"))
+            return future
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # handed to the future's reader
+                future.set_exception(err)
+            finally:
+                self._slots.release()
+
+        threading.Thread(target=run, name="pagedpack-kv-pull", daemon=True).start()
+        return future
 
 
 @dataclass
@@ -145,19 +187,27 @@ class P2pTcpConnector(KVConnectorBase_V1):
             if config.is_kv_producer:
                 try:
                     self.state.server = KVBlockServer(config.kv_ip, config.kv_port, timeout_s=self.options.timeout_s,
+                                                      transfer_timeout_s=self.options.transfer_timeout_s,
                                                       hold_timeout_s=self.options.hold_timeout_s,
                                                       max_held_bytes=self.options.max_held_bytes)
                 except OSError as err:
-                    raise ValueError(f"kv_transfer_config.kv_port: cannot listen on {config.kv_ip}:{config.kv_port} "
-                                     f"({err})") from err
+                    raise ValueError(_cannot_listen(config, err)) from err
             if config.is_kv_consumer:
-                self._pulls = ThreadPoolExecutor(MAX_PULLS, thread_name_prefix="pagedpack-kv-pull")
+                self._pulls = _PullThreads(self.options.max_pulls)
 
     cache_loaded_blocks = False  # the producer is the one a request's kv_transfer_params name
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
+        """The options, and for a producer whether ``kv_ip:kv_port`` can be listened on (bound and let go at
+        once: another process holding the port is refused before the model is built); ``ValueError`` naming
+        ``kv_transfer_config.<field>``."""
         P2pTcpOptions.parse(config.kv_connector_extra_config)
+        if config.is_kv_producer and config.kv_port:
+            try:
+                socket.create_server((config.kv_ip, config.kv_port)).close()
+            except OSError as err:
+                raise ValueError(_cannot_listen(config, err)) from err
 
     def describe(self) -> str:
         server = self.state.server
@@ -180,9 +230,10 @@ class P2pTcpConnector(KVConnectorBase_V1):
                 raise ValueError(f"kv_transfer_params.{key}: expected one of the fields {sorted(_PARAMS)}")
             if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
                 raise ValueError(f"kv_transfer_params.{key}: expected a {kind.__name__} or null, got {value!r:.80}")
-        if request.sampling_params.n != 1:
-            raise ValueError(f"kv_transfer_params: one request's KV moves at a time; expected n=1, got "
-                             f"n={request.sampling_params.n}")
+        num_sequences = 1 + len(request.forks)  # n > 1 (best_of n): the first sequence, n=1, and its forks
+        if num_sequences != 1:
+            raise ValueError(f"kv_transfer_params: one sequence's KV moves at a time; expected n=1 (and best_of 1 "
+                             f"or none) with kv_transfer_params, got n={num_sequences}")
         config = self._kv_transfer_config
         if params.get("do_remote_decode") and params.get("do_remote_prefill"):
             raise ValueError("kv_transfer_params.do_remote_prefill: expected do_remote_decode or do_remote_prefill, "
@@ -297,7 +348,8 @@ class P2pTcpConnector(KVConnectorBase_V1):
                 recv.future = self._pulls.submit(
                     pull_blocks, recv.host, recv.port, recv.remote_request_id, layout=state.layout,
                     block_hashes=recv.block_hashes, num_tokens=recv.num_tokens, first_block=recv.first_block,
-                    num_blocks=len(recv.block_ids), timeout_s=self.options.timeout_s)
+                    num_blocks=len(recv.block_ids), timeout_s=self.options.timeout_s,
+                    transfer_timeout_s=self.options.transfer_timeout_s)
             if not recv.future.done():
                 continue
             del state.to_recv[request_id]
@@ -334,9 +386,12 @@ class P2pTcpConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.role is KVConnectorRole.WORKER:
             if self.state.server is not None:
-                self.state.server.close()
-            if self._pulls is not None:
-                self._pulls.shutdown(wait=False, cancel_futures=True)
+                self.state.server.close()  # pulls under way end by their transfer_timeout_s
+
+
+def _cannot_listen(config: KVTransferConfig, err: OSError) -> str:
+    return (f"kv_transfer_config.kv_port: expected a port this producer can listen on, got {config.kv_ip}:"
+            f"{config.kv_port}, which cannot be bound ({err.strerror or err}; another process holds it?)")
 
 
 def _incoming(request: Request):

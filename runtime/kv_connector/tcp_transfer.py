@@ -19,10 +19,11 @@ never lands under other tokens), each cache's dtype and one block's shape, and p
 sha256 of its bytes; the payload is the blocks ``first_block ..`` in order, each the bytes of its K
 and V in every cache in the pool's order. The consumer answers ``ack {request_id, ok, error}``.
 
-Every read has a deadline (``timeout_s``: a peer that stops sending, or sends a byte at a time, is
-dropped when it passes); a header is at most :data:`MAX_HEADER_BYTES`; a payload must be exactly what
-the consumer expects. Errors are :class:`KVTransferError` naming the field, what was expected and what
-came; a bad peer fails its own transfer only.
+Every connect, read and write has a deadline (:class:`Deadlines`: ``timeout_s`` each, and the whole
+transfer ``transfer_timeout_s``, on both sides: a peer that accepts and never answers, stops sending, or
+sends a byte at a time, is dropped when one passes); a header is at most :data:`MAX_HEADER_BYTES`; a
+payload must be exactly what the consumer expects. Errors are :class:`KVTransferError` naming the field,
+what was expected and what came; a bad peer fails its own transfer only.
 """
 from __future__ import annotations
 
@@ -125,6 +126,28 @@ def request_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: 
     return hashes
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """The time limits of one transfer: each connect, read and write within ``timeout_s`` seconds, and
+    all of it by ``end`` (``time.monotonic()`` seconds)."""
+
+    timeout_s: float
+    end: float
+
+    @classmethod
+    def start(cls, timeout_s: float, transfer_timeout_s: float) -> "Deadlines":
+        """The limits of a transfer starting now that may last ``transfer_timeout_s`` seconds."""
+        return cls(timeout_s, time.monotonic() + transfer_timeout_s)
+
+    def next(self) -> float:
+        """The deadline (monotonic seconds) of the next connect, read or write."""
+        return min(time.monotonic() + self.timeout_s, self.end)
+
+    def left(self) -> float:
+        """Seconds until :meth:`next`'s deadline (at least 1 ms: a socket timeout of 0 would not block)."""
+        return max(1e-3, self.next() - time.monotonic())
+
+
 @dataclass
 class TransferStats:
     """Counters of one side's transfers (thread-safe :meth:`add`): requests, blocks and bytes moved, the
@@ -165,12 +188,14 @@ class KVBlockServer:
     its bytes reserved, before its ``kv_transfer_params`` go out), then held (:meth:`hold`: its blocks' bytes,
     copied out of the pool; a pull arriving in between waits for them); it is let go after one pull, whatever
     its outcome, or ``hold_timeout_s`` after it was expected. ``max_held_bytes``: the most bytes expected and held
-    at once; ``timeout_s``: each connection's deadline per read and per answer; ``max_connections``: pulls
-    served at once (a connection past them is closed). ``OSError`` if the address cannot be bound."""
+    at once; ``timeout_s`` / ``transfer_timeout_s``: each connection's :class:`Deadlines` (seconds per read and
+    per write / for the whole pull); ``max_connections``: pulls served at once (a connection past them is
+    closed). ``OSError`` if the address cannot be bound."""
 
-    def __init__(self, host: str, port: int, *, hold_timeout_s: float = 120.0, timeout_s: float = 10.0,
-                 max_held_bytes: int = 2**30, max_connections: int = 16):
-        self.hold_timeout_s, self.timeout_s, self.max_held_bytes = hold_timeout_s, timeout_s, max_held_bytes
+    def __init__(self, host: str, port: int, *, hold_timeout_s: float = 120.0, timeout_s: float = 2.0,
+                 transfer_timeout_s: float = 5.0, max_held_bytes: int = 2**30, max_connections: int = 16):
+        self.hold_timeout_s, self.max_held_bytes = hold_timeout_s, max_held_bytes
+        self.timeout_s, self.transfer_timeout_s = timeout_s, transfer_timeout_s
         self.stats = TransferStats()
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
@@ -255,27 +280,27 @@ class KVBlockServer:
 
     def _answer(self, conn: socket.socket) -> None:
         request_id, start = None, time.monotonic()
+        limits = Deadlines.start(self.timeout_s, self.transfer_timeout_s)
         try:
             with conn:
-                deadline = start + self.timeout_s
-                pull = _recv_header(conn, deadline, Pull)
-                held = self._take(pull.request_id, deadline)
+                pull = _recv_header(conn, limits.next(), Pull)
+                held = self._take(pull.request_id, limits.next())
                 if held is None:
                     _send(conn, Error(f"request_id: no held KV blocks for {pull.request_id!r} (never held, pulled "
-                                      "already, or let go after the hold timeout)"), deadline=deadline)
+                                      "already, or let go after the hold timeout)"), deadline=limits.next())
                     return
                 request_id, total = pull.request_id, len(held.data)
                 if pull.first_block + pull.num_blocks > total:
                     problem = (f"pull.num_blocks: blocks {pull.first_block} .. {pull.first_block + pull.num_blocks - 1}"
                                f" asked, the request has {total}")
-                    _send(conn, Error(problem), deadline=deadline)
+                    _send(conn, Error(problem), deadline=limits.next())
                     raise KVTransferError(problem)
                 data = held.data[pull.first_block:pull.first_block + pull.num_blocks]
                 header = KVBlocks(request_id, held.num_tokens, pull.first_block, held.block_hashes,
                                   [(d, list(s)) for d, s in held.layout.caches],
                                   [hashlib.sha256(row).digest() for row in data.numpy()], data.numel())
-                _send(conn, header, data.numpy(), deadline=time.monotonic() + self.timeout_s)
-                ack = _recv_header(conn, time.monotonic() + self.timeout_s, Ack)
+                _send(conn, header, data.numpy(), deadline=limits.next())
+                ack = _recv_header(conn, limits.next(), Ack)
                 if not ack.ok:
                     raise KVTransferError(f"the consumer refused the blocks of {request_id!r}: {ack.error}")
                 if len(data):  # a pull of no block only lets the copy go: not a transfer (the consumer counts none)
@@ -314,20 +339,23 @@ class PulledBlocks:
 
 
 def pull_blocks(host: str, port: int, request_id: str, *, layout: BlockLayout, block_hashes: list[bytes],
-                num_tokens: int, first_block: int, num_blocks: int, timeout_s: float = 10.0) -> PulledBlocks:
+                num_tokens: int, first_block: int, num_blocks: int, timeout_s: float = 2.0,
+                transfer_timeout_s: float = 5.0) -> PulledBlocks:
     """Pull the blocks ``first_block .. first_block + num_blocks - 1`` of ``request_id`` from the producer at
     ``host:port``: the request must hold ``num_tokens`` tokens whose :func:`request_block_hashes` are
-    ``block_hashes``, in caches of ``layout``. Each read and write has ``timeout_s``. ``KVTransferError``
-    naming what differed (the producer is told, and lets the blocks go either way)."""
+    ``block_hashes``, in caches of ``layout``. The connect and each read and write take at most ``timeout_s``
+    seconds, the whole pull ``transfer_timeout_s`` (:class:`Deadlines`). ``KVTransferError`` naming what
+    differed or which deadline passed (the producer is told, and lets the blocks go either way)."""
     start = time.monotonic()
+    limits = Deadlines.start(timeout_s, transfer_timeout_s)
     try:
-        conn = socket.create_connection((host, port), timeout=timeout_s)
+        conn = socket.create_connection((host, port), timeout=limits.left())
     except OSError as err:
         raise KVTransferError(f"cannot reach the KV producer at {host}:{port}: {err}") from err
     try:
         with conn:
             data = _pull(conn, f"{host}:{port}", request_id, layout=layout, block_hashes=block_hashes,
-                         num_tokens=num_tokens, first_block=first_block, num_blocks=num_blocks, timeout_s=timeout_s)
+                         num_tokens=num_tokens, first_block=first_block, num_blocks=num_blocks, limits=limits)
     except KVTransferError:
         raise
     except OSError as err:  # reset, broken pipe
@@ -336,16 +364,13 @@ def pull_blocks(host: str, port: int, request_id: str, *, layout: BlockLayout, b
 
 
 def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayout, block_hashes: list[bytes],
-          num_tokens: int, first_block: int, num_blocks: int, timeout_s: float) -> torch.Tensor:
-    def deadline() -> float:
-        return time.monotonic() + timeout_s
-
+          num_tokens: int, first_block: int, num_blocks: int, limits: Deadlines) -> torch.Tensor:
     def refuse(error: str):
-        _send(conn, Ack(request_id, False, error[:4096]), deadline=deadline())
+        _send(conn, Ack(request_id, False, error[:4096]), deadline=limits.next())
         raise KVTransferError(error)
 
-    _send(conn, Pull(request_id, first_block, num_blocks), deadline=deadline())
-    header = _recv_header(conn, deadline(), KVBlocks, Error)
+    _send(conn, Pull(request_id, first_block, num_blocks), deadline=limits.next())
+    header = _recv_header(conn, limits.next(), KVBlocks, Error)
     if isinstance(header, Error):
         raise KVTransferError(f"the KV producer at {peer}: {header.message}")
     try:
@@ -355,11 +380,11 @@ def _pull(conn: socket.socket, peer: str, request_id: str, *, layout: BlockLayou
         refuse(str(err))
     data = torch.empty((num_blocks, layout.block_bytes), dtype=torch.uint8)
     if data.numel():  # (a memoryview of no bytes cannot be cast)
-        _recv_into(conn, memoryview(data.numpy()).cast("B"), deadline())
+        _recv_into(conn, memoryview(data.numpy()).cast("B"), limits.next())
     for i, (row, digest) in enumerate(zip(data.numpy(), header.block_sha256)):
         if hashlib.sha256(row).digest() != digest:
             refuse(f"kv_blocks.block_sha256[{i}]: the bytes of block {first_block + i} do not match their sha256")
-    _send(conn, Ack(request_id, True), deadline=deadline())
+    _send(conn, Ack(request_id, True), deadline=limits.next())
     return data
 
 
