@@ -12,6 +12,7 @@ names are the API's).
 """
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagedpack.runtime.sampling import MAX_LOGPROBS, SamplingParams
+from pagedpack.runtime.sampling_params import StructuredOutputsParams
 
 
 def _utf8(text: str) -> str:
@@ -122,8 +124,10 @@ class _SamplingBody(_Body):
     # server's KV connector's, which checks them (a server without one refuses it)
     kv_transfer_params: dict[Text, Any] | None = None
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value);
+        ``structured_outputs``: the constraint the server puts on the output (a tool choice's)."""
         bias = None
         if self.logit_bias is not None:
             bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit())]
@@ -140,7 +144,7 @@ class _SamplingBody(_Body):
             **{k: v for k, v in given.items() if v is not None}, max_tokens=max_tokens, stop=self.stop,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, structured_outputs=structured_outputs,
             extra_args=None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params})
 
     def check_unsupported(self) -> None:
@@ -212,6 +216,58 @@ class ResponseFormat(_Body):
     type: Literal["text"]  # json_object / json_schema (guided decoding) are not supported
 
 
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _tool_name(name: str) -> str:
+    if not _TOOL_NAME.fullmatch(name):
+        raise ValueError("expected 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'")
+    return name
+
+
+def _object_schema(schema: dict) -> dict:
+    if "type" in schema and schema["type"] != "object":  # OpenAI's rule: the arguments are a JSON object
+        raise ValueError(f"expected the JSON schema of an object (type \"object\"), got type {brief(schema['type'])}")
+    return schema
+
+
+class FunctionDefinition(_Body):
+    """OpenAI's function tool: ``parameters`` is the JSON schema of its arguments (an object)."""
+
+    name: Annotated[Text, AfterValidator(_tool_name)]
+    description: Text | None = None
+    parameters: Annotated[dict[Text, Any], AfterValidator(_object_schema)] | None = None
+    strict: StrictBool | None = None  # accepted; a named or required tool_choice is always enforced
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: that function must be called."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_TOOL_CHOICES = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+
+
+def _tool_choice_word(word: str) -> str:
+    if word not in ("none", "auto", "required"):
+        raise ValueError(f"expected {_TOOL_CHOICES}")
+    return word
+
+
+ToolChoice = Annotated[Annotated[Text, AfterValidator(_tool_choice_word)] | NamedToolChoice, _one_of(_TOOL_CHOICES)]
+
+
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
 
@@ -221,8 +277,8 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (OpenAI's defaults)
     parallel_tool_calls: StrictBool | None = None
     # vLLM's chat extras
     echo: StrictBool = False
@@ -233,8 +289,16 @@ class ChatCompletionRequest(_SamplingBody):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported; leave tools out")
+        names = [tool.function.name for tool in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"tools.{i}.function.name: expected names that differ, got {brief(name)} twice")
+        if self.tool_choice not in (None, "none") and not names:
+            choice = repr(self.tool_choice) if isinstance(self.tool_choice, str) else "a named function"
+            raise ValueError(f"tool_choice: {choice} needs tools; give tools or leave tool_choice out")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice.function.name: expected one of the tools' names ({', '.join(names)}), "
+                             f"got {brief(self.tool_choice.function.name)}")
         if self.echo:
             raise ValueError("echo: not supported; send false")
         if self.top_logprobs is not None and not self.logprobs:
@@ -242,6 +306,13 @@ class ChatCompletionRequest(_SamplingBody):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_completion_tokens: differs from max_tokens; give one of them")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, its default filled in: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:
