@@ -124,7 +124,7 @@ def test_a_streamed_tool_choice_answer_equals_the_whole_one(client, tool_choice)
     """Greedy, n = 2: each choice's streamed deltas put together (content, calls by index: the first
     delta with id, type and name, then argument fragments) equal the whole answer's message."""
     ask = {"model": "smol", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "n": 2,
-           "max_tokens": TOOL_MAX_TOKENS, "temperature": 0}
+           "max_tokens": 20, "temperature": 0}
     whole = client.chat.completions.create(**ask)
     got: dict = {}
     for chunk in client.chat.completions.create(**ask, stream=True):
