@@ -30,10 +30,11 @@ def has_chat_template(tokenizer) -> bool:
 
 def render_text(tokenizer, conversation: list[dict], *, chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template_kwargs: dict | None = None) -> str:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
     """The conversation rendered by the chat template (``chat_template`` or the tokenizer's), as
-    text. ``ValueError`` for a tokenizer with no template, or a template that fails on the
-    conversation."""
+    text; ``tools`` (OpenAI's function tools) are the template's ``tools`` (a template that does
+    not read them renders without them). ``ValueError`` for a tokenizer with no template, or a
+    template that fails on the conversation."""
     if tokenizer is None:
         raise ValueError("messages: chat needs a tokenizer and the model has none")
     if chat_template is None and not has_chat_template(tokenizer):
@@ -42,7 +43,7 @@ def render_text(tokenizer, conversation: list[dict], *, chat_template: str | Non
     try:
         return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                             continue_final_message=continue_final_message,
+                                             continue_final_message=continue_final_message, tools=tools,
                                              **(chat_template_kwargs or {}))
     except Exception as err:  # a Jinja error, a template that raises on this conversation
         raise ValueError(f"messages: the chat template does not render this conversation "

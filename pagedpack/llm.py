@@ -183,15 +183,15 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, stream: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None):
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None):
         """Generate replies to ``messages`` (one conversation, a list of ``{"role", "content"}``
         dicts, or a list of conversations), each rendered by the tokenizer's chat template (or
-        ``chat_template``) as vLLM's ``LLM.chat``; returns what :meth:`generate` returns (a list
-        for a list of conversations, each output's ``prompt`` the rendered text)."""
+        ``chat_template``; ``tools``: its tools) as vLLM's ``LLM.chat``; returns what :meth:`generate`
+        returns (a list for a list of conversations, each output's ``prompt`` the rendered text)."""
         convs, _ = conversations(messages)
         rendered = [render(self.tokenizer, c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
-                    for c in convs]
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                           tools=tools) for c in convs]
         outputs = self.generate([prompt for _, prompt in rendered], sampling_params, use_tqdm=use_tqdm, stream=stream)
         if stream:
             return outputs

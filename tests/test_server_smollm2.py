@@ -1,12 +1,17 @@
 """``pagedpack serve smollm2-135m`` (real weights, captured by the server from the alias) against
 the unmodified ``transformers`` model: chat and raw completions, streamed by concurrent clients
 with the official ``openai`` client, equal ``apply_chat_template`` + greedy ``generate`` run on
-each prompt alone."""
+each prompt alone. Tool calling (``--enable-auto-tool-choice --tool-call-parser hermes``): a
+required and a named ``tool_choice`` give calls whose arguments validate against the tool's
+parameters, streamed calls equal whole ones, a tool's result fed back is answered. SmolLM2's chat
+template does not render tools (it reads only roles and contents; vLLM renders it the same way):
+tests/test_tool_calling.py renders them with a Hermes (Qwen2.5-style) template."""
 import asyncio
 import json
 import re
 import time
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -27,7 +32,8 @@ def checkpoint():
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    args = ("--max-num-batched-tokens", "256", "--served-model-name", "smol", "--timeout-graceful-shutdown", "120")
+    args = ("--max-num-batched-tokens", "256", "--served-model-name", "smol", "--timeout-graceful-shutdown", "120",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     with RemoteServer("smollm2-135m", *args, log_path=tmp_path_factory.mktemp("smol") / "server.log") as remote:
         yield remote
         # idle: SIGTERM stops it at once, not when the grace period's abort timer fires (120 s - 1 s;
@@ -122,3 +128,83 @@ def test_structured_outputs_with_the_openai_client(server):
     assert choice[1] == "stop" and choice[0] in ("cats", "dogs", "neither"), choice
     assert unfinished[1] == "length" and re.fullmatch("x+", unfinished[0]), unfinished
     assert bad.status_code == 400 and bad.body["param"] == "response_format", bad.body
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+TOOL_MAX_TOKENS = 40
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _calls(message):
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+
+
+def test_a_required_tool_choice_calls_a_tool_with_valid_arguments(client):
+    out = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                         max_tokens=TOOL_MAX_TOKENS, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_a_named_tool_choice_calls_that_tool_with_valid_arguments(client):
+    out = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], max_tokens=TOOL_MAX_TOKENS,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                         temperature=0)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_weather"])
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_streamed_tool_choice_answer_equals_the_whole_one(client, tool_choice):
+    """Greedy, n = 2: each choice's streamed deltas put together (content, calls by index: the first
+    delta with id, type and name, then argument fragments) equal the whole answer's message."""
+    ask = {"model": "smol", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": tool_choice, "n": 2,
+           "max_tokens": 20, "temperature": 0}
+    whole = client.chat.completions.create(**ask)
+    got: dict = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content, calls, finish = got.setdefault(choice.index, ["", {}, None])
+            got[choice.index][0] = content + (choice.delta.content or "")
+            for delta in choice.delta.tool_calls or ():
+                if delta.index not in calls:
+                    assert delta.id.startswith("chatcmpl-tool-") and delta.type == "function" and delta.function.name
+                    calls[delta.index] = [delta.function.name, ""]
+                calls[delta.index][1] += delta.function.arguments or ""
+            got[choice.index][2] = choice.finish_reason or finish
+    assert sorted(got) == [0, 1]
+    for choice in whole.choices:
+        content, calls, finish = got[choice.index]
+        assert (content or None, [tuple(c) for c in calls.values()], finish) == \
+               (choice.message.content or None, _calls(choice.message), choice.finish_reason)
+        if isinstance(tool_choice, dict):  # the whole output is the call's arguments, whatever the grammar made
+            assert [name for name, _ in _calls(choice.message)] == ["get_time"] and choice.finish_reason != "tool_calls"
+
+
+def test_a_tool_s_result_fed_back_is_answered(client):
+    called = {"id": "chatcmpl-tool-0123", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [called]},
+                {"role": "tool", "tool_call_id": called["id"],
+                 "content": json.dumps({"temperature_c": 21, "sky": "clear"})}]
+    out = client.chat.completions.create(model="smol", messages=messages, tools=[WEATHER], max_tokens=16, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.choices[0].message.content
+    assert out.usage.prompt_tokens > 40  # the call and its result were rendered

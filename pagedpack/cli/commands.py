@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "(default: the tokenizer's)")
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="let a request bring its own chat_template (rendered in transformers' sandbox)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='serve tool_choice "auto" (the default with tools): the model\'s text is read for calls by '
+                          "--tool-call-parser (docs/tool-calling.md)")
+    srv.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                     help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: Qwen2.5, "
+                          "Qwen3, Hermes, SmolLM3) or pythonic ([f(a=1)]: Llama 3.2, Gemma 3)")
+    srv.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                     help='leave the tools out of the prompt when a request says tool_choice "none" (by default the '
+                          "template gets them, as vLLM does)")
     srv.add_argument("--max-queue", type=int, default=1024,
                      help="most requests waiting for their first step; more get HTTP 503 with Retry-After")
     srv.add_argument("--max-unsent-tokens", type=int, default=MAX_UNSENT_TOKENS,
@@ -271,7 +280,9 @@ def _serve(args) -> int:
     name = args.served_model_name or str(args.model)
     config = ServingConfig(model_name=name, chat_template=template,  # checked before the model is loaded
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue,
-                           max_tokenize_queue=args.max_tokenize_queue)
+                           max_tokenize_queue=args.max_tokenize_queue,
+                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     engine_args = EngineArgs.from_cli_args(args)
     check_online(engine_args)
     flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)

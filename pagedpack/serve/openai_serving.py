@@ -8,7 +8,7 @@ aborts the engine requests still live, freeing their KV blocks before the next s
 
 What reaches the tokenizer is counted first: a completion's text prompts; a chat's every string of
 every message (role, name, content, any extra field, nested keys too; any other value counts as at
-least one character), its ``chat_template_kwargs`` and its own ``chat_template``, each refused (400
+least one character), its ``chat_template_kwargs``, its ``tools`` and its own ``chat_template``, each refused (400
 naming the field) past the characters the context can hold (``max_text_chars``), and then the
 rendered text again, before it is tokenized. Rendering and tokenizing run in
 ``TOKENIZER_THREADS`` threads of their own, never the event loop's; when ``max_tokenize_queue``
@@ -41,6 +41,8 @@ from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput, merge
 from pagedpack.serve.metrics import ServerMetrics
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedpack.serve.tool_parsers import PARSERS, ToolParser
+from pagedpack.serve.tools import ToolCalling, template_messages, template_tools
 
 log = logging.getLogger("pagedpack.serve")
 TOKENIZER_THREADS = 2  # rendering and tokenizing (encoding holds the engine's tokenizer lock)
@@ -84,15 +86,25 @@ class ServingConfig:
     """What the endpoints need besides the engine: the name clients use, the chat template
     (None: the tokenizer's), whether a request may bring its own template, how many requests
     may wait for their first step, and how many may be in or wait for the tokenizer's threads,
-    before new ones are refused (503)."""
+    before new ones are refused (503); tool calling (vLLM's flags, :mod:`pagedpack.serve.tools`):
+    whether ``tool_choice: "auto"`` is served, by which parser, and whether ``tool_choice:
+    "none"`` leaves the tools out of the prompt."""
 
     model_name: str
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     max_queue: int = 1024
     max_tokenize_queue: int = 256
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser: expected one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's rule
+            raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (the format the model writes "
+                             f"its calls in: {', '.join(PARSERS)})")
         try:  # every response and /metrics carries it: a name that cannot be encoded would fail them all
             self.model_name.encode()
         except UnicodeEncodeError:
@@ -116,10 +128,10 @@ class OpenAIServing:
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         self.max_text_chars = self.max_model_len * max(1, max(map(len, vocab), default=1))
         # a chat body larger than this holds more than a request could use: what the template reads
-        # (messages, chat_template_kwargs, chat_template) at 12 bytes of JSON a character (an escaped
+        # (messages, chat_template_kwargs, chat_template, tools) at 12 bytes of JSON a character (an escaped
         # surrogate pair), 32 bytes per vocabulary token (logit_bias and stop_token_ids may name each)
         # and 1 MiB for the rest; refused before it is read (parsing 30 MB holds the event loop ~0.1 s)
-        self.max_chat_body_bytes = 12 * 3 * self.max_text_chars + 32 * len(vocab) + 2**20
+        self.max_chat_body_bytes = 12 * 4 * self.max_text_chars + 32 * len(vocab) + 2**20
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedpack-tokenize")
         self._tokenize_slots = threading.BoundedSemaphore(config.max_tokenize_queue)
 
@@ -153,15 +165,19 @@ class OpenAIServing:
                                                   self.max_text_chars), in_strings)
         self._check_length("chat_template_kwargs", _num_chars(kwargs, self.max_text_chars), in_strings)
         self._check_length("chat_template", len(body.chat_template or ""))
+        self._check_length("tools", _num_chars([t.model_dump(exclude_none=True) for t in body.tools or ()],
+                                               self.max_text_chars), in_strings)
+        tools = _checked(lambda: ToolCalling.for_request(body, tool_call_parser=self.config.tool_call_parser
+                                                         if self.config.enable_auto_tool_choice else None))
 
         def tokenized() -> Prompt:
-            text = _tokenized("messages", lambda: chat_text(self.llm.tokenizer, body, self.config.chat_template))
+            text = _tokenized("messages", lambda: chat_text(self.llm.tokenizer, body, self.config))
             self._check_length("messages", len(text), "the chat template renders {} characters")
             return self._prompt(text, body.cache_salt, special=False)  # the template wrote them
 
         prompt = await self._tokenizing(tokenized)
         return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
-                             chat=True)
+                             chat=True, tools=tools)
 
     @property
     def healthy(self) -> bool:
@@ -169,12 +185,14 @@ class OpenAIServing:
         return self.llm._loop.error is None
 
     # -- shared ---------------------------------------------------------------------------------
-    def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool):
+    def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool,
+                 tools: ToolCalling | None = None):
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
         if body.kv_transfer_params is not None and len(prompts) > 1:  # n > 1: the KV connector refuses it
             raise ServingError(400, f"kv_transfer_params: one sequence's KV moves at a time; expected one prompt "
                                     f"with kv_transfer_params, got {len(prompts)}", param="kv_transfer_params")
-        params = [self._params(body, prompt, max_tokens, logprobs) for prompt in prompts]
+        constraint = tools.structured_outputs if tools is not None else None
+        params = [self._params(body, prompt, max_tokens, logprobs, constraint) for prompt in prompts]
         demand, max_queue = len(prompts) * body.n, self.config.max_queue
         if demand > max_queue:  # could never be taken: not a retry
             name = "n" if body.n > 1 else ("messages" if chat else "prompt")
@@ -200,13 +218,13 @@ class OpenAIServing:
                 raise ServingError(503, str(err)) from err
             raise
         response = _Response(response_id, self.config.model_name, body.n, chat, logprobs,
-                             body.return_tokens_as_token_ids)
+                             body.return_tokens_as_token_ids, tools)
         deltas = _observed(_merged(streams), timers)
         if body.stream:
             return self._events(response, deltas, ids, body)
         return self._whole(response, deltas, ids, len(prompts))
 
-    def _params(self, body, prompt: Prompt, max_tokens: int | None, logprobs: int | None):
+    def _params(self, body, prompt: Prompt, max_tokens: int | None, logprobs: int | None, structured_outputs=None):
         num_prompt = len(prompt.content)
         if max_tokens is None:  # as vLLM: whatever the context leaves
             max_tokens = max(1, self.max_model_len - num_prompt)
@@ -217,7 +235,8 @@ class OpenAIServing:
             raise ServingError(400, f"{name}: this model's maximum context length is {self.max_model_len} tokens; "
                                     f"the prompt has {num_prompt} and {max_tokens} more were requested",
                                param=name)
-        return _checked(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs))
+        return _checked(lambda: body.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
+                                                     structured_outputs=structured_outputs))
 
     def _prompt(self, prompt: str | list[int], cache_salt: str | None, *, special: bool = True) -> Prompt:
         """Token ids, so the prompt's length is known before it is added (text tokenized here, with
@@ -307,15 +326,16 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def chat_text(tokenizer, body: ChatCompletionRequest, chat_template: str | None) -> str:
-    """The text the chat request's messages render to (its own ``chat_template``, else
-    ``chat_template``, else the tokenizer's); tokenized without special tokens (the template wrote
+def chat_text(tokenizer, body: ChatCompletionRequest, config: ServingConfig) -> str:
+    """The text the chat request's messages (and tools) render to (its own ``chat_template``, else
+    the server's, else the tokenizer's); tokenized without special tokens (the template wrote
     them). ``ValueError`` / ``TypeError`` as :func:`~pagedpack.chat.render_text` raises them."""
-    return render_text(tokenizer, [m.as_dict() for m in body.messages],
-                       chat_template=body.chat_template or chat_template,
+    return render_text(tokenizer, template_messages(body.messages),
+                       chat_template=body.chat_template or config.chat_template,
                        add_generation_prompt=body.add_generation_prompt,
                        continue_final_message=body.continue_final_message,
-                       chat_template_kwargs=body.chat_template_kwargs or {})
+                       chat_template_kwargs=body.chat_template_kwargs or {},
+                       tools=template_tools(body, exclude_when_none=config.exclude_tools_when_tool_choice_none))
 
 
 _APPLY_CHAT_TEMPLATE_ARGS = {"conversation", "messages", "self", "tools", "documents", "chat_template",
@@ -415,14 +435,17 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 class _Response:
-    """Builds one response's objects: OpenAI's completion or chat shapes, choice ``i * n + index``."""
+    """Builds one response's objects: OpenAI's completion or chat shapes, choice ``i * n + index``;
+    with ``tools``, each chat choice's text read by its own tool parser."""
 
-    def __init__(self, response_id: str, model: str, n: int, chat: bool, logprobs: int | None, token_ids: bool):
+    def __init__(self, response_id: str, model: str, n: int, chat: bool, logprobs: int | None, token_ids: bool,
+                 tools: ToolCalling | None = None):
         self.id, self.model, self.n, self.chat, self.logprobs = response_id, model, n, chat, logprobs
-        self.token_ids = token_ids  # name tokens by id in logprobs
+        self.token_ids, self.tools = token_ids, tools  # name tokens by id in logprobs
         self.created = int(time.time())
         self._started: set = set()  # prompts and choices that sent something
         self._offsets: dict[int, int] = {}  # completions' text offsets (completion logprobs)
+        self._streamed: dict[int, tuple[ToolParser, str]] = {}  # a streamed choice's tool parser and text so far
 
     def header(self, *, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -442,8 +465,14 @@ class _Response:
         if prompt_logprobs is not None:
             choice["prompt_logprobs"] = _prompt_logprobs(prompt_logprobs)
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": part.text} if self.first(("choice", index)) \
-                else {"content": part.text}
+            delta = {"content": part.text}
+            if self.tools is not None:
+                parser, previous = self._streamed.get(index) or (self.tools.parser(), "")
+                self._streamed[index] = parser, previous + part.text
+                delta = parser.extract_tool_calls_streaming(previous, previous + part.text, part.text,
+                                                            finished=part.finished) or {}
+                choice["finish_reason"] = self.tools.finish_reason(part.finish_reason, parser)
+            choice["delta"] = {"role": "assistant", **delta} if self.first(("choice", index)) else delta
         else:
             choice["text"] = part.text
         choice["stop_reason"] = part.stop_reason
@@ -455,11 +484,12 @@ class _Response:
             for part in sorted(out.outputs, key=lambda c: c.index):
                 index = i * self.n + part.index
                 choice: dict = {"index": index}
+                finish_reason = part.finish_reason
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": part.text}
+                    choice["message"], finish_reason = self._message(part)
                 else:
                     choice["text"] = part.text
-                choice.update(logprobs=self._logprobs(index, part), finish_reason=part.finish_reason,
+                choice.update(logprobs=self._logprobs(index, part), finish_reason=finish_reason,
                               stop_reason=part.stop_reason)
                 if out.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
@@ -471,6 +501,18 @@ class _Response:
         if transfer:  # vLLM's: one request's (a body of one prompt with n = 1 is what the connector serves)
             body["kv_transfer_params"] = transfer[0]
         return body
+
+    def _message(self, part: CompletionOutput) -> tuple[dict, str | None]:
+        """A whole chat choice's message (its text, or its tool calls and what text is left) and
+        finish reason."""
+        if self.tools is None:
+            return {"role": "assistant", "content": part.text}, part.finish_reason
+        parser = self.tools.parser()
+        read = parser.extract_tool_calls(part.text)
+        message = {"role": "assistant", "content": read.content}
+        if read.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in read.tool_calls]
+        return message, self.tools.finish_reason(part.finish_reason, parser)
 
     def _logprobs(self, index: int, part: CompletionOutput) -> dict | None:
         """OpenAI's logprobs of ``part``'s tokens: chat ``{"content": [...]}``; completions

@@ -13,6 +13,7 @@ names are the API's).
 """
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Annotated, Any, Literal
 
@@ -30,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagedpack.runtime.sampling import MAX_LOGPROBS, SamplingParams
+from pagedpack.runtime.sampling_params import StructuredOutputsParams
 
 
 def _utf8(text: str) -> str:
@@ -154,8 +156,10 @@ class _SamplingBody(_Body):
     structured_outputs: dict[Text, Any] | None = None
     response_format: ResponseFormat | None = None  # OpenAI's (vLLM takes it on /v1/completions too)
 
-    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value)."""
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's :class:`SamplingParams` (``ValueError`` naming the field for a bad value);
+        ``structured_outputs``: the constraint the server puts on the output (a tool choice's)."""
         bias = None
         if self.logit_bias is not None:
             bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit())]
@@ -167,6 +171,11 @@ class _SamplingBody(_Body):
             if structured is not None:
                 raise ValueError("response_format: give response_format or structured_outputs, not both")
             structured = self.response_format.structured_outputs()
+        if structured_outputs is not None:
+            if structured is not None:
+                raise ValueError("tool_choice: a required or named tool choice constrains the output itself; "
+                                 "leave response_format and structured_outputs out")
+            structured = structured_outputs
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "seed": self.seed, "presence_penalty": self.presence_penalty,
@@ -256,6 +265,58 @@ class ChatMessage(BaseModel):
         return message
 
 
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _tool_name(name: str) -> str:
+    if not _TOOL_NAME.fullmatch(name):
+        raise ValueError("expected 1 to 64 characters of a-z, A-Z, 0-9, '_' and '-'")
+    return name
+
+
+def _object_schema(schema: dict) -> dict:
+    if "type" in schema and schema["type"] != "object":  # OpenAI's rule: the arguments are a JSON object
+        raise ValueError(f"expected the JSON schema of an object (type \"object\"), got type {brief(schema['type'])}")
+    return schema
+
+
+class FunctionDefinition(_Body):
+    """OpenAI's function tool: ``parameters`` is the JSON schema of its arguments (an object)."""
+
+    name: Annotated[Text, AfterValidator(_tool_name)]
+    description: Text | None = None
+    parameters: Annotated[dict[Text, Any], AfterValidator(_object_schema)] | None = None
+    strict: StrictBool | None = None  # accepted; a named or required tool_choice is always enforced
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: that function must be called."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_TOOL_CHOICES = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+
+
+def _tool_choice_word(word: str) -> str:
+    if word not in ("none", "auto", "required"):
+        raise ValueError(f"expected {_TOOL_CHOICES}")
+    return word
+
+
+ToolChoice = Annotated[Annotated[Text, AfterValidator(_tool_choice_word)] | NamedToolChoice, _one_of(_TOOL_CHOICES)]
+
+
 class ChatCompletionRequest(_SamplingBody):
     """``POST /v1/chat/completions``: ``messages`` rendered by the chat template."""
 
@@ -264,8 +325,8 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (OpenAI's defaults)
     parallel_tool_calls: StrictBool | None = None
     # vLLM's chat extras
     echo: StrictBool = False
@@ -276,8 +337,16 @@ class ChatCompletionRequest(_SamplingBody):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported; leave tools out")
+        names = [tool.function.name for tool in self.tools or ()]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"tools.{i}.function.name: expected names that differ, got {brief(name)} twice")
+        if self.tool_choice not in (None, "none") and not names:
+            choice = repr(self.tool_choice) if isinstance(self.tool_choice, str) else "a named function"
+            raise ValueError(f"tool_choice: {choice} needs tools; give tools or leave tool_choice out")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice.function.name: expected one of the tools' names ({', '.join(names)}), "
+                             f"got {brief(self.tool_choice.function.name)}")
         if self.echo:
             raise ValueError("echo: not supported; send false")
         if self.top_logprobs is not None and not self.logprobs:
@@ -285,6 +354,13 @@ class ChatCompletionRequest(_SamplingBody):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_completion_tokens: differs from max_tokens; give one of them")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, its default filled in: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -224,7 +224,7 @@ class RemoteServing:
                     return []
                 if _num_chars([m.model_dump(exclude_none=True) for m in body.messages], limit) > limit:
                     return []
-                text = chat_text(self.tokenizer, body, self.config.chat_template)
+                text = chat_text(self.tokenizer, body, self.config)
                 ids = self.tokenizer(text[:limit], add_special_tokens=False).input_ids
             else:
                 prompt = body.prompts()[0]
