@@ -428,7 +428,7 @@ BAD_CHATS = [
       "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a("}},
-     "structured_outputs.regex"),
+     "structured_outputs"),  # the message names structured_outputs.regex
     ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a", "choice": ["b"]}},
      "structured_outputs"),
 ]

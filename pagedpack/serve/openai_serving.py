@@ -65,12 +65,12 @@ class ServingError(Exception):
 
     @classmethod
     def bad_request(cls, err: ValueError) -> "ServingError":
-        """A 400 from a ``ValueError`` whose message starts with the field's name (``"top_p: ..."``,
-        ``"structured_outputs.regex: ..."``)."""
+        """A 400 from a ``ValueError`` whose message starts with the field's name (``"top_p: ..."``;
+        ``param`` the body's field of a path: ``"tools"`` for ``"tools.0.function.name: ..."``,
+        ``"structured_outputs"`` for ``"structured_outputs.regex: ..."``)."""
         message = str(err)
-        field = message.split(":", 1)[0] if ":" in message else None
-        named = field and all(part.isidentifier() for part in field.split("."))
-        return cls(400, message, param=field if named else None)
+        field = message.split(":", 1)[0].split(".", 1)[0] if ":" in message else None
+        return cls(400, message, param=field if field and field.isidentifier() else None)
 
     @classmethod
     def internal(cls, err: BaseException) -> "ServingError":
