@@ -17,6 +17,9 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # character, held back from its stream; OpenAI takes up to 4, vLLM any number
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# A constraint's text (a schema's JSON, a regex, a grammar, the choices together): compiling grows with it
+# (a 1 MB choice list took 20-47 s and kept 340 MB on the 258-token tiny vocabulary), so it is bounded
+MAX_CONSTRAINT_CHARS = 64 * 1024
 
 
 def _is_int(value: object) -> bool:
@@ -69,6 +72,15 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs: expected exactly one of {', '.join(self.KINDS)}, "
                              f"got {', '.join(given) or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        try:
+            size = len(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError) as err:  # an object JSON has no text for, a NaN
+            raise ValueError(f"structured_outputs.{kind}: expected JSON values, got {err}") from None
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs.{kind}: expected at most {MAX_CONSTRAINT_CHARS} characters of "
+                             f"constraint text, got {size}")
         for name in ("json", "structural_tag"):
             value = getattr(self, name)
             if isinstance(value, str):

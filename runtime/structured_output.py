@@ -25,8 +25,10 @@ import xgrammar as xgr
 from pagedpack.runtime.grammar_bitmask import GrammarBitmasks
 from pagedpack.runtime.sampling_params import StructuredOutputsParams
 
-# compiled grammars kept (each holds its token-mask cache: tens of KB to a few MB for a large schema)
+# compiled grammars kept (each holds its token-mask cache: tens of KB to a few MB for a large schema),
+# and their bytes together (xgrammar's memory_size_bytes): whichever bound is met first evicts
 DEFAULT_CACHE_SIZE = 256
+DEFAULT_CACHE_BYTES = 256 << 20
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[03:49:14] /project/cpp/regex_converter.cc:94: "
 
 
@@ -48,15 +50,16 @@ class StructuredOutputManager:
     ``cache_size``: compiled grammars kept (least recently used dropped first). Thread-safe."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
-                 cache_size: int = DEFAULT_CACHE_SIZE):
+                 cache_size: int = DEFAULT_CACHE_SIZE, cache_bytes: int = DEFAULT_CACHE_BYTES):
         if cache_size < 1:
             raise ValueError(f"cache_size: expected an int >= 1, got {cache_size!r}")
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        # xgrammar's own cache is off: ours is bounded by entries and keyed by the constraint's text
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        # xgrammar's own cache is off: ours is bounded by entries and bytes, keyed by the constraint's text;
+        # one compiler thread (xgrammar's default is 8): the cores are the model's
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self.cache_size = cache_size
+        self.cache_size, self.cache_bytes, self._bytes = cache_size, cache_bytes, 0
         self.bitmasks = GrammarBitmasks(vocab_size)
 
     def matchers(self, params: StructuredOutputsParams, n: int) -> list[xgr.GrammarMatcher]:
@@ -75,14 +78,21 @@ class StructuredOutputManager:
                 return compiled
         compiled = self._compile(params)  # outside the lock: another request's may compile meanwhile
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._bytes += compiled.memory_size_bytes
+            while self._cache and (len(self._cache) > self.cache_size or self._bytes > self.cache_bytes):
+                self._bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The compiled grammars' bytes the cache holds (xgrammar's ``memory_size_bytes``)."""
+        return self._bytes
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, compiler = params.kind, self._compiler

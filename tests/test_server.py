@@ -419,6 +419,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    # a parameters schema xgrammar refuses (a $ref cycle), constrained by a named choice: named after tools
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
      "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),

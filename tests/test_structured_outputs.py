@@ -155,6 +155,9 @@ def test_a_token_the_grammar_rejects_fails_its_request_alone(llm, monkeypatch):
     ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
     ({"structural_tag": {"type": "nonsense"}}, "structured_outputs.structural_tag"),
     ({"regex": "a", "choice": ["b"]}, "structured_outputs"),
+    # compiling grows with the text: a 1 MB choice list took 20-47 s (found by a break-it session)
+    ({"choice": [f"{i:05d}" + "x" * 40 for i in range(2000)]}, "structured_outputs.choice"),
+    ({"json": {"type": "number", "default": float("nan")}}, "structured_outputs.json"),
 ])
 def test_a_bad_constraint_is_refused_naming_the_field_before_any_step(llm, constraint, field):
     steps = llm.get_stats().num_steps
@@ -182,6 +185,21 @@ def test_the_grammar_cache_is_a_bounded_lru(tokenizer):
     assert grammar_key(StructuredOutputsParams(json={"b": 1, "a": 2})) != grammar_key(
         StructuredOutputsParams(json={"a": 2, "b": 1}))  # property order is the output's
     assert grammar_key(StructuredOutputsParams(json='{"a": 2}')) == grammar_key(StructuredOutputsParams(json={"a": 2}))
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_too(tokenizer):
+    from pagedpack.runtime.structured_output import StructuredOutputManager
+
+    regexes = [StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+")]
+    roomy = StructuredOutputManager(tokenizer, VOCAB, [2])
+    sizes = [roomy.compile(r).memory_size_bytes for r in regexes]
+    assert roomy.num_cached == 3 and roomy.cached_bytes == sum(sizes)
+    tight = StructuredOutputManager(tokenizer, VOCAB, [2], cache_bytes=sizes[1] + sizes[2])
+    for r in regexes:
+        assert tight.compile(r) is not None and tight.cached_bytes <= tight.cache_bytes
+    assert tight.num_cached == 2 and tight.cached_bytes == sizes[1] + sizes[2]  # a+ went first
+    none = StructuredOutputManager(tokenizer, VOCAB, [2], cache_bytes=0)  # larger than the bound: not kept
+    assert none.compile(regexes[0]) is not None and none.num_cached == 0 and none.cached_bytes == 0
 
 
 def _schemas(depth: int = 2):

@@ -80,6 +80,12 @@ HERMES = [  # (text, content, calls)
      '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', []),
     ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": '
      '{"x": NaN}}</tool_call>', []),
+    # no JSON or no UTF-8 in the arguments (a break-it session's: 1e999 was sent as Infinity, a lone
+    # surrogate made the whole answer a 500): text
+    ('<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {"s": "\\ud800"}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"s": "\\ud800"}}</tool_call>', []),
     ('<tool_call>{"name": "ping", "arguments": {}}', None, [call("ping", {})]),  # unclosed at the end: a call
     ("a < b and <tool_ is no tag <tool_call", "a < b and <tool_ is no tag <tool_call", []),
     ("no calls at all\n", "no calls at all\n", []),
@@ -127,6 +133,7 @@ PYTHONIC = [
     ("[f(1)]", "[f(1)]", []),  # positional
     ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set: no JSON
     ("[f(a=1e999)]", "[f(a=1e999)]", []),  # infinity: no JSON
+    ("[f(s='\\ud800')]", "[f(s='\\ud800')]", []),  # a lone surrogate: no UTF-8
     ("[f(**{'a': 1})]", "[f(**{'a': 1})]", []),
     ("[1, 2]", "[1, 2]", []),
     ("[f(a=1)] and more", "[f(a=1)] and more", []),

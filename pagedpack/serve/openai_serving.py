@@ -147,7 +147,7 @@ class OpenAIServing:
             prompts = await self._tokenizing(lambda: [self._prompt(p, body.cache_salt) for p in texts])
         else:  # token ids: nothing to tokenize
             prompts = [Prompt(p, body.cache_salt) for p in texts]
-        return self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
+        return await self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
 
     async def chat(self, body: ChatCompletionRequest):
         self._check_model(body.model)
@@ -176,7 +176,7 @@ class OpenAIServing:
             return self._prompt(text, body.cache_salt, special=False)  # the template wrote them
 
         prompt = await self._tokenizing(tokenized)
-        return self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
+        return await self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
                              chat=True, tools=tools)
 
     @property
@@ -185,8 +185,9 @@ class OpenAIServing:
         return self.llm._loop.error is None
 
     # -- shared ---------------------------------------------------------------------------------
-    def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool,
-                 tools: ToolCalling | None = None):
+    async def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool,
+                       tools: ToolCalling | None = None):
+        """The answer's coroutine (a whole body) or async generator (a stream), the requests added."""
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
         if body.kv_transfer_params is not None and len(prompts) > 1:  # n > 1: the KV connector refuses it
             raise ServingError(400, f"kv_transfer_params: one sequence's KV moves at a time; expected one prompt "
@@ -202,6 +203,8 @@ class OpenAIServing:
         if waiting + demand > max_queue:
             raise ServingError(503, f"the server is busy: {waiting} requests wait to be scheduled (--max-queue "
                                     f"{self.config.max_queue}); retry later", headers={"Retry-After": "1"})
+        if params[0].structured_outputs is not None:  # one constraint for the body's prompts
+            await self._compiled(body, params[0].structured_outputs, from_tools=constraint is not None)
         ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         timers = [self.metrics.request(p.n) for p in params]  # arrival: now
         streams = []
@@ -223,6 +226,18 @@ class OpenAIServing:
         if body.stream:
             return self._events(response, deltas, ids, body)
         return self._whole(response, deltas, ids, len(prompts))
+
+    async def _compiled(self, body, constraint, *, from_tools: bool) -> None:
+        """``constraint`` compiled into the engine's grammar cache in the tokenizer's threads (a large
+        schema takes seconds, and the first one imports xgrammar: the event loop answers others
+        meanwhile), so that adding the request finds it there; a 400 naming the field if xgrammar
+        refuses it (``tools`` for the constraint a required or named ``tool_choice`` made of them)."""
+        try:
+            await self._tokenizing(lambda: self.llm.llm_engine.structured_outputs.compile(constraint))
+        except ValueError as err:
+            why = str(err).partition(": ")[2]
+            raise ServingError.bad_request(ValueError(f"tools: the tool_choice's parameters schema: {why}")
+                                           if from_tools else body.renamed(err)) from err
 
     def _params(self, body, prompt: Prompt, max_tokens: int | None, logprobs: int | None, structured_outputs=None):
         num_prompt = len(prompt.content)

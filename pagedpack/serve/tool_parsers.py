@@ -140,8 +140,26 @@ def _refuse(constant: str):
 
 
 def arguments_json(arguments: dict) -> str:
-    """A call's arguments as JSON text (vLLM's ``json.dumps(..., ensure_ascii=False)``)."""
-    return json.dumps(arguments, ensure_ascii=False)
+    """A call's arguments as JSON text (vLLM's ``json.dumps(..., ensure_ascii=False)``); ``ValueError``
+    for what is no JSON (a number that overflowed to infinity, ``1e999``) or no UTF-8 (a lone
+    surrogate, ``"\\ud800"``): the caller keeps such a block as text."""
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"arguments: a lone surrogate at {err.start}") from None
+    return text
+
+
+def call_arguments(call: dict | None, key: str) -> str | None:
+    """The arguments JSON of ``call`` (a parsed ``{"name": str, key: {...}}``), or None when it is no
+    such object or its arguments are no JSON text (:func:`arguments_json`): the block stays text."""
+    if call is None or not isinstance(call.get("name"), str) or not isinstance(call.get(key), dict):
+        return None
+    try:
+        return arguments_json(call[key])
+    except ValueError:
+        return None
 
 
 def _partial_tag(text: str, start: int, tag: str) -> int:
@@ -179,9 +197,10 @@ class HermesToolParser(ToolParser):
                 return  # the call is still coming
             body_end, after = (close, close + len(self.END)) if close >= 0 else (len(text), len(text))
             call = json_object(text[start + len(self.START):body_end])
-            if call is not None and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
+            arguments = call_arguments(call, "arguments")
+            if arguments is not None:
                 yield "call", call["name"]
-                yield "arguments", arguments_json(call["arguments"])
+                yield "arguments", arguments
             else:
                 yield "content", text[start:after]
             self._at = after
@@ -230,7 +249,7 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
                     and all(keyword.arg is not None for keyword in node.keywords)):
                 return None
             arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
-            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+            calls.append((node.func.id, arguments_json(arguments)))
         return calls
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         # not Python; not literals; a set, bytes or complex number (no JSON); nested too deep

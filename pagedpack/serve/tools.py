@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pagedpack.runtime.sampling_params import StructuredOutputsParams
 from pagedpack.serve.protocol import ChatCompletionRequest, ChatMessage, ChatTool, NamedToolChoice, brief
-from pagedpack.serve.tool_parsers import PARSERS, Event, ToolParser, arguments_json, json_object
+from pagedpack.serve.tool_parsers import PARSERS, Event, ToolParser, call_arguments, json_object
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}  # a function without parameters takes {}
 
@@ -133,9 +133,10 @@ class RequiredToolParser(ToolParser):
     @staticmethod
     def _item(raw: str) -> Iterator[Event]:
         item = json_object(raw)
-        if item is not None and isinstance(item.get("name"), str) and isinstance(item.get("parameters"), dict):
+        arguments = call_arguments(item, "parameters")
+        if arguments is not None:
             yield "call", item["name"]
-            yield "arguments", arguments_json(item["parameters"])
+            yield "arguments", arguments
         else:
             yield "content", raw
 
