@@ -136,10 +136,10 @@ def test_poison_requests_from_another_thread_fail_no_caller_s_requests(llm, solo
 def test_a_sampler_that_raises_for_one_request_fails_that_request_alone(llm, solo, monkeypatch):
     real = Sampler.sample
 
-    def sample(self, logits, requests):
+    def sample(self, logits, requests, grammar=None):
         if any(r.sampling_params.seed == 666 for r in requests):
             raise RuntimeError("a bug that one request's parameters hit")
-        return real(self, logits, requests)
+        return real(self, logits, requests, grammar)
 
     monkeypatch.setattr(Sampler, "sample", sample)
     *normal, poison = llm.generate([{"prompt_token_ids": p} for p in PROMPTS] + [POISON_PROMPT],
