@@ -50,7 +50,7 @@ def in_process(args) -> dict:
 
     def step_times(constrained: list[bool]) -> list[float]:
         for i, (prompt, on) in enumerate(zip(prompts, constrained)):
-            params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True,
+            params = SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.steps + 8, ignore_eos=True,
                                     structured_outputs={"json": SCHEMA} if on else None)
             engine.add_request(f"r{i}", prompt, params)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + list(
@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="an alias or a Hugging Face folder")
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed (tokens per request with --url)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="in-process: 0 greedy, 1.0 sampled (seeded)")
     parser.add_argument("--rounds", type=int, default=3, help="in-process: rounds of 0 / 50 / 100 %% in turn")
     parser.add_argument("--quick", action="store_true", help="4 requests, 3 steps: checks that it runs")
     parser.add_argument("--url", help="an OpenAI-compatible server to measure instead (pagedpack serve, vLLM)")
@@ -127,7 +128,8 @@ def main() -> None:
     load = load_1min()
     results = against_server(args) if args.url else in_process(args)
     print(json.dumps({"benchmark": "structured_outputs", "model": args.model if not args.url else args.served_model,
-                      "url": args.url, "num_seqs": args.num_seqs, "steps": args.steps, "load_1min": load,
+                      "url": args.url, "temperature": args.temperature, "num_seqs": args.num_seqs,
+                      "steps": args.steps, "load_1min": load,
                       "results": results}))
 
 
