@@ -22,6 +22,12 @@ A program with recurrent layers (``state_specs``, :class:`StateSpec`) takes, aft
 ``state_indices [B] int32, has_initial_state [B] bool`` and one state tensor per spec,
 ``[num_slots, *spec.shape]``, written in place (``conv_state_0, ...``; :func:`state_input_names`):
 sequence ``b`` continues from and writes slot ``state_indices[b]`` (:mod:`pagedpack.kernels.recurrent`).
+
+A program with LoRA (``lora_specs``, :class:`LoRASpec`, :mod:`pagedpack.passes.lora`) takes, last,
+``lora_indices [T] int32`` (each token's adapter slot, ``-1``: the base model) and, per spec, the slots'
+stacked adapter weights ``lora_a_i [max_loras, S * max_rank, in_features]`` and
+``lora_b_i [max_loras, out_features, max_rank]`` (:func:`lora_input_names`): the linear's output gains
+``(x A_slot^T) B_slot^T`` per slice (:mod:`pagedpack.kernels.lora`; the scaling is folded into B).
 """
 from __future__ import annotations
 
@@ -118,11 +124,47 @@ def state_input_names(specs: Sequence[StateSpec]) -> list[str]:
     return [f"{spec.kind}_{i}" for i, spec in enumerate(specs)]
 
 
-def step_input_names(num_layers: int, state_specs: Sequence[StateSpec] = ()) -> list[str]:
+LORA_INDICES = "lora_indices"
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """One linear of the step graph that LoRA adapters may augment: a projection, or a merged one
+    (``merge_linears``: QKV, gate-up) whose ``S = len(modules)`` slices each take their own adapter
+    pair. ``modules``: the ``transformers`` module path of each slice (``model.layers.0.self_attn.q_proj``,
+    as PEFT names them); ``slice_sizes``: each slice's output features, in the linear's output order;
+    ``dtype``: the adapter weights' (the linear weight's)."""
+
+    modules: tuple[str, ...]
+    in_features: int
+    slice_sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.slice_sizes)
+
+    def a_shape(self, max_loras: int, max_rank: int) -> tuple[int, int, int]:
+        """``lora_a``: each slot's A of every slice stacked along the rank, ``[max_loras, S * max_rank, in]``."""
+        return (max_loras, len(self.modules) * max_rank, self.in_features)
+
+    def b_shape(self, max_loras: int, max_rank: int) -> tuple[int, int, int]:
+        """``lora_b``: each slot's B of every slice stacked along the output, ``[max_loras, out, max_rank]``."""
+        return (max_loras, self.out_features, max_rank)
+
+
+def lora_input_names(specs: Sequence[LoRASpec]) -> list[str]:
+    """``lora_indices, lora_a_0, lora_b_0, lora_a_1, ...``: the LoRA inputs (none without specs)."""
+    return [LORA_INDICES, *(f"lora_{kind}_{i}" for i in range(len(specs)) for kind in "ab")] if specs else []
+
+
+def step_input_names(num_layers: int, state_specs: Sequence[StateSpec] = (),
+                     lora_specs: Sequence[LoRASpec] = ()) -> list[str]:
     """Every input of a step program, in order (module docstring): the metadata, the cache pairs of
-    ``num_layers`` layers, then, with ``state_specs``, the state metadata and the states."""
+    ``num_layers`` layers, then, with ``state_specs``, the state metadata and the states, then, with
+    ``lora_specs``, the LoRA inputs."""
     states = [*STATE_INPUTS, *state_input_names(state_specs)] if state_specs else []
-    return [*METADATA_INPUTS, *cache_input_names(num_layers), *states]
+    return [*METADATA_INPUTS, *cache_input_names(num_layers), *states, *lora_input_names(lora_specs)]
 
 
 def state_layers(specs: Sequence[StateSpec]) -> str:
