@@ -149,6 +149,7 @@ class Target:
     supports_tensor_parallel: bool = False
     recurrent_ops: frozenset[str] = frozenset()
     sparse_attention: bool = False
+    supports_lora: bool = False  # runs pagedpack::lora_shrink / lora_expand (enable_lora)
 
     def options(self, given=None) -> TargetOptions:
         """The target's validated :attr:`options_type` from ``given`` (None, a dict by option name, or

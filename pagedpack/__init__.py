@@ -30,6 +30,7 @@ _PUBLIC = {
     "EngineArgs": "pagedpack.engine_args",
     "SamplingParams": "pagedpack.runtime.sampling",
     "StructuredOutputsParams": "pagedpack.runtime.sampling_params",
+    "LoRARequest": "pagedpack.runtime.lora",
     "rewrite": "pagedpack.passes.pipeline",
     "UnsupportedModelError": "pagedpack.step.contract",
     "load_exported": "pagedpack.compiler.program",

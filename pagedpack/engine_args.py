@@ -133,6 +133,12 @@ class EngineArgs:
             for its ``kv_transfer_config``: its size (bytes, or a string such as ``"2GiB"``; vLLM's
             ``kv_offloading_size`` is in GiB), a folder for a disk tier (None: host memory), and the fraction of
             the pool's blocks below which free ones start background saves (0, default: none); docs/kv-offload.md.
+        enable_lora / max_loras / max_lora_rank / max_cpu_loras: serve LoRA adapters (vLLM's options of
+            these names, docs/lora.md): every decoder linear gains a low-rank update per token's adapter
+            (:mod:`pagedpack.passes.lora`); ``max_loras`` adapters (default 1) share a step, each in a slot
+            of rank at most ``max_lora_rank`` (default 16); ``max_cpu_loras`` (default ``max_loras``)
+            adapters stay loaded in host memory. A request names its adapter with a
+            :class:`~pagedpack.runtime.lora.LoRARequest`.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -167,6 +173,10 @@ class EngineArgs:
     kv_offload_size: int | float | str | None = None
     kv_offload_dir: str | os.PathLike | None = None
     kv_offload_watermark: float = 0.0
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -180,7 +190,7 @@ class EngineArgs:
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        for name in ("enable_prefix_caching", "keep_source_model", "trust_file"):
+        for name in ("enable_prefix_caching", "keep_source_model", "trust_file", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         for name in ("kv_cache_memory", "memory_budget"):
@@ -199,6 +209,7 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend: expected one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
         self._check_extra_passes()
+        self._check_lora()
         from pagedpack.runtime.cpu_threads import CpuThreads  # the compile side imports no runtime
         from pagedpack.runtime.kv_event_publisher import KVEventsConfig
 
@@ -216,6 +227,22 @@ class EngineArgs:
         if self.is_exported and (self.dtype is not None or not is_cpu(self.device)):
             raise ValueError(f"dtype, device: an exported file runs on the CPU in the dtype it was exported with, "
                              f"got dtype={self.dtype}, device={self.device!r}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            check_int(name, getattr(self, name))
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: expected at least max_loras={self.max_loras} (the adapters of a step "
+                             f"are loaded), got {self.max_cpu_loras}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora: LoRA adapters are not sharded over tensor-parallel ranks yet; expected "
+                             f"tensor_parallel_size=1 with it, got {self.tensor_parallel_size}")
+        if self.enable_lora and self.is_exported:
+            raise ValueError("enable_lora: an exported file is served as it was exported, and exports do not carry "
+                             "the LoRA inputs yet; serve the checkpoint with enable_lora")
 
     def _check_kv_transfer(self) -> None:
         """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``), or make the
@@ -473,6 +500,12 @@ class EngineArgs:
                             help="with --kv-offload-size: while fewer than this fraction of the pool's blocks are "
                                  "free, save least recently used cached blocks to the tier ahead of their eviction "
                                  "(default 0: a block is saved when evicted)")
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="serve LoRA adapters (--lora-modules, or a LoRARequest per request; docs/lora.md)")
+        parser.add_argument("--max-loras", type=int, default=1, help="adapters that share a step (each in a slot)")
+        parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank a slot holds")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="adapters kept loaded in host memory (default: --max-loras)")
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="

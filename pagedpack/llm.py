@@ -16,6 +16,7 @@ from pagedpack.runtime.cpu_threads import CpuThreads
 from pagedpack.runtime.engine import LLMEngine, RequestRejected, Stats
 from pagedpack.runtime.engine_loop import EngineLoop
 from pagedpack.runtime.kv_event_publisher import publisher_for
+from pagedpack.runtime.lora import LoRAConfig, normalize_lora_requests
 from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
@@ -63,7 +64,8 @@ class LLM:
                 max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
                 cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
                 workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher,
-                kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp)
+                kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp,
+                lora_config=LoRAConfig.of(args))
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 
@@ -73,11 +75,9 @@ class LLM:
 
     @classmethod
     def from_exported(cls, path, **kwargs) -> "LLM":
-        """An ``LLM`` serving a file written by ``pagedpack export``: a ``.pt2`` archive or an ONNX
-        model run by an onnxruntime CPU session; same scheduler and sampler, CPU only, no capture.
-        ``block_size`` and the pool size are chosen here, not at export; ``tokenizer`` overrides
-        the one stored in the file. Raises ``ValueError`` for bad arguments or a file that is not
-        such an export."""
+        """An ``LLM`` serving a file written by ``pagedpack export`` (a ``.pt2`` archive, or an ONNX model in an
+        onnxruntime CPU session): same scheduler and sampler, CPU only, no capture; ``block_size`` and the pool
+        chosen here, ``tokenizer`` overriding the file's. ``ValueError`` for bad arguments or another file."""
         from pagedpack.formats.export import check_export_file
 
         return cls(check_export_file(path), **kwargs)
@@ -89,8 +89,7 @@ class LLM:
 
     @property
     def rewritten(self):
-        """The :class:`~pagedpack.passes.pipeline.RewrittenModel` (None when served from a file);
-        captured and rewritten again from ``model`` if let go."""
+        """The :class:`~pagedpack.passes.pipeline.RewrittenModel` (None from a file); captured again if let go."""
         return self._builder.rewritten
 
     @property
@@ -99,15 +98,12 @@ class LLM:
         return self._builder.report
 
     def get_stats(self) -> Stats:
-        """The engine's counters now (steps, tokens computed, preemptions, prefix-cache queries,
-        hits and evictions, KV blocks used / cached / free): a :class:`pagedpack.runtime.engine.Stats`.
-        Counters run over the LLM's life (take differences around a call); ``reset_prefix_cache``
-        empties the cache, not the counters."""
+        """The engine's counters now, over the LLM's life (:class:`pagedpack.runtime.engine.Stats`: steps, tokens,
+        preemptions, prefix-cache queries, hits, evictions, KV blocks); ``reset_prefix_cache`` keeps them."""
         return self.llm_engine.get_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block nobody holds (vLLM's ``LLM.reset_prefix_cache``; KV events: an
-        ``AllBlocksCleared``); returns False, changing nothing, while requests hold blocks."""
+        """Forget every cached block nobody holds (vLLM's; KV events: ``AllBlocksCleared``); False while held."""
         return self.llm_engine.reset_prefix_cache()
 
     @property
@@ -146,12 +142,13 @@ class LLM:
                            state_bytes_per_seq=state_bytes_per_seq(self.program))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, stream: bool = False):
+                 *, use_tqdm: bool = True, stream: bool = False, lora_request=None):
         """Generate for ``prompts`` (a string, a list of token ids, a dict ``{"prompt": text}`` or
         ``{"prompt_token_ids": ids}`` with an optional ``"cache_salt"``, or a list of those), all
         submitted together; returns one :class:`RequestOutput` per prompt, in order. ``stream=True``:
         an iterator of deltas instead (:mod:`pagedpack.runtime.outputs`: the new token ids and text of
-        each request as they come, in arrival order; closing it aborts what is left).
+        each request as they come, in arrival order; closing it aborts what is left). ``lora_request``:
+        a :class:`~pagedpack.runtime.lora.LoRARequest` for every prompt, or a list of one (or None) per prompt.
 
         A request that can never run (ids outside the vocabulary, too long for ``max_model_len`` or
         the KV pool) or fails while running (``LLMEngine.step``) gets ``error`` set; the others
@@ -162,11 +159,12 @@ class LLM:
         """
         prompts = normalize_prompts(prompts)
         params = normalize_sampling_params(sampling_params, len(prompts))
+        loras = normalize_lora_requests(lora_request, len(prompts))
         ids = [str(next(self._ids)) for _ in prompts]
         made, failed = {}, {}
-        for request_id, prompt, p in zip(ids, prompts, params):  # every prompt tokenized before any is queued
+        for request_id, prompt, p, lora in zip(ids, prompts, params, loras):  # all tokenized before any is queued
             try:
-                made[request_id] = self.llm_engine.make_request(request_id, prompt, p)
+                made[request_id] = self.llm_engine.make_request(request_id, prompt, p, lora)
             except RequestRejected as err:  # the others run
                 failed[request_id] = err.output(request_id, prompt.content if isinstance(prompt.content, str) else None)
         deltas = self._loop.stream(made)
@@ -183,16 +181,17 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, stream: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None):
-        """Generate replies to ``messages`` (one conversation, a list of ``{"role", "content"}``
-        dicts, or a list of conversations), each rendered by the tokenizer's chat template (or
-        ``chat_template``; ``tools``: its tools) as vLLM's ``LLM.chat``; returns what :meth:`generate`
-        returns (a list for a list of conversations, each output's ``prompt`` the rendered text)."""
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, lora_request=None):
+        """Generate replies to ``messages`` (one conversation, a list of ``{"role", "content"}`` dicts, or a list of
+        conversations), each rendered by the tokenizer's chat template (or ``chat_template``; ``tools``: its tools)
+        as vLLM's ``LLM.chat``; returns what :meth:`generate` (``lora_request`` as there) returns (a list for a list
+        of conversations, each output's ``prompt`` the rendered text)."""
         convs, _ = conversations(messages)
         rendered = [render(self.tokenizer, c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
                            tools=tools) for c in convs]
-        outputs = self.generate([prompt for _, prompt in rendered], sampling_params, use_tqdm=use_tqdm, stream=stream)
+        outputs = self.generate([prompt for _, prompt in rendered], sampling_params, use_tqdm=use_tqdm, stream=stream,
+                                lora_request=lora_request)
         if stream:
             return outputs
         for out, (text, _) in zip(outputs, rendered):

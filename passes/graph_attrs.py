@@ -19,6 +19,24 @@ def attr_tensor(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def linear_projections(gm: torch.fx.GraphModule, linear: torch.fx.Node) -> list[tuple[torch.fx.Node, int, int, int]]:
+    """``(node, start, end, address)`` of each projection an ``aten.linear`` node of ``gm`` computes:
+    the linear itself (rows ``0:out`` of its weight), or, when every use is a slice of its last
+    dimension (a merged linear, :mod:`pagedpack.passes.linear_merge`), each slice, with its rows
+    ``start:end``. ``address``: the ``data_ptr`` of those rows, which is the original module's weight's
+    (the merge made each original a view of its rows). ``[]`` if the weight is not a ``get_attr`` tensor."""
+    weight = attr_tensor(gm, linear.args[1])
+    if weight is None:
+        return []
+    step = weight.stride(0) * weight.element_size()
+    slices = [u for u in linear.users if u.target is aten.slice.Tensor and u.args[1] in (-1, 1)]
+    if slices and len(slices) == len(linear.users):
+        ranges = [(s, s.args[2], s.args[3]) for s in slices]
+    else:
+        ranges = [(linear, 0, weight.shape[0])]
+    return [(node, start, end, weight.data_ptr() + start * step) for node, start, end in ranges]
+
+
 def fresh_attr_name(gm: torch.fx.GraphModule, base: str) -> str:
     """``base``, or ``base_1``, ``base_2``, ... : the first name ``gm`` has no attribute of."""
     name, i = base, 1

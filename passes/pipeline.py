@@ -45,6 +45,7 @@ from pagedpack.passes.verify import VerifyAttention
 from pagedpack.step.contract import (
     METADATA_INPUTS,
     KVCacheSpec,
+    LoRASpec,
     StateSpec,
     UnsupportedModelError,
     bytes_per_token,
@@ -65,6 +66,7 @@ class RewrittenModel:
     report: PassReport
     kv_cache_specs: list[KVCacheSpec] = field(default_factory=list)
     state_specs: list[StateSpec] = field(default_factory=list)  # recurrent states, after the KV caches
+    lora_specs: list[LoRASpec] = field(default_factory=list)  # LoRA-augmented linears (passes/lora.py), last
 
     @property
     def ok(self) -> bool:

@@ -47,7 +47,7 @@ from torch.fx import Node
 
 from pagedpack.kernels.attention_params import op_arguments
 from pagedpack.kernels.sparse_attention import sparse_attention_layers
-from pagedpack.passes.graph_attrs import attr_tensor, vocab_size
+from pagedpack.passes.graph_attrs import attr_tensor, linear_projections, vocab_size
 from pagedpack.passes.numerics import equal_to_floor, excess_error, float64_copy, float64_inputs
 from pagedpack.step.contract import METADATA_INPUTS, KVCacheSpec, StateSpec, state_layers
 from pagedpack.step.metadata import example_metadata
@@ -143,17 +143,8 @@ class _Part:
 
 
 def _parts(gm: torch.fx.GraphModule, linear: Node, planned: dict) -> list[_Part]:
-    weight = attr_tensor(gm, linear.args[1])
-    slices = [u for u in linear.users if u.target is aten.slice.Tensor and u.args[1] in (-1, 1)]
-    if weight is None:
-        return []
-    step = weight.stride(0) * weight.element_size()
-    if slices and len(slices) == len(linear.users):
-        ranges = [(s, s.args[2], s.args[3]) for s in slices]
-    else:
-        ranges = [(linear, 0, weight.shape[0])]
-    return [_Part(node, start, end, *planned.get(weight.data_ptr() + start * step, (None, None)))
-            for node, start, end in ranges]
+    return [_Part(node, start, end, *planned.get(address, (None, None)))
+            for node, start, end, address in linear_projections(gm, linear)]
 
 
 def _nearest_parts(start: Node, part_nodes: set[Node]) -> set[Node]:

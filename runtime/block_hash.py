@@ -9,8 +9,8 @@ and those values depend on every token before them. So a block is named by
 ``(j + 1) * block_size`` tokens and extra keys are equal. This is vLLM v1's scheme
 (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``): a cryptographic hash over a canonical
 encoding, so that two different prefixes sharing a block would need a sha256 collision. Extra
-keys carry what changes the K/V of the same tokens (a request's ``cache_salt``; an adapter id
-would go there too); as in vLLM they enter the first block only, and the chain carries them on.
+keys carry what changes the K/V of the same tokens (a request's ``cache_salt``, its LoRA adapter's
+name: :func:`first_block_keys`); as in vLLM they enter the first block only, and the chain carries them on.
 """
 from __future__ import annotations
 
@@ -40,12 +40,22 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: S
     return h.digest()
 
 
+def first_block_keys(cache_salt: str | None = None, lora_name: str | None = None) -> tuple[str, ...]:
+    """The extra keys of a sequence's first block: its ``cache_salt``, then ``"lora:<name>"`` for a
+    request of a LoRA adapter (vLLM's ``_gen_lora_extra_hash_keys``: no prefix hit across adapters, or
+    between an adapter and the base model)."""
+    return (*(() if cache_salt is None else (cache_salt,)), *(() if lora_name is None else (f"lora:{lora_name}",)))
+
+
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None) -> None:
+                        extra_keys: tuple[str, ...] = ()) -> None:
     """Append to ``hashes`` the hash of every full block of ``token_ids`` it lacks (the first
-    ``len(hashes)`` are taken as already computed for the same tokens)."""
+    ``len(hashes)`` are taken as already computed for the same tokens); ``extra_keys``: the first
+    block's (:func:`first_block_keys`)."""
+    if not isinstance(extra_keys, tuple):
+        raise TypeError(f"extra_keys: expected a tuple of strings (first_block_keys), got {extra_keys!r:.60}")
     parent = hashes[-1] if hashes else ROOT_HASH
     for j in range(len(hashes), len(token_ids) // block_size):
-        extra = (cache_salt,) if j == 0 and cache_salt is not None else ()
+        extra = extra_keys if j == 0 else ()
         parent = hash_block_tokens(parent, token_ids[j * block_size:(j + 1) * block_size], extra)
         hashes.append(parent)

@@ -24,6 +24,7 @@ from pagedpack.runtime.kv_cache_manager import KVCacheManager
 from pagedpack.runtime.kv_connector.driver import KVConnectorDriver, make_connectors
 from pagedpack.runtime.kv_event_publisher import KVEventsConfig, NullEventPublisher, make_publisher
 from pagedpack.runtime.kv_events import KVEventBatch
+from pagedpack.runtime.lora import LoRAConfig, LoRAManager, LoRARequest
 from pagedpack.runtime.model_runner import ModelRunner
 from pagedpack.runtime.output_processor import OutputProcessor
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput
@@ -143,8 +144,9 @@ class LLMEngine:
     collected or the process exits)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
-                 description: ModelDescription | None = None, kv_event_publisher=None, kv_connector=None):
-        self.runner, self.scheduler = runner, scheduler
+                 description: ModelDescription | None = None, kv_event_publisher=None, kv_connector=None,
+                 lora_manager: LoRAManager | None = None):
+        self.runner, self.scheduler, self.lora = runner, scheduler, lora_manager
         # a KV connector's WORKER half (the scheduler holds its SCHEDULER half), driven around each step
         self.kv_connector = KVConnectorDriver(kv_connector, runner) if kv_connector is not None else None
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
@@ -163,7 +165,7 @@ class LLMEngine:
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
               kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None,
-              kv_transfer_config=None, model_stamp=None) -> "LLMEngine":
+              kv_transfer_config=None, model_stamp=None, lora_config: LoRAConfig | None = None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
@@ -171,14 +173,20 @@ class LLMEngine:
         its publisher if made already (``LLM`` binds its sockets before the build), else made here;
         ``kv_transfer_config``: a :class:`~pagedpack.runtime.kv_connector.factory.KVTransferConfig` (None: no
         KV connector); ``model_stamp``: what tells the model's checkpoint apart, for a connector
-        keeping blocks across processes (None: unknown)."""
+        keeping blocks across processes (None: unknown); ``lora_config``: the adapter slots of a program
+        rewritten with ``enable_lora`` (:mod:`pagedpack.runtime.lora`; None: one slot of rank 1, unused)."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if enable_prefix_caching and num_state_slots:
             log.warning("prefix caching is off for this model: a cached prefix's blocks would not hold its recurrent "
                         "layers' state (enable_prefix_caching=False says so and silences this)")
+        lora = lora_config or LoRAConfig(1, 1, 1)
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
-                             cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots)
+                             cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots,
+                             lora_slots=(lora.max_loras, lora.max_lora_rank))
+        lora_manager = LoRAManager(runner.lora_specs, runner.lora_weights, max_loras=lora.max_loras,
+                                   max_lora_rank=lora.max_lora_rank,
+                                   max_cpu_loras=lora.max_cpu_loras) if runner.lora_specs and lora_config else None
         events = kv_events_config is not None and kv_events_config.enable_kv_cache_events
         kv_cache_manager = KVCacheManager(num_blocks, block_size, num_state_slots=num_state_slots,
                                           enable_prefix_caching=enable_prefix_caching and not num_state_slots,
@@ -187,16 +195,19 @@ class LLMEngine:
                                                                 workers=workers, num_state_slots=num_state_slots,
                                                                 model_stamp=model_stamp)
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, connector=scheduler_connector)
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len, connector=scheduler_connector,
+                              max_loras=lora.max_loras if lora_manager else 0)
         publisher = kv_event_publisher or make_publisher(kv_events_config)
         return cls(runner, scheduler, description=description, kv_event_publisher=publisher,
-                   kv_connector=worker_connector)
+                   kv_connector=worker_connector, lora_manager=lora_manager)
 
-    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> tuple[Request, str | None]:
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                     lora_request: LoRARequest | None = None) -> tuple[Request, str | None]:
         """``(request, prompt text)`` for ``prompt`` (text, token ids or a dict as
         :func:`pagedpack.inputs.normalize_prompts` takes): tokenized and checked against the
-        vocabulary and the scheduler's limits; thread-safe. :class:`RequestRejected` for a prompt
-        that can never run, ``ValueError`` for a malformed one."""
+        vocabulary and the scheduler's limits, its LoRA adapter (if any) loaded; thread-safe.
+        :class:`RequestRejected` for a prompt that can never run, ``ValueError`` for a malformed one
+        or an adapter that cannot be served."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected a SamplingParams, got {params!r:.80}")
@@ -215,8 +226,10 @@ class LLMEngine:
                 token_ids = tokenizer(prompt.content).input_ids
         else:
             token_ids = prompt.content
+        if lora_request is not None:
+            self.add_lora(lora_request)
         request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
-                               cache_salt=prompt.cache_salt)
+                               cache_salt=prompt.cache_salt, lora_request=lora_request)
         if params.structured_outputs is not None:
             matchers = self.structured_outputs.matchers(params.structured_outputs, params.n)
             for completion, matcher in zip([request, *request.forks], matchers):
@@ -247,6 +260,25 @@ class LLMEngine:
             message = f"request {request_id!r}: {err}" if str(err).startswith("prompt:") else str(err)
             raise RequestRejected(message, request.prompt_token_ids) from err
         return request, prompt.content if isinstance(prompt.content, str) else None
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load ``lora_request``'s adapter (vLLM's ``LLMEngine.add_lora``); True if loaded now, False if it
+        was. ``ValueError`` naming ``lora_request`` for an engine without ``enable_lora`` or an adapter that
+        cannot be served (the file and field)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError(f"lora_request: this engine serves no LoRA adapters, got {lora_request.lora_name!r}; "
+                             "build it with enable_lora=True (--enable-lora)")
+        return self.lora.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload adapter ``lora_int_id``; False if it was not loaded (or the engine serves none)."""
+        return self.lora is not None and self.lora.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded (vLLM's ``list_loras`` gives their ids; these are the requests)."""
+        return [] if self.lora is None else self.lora.list_loras()
 
     @property
     def structured_outputs(self):
@@ -388,7 +420,10 @@ class LLMEngine:
             takers = [r for s in output.scheduled for r in s.sample_requests]
             # filled in a worker thread while the model runs; None (no thread) without a constrained request
             grammar = self._structured_outputs.bitmasks.start(takers) if self._structured_outputs else None
-            logits = self.runner.execute(batch, *state)
+            lora_indices = None if self.lora is None else self.lora.token_indices(
+                [s.request.lora_request for s in output.scheduled], [s.num_new_tokens for s in output.scheduled],
+                self.runner.device)
+            logits = self.runner.execute(batch, *state, lora_indices=lora_indices)
             if self.kv_connector is not None:
                 self.kv_connector.after_step()
                 connector_output = self.kv_connector.finish_step(output)

@@ -118,7 +118,7 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request) -> list[bytes]:
         """The hashes of all full blocks of ``request.all_token_ids`` (extended as tokens come)."""
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.block_keys)
         return request.block_hashes
 
     def find_cached_prefix(self, request: Request) -> list[CachedPrefix]:
@@ -239,13 +239,13 @@ class KVCacheManager:
                 runs[-1].append(j)
             else:
                 runs.append([j])
-        size, salt = self.block_size, request.cache_salt
+        size, keys = self.block_size, request.block_keys
         for run in runs:
             first, end = run[0], run[-1] + 1
             self.pool.kv_events.append(blocks_stored(
                 hashes[first:end], hashes[first - 1] if first else None,
                 list(request.all_token_ids[first * size:end * size]), size,
-                [(salt,) if j == 0 and salt is not None else None for j in run]))
+                [keys if j == 0 and keys else None for j in run]))
 
     def fork_blocks(self, parent: Request, child: Request) -> bool:
         """Give ``child`` (holding no blocks) ``parent``'s computed tokens: it shares the full

@@ -11,8 +11,9 @@ Block hashes are pagedpack's own (:mod:`pagedpack.runtime.block_hash`: 32-byte s
 msgpack ``bin``), which vLLM's ``ExternalBlockHash`` (``bytes | int``) allows; ``parent_block_hash``
 is None for a sequence's first block. ``medium`` is vLLM's name of the tier the engine's own KV
 pool is in, ``"GPU"`` (``MEDIUM_GPU``), whatever the device; ``group_idx`` is 0 (one KV cache
-group); no LoRA (``lora_id`` / ``lora_name`` None). ``extra_keys`` holds, per block, what its hash
-covers besides tokens: ``(cache_salt,)`` for a salted sequence's first block, else None.
+group); ``lora_id`` / ``lora_name`` None (a LoRA request's blocks say their adapter in ``extra_keys``).
+``extra_keys`` holds, per block, what its hash covers besides tokens: a sequence's first block's
+:func:`~pagedpack.runtime.block_hash.first_block_keys` (its ``cache_salt``, ``"lora:<name>"``), else None.
 """
 from __future__ import annotations
 

@@ -33,6 +33,10 @@ class ModelRunner:
     ``[num_state_slots, *spec.shape]`` each, zeroed once (a sequence's first chunk never reads its
     slot: ``has_initial_state``), passed after the KV caches with the step's state metadata.
 
+    A program with LoRA inputs (``lora_specs``) gets its adapter slots, ``max_loras`` of rank
+    ``max_lora_rank`` (``lora_slots``), zeroed (:attr:`lora_weights`, filled by
+    :class:`~pagedpack.runtime.lora.LoRAManager`), passed last with the step's ``lora_indices``.
+
     On the CPU, the first step of fewer than :data:`TRIM_AFTER_TOKENS` tokens after longer ones hands
     the heap pages their activations freed back to the OS (``malloc_trim``) before it runs: glibc
     keeps them, and the small allocations of the decode steps that follow would scatter over them, so
@@ -43,7 +47,7 @@ class ModelRunner:
 
     def __init__(self, program: StepProgram, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", cpu_threads: CpuThreads | None = None, workers=None,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, lora_slots: tuple[int, int] = (1, 1)):
         self.program, self.cpu_threads, self.workers = program, cpu_threads, workers
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self._trim_due = False  # the last step was a long one: trim before the next short one
@@ -56,17 +60,26 @@ class ModelRunner:
         self.state_specs = list(getattr(program, "state_specs", ()))
         self.states = [torch.zeros(spec.state_shape(num_state_slots), dtype=spec.dtype, device=self.device)
                        for spec in self.state_specs]
+        self.lora_specs = list(getattr(program, "lora_specs", ()))
+        self.lora_weights = [torch.zeros(shape(*lora_slots), dtype=spec.dtype, device=self.device)
+                             for spec in self.lora_specs for shape in (spec.a_shape, spec.b_shape)]
         if workers is not None:
             workers.start(num_blocks)
 
     @torch.inference_mode()
-    def execute(self, batch: StepMetadata, *state: torch.Tensor) -> torch.Tensor:
+    def execute(self, batch: StepMetadata, *state: torch.Tensor, lora_indices: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Run one step; returns ``logits [R, vocab]``, the ``batch.logits_indices`` rows (one per
         sequence, its last token, then any prompt rows). ``state``: for a program with recurrent
         layers, the step's ``state_indices, has_initial_state``
-        (:func:`pagedpack.step.metadata.state_metadata`)."""
+        (:func:`pagedpack.step.metadata.state_metadata`); ``lora_indices``: for a program with LoRA
+        inputs, each token's slot (None: the base model for all)."""
         inputs = batch.as_inputs()  # values checked by build_batch; caches allocated to the specs
         states = [*state, *self.states] if self.state_specs else []
+        if self.lora_specs:
+            if lora_indices is None:
+                lora_indices = torch.full((batch.num_tokens,), -1, dtype=torch.int32, device=self.device)
+            states += [lora_indices, *self.lora_weights]
         if is_cpu(self.device):
             long_step = batch.num_tokens >= TRIM_AFTER_TOKENS
             if self._trim_due and not long_step:

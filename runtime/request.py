@@ -7,6 +7,7 @@ import enum
 import torch
 
 from pagedpack.inputs import check_cache_salt
+from pagedpack.runtime.block_hash import first_block_keys
 from pagedpack.runtime.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
         num_preemptions: how often the scheduler evicted it (its KV is then recomputed).
         cache_salt: requests share cached KV blocks only if their salts are equal (None is a
             salt of its own), as vLLM's ``cache_salt``.
+        lora_request: the LoRA adapter it runs with (:class:`~pagedpack.runtime.lora.LoRARequest`),
+            None for the base model; its blocks are cached under the adapter's name (``block_keys``).
         block_hashes / num_cached_blocks: the content hashes of its full blocks and how many of
             its leading blocks were offered to the prefix cache (the ``KVCacheManager``'s).
         grammar: with ``SamplingParams.structured_outputs``, the completion's own matcher (an
@@ -69,6 +72,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> None:
         if cache_salt is not None:
             check_cache_salt("cache_salt", cache_salt)
@@ -88,6 +92,8 @@ class Request:
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.block_keys = first_block_keys(cache_salt, None if lora_request is None else lora_request.lora_name)
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
@@ -168,7 +174,7 @@ class Request:
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 eos_token_ids: list[int], cache_salt: str | None = None) -> Request:
+                 eos_token_ids: list[int], cache_salt: str | None = None, lora_request=None) -> Request:
     """The request of one prompt: it stops on the first of ``eos_token_ids`` (the others join its
     ``stop_token_ids`` unless ``ignore_eos``); with ``params.n > 1`` it is the first of the ``n``
     completions (id ``"0_<request_id>"``, as vLLM's child requests) and carries the others as its
@@ -177,12 +183,13 @@ def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
     if len(eos_token_ids) > 1 and not params.ignore_eos:
         params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *eos_token_ids[1:]])
     if params.n == 1:
-        return Request(request_id, prompt_token_ids, params, eos_token_id=eos, cache_salt=cache_salt)
+        return Request(request_id, prompt_token_ids, params, eos_token_id=eos, cache_salt=cache_salt,
+                       lora_request=lora_request)
     first, *forks = [
         Request(f"{i}_{request_id}", prompt_token_ids, dataclasses.replace(
             params, n=1, seed=None if params.seed is None else params.seed + i,
             prompt_logprobs=params.prompt_logprobs if i == 0 else None),
-            eos_token_id=eos, cache_salt=cache_salt)
+            eos_token_id=eos, cache_salt=cache_salt, lora_request=lora_request)
         for i in range(params.n)]
     first.forks = forks
     return first

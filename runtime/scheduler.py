@@ -76,6 +76,8 @@ class Scheduler:
     max_num_batched_tokens: token budget of one step (``T`` of the packed batch).
     max_num_seqs: most requests running at once (``B`` of the packed batch).
     max_model_len: most tokens (prompt + output) of one request.
+    max_loras: most LoRA adapters among the running requests (0: no limit, no LoRA); a waiting request
+        of another adapter waits, and later ones are admitted past it, as vLLM's scheduler does.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         connector: KVConnectorBase_V1 | None = None,
+        max_loras: int = 0,
     ) -> None:
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -98,6 +101,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: dict[str, Request] = {}  # taken out of scheduling by pause_requests, holding no blocks
@@ -168,14 +172,23 @@ class Scheduler:
                 i += 1
 
         # As vLLM: a step that had to preempt admits nobody (the pool is under pressure).
+        other_adapter: list[Request] = []  # waiting for an adapter slot: they keep their place
+        loras = {r.lora_request.lora_int_id for r in [*self.running, *self.waiting_for_remote_kvs.values()]
+                 if r.lora_request is not None}
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and self.max_loras and lora.lora_int_id not in loras and len(loras) >= self.max_loras:
+                other_adapter.append(self.waiting.popleft())
+                continue
             num_new = self._admit(request, budget)
             if num_new is None and not self.running and self._release_a_waiting_holder(request):
                 continue
             if num_new is None:
                 break
             self.waiting.popleft()
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             if not num_new:  # its external tokens load asynchronously
                 self.waiting_for_remote_kvs[request.request_id] = request
                 continue
@@ -183,6 +196,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(other_adapter))
 
         kv = self.kv_cache_manager
         output = SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget,

@@ -401,7 +401,7 @@ def test_a_listener_a_request_names_cannot_give_other_requests_its_kv():
         honest.llm_engine.close()
         fake.expect("evil", 5 * layout.block_bytes)
         noise = torch.randn(5, layout.block_bytes // 4, generator=torch.Generator().manual_seed(0)) * 50
-        fake.hold("evil", noise.view(torch.uint8).reshape(5, -1), request_block_hashes(prompt, block, None),
+        fake.hold("evil", noise.view(torch.uint8).reshape(5, -1), request_block_hashes(prompt, block, ()),
                   len(prompt), layout)
         attack = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args={"kv_transfer_params": {
             "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": fake.port,

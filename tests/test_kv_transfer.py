@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from pagedpack.runtime.block_hash import first_block_keys
 from pagedpack.runtime.kv_connector import tcp_transfer as tt
 from pagedpack.runtime.kv_connector.tcp_transfer import (
     BlockLayout,
@@ -46,12 +47,13 @@ def producer():
 def hold(server, caches, request_id, block_ids, tokens=TOKENS, salt=None):
     data = read_blocks(caches, block_ids)
     assert request_id in server._held or server.expect(request_id, data.numel())
-    server.hold(request_id, data, request_block_hashes(tokens, BLOCK_SIZE, salt), len(tokens), BlockLayout.of(caches))
+    hashes = request_block_hashes(tokens, BLOCK_SIZE, first_block_keys(salt))
+    server.hold(request_id, data, hashes, len(tokens), BlockLayout.of(caches))
 
 
 def pull(server, request_id="r", tokens=TOKENS, first_block=0, num_blocks=None, layout=None, port=None,
          timeout_s=2.0, transfer_timeout_s=5.0):
-    hashes = request_block_hashes(tokens, BLOCK_SIZE, None)
+    hashes = request_block_hashes(tokens, BLOCK_SIZE, ())
     return pull_blocks("127.0.0.1", port or server.port, request_id, layout=layout or BlockLayout.of(pool(1)),
                        num_tokens=len(tokens), first_block=first_block, block_hashes=hashes, timeout_s=timeout_s,
                        transfer_timeout_s=transfer_timeout_s,
@@ -153,7 +155,7 @@ class FakeProducer:
 
 
 def _good_frame(**changes) -> tuple[tt.KVBlocks, bytes]:
-    caches, hashes = pool(0), request_block_hashes(TOKENS, BLOCK_SIZE, None)
+    caches, hashes = pool(0), request_block_hashes(TOKENS, BLOCK_SIZE, ())
     data = read_blocks(caches, [1, 2, 3])
     header = tt.KVBlocks("r", len(TOKENS), 0, hashes, [(d, list(s)) for d, s in BlockLayout.of(caches).caches],
                          [hashlib.sha256(row).digest() for row in data.numpy()], data.numel())

@@ -33,7 +33,7 @@ def test_block_hashes_chain_prefixes_and_salt_only_the_first_block():
     extend_block_hashes(c, [9, 2, 3, 4], block_size=2)
     assert c[0] != a[0] and c[1] != a[1]  # a different first block changes every later hash
     salted = []
-    extend_block_hashes(salted, [1, 2, 3, 4], block_size=2, cache_salt="s")
+    extend_block_hashes(salted, [1, 2, 3, 4], block_size=2, extra_keys=("s",))
     assert salted[0] == hash_block_tokens(ROOT_HASH, [1, 2], ["s"]) and salted[0] != a[0]
     assert salted[1] == hash_block_tokens(salted[0], [3, 4])
     # length-prefixed fields: moving a token between the tokens and the keys changes the hash

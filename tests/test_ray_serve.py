@@ -198,6 +198,6 @@ def test_router_ranks_longest_cached_prefix():
     ranks = asyncio.run(router.choose_replicas(replicas, request))
     assert [[r.replica_id for r in rank] for rank in ranks] == [["b"], ["a", "c"]]
     other: list[bytes] = []
-    extend_block_hashes(other, list(range(64)), BLOCK_SIZE, cache_salt="salt")  # another chain: no hit
+    extend_block_hashes(other, list(range(64)), BLOCK_SIZE, ("salt",))  # another chain: no hit
     ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={"block_hashes": other})))
     assert [sorted(r.replica_id for r in rank) for rank in ranks] == [["a", "b", "c"]]

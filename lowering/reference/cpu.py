@@ -55,7 +55,7 @@ from pagedpack.passes.cleanup import drop_noop_conversions, strip_export_checks
 from pagedpack.passes.graph_attrs import drop_unused_attrs, hoist_attrs, vocab_size
 from pagedpack.passes.tensor_parallel import local_graph
 from pagedpack.passes.view_chains import collapse_view_chains
-from pagedpack.step.metadata import example_metadata, example_state_inputs
+from pagedpack.step.metadata import example_lora_inputs, example_metadata, example_state_inputs
 
 FP32_RTOL = 1e-4  # of 1 + the largest |logit|, as verify_attention's fp32 output check
 # A bf16 / fp16 step's logits move by several of the dtype's rounding steps whenever a GEMM's row
@@ -92,7 +92,7 @@ def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
 
 
 def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | str,
-             max_model_len: int | None = None, state_specs=()) -> tuple[object, str | None]:
+             max_model_len: int | None = None, state_specs=(), lora_specs=()) -> tuple[object, str | None]:
     """``(program, note)``: the step program the reference target runs on ``device`` for the step
     graph ``gm`` (a rewritten model's, or a loaded ``.pt2`` program's ``.module()``) with caches
     ``kv_cache_specs``, and what was lowered; the example step it is checked on stays within
@@ -125,16 +125,16 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
             f"{kernels} attention/cache ops as native kernel calls, {qkv} QKV splits with their rotary embedding and "
             f"cache write in one call, {views} view chains as one reshape, {conversions} conversions that convert "
             "nothing dropped")
-    reason = _check(gm, lowered, kv_cache_specs, max_model_len, state_specs)
+    reason = _check(gm, lowered, kv_cache_specs, max_model_len, state_specs, lora_specs)
     if reason:
         return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"
     return lowered, f"cpu lowering: {done}"
 
 
 def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_cache_specs,
-           max_model_len: int | None, state_specs=()) -> str | None:
+           max_model_len: int | None, state_specs=(), lora_specs=()) -> str | None:
     """None if ``lowered`` computes ``reference``'s logits on an example step (random tokens and
-    caches, zeroed recurrent states, sequences of at most ``max_model_len`` tokens) to
+    caches, zeroed recurrent states, random LoRA adapters, sequences of at most ``max_model_len`` tokens) to
     :data:`FP32_RTOL` (bf16 / fp16 logits: :data:`LOW_PRECISION_RTOL`); else what differs."""
     limit = max_model_len or max(c + q for c, q in _CHECK_SEQS)
     q_lens = [min(q, limit) for _, q in _CHECK_SEQS]
@@ -149,6 +149,7 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     caches = [torch.randn(shape, generator=g).to(spec.dtype) for spec in kv_cache_specs
               for shape in spec.cache_shapes(num_blocks, _CHECK_BLOCK_SIZE)]
     caches += example_state_inputs(state_specs, context_lens)  # the states' metadata, then the states
+    caches += example_lora_inputs(lora_specs, q_lens)  # random adapters in some sequences' slots
     results = []
     # a tensor-parallel rank's graphs without their all-reduces: the other ranks would not join them
     for which, program in (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered))):

@@ -26,6 +26,7 @@ class ReferenceTarget(Target):
     supports_tensor_parallel: bool = True
     recurrent_ops: frozenset[str] = frozenset(RECURRENT_OPS)
     sparse_attention: bool = True
+    supports_lora: bool = True
 
     def check_kv_cache_dtype(self, kv_cache_dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
         """Every ``kv_cache_dtype``: the ops round keys and values to a floating cache's dtype, or quantize
@@ -38,11 +39,11 @@ class ReferenceTarget(Target):
         oneDNN linears and direct native kernel calls; the rewritten graph itself, which
         ``LLM.export`` writes, stays as it is."""
         program, note = cpu_step(rewritten.graph_module, rewritten.kv_cache_specs, device, bounds.max_model_len,
-                                 rewritten.state_specs)
+                                 rewritten.state_specs, rewritten.lora_specs)
+        specs = {"state_specs": rewritten.state_specs, "lora_specs": rewritten.lora_specs}
         if program is rewritten.graph_module:
-            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note, state_specs=rewritten.state_specs)
-        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True,
-                           state_specs=rewritten.state_specs)
+            return LoweredStep(rewritten, rewritten.kv_cache_specs, note=note, **specs)
+        return LoweredStep(program, rewritten.kv_cache_specs, note=note, standalone=True, **specs)
 
     def load_exported(self, path: str, fmt: FileFormat, *, trust_file: bool, device: torch.device | str,
                       max_model_len: int | None, rank: int = 0) -> LoweredStep:

@@ -18,8 +18,8 @@ cannot compile (the pass refuses it, or ``torch.export`` fails) is recorded as s
 
 ``PAGEDPACK_COMPILE_CACHE=0`` (or ``false``, ``off``, ``no``) turns this off: everything in one
 process, as for an ``nn.Module``, the built-in ``tiny`` model, a hub id, another target or device,
-``keep_source_model=True``, a ``memory_budget``, ``extra_passes`` or ``PAGEDPACK_DUMP_GRAPHS`` (the passes' graphs
-are written where they run), which all capture in process. The child's messages (``transformers``'
+``keep_source_model=True``, a ``memory_budget``, ``extra_passes``, ``enable_lora`` or ``PAGEDPACK_DUMP_GRAPHS``
+(the passes' graphs are written where they run), which all capture in process. The child's messages (``transformers``'
 loading report among them) show on the run that builds the entry; the report's pass times are that
 run's. Entries of checkpoints that are gone, and what a killed build left, are removed when the next
 entry is built.
@@ -110,7 +110,7 @@ def _applies(args: EngineArgs) -> bool:
             and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
             and args.lowering_target.serves_pt2 and is_cpu(args.device)
             and not args.keep_source_model and args.memory_budget is None and not args.extra_passes
-            and args.tensor_parallel_size == 1)
+            and args.tensor_parallel_size == 1 and not args.enable_lora)
 
 
 def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:

@@ -151,6 +151,9 @@ def lower(source: Source, model: SourceModel, rewritten: RewrittenStep, *,
     if refused:
         raise ValueError(f"target: the {target.name} target does not run these sparse-attention (DSA) layers (serve "
                          "the model on the reference target):\n  " + "\n  ".join(refused))
+    if step.lora_specs and not target.supports_lora:
+        raise ValueError(f"enable_lora: the {target.name} target does not run LoRA adapters yet (serve them on the "
+                         "reference target)")
     target.check_limits(step, block_size=args.block_size, bounds=bounds)
     peak = _activation_peak(whole or rewritten) if args.memory_budget is not None else None
     program = target.lower(step, args.target_options, block_size=args.block_size, bounds=bounds, device=args.device)

@@ -33,12 +33,21 @@ def describe_source(args: EngineArgs) -> tuple[torch.nn.Module, ModelDescription
 
 
 def rewrite_module(module: torch.nn.Module, args: EngineArgs):
-    """``module`` captured and rewritten with ``args.extra_passes`` (a
-    :class:`~pagedpack.passes.pipeline.RewrittenModel`; refused sites are in its report, not raised)."""
+    """``module`` captured and rewritten with ``args.extra_passes`` and, with ``args.enable_lora``, its
+    linears given LoRA inputs (:mod:`pagedpack.passes.lora`): a
+    :class:`~pagedpack.passes.pipeline.RewrittenModel`; refused sites are in its report, not raised."""
     from pagedpack.models.capture import capture
     from pagedpack.passes.pipeline import rewrite
 
-    return rewrite(capture(module), extra_passes=args.extra_passes)
+    rewritten = rewrite(capture(module), extra_passes=args.extra_passes)
+    if args.enable_lora and rewritten.ok:
+        from pagedpack.passes.lora import add_lora
+
+        rewritten.lora_specs = add_lora(rewritten.graph_module, module)
+        slices = sum(len(spec.modules) for spec in rewritten.lora_specs)
+        rewritten.report.notes.append(f"lora: {len(rewritten.lora_specs)} linears take LoRA adapters "
+                                      f"({slices} module projections)")
+    return rewritten
 
 
 def load_source(args: EngineArgs, *, model=None) -> tuple[torch.nn.Module, object]:

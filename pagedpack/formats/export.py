@@ -100,6 +100,9 @@ def check_portable(rewritten) -> None:
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
+    if getattr(rewritten, "lora_specs", None):
+        raise ValueError("rewritten: its step graph takes LoRA inputs (enable_lora), which the export formats do not "
+                         "carry yet; export the model without enable_lora")
     # a model without attention layers (Mamba) calls only the recurrent ops, a model of sparse-attention layers
     # only the sparse ones (DeepSeek-V3.2), which no other target lowers
     attention = (torch.ops.pagedpack.paged_attention.default, torch.ops.pagedpack.sparse_paged_attention.default)

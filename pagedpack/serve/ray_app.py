@@ -50,7 +50,7 @@ from ray.serve.config import RequestRouterConfig
 from pagedpack.async_llm import check_online
 from pagedpack.engine_args import EngineArgs
 from pagedpack.llm import LLM
-from pagedpack.runtime.block_hash import extend_block_hashes
+from pagedpack.runtime.block_hash import extend_block_hashes, first_block_keys
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app as build_fastapi_app
 from pagedpack.serve.openai_serving import ServingConfig, ServingError, _num_chars, chat_text
@@ -232,7 +232,7 @@ class RemoteServing:
                     return []
                 ids = prompt if not isinstance(prompt, str) else \
                     self.tokenizer(prompt, add_special_tokens=True).input_ids
-            extend_block_hashes(hashes, ids, self.block_size, body.cache_salt)
+            extend_block_hashes(hashes, ids, self.block_size, first_block_keys(body.cache_salt))
         except (ValueError, TypeError, UnicodeError, struct.error):  # ids out of range: struct.error
             return []
         return hashes

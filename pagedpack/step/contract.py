@@ -197,6 +197,7 @@ class StepProgram(Protocol):
 
     ``kv_cache_specs``: one :class:`KVCacheSpec` per cache pair (per layer owning one), in cache-input order.
     ``state_specs`` (optional attribute, default none): the recurrent states, in state-input order.
+    ``lora_specs`` (optional attribute, default none): the LoRA-augmented linears, in LoRA-input order.
     ``functional``: False if the program writes the caches in place and returns the logits
     alone; True if it returns ``(logits, *updated caches)``, which replace the caller's caches.
     """
@@ -234,6 +235,7 @@ class LoweredStep:
     kv_cache_specs: list[KVCacheSpec]
     functional: bool = False
     state_specs: list[StateSpec] = field(default_factory=list)
+    lora_specs: list[LoRASpec] = field(default_factory=list)
     note: str | None = None
     graphs: object | None = None  # what the graph mode did (a GraphStats with describe()), if any
     padding_blocks: int = 0  # KV blocks the runner allocates beyond the pool for padding writes

@@ -117,6 +117,23 @@ def state_metadata(slots: Sequence[int], context_lens: Sequence[int], device: to
             torch.tensor([c > 0 for c in context_lens], dtype=torch.bool, device=device).reshape(len(slots)))
 
 
+def example_lora_inputs(lora_specs: Sequence, q_lens: Sequence[int], device: torch.device | str = "cpu", *,
+                        max_loras: int = 2, max_rank: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    """The LoRA inputs of an example step (:func:`~pagedpack.step.contract.lora_input_names`): sequence ``b``
+    in slot ``b % (max_loras + 1) - 1`` (the base model every ``max_loras + 1``-th), random adapter
+    weights of ``max_rank`` scaled to a few percent of an activation's change; ``[]`` without ``lora_specs``."""
+    if not lora_specs:
+        return []
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.tensor([b % (max_loras + 1) - 1 for b in range(len(q_lens))], dtype=torch.int32)
+    inputs = [slots.repeat_interleave(torch.tensor(list(q_lens))).to(device)]
+    for spec in lora_specs:
+        a = torch.randn(spec.a_shape(max_loras, max_rank), generator=g) / spec.in_features ** 0.5
+        b = torch.randn(spec.b_shape(max_loras, max_rank), generator=g) * 0.05 / max_rank ** 0.5
+        inputs += [a.to(spec.dtype).to(device), b.to(spec.dtype).to(device)]
+    return inputs
+
+
 def example_state_inputs(state_specs: Sequence, context_lens: Sequence[int], device: torch.device | str = "cpu",
                          num_slots: int | None = None) -> list[torch.Tensor]:
     """The state inputs of an example step (docs/design.md): sequence ``b`` in slot ``b``, zeroed states of

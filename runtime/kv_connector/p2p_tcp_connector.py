@@ -288,7 +288,7 @@ class P2pTcpConnector(KVConnectorBase_V1):
         self.state.to_recv[request.request_id] = _Recv(
             params["remote_host"], params["remote_port"], params["remote_request_id"],
             blocks[first:first + num_external_tokens // size], first,
-            request_block_hashes(request.prompt_token_ids, size, request.cache_salt), request.num_prompt_tokens)
+            request_block_hashes(request.prompt_token_ids, size, request.block_keys), request.num_prompt_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()  # the halves share their state (module docstring)
@@ -310,7 +310,7 @@ class P2pTcpConnector(KVConnectorBase_V1):
             return False, None
         held = block_ids[:num_blocks]
         state.server.hold(request.request_id, read_blocks(state.kv_caches, held),
-                          request_block_hashes(request.prompt_token_ids, self.block_size, request.cache_salt),
+                          request_block_hashes(request.prompt_token_ids, self.block_size, request.block_keys),
                           request.num_prompt_tokens, state.layout)
         host = self._kv_transfer_config.kv_ip
         if host in ("0.0.0.0", "::"):

@@ -114,14 +114,15 @@ class BlockLayout:
         return sum(self.cache_bytes)
 
 
-def request_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
-    """One hash per block of ``token_ids``: the prefix cache's chain (:mod:`pagedpack.runtime.block_hash`) for
-    the full blocks, then, for a partial last block, the same hash over its tokens."""
+def request_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple[str, ...]) -> list[bytes]:
+    """One hash per block of ``token_ids``: the prefix cache's chain (:mod:`pagedpack.runtime.block_hash`,
+    ``extra_keys`` its first block's) for the full blocks, then, for a partial last block, the same hash
+    over its tokens."""
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, token_ids, block_size, cache_salt)
+    extend_block_hashes(hashes, token_ids, block_size, extra_keys)
     tail = token_ids[len(hashes) * block_size:]
     if tail:
-        extra = (cache_salt,) if not hashes and cache_salt is not None else ()
+        extra = extra_keys if not hashes else ()
         hashes.append(hash_block_tokens(hashes[-1] if hashes else ROOT_HASH, tail, extra))
     return hashes
 
