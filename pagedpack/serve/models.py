@@ -138,8 +138,8 @@ class ServingModels:
         except BaseException as err:
             with self._lock:
                 del self._adapters[lora_name]
-            if isinstance(err, OSError):
-                raise ValueError(f"lora_path: {lora_path!r:.200} cannot be read ({err.strerror})") from err
+            if isinstance(err, (ValueError, OSError)):
+                raise ValueError(f"lora_path: {lora_path!r:.200} cannot be served: {err}") from err
             raise
         with self._lock:
             self._adapters[lora_name] = request
