@@ -58,6 +58,7 @@ CASES = {
                                              rank_pattern={"o_proj": 6, "model.layers.1.self_attn.q_proj": 3},
                                              alpha_pattern={"down_proj": 5}), 6),
     "llama-rslora-layers": ("llama", dict(r=16, lora_alpha=4, use_rslora=True, layers_to_transform=[1],
+                                          layers_pattern="layers",
                                           target_modules=["gate_proj", "up_proj", "down_proj"]), 16),
 }
 
@@ -222,6 +223,8 @@ def test_a_config_that_is_no_json_object_is_named(adapter, shapes, text, says):
     (dict(layers_to_transform=["0"]), ["layers_to_transform", "a layer index or a list"]),
     (dict(target_modules=".*q_proj", layers_to_transform=[0]), ["layers_to_transform", "regular expression"]),
     (dict(layers_to_transform=[0], layers_pattern=3), ["layers_pattern", "got 3"]),
+    (dict(rank_pattern={f"p{i}": 4 for i in range(79)}), ["rank_pattern", "expected at most 78 entries", "got 79"]),
+    (dict(layers_to_transform=[0], layers_pattern=["h", "(layers"]), ["layers_pattern", "'(layers'"]),
 ])
 def test_a_config_field_pagedpack_does_not_serve_is_named(adapter, shapes, changes, names):
     edit_config(adapter, **changes)
@@ -238,13 +241,13 @@ def test_a_config_selecting_modules_without_tensors_is_named(adapter, shapes):
 
 def test_a_regex_that_backtracks_without_end_is_bounded(adapter, shapes, monkeypatch):
     """A pattern on which Python's re never ends (nested repeats) is matched by regex at once; and the
-    timeout refuses a pattern that runs long (forced here with a tiny timeout)."""
+    time budget refuses patterns that run long (forced here with a budget of 0)."""
     edit_config(adapter, target_modules=r"(?:(?:[a-z_.]|[a-z_.0-9])+)+[a-z]0")
     refused(adapter, shapes, adapter / CONFIG_FILE, "target_modules", "selects none")
     edit_config(adapter, target_modules=r".*\.(q_proj|v_proj)")
     assert len(load(adapter, shapes).weights) == 4
-    monkeypatch.setattr(lora_adapter, "REGEX_TIMEOUT_S", 1e-9)
-    refused(adapter, shapes, adapter / CONFIG_FILE, "target_modules", "ran over")
+    monkeypatch.setattr(lora_adapter, "REGEX_BUDGET_S", 0)
+    refused(adapter, shapes, adapter / CONFIG_FILE, "target_modules", "ran past the 0 s")
 
 
 def _add(name, tensor):

@@ -7,7 +7,8 @@ what rank and scaling (``target_modules`` as a list, a regex or ``"all-linear"``
 ``layers_to_transform``, ``rank_pattern`` / ``alpha_pattern``, ``use_rslora``), and refuses anything
 else by name: a ``ValueError`` naming the file and the field or tensor, what was expected and what
 came (docs/lora.md, "Adapter files"). Regular expressions from the config run under
-:mod:`regex` with a timeout, so a pattern that backtracks without end is refused, not run forever.
+:mod:`regex` with a time budget, and list fields hold a bounded number of entries, so a config cannot
+keep the loader busy for long.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 import os
 import re
 import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,7 +34,8 @@ PICKLED_FILES = ("adapter_model.bin", "adapter_model.pt")
 MAX_CONFIG_BYTES = 1 << 20
 # the weights file may hold the expected tensors at 8 bytes an element (float64) plus this much header
 HEADER_SLACK_BYTES = 1 << 20
-REGEX_TIMEOUT_S = 0.5
+REGEX_BUDGET_S = 2.0  # for all the config's regular expressions together, on every module
+EXTRA_ENTRIES = 64  # a list or object field may hold one entry per module LoRA may target, and this many more
 INIT_LORA_WEIGHTS = (True, False, "gaussian", "eva", "orthogonal")  # initializations that leave the base weights
 
 # adapter_config.json fields that must be absent, null, false or empty: what a set value would ask for
@@ -54,6 +57,7 @@ UNSUPPORTED_FIELDS = {
     "use_bdlora": "block-diagonal LoRA",
 }
 
+_DEFAULT_LAYER = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\..*")  # PEFT's layer index without a layers_pattern
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<kind>lora_[AB])(?:\.(?P<adapter>[^.]+))?\.weight")
 
 
@@ -176,6 +180,13 @@ def _target_ranks(config: dict, file: str, module_shapes: Mapping[str, tuple[int
             refuse(field, f"expected an object of module pattern -> value, got {value!r:.120}")
         return {key: check(f"{field}[{key!r:.80}]", v) for key, v in value.items()}
 
+    most = len(module_shapes) + EXTRA_ENTRIES
+    for field in ("target_modules", "exclude_modules", "rank_pattern", "alpha_pattern", "layers_to_transform",
+                  "layers_pattern"):
+        if isinstance(config.get(field), (list, dict)) and len(config[field]) > most:
+            refuse(field, f"expected at most {most} entries (one per module LoRA may target, and "
+                   f"{EXTRA_ENTRIES} more), got {len(config[field])}")
+
     r, lora_alpha = rank("r", config.get("r", 8)), alpha("lora_alpha", config.get("lora_alpha", 8))
     rank_pattern, alpha_pattern = patterns("rank_pattern", rank), patterns("alpha_pattern", alpha)
     targets = config.get("target_modules")
@@ -194,22 +205,27 @@ def _target_ranks(config: dict, file: str, module_shapes: Mapping[str, tuple[int
             or (isinstance(layers_pattern, list) and all(isinstance(p, str) for p in layers_pattern))):
         refuse("layers_pattern", f"expected a name or a list of names, got {layers_pattern!r:.120}")
 
-    def fullmatch(field, pattern, key):
+    compiled, deadline = {}, time.monotonic() + REGEX_BUDGET_S
+
+    def fullmatch(field, pattern, key, around=("", "")):  # ``around``: what PEFT puts before and after the pattern
         try:
-            return regex.fullmatch(pattern, key, timeout=REGEX_TIMEOUT_S)
+            if (pattern, around) not in compiled:
+                compiled[pattern, around] = regex.compile(around[0] + pattern + around[1])
+            return compiled[pattern, around].fullmatch(key, timeout=max(deadline - time.monotonic(), 1e-6))
         except regex.error as err:
             refuse(field, f"expected a regular expression, got {pattern!r:.120} ({err})")
         except TimeoutError:
-            refuse(field, f"the regular expression {pattern!r:.120} ran over {REGEX_TIMEOUT_S} s on {key!r}")
+            refuse(field, f"matching {pattern!r:.120} against {key!r} ran past the {REGEX_BUDGET_S} s that the "
+                   "config's regular expressions may take in all")
 
     def listed(names, key):  # PEFT's list match: the module path, or its last dotted parts
         return key in names or any(key.endswith(f".{name}") for name in names)
 
     def in_layers(key):  # PEFT's layers_to_transform: the first number after a layers_pattern name
         names = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern if layers_pattern else []
-        found = next(filter(None, (fullmatch("layers_pattern", rf"(?:|.*?\.)(?:{p})\.(\d+)\..*", key)
-                                   for p in names)), None) if names else re.fullmatch(r".*?\.[^.]*\.(\d+)\..*", key)
-        index = int(found[1]) if found else None
+        found = next(filter(None, (fullmatch("layers_pattern", p, key, (r"(?:|.*?\.)(?:", r")\.(?P<idx>\d+)\..*"))
+                                   for p in names)), None) if names else _DEFAULT_LAYER.fullmatch(key)
+        index = int(found["idx"]) if found else None
         return index == layers if _is_int(layers) else index in layers
 
     def targeted(key):
@@ -223,7 +239,7 @@ def _target_ranks(config: dict, file: str, module_shapes: Mapping[str, tuple[int
         return listed(targets, key) and (layers in (None, []) or in_layers(key))
 
     def pattern_value(field, values, key, default):  # PEFT's get_pattern_key: the first key whose match ends the path
-        return next((v for p, v in values.items() if fullmatch(field, rf"(?:.*\.)?(?:{p})", key)), default)
+        return next((v for p, v in values.items() if fullmatch(field, p, key, (r"(?:.*\.)?(?:", ")"))), default)
 
     ranks = {key: (pattern_value("rank_pattern", rank_pattern, key, r),
                    pattern_value("alpha_pattern", alpha_pattern, key, lora_alpha))
