@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import warnings
 
+from pagedpack.kernels import lora as _lora  # noqa: F401  (registers the LoRA ops)
 from pagedpack.kernels import ops as _ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels import recurrent as _recurrent  # noqa: F401  (registers the recurrent ops)
 from pagedpack.kernels import sparse_attention as _sparse_attention  # noqa: F401  (registers the DSA ops)
