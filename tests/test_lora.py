@@ -98,6 +98,7 @@ def test_a_mixed_batch_gives_each_request_its_merged_model_s_tokens(served):
     # then prompts longer than a step's 40 tokens (chunked) and short ones
     prompts = [shared] * 4 + random_prompts([70, 5, 33, 12, 50, 9], seed=4, vocab=V)
     names = [None, "qv", "mlp", "all", "all", None, "qv", "mlp", "qv", "all"]
+    llm.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks cached for the base model
     loras = [None if n is None else adapters[n][0] for n in names]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False,
                            lora_request=loras)

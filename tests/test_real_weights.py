@@ -438,7 +438,8 @@ def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, paddin
 
 def test_smollm2_serves_three_lora_adapters_and_the_base_in_one_batch(tmp_path):
     """Base + 3 PEFT adapters (ranks 4, 8, 16, different targets) in one batch, chunked prefill and
-    prefix caching on (the first two prompts share their start under different adapters): each
+    prefix caching on (the first prompt cached for the base model first, then run with an adapter; the
+    second shares its start with the base model): each
     completion's every token is the greedy choice of the model PEFT merges with its adapter."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
