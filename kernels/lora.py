@@ -52,7 +52,7 @@ from pagedpack.kernels.ops import _check_dtype, _check_rank, _check_same_device,
 from pagedpack.kernels.validation import arguments_checked
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE_LORA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -101,7 +101,7 @@ def _check_expand(y: Tensor, buffer: Tensor, lora_b: Tensor, lora_indices: Tenso
 
 def _native(*tensors: Tensor):
     """``torch.ops.pagedpack_cpu`` for CPU fp32 / bf16 tensors when the library is built, else None."""
-    if not is_cpu(tensors[0]) or any(t.dtype not in _NATIVE_DTYPES for t in tensors):
+    if not is_cpu(tensors[0]) or any(t.dtype not in NATIVE_LORA_DTYPES for t in tensors):
         return None
     return native_ops()
 

@@ -14,9 +14,9 @@ GEMM and takes one shrink and one expand over its ``S`` slices, the adapters sli
 ``MergedQKVParallelLinearWithLoRA`` slices them.
 
 Which linears: every ``aten.linear`` whose weight (or each slice of whose merged weight) is the
-weight of an ``nn.Linear`` of the source model other than its output embeddings (the LM head), as
-vLLM applies LoRA to every supported linear and an adapter that targets fewer leaves the others'
-slots zero. A merged linear with a slice that is no such module is left alone.
+weight of an ``nn.Linear`` in one of the source model's decoder layers (not the LM head, not the
+embeddings), as vLLM applies LoRA to every supported linear and an adapter that targets fewer leaves
+the others' slots zero. A merged linear with a slice that is no such module is left alone.
 
 The graph gains inputs after all others (:func:`pagedpack.step.contract.lora_input_names`):
 ``lora_indices [T] int32`` and, per augmented linear ``i`` (:class:`~pagedpack.step.contract.LoRASpec`),
@@ -30,6 +30,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from pagedpack.formats.lora_adapter import lora_module_shapes
 from pagedpack.passes.graph_attrs import attr_tensor, linear_projections
 from pagedpack.step.contract import LORA_INDICES, LoRASpec, lora_input_names
 
@@ -37,15 +38,14 @@ aten = torch.ops.aten
 
 
 def lora_module_names(model: torch.nn.Module) -> dict[int, str]:
-    """``data_ptr`` of each LoRA-able module's weight -> its module path: every ``nn.Linear`` of
-    ``model`` except its output embeddings."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_weight = getattr(head, "weight", None)
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not head and module.weight is not head_weight:
-            found.setdefault(module.weight.data_ptr(), name)
-    return found
+    """``data_ptr`` of each LoRA-able module's weight -> its module path: the ``nn.Linear`` modules of
+    ``model``'s decoder layers (:func:`~pagedpack.formats.lora_adapter.lora_module_shapes`, the modules an
+    adapter file may name). ``ValueError`` naming ``enable_lora`` for a model without decoder layer classes."""
+    try:
+        names = lora_module_shapes(model)
+    except ValueError as err:
+        raise ValueError(f"enable_lora: {err}, so the linears LoRA may target are unknown") from None
+    return {model.get_submodule(name).weight.data_ptr(): name for name in names}
 
 
 def add_lora(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[LoRASpec]:
@@ -67,7 +67,7 @@ def add_lora(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[LoRASpec]
         targets.append((node, spec))
     if not targets:
         raise ValueError(f"enable_lora: {type(model).__name__}'s step graph has no linear of an nn.Linear module "
-                         "outside the LM head, so there is nothing a LoRA adapter could target")
+                         "of its decoder layers, so there is nothing a LoRA adapter could target")
     specs = [spec for _, spec in targets]
     inputs = _add_inputs(graph, lora_input_names(specs))
     for i, (linear, spec) in enumerate(targets):

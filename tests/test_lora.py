@@ -98,6 +98,7 @@ def test_a_mixed_batch_gives_each_request_its_merged_model_s_tokens(served):
     # then prompts longer than a step's 40 tokens (chunked) and short ones
     prompts = [shared] * 4 + random_prompts([70, 5, 33, 12, 50, 9], seed=4, vocab=V)
     names = [None, "qv", "mlp", "all", "all", None, "qv", "mlp", "qv", "all"]
+    llm.generate([shared], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks cached for the base model
     loras = [None if n is None else adapters[n][0] for n in names]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False,
                            lora_request=loras)
@@ -147,3 +148,13 @@ def test_lora_request_fields_are_checked(field, value, message):
     given = {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x", field: value}
     with pytest.raises(ValueError, match=message):
         LoRARequest(**given)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target="onnx"), "enable_lora: the onnx target does not run LoRA adapters"),
+    (dict(tensor_parallel_size=2), "enable_lora: LoRA adapters are not sharded over tensor-parallel ranks"),
+    (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras: expected at least max_loras=4"),
+])
+def test_what_lora_does_not_run_with_is_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(base_model("llama"), enable_lora=True, num_blocks=64, **kwargs)

@@ -434,3 +434,42 @@ def test_backend_packs_smollm2_and_matches_each_sentence(smollm2_backend, paddin
         print(f"{padding_side} padding, sentence {b}: max |packed - model| {(packed - own[b]).abs().max():.2g}, "
               f"|packed - float64| {(packed - exact[b]).abs().max():.2g}, |model - float64| "
               f"{(own[b] - exact[b]).abs().max():.2g}")
+
+
+def test_smollm2_serves_three_lora_adapters_and_the_base_in_one_batch(tmp_path):
+    """Base + 3 PEFT adapters (ranks 4, 8, 16, different targets) in one batch, chunked prefill and
+    prefix caching on (the first prompt cached for the base model first, then run with an adapter; the
+    second shares its start with the base model): each
+    completion's every token is the greedy choice of the model PEFT merges with its adapter."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from pagedpack import LLM, LoRARequest, SamplingParams
+
+    checkpoint = fetch_alias_or_skip("smollm2-135m")
+    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    adapters = {}
+    for i, (rank, targets) in enumerate([(4, ["q_proj", "v_proj"]), (8, ["o_proj", "up_proj", "down_proj"]),
+                                         (16, "all-linear")]):
+        torch.manual_seed(i)
+        peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                              init_lora_weights=False))
+        with torch.no_grad():  # peft's random B moves the outputs to noise: a tenth keeps them text
+            for name, param in peft.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(0.1)
+        peft.save_pretrained(tmp_path / f"a{i}")
+        adapters[i] = LoRARequest(f"a{i}", i + 1, str(tmp_path / f"a{i}"))
+    llm = LLM("smollm2-135m", dtype=torch.float32, enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_batched_tokens=BUDGET, enable_prefix_caching=True)
+    prompts = [PROMPTS[0], PROMPTS[0][:len(PROMPTS[0]) // 2] + " and more", PROMPTS[1], PROMPTS[2]]
+    names = [0, None, 1, 2]
+    llm.generate(prompts[0], SamplingParams(max_tokens=1), use_tqdm=False)  # its blocks cached for the base model
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                           lora_request=[None if n is None else adapters[n] for n in names])
+    compared = 0
+    for name, out in zip(names, outputs, strict=True):
+        assert out.error is None
+        reference = base if name is None else PeftModel.from_pretrained(
+            copy.deepcopy(base), adapters[name].lora_path).merge_and_unload().eval()
+        compared += _greedy_steps_checked(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    assert compared >= 0.9 * 4 * 8

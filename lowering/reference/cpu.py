@@ -43,6 +43,7 @@ import torch
 import torch.fx
 
 from pagedpack.host.devices import is_cpu
+from pagedpack.kernels.lora import NATIVE_LORA_DTYPES
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_activation import fuse_gated_activations
 from pagedpack.lowering.reference.cpu_linear import available as onednn_available
@@ -72,15 +73,19 @@ _CHECK_SEQS = [(0, 37), (6, 1), (9, 3), (0, 1), (21, 12), (40, 2)]
 _CHECK_PREFILL, _CHECK_MAX_TOKENS = 240, 2048
 
 
-def use_native_kernels(graph_module: torch.fx.GraphModule) -> int:
-    """Point every ``pagedpack::reshape_and_cache`` / ``paged_attention`` call of ``graph_module``
-    at the native CPU kernel of the same schema; returns how many (0 without native kernels)."""
+def use_native_kernels(graph_module: torch.fx.GraphModule, lora_specs=()) -> int:
+    """Point every ``pagedpack::reshape_and_cache`` / ``paged_attention`` call of ``graph_module`` (and
+    ``lora_shrink`` / ``lora_expand``, when every ``lora_specs`` dtype has a native kernel) at the native
+    CPU kernel of the same schema; returns how many (0 without native kernels)."""
     native = native_ops()
     if native is None:
         return 0
     ops = torch.ops.pagedpack
     swap = {ops.reshape_and_cache.default: native.reshape_and_cache.default,
             ops.paged_attention.default: native.paged_attention.default}
+    if all(spec.dtype in NATIVE_LORA_DTYPES for spec in lora_specs):
+        swap.update({ops.lora_shrink.default: native.lora_shrink.default,
+                     ops.lora_expand.default: native.lora_expand.default})
     count = 0
     for node in graph_module.graph.nodes:
         if node.op == "call_function" and node.target in swap:
@@ -113,7 +118,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     norms, fused_adds = fuse_rms_norms(lowered)
     hoist_attrs(lowered)  # one attribute lookup a weight, not one a path component
     drop_unused_attrs(lowered)  # the plain weights the packed ones replaced, the paths hoisted from
-    kernels = use_native_kernels(lowered)
+    kernels = use_native_kernels(lowered, lora_specs)
     qkv = fuse_qkv_rope_cache(lowered)  # on the native rotary and cache-write calls
     views = collapse_view_chains(lowered)
     if not any((linears, activations, mlps, rotary, norms, kernels, qkv, views)):
@@ -122,9 +127,9 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
             f"{activations} silu / gelu_tanh(gate) * up fused, {mlps} MLPs run {CHUNK_ROWS} token rows at a time, "
             f"{rotary} rotary embeddings fused, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
-            f"{kernels} attention/cache ops as native kernel calls, {qkv} QKV splits with their rotary embedding and "
-            f"cache write in one call, {views} view chains as one reshape, {conversions} conversions that convert "
-            "nothing dropped")
+            f"{kernels} attention/cache/LoRA ops as native kernel calls, "
+            f"{qkv} QKV splits with their rotary embedding and cache write in one call, "
+            f"{views} view chains as one reshape, {conversions} conversions that convert nothing dropped")
     reason = _check(gm, lowered, kv_cache_specs, max_model_len, state_specs, lora_specs)
     if reason:
         return gm, f"cpu lowering: kept the graph as it was; its lowered copy ({done}) {reason}"
