@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from pagedpack.engine_args import EngineArgs
 from pagedpack.llm import LLM
+from pagedpack.runtime.lora import LoRARequest
 from pagedpack.runtime.outputs import RequestOutput, merge
 from pagedpack.runtime.sampling import SamplingParams
 
@@ -54,11 +55,13 @@ class AsyncLLM:
     def tokenizer(self):
         return self.llm.tokenizer
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                    *, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Add one request now and return the stream of its deltas (what each step added, the last
         with ``finished`` set); call it in the event loop's thread. ``prompt`` as ``LLM.generate``
-        takes one; ``request_id`` unique among live requests (default: a new one). Raises here,
+        takes one; ``request_id`` unique among live requests (default: a new one); ``lora_request``:
+        the adapter it runs with (None: the base model; one not loaded is read here: load it first
+        with ``llm.llm_engine.add_lora`` in another thread to keep file reads off the event loop). Raises here,
         before anything runs: ``ValueError`` for a bad prompt or parameter,
         :class:`~pagedpack.runtime.engine.RequestRejected` for one that can never run,
         :class:`~pagedpack.runtime.engine_loop.EngineDeadError` once a server's engine loop died.
@@ -76,7 +79,8 @@ class AsyncLLM:
             except RuntimeError:  # the event loop is closed: nobody waits for this request any more
                 pass
 
-        self.llm._loop.add_request(request_id, prompt, sampling_params, sink)  # checks it here, steps elsewhere
+        made = self.llm.llm_engine.make_request(request_id, prompt, sampling_params, lora_request)  # checked here
+        self.llm._loop.add_request(request_id, None, None, sink, made=made)  # stepped elsewhere
         return self._deltas(request_id, arrived)
 
     async def _deltas(self, request_id: str, arrived: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -96,12 +100,13 @@ class AsyncLLM:
                 self.llm._loop.abort_request(request_id)
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                       *, delta: bool = False) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request as it runs (:meth:`add_request`, which raises what it says),
-        the last with ``finished`` set: cumulative (all tokens and text so far, vLLM's default) or,
-        with ``delta``, only what each step added."""
+                       *, delta: bool = False, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request as it runs (:meth:`add_request`, which raises what it says; with
+        ``lora_request``'s adapter), the last with ``finished`` set: cumulative (all tokens and text so
+        far, vLLM's default) or, with ``delta``, only what each step added."""
         whole = None
-        async with contextlib.aclosing(self.add_request(prompt, sampling_params, request_id)) as deltas:
+        async with contextlib.aclosing(self.add_request(prompt, sampling_params, request_id,
+                                                        lora_request=lora_request)) as deltas:
             async for out in deltas:
                 whole = out if delta else merge(whole, out)
                 yield whole

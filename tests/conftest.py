@@ -47,8 +47,8 @@ os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
 # server and tensor-parallel files come late) leaves the other worker idle.
 _LONGEST_FIRST = ("test_real_weights.py", "test_compile_cache.py", "test_tensor_parallel.py", "test_families.py",
                   "test_hybrid.py", "test_backend.py", "test_cli.py", "test_trust_and_faults.py",
-                  "test_server_smollm2.py", "test_server.py", "test_serving_memory.py", "test_ascend_graphs.py",
-                  "test_docs.py")
+                  "test_server_smollm2.py", "test_server.py", "test_server_lora.py", "test_serving_memory.py",
+                  "test_ascend_graphs.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -67,7 +67,7 @@ def _streams(*deltas_then):
                 raise item
             yield item
 
-    return lambda prompt, params, request_id: stream()
+    return lambda prompt, params, request_id, lora_request=None: stream()
 
 
 ERROR_ID = re.compile(r"internal server error \(error id ([0-9a-f]{12}); the server's log has its details\)")
@@ -76,7 +76,7 @@ ERROR_ID = re.compile(r"internal server error \(error id ([0-9a-f]{12}); the ser
 def test_a_500_tells_the_client_an_error_id_and_the_log_the_traceback(llm, caplog):
     app, serving = _app(llm)
 
-    def fail(*_):
+    def fail(*_, **__):
         raise TypeError("secret detail 42")
 
     serving.engine.add_request = fail

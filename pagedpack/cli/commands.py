@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                      help='leave the tools out of the prompt when a request says tool_choice "none" (by default the '
                           "template gets them, as vLLM does)")
+    srv.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters served from the start, each a `model` of its own (needs --enable-lora): "
+                          'name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}; repeatable '
+                          "(docs/lora.md)")
+    srv.add_argument("--lora-root", default=None, metavar="DIR",
+                     help="the directory /v1/load_lora_adapter may read adapters from (with "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; needs --enable-lora)")
     srv.add_argument("--max-queue", type=int, default=1024,
                      help="most requests waiting for their first step; more get HTTP 503 with Retry-After")
     srv.add_argument("--max-unsent-tokens", type=int, default=MAX_UNSENT_TOKENS,
@@ -256,6 +263,7 @@ def _stream(console: Console, deltas, prompts: dict[tuple, str], n: int) -> list
 
 def _serve(args) -> int:
     from pagedpack.async_llm import check_online
+    from pagedpack.serve.models import LoRAModulePath
     from pagedpack.serve.openai_serving import ServingConfig
     from pagedpack.serve.server import ServerOptions, serve
 
@@ -274,6 +282,13 @@ def _serve(args) -> int:
     if args.data_parallel_size != 1 and args.kv_offload_dir is not None:  # each replica would lock it
         raise ValueError(f"--kv-offload-dir: a folder serves one live process (its lock); expected none with "
                          f"--data-parallel-size {args.data_parallel_size}, got {args.kv_offload_dir!r}")
+    lora_modules = tuple(LoRAModulePath.parse(text) for text in args.lora_modules or ())
+    for flag, given in (("--lora-modules", lora_modules), ("--lora-root", args.lora_root)):
+        if given and not args.enable_lora:
+            raise ValueError(f"{flag}: LoRA adapters are served with --enable-lora; expected it too")
+        if given and args.data_parallel_size != 1:
+            raise ValueError(f"{flag}: LoRA adapters are not served over --data-parallel-size replicas yet; "
+                             "expected --data-parallel-size 1")
     template = args.chat_template
     if template is not None and Path(template).is_file():
         template = Path(template).read_text(encoding="utf-8")
@@ -282,7 +297,8 @@ def _serve(args) -> int:
                            trust_request_chat_template=args.trust_request_chat_template, max_queue=args.max_queue,
                            max_tokenize_queue=args.max_tokenize_queue,
                            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                           lora_modules=lora_modules, lora_root=args.lora_root)
     engine_args = EngineArgs.from_cli_args(args)
     check_online(engine_args)
     flow_control = FlowControl(args.max_unsent_tokens, args.stream_stall_timeout)

@@ -1,15 +1,18 @@
 """The FastAPI application of ``pagedpack serve``: OpenAI's routes, health, version and metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (:mod:`pagedpack.serve.openai_serving`),
-``GET /v1/models``, ``GET /health`` (200; 503 once the engine loop has died), ``GET /version``,
-``GET /metrics`` (Prometheus text, :mod:`pagedpack.serve.metrics`).
+``GET /v1/models`` (the base model and its LoRA adapters), ``GET /health`` (200; 503 once the engine
+loop has died), ``GET /version``, ``GET /metrics`` (Prometheus text, :mod:`pagedpack.serve.metrics`);
+with ``lora_updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (:mod:`pagedpack.serve.models`), which are otherwise not there (404).
 
 Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, a missing, unknown or mistyped field (a union-typed one, e.g. ``prompt``, says the forms it
 takes), or a value the engine refuses (the message and ``param`` name the field); 404 for a model
-this server does not serve (as OpenAI and vLLM answer); 401 without the API key (``--api-key``:
-``Authorization: Bearer KEY`` on ``/v1/*`` only, as vLLM: ``/openapi.json``, ``/health``,
-``/metrics`` and ``/version`` answer anyone, and the schema holds no key); 413 for a body over
+this server does not serve (as OpenAI and vLLM answer), or an adapter to unload it does not; 401
+without the API key (``--api-key``: ``Authorization: Bearer KEY`` on ``/v1/*`` only, as vLLM:
+``/openapi.json``, ``/health``, ``/metrics`` and ``/version`` answer anyone, and the schema holds no
+key); 413 for a body over
 ``max_body_bytes``, or a chat body over what its fields could use
 (:attr:`~pagedpack.serve.openai_serving.OpenAIServing.max_chat_body_bytes`), declared or
 streamed: refused before it is read and parsed, the connection then closed (not read to its end);
@@ -29,7 +32,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,17 +40,25 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 import pagedpack
 from pagedpack.serve.openai_serving import OpenAIServing, ServingError
-from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest, brief, printable
+from pagedpack.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    brief,
+    printable,
+)
 
 MAX_BODY_BYTES = 32 * 2**20
 
 
-def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The application over ``serving`` (its engine, configuration and metrics)."""
+def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+              lora_updating: bool = False) -> FastAPI:
+    """The application over ``serving`` (its engine, configuration, models and metrics)."""
     # max_body_size: Starlette's limit, on declared and streamed (chunked) bodies alike -> 413
     app = _App(title="pagedpack", version=pagedpack.__version__, docs_url=None, redoc_url=None,
                max_body_size=max_body_bytes)
-    config, created = serving.config, int(time.time())
+    created = int(time.time())
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -86,8 +97,16 @@ def build_app(serving: OpenAIServing, *, api_key: str | None = None, max_body_by
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
-                                            "owned_by": "pagedpack", "max_model_len": serving.max_model_len}]}
+        return {"object": "list", "data": serving.models.cards(created, serving.max_model_len)}
+
+    if lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            return PlainTextResponse(await serving.load_lora_adapter(body))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            return PlainTextResponse(serving.unload_lora_adapter(body))
 
     @app.get("/health")
     async def health():

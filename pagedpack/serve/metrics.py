@@ -31,6 +31,11 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
   ``kv_transfer_bytes_total``, ``kv_transfer_seconds_total`` (from a pull's connection to its last byte
   checked: the mean transfer time is its ratio to the requests) and ``kv_transfer_failures_total``; and the
   gauges ``kv_transfer_held_requests`` / ``kv_transfer_held_bytes`` (a producer's copies waiting for a pull);
+- with ``--enable-lora``: vLLM's gauge ``lora_requests_info`` (labels ``running_lora_adapters`` and
+  ``waiting_lora_adapters``, the adapters of the running and waiting requests, comma-separated, and
+  ``max_lora``; its value the time of the scrape, in seconds since the epoch, as vLLM's is its last
+  update's) and pagedpack's counter ``lora_requests_total{lora_name}`` (completions run with each adapter,
+  counted when taken: vLLM has none);
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
   ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
@@ -109,6 +114,8 @@ class _EngineCollector:
         info.add_metric([self.model_name, *map(str, config.values())], 1.0)
         yield info
         yield from self._offload(engine)
+        if engine.lora is not None:
+            yield self._lora_info(name, engine)
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
@@ -127,6 +134,16 @@ class _EngineCollector:
             yield family
         connector = engine.scheduler.connector
         yield from self._kv_transfer(name, connector.get_kv_connector_stats() if connector is not None else None)
+
+    def _lora_info(self, name: str, engine) -> GaugeMetricFamily:
+        """vLLM's ``lora_requests_info``: the adapters running and waiting (labels), now (value)."""
+        scheduler = engine.scheduler
+        adapters = [",".join(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+                    for requests in (list(scheduler.running), list(scheduler.waiting))]
+        info = GaugeMetricFamily(name + "lora_requests_info", "Running stats on LoRA requests.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([self.model_name, *adapters, str(engine.lora.max_loras)], time.time())
+        return info
 
     def _kv_transfer(self, name: str, stats: dict | None):
         """The KV connector's transfer counters (``sent`` / ``received``) and held copies, if it moves any."""
@@ -166,6 +183,8 @@ class ServerMetrics:
                                          registry=registry).labels(model_name)
         self._success = Counter(ns + "request_success", "Completions finished (n per request), by finish reason.",
                                 [*label, "finished_reason"], registry=registry)
+        self._lora_requests = Counter(ns + "lora_requests", "Completions (n per request) run with each LoRA adapter.",
+                                      [*label, "lora_name"], registry=registry)
         self.ttft = Histogram(ns + "time_to_first_token_seconds", "Time to first token.", label, buckets=_TTFT_S,
                               registry=registry).labels(model_name)
         self.itl = Histogram(ns + "inter_token_latency_seconds", "Time between two outputs of a completion.", label,
@@ -180,6 +199,9 @@ class ServerMetrics:
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()
+
+    def adapter_requests(self, lora_name: str, num_completions: int) -> None:
+        self._lora_requests.labels(self.model_name, lora_name).inc(num_completions)
 
     def request(self, num_completions: int) -> "RequestTimer":
         return RequestTimer(self, num_completions)

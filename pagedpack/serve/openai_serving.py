@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -38,9 +39,16 @@ from pagedpack.chat import render_text
 from pagedpack.inputs import Prompt
 from pagedpack.runtime.engine import RequestRejected
 from pagedpack.runtime.engine_loop import EngineDeadError
+from pagedpack.runtime.lora import LoRARequest
 from pagedpack.runtime.outputs import CompletionOutput, RequestOutput, merge
 from pagedpack.serve.metrics import ServerMetrics
-from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedpack.serve.models import LoRAModulePath, ServingModels, lora_requests
+from pagedpack.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from pagedpack.serve.tool_parsers import PARSERS, ToolParser
 from pagedpack.serve.tools import ToolCalling, template_messages, template_tools
 
@@ -88,7 +96,9 @@ class ServingConfig:
     may wait for their first step, and how many may be in or wait for the tokenizer's threads,
     before new ones are refused (503); tool calling (vLLM's flags, :mod:`pagedpack.serve.tools`):
     whether ``tool_choice: "auto"`` is served, by which parser, and whether ``tool_choice:
-    "none"`` leaves the tools out of the prompt."""
+    "none"`` leaves the tools out of the prompt; LoRA adapters (:mod:`pagedpack.serve.models`): those
+    served from the start (``--lora-modules``) and the directory runtime ones may be read from
+    (``--lora-root``)."""
 
     model_name: str
     chat_template: str | None = None
@@ -98,8 +108,13 @@ class ServingConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    lora_root: str | None = None
 
     def __post_init__(self) -> None:
+        lora_requests(self.lora_modules, self.model_name)  # the names, before the model is loaded
+        if self.lora_root is not None and not os.path.isdir(self.lora_root):
+            raise ValueError(f"--lora-root: expected a directory, got {self.lora_root!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser: expected one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM's rule
@@ -114,7 +129,9 @@ class ServingConfig:
 
 class OpenAIServing:
     """``completions(body)`` / ``chat(body)`` -> a response body (dict) or an async iterator of
-    server-sent events (str), for one :class:`~pagedpack.async_llm.AsyncLLM`."""
+    server-sent events (str), for one :class:`~pagedpack.async_llm.AsyncLLM`; the models it answers
+    to are ``models``, the ``--lora-modules`` adapters loaded when it is made (a bad one raises
+    ``ValueError`` naming the entry, the file and the field)."""
 
     def __init__(self, engine: AsyncLLM, config: ServingConfig, metrics: ServerMetrics):
         self.engine, self.config, self.metrics = engine, config, metrics
@@ -134,10 +151,12 @@ class OpenAIServing:
         self.max_chat_body_bytes = 12 * 4 * self.max_text_chars + 32 * len(vocab) + 2**20
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pagedpack-tokenize")
         self._tokenize_slots = threading.BoundedSemaphore(config.max_tokenize_queue)
+        self.models = ServingModels(config.model_name, config.lora_modules, config.lora_root)
+        self.models.load_static(self.llm.llm_engine.add_lora)
 
     # -- the two endpoints ---------------------------------------------------------------------
     async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
+        lora = self._lora_request(body.model)
         _checked(body.check_unsupported)
         texts = _checked(body.prompts)
         self._check_length("prompt", sum(len(p) for p in texts if isinstance(p, str)))
@@ -147,10 +166,11 @@ class OpenAIServing:
             prompts = await self._tokenizing(lambda: [self._prompt(p, body.cache_salt) for p in texts])
         else:  # token ids: nothing to tokenize
             prompts = [Prompt(p, body.cache_salt) for p in texts]
-        return await self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False)
+        return await self._respond(body, prompts, f"cmpl-{uuid.uuid4().hex}", logprobs=body.logprobs, chat=False,
+                                   lora=lora)
 
     async def chat(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
+        lora = self._lora_request(body.model)
         _checked(body.check_unsupported)
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             raise ServingError(400, "chat_template: a template in the request is refused (the server was not "
@@ -177,7 +197,18 @@ class OpenAIServing:
 
         prompt = await self._tokenizing(tokenized)
         return await self._respond(body, [prompt], f"chatcmpl-{uuid.uuid4().hex}", logprobs=body.requested_logprobs,
-                             chat=True, tools=tools)
+                                   chat=True, tools=tools, lora=lora)
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        """vLLM's ``/v1/load_lora_adapter``: checked and loaded in the tokenizer's threads (it reads files)."""
+        await self._tokenizing(lambda: _served(lambda: self.models.load(body.lora_name, body.lora_path,
+                                                                        self.llm.llm_engine.add_lora), "lora_name"))
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        """vLLM's ``/v1/unload_lora_adapter``."""
+        name = _served(lambda: self.models.unload(body.lora_name, body.lora_int_id), "lora_name")
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     @property
     def healthy(self) -> bool:
@@ -186,8 +217,9 @@ class OpenAIServing:
 
     # -- shared ---------------------------------------------------------------------------------
     async def _respond(self, body, prompts: list[Prompt], response_id: str, *, logprobs: int | None, chat: bool,
-                       tools: ToolCalling | None = None):
-        """The answer's coroutine (a whole body) or async generator (a stream), the requests added."""
+                       tools: ToolCalling | None = None, lora: LoRARequest | None = None):
+        """The answer's coroutine (a whole body) or async generator (a stream), the requests added
+        (with ``lora``'s adapter)."""
         max_tokens = body.requested_max_tokens if chat else body.max_tokens
         if body.kv_transfer_params is not None and len(prompts) > 1:  # n > 1: the KV connector refuses it
             raise ServingError(400, f"kv_transfer_params: one sequence's KV moves at a time; expected one prompt "
@@ -205,12 +237,14 @@ class OpenAIServing:
                                     f"{self.config.max_queue}); retry later", headers={"Retry-After": "1"})
         if params[0].structured_outputs is not None:  # one constraint for the body's prompts
             await self._compiled(body, params[0].structured_outputs, from_tools=constraint is not None)
+        if lora is not None:
+            await self._loaded(lora)
         ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         timers = [self.metrics.request(p.n) for p in params]  # arrival: now
         streams = []
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                streams.append(self.engine.add_request(prompt, p, request_id))
+                streams.append(self.engine.add_request(prompt, p, request_id, lora_request=lora))
         except BaseException as err:
             self._abort(ids)
             if isinstance(err, RequestRejected):  # a prompt that can never run (too long, ids outside the vocabulary)
@@ -220,7 +254,9 @@ class OpenAIServing:
             if isinstance(err, EngineDeadError):
                 raise ServingError(503, str(err)) from err
             raise
-        response = _Response(response_id, self.config.model_name, body.n, chat, logprobs,
+        if lora is not None:
+            self.metrics.adapter_requests(lora.lora_name, demand)
+        response = _Response(response_id, lora.lora_name if lora else self.config.model_name, body.n, chat, logprobs,
                              body.return_tokens_as_token_ids, tools)
         deltas = _observed(_merged(streams), timers)
         if body.stream:
@@ -286,10 +322,19 @@ class OpenAIServing:
                                     f"this model's maximum context length ({self.max_model_len} tokens) can hold",
                                param=name)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise ServingError(404, f"The model `{model}` does not exist (this server serves "
-                                    f"`{self.config.model_name}`).", param="model")
+    def _lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter the body's ``model`` names (None: the base model); 404 for a model not served."""
+        return _served(lambda: self.models.lora_request(model), "model")
+
+    async def _loaded(self, lora: LoRARequest) -> None:
+        """``lora``'s adapter in host memory before its requests are added: one ``--max-cpu-loras``
+        dropped is read again in the tokenizer's threads, not the event loop's. 500 for this request
+        alone if it cannot be (its files changed or went since it was first loaded)."""
+        try:
+            await self._tokenizing(lambda: self.llm.llm_engine.add_lora(lora))
+        except (ValueError, OSError) as err:
+            raise ServingError(500, f"model: the LoRA adapter `{lora.lora_name}` cannot be loaded ({err})",
+                               param="model") from err
 
     def _abort(self, ids: list[str]) -> None:
         for request_id in ids:  # nothing for a finished one
@@ -404,6 +449,15 @@ def _tokenized(name: str, make):
     except (TypeError, UnicodeError) as err:
         raise ServingError(400, f"{name}: the tokenizer cannot encode it ({type(err).__name__}: {err})",
                            param=name) from err
+
+
+def _served(make, param: str):
+    """``make()``, a ``LookupError`` from it (a model or adapter not served) answered with 404 naming
+    ``param``, a ``ValueError`` with 400 naming the field."""
+    try:
+        return _checked(make)
+    except LookupError as err:
+        raise ServingError(404, str(err), param=param) from err
 
 
 def _checked(make):

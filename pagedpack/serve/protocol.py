@@ -5,7 +5,8 @@ vLLM's extra parameters in the body (``top_k``, ``min_p``, ``repetition_penalty`
 ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``cache_salt``, ``prompt_logprobs``, ``return_tokens_as_token_ids``, ``kv_transfer_params``,
 ``structured_outputs``; OpenAI's ``response_format`` on both endpoints, as vLLM; chat: ``chat_template``,
-``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``). A field the API
+``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``), and the bodies of
+vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. A field the API
 does not have is refused (OpenAI's "Unrecognized request argument"), so a misspelt parameter never
 passes silently; the values themselves are checked by
 :class:`~pagedpack.runtime.sampling.SamplingParams`, whose ``ValueError`` names the field (vLLM's
@@ -369,3 +370,17 @@ class ChatCompletionRequest(_SamplingBody):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the adapter in ``lora_path`` as ``lora_name``."""
+
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): stop serving the adapter ``lora_name`` (or of id ``lora_int_id``)."""
+
+    lora_name: Text | None = None
+    lora_int_id: StrictInt | None = None

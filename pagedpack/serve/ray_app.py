@@ -53,6 +53,7 @@ from pagedpack.llm import LLM
 from pagedpack.runtime.block_hash import extend_block_hashes, first_block_keys
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app as build_fastapi_app
+from pagedpack.serve.models import ServingModels
 from pagedpack.serve.openai_serving import ServingConfig, ServingError, _num_chars, chat_text
 from pagedpack.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pagedpack.serve.server import serving_over
@@ -202,6 +203,7 @@ class RemoteServing:
         self.prefix_caching, self.max_text_chars = info["prefix_caching"], info["max_text_chars"]
         self.max_model_len, self.max_chat_body_bytes = info["max_model_len"], info["max_chat_body_bytes"]
         self.metrics = _ReplicaMetrics()
+        self.models = ServingModels(config.model_name)  # no LoRA adapters over replicas (pagedpack serve refuses them)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedpack-route")
 
     async def completions(self, body: CompletionRequest):

@@ -30,6 +30,7 @@ from pagedpack.llm import LLM
 from pagedpack.runtime.flow_control import FlowControl
 from pagedpack.serve.app import build_app
 from pagedpack.serve.metrics import ServerMetrics
+from pagedpack.serve.models import runtime_lora_updating
 from pagedpack.serve.openai_serving import OpenAIServing, ServingConfig
 
 log = logging.getLogger("pagedpack.serve")
@@ -103,7 +104,7 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     threads = llm.llm_engine.runner.cpu_threads
     if threads is not None:
         print(f"pagedpack: the CPU step runs with {threads.describe()}", file=sys.stderr, flush=True)
-    app = build_app(serving, api_key=options.api_key)
+    app = build_app(serving, api_key=options.api_key, lora_updating=runtime_lora_updating())
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
                                            timeout_graceful_shutdown=options.graceful_s, access_log=False))
     logging.getLogger("uvicorn.error").addFilter(_CancelledAtShutdown(server))
