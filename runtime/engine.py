@@ -226,10 +226,11 @@ class LLMEngine:
                 token_ids = tokenizer(prompt.content).input_ids
         else:
             token_ids = prompt.content
-        if lora_request is not None:
-            self.add_lora(lora_request)
+        adapter = self._lora_manager(lora_request).adapter(lora_request) if lora_request is not None else None
         request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
                                cache_salt=prompt.cache_salt, lora_request=lora_request)
+        for completion in [request, *request.forks]:
+            completion.lora_adapter = adapter
         if params.structured_outputs is not None:
             matchers = self.structured_outputs.matchers(params.structured_outputs, params.n)
             for completion, matcher in zip([request, *request.forks], matchers):
@@ -265,12 +266,15 @@ class LLMEngine:
         """Load ``lora_request``'s adapter (vLLM's ``LLMEngine.add_lora``); True if loaded now, False if it
         was. ``ValueError`` naming ``lora_request`` for an engine without ``enable_lora`` or an adapter that
         cannot be served (the file and field)."""
+        return self._lora_manager(lora_request).add_lora(lora_request)
+
+    def _lora_manager(self, lora_request) -> LoRAManager:
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
         if self.lora is None:
             raise ValueError(f"lora_request: this engine serves no LoRA adapters, got {lora_request.lora_name!r}; "
                              "build it with enable_lora=True (--enable-lora)")
-        return self.lora.add_lora(lora_request)
+        return self.lora
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unload adapter ``lora_int_id``; False if it was not loaded (or the engine serves none)."""
@@ -421,7 +425,7 @@ class LLMEngine:
             # filled in a worker thread while the model runs; None (no thread) without a constrained request
             grammar = self._structured_outputs.bitmasks.start(takers) if self._structured_outputs else None
             lora_indices = None if self.lora is None else self.lora.token_indices(
-                [s.request.lora_request for s in output.scheduled], [s.num_new_tokens for s in output.scheduled],
+                [s.request.lora_adapter for s in output.scheduled], [s.num_new_tokens for s in output.scheduled],
                 self.runner.device)
             logits = self.runner.execute(batch, *state, lora_indices=lora_indices)
             if self.kv_connector is not None:

@@ -6,10 +6,14 @@ linear, the stacked weights of ``max_loras`` slots and each token's slot (``lora
 
 - up to ``max_cpu_loras`` adapters loaded in host memory (read and checked once from their PEFT
   directory, :func:`pagedpack.formats.lora_adapter.load_lora_adapter`; least recently used dropped
-  first, and read again, checked against the sha256 of their first load, if a request needs them later);
+  first, and read again, checked against the sha256 of their first load, when a later request
+  names them). A request holds the adapter it was made with until it finishes, so the stepping
+  thread never reads a file: a dropped or removed adapter's running requests run on;
 - ``max_loras`` slots in the program's weight inputs, an adapter copied into the least recently used
   slot no request of the step needs when a step needs it (its scaling folded into B, its rank
-  zero-padded to ``max_lora_rank``, the slices of a module it does not target zero).
+  zero-padded to ``max_lora_rank``, the slices of a module it does not target zero). Slots are the
+  stepping thread's alone and know adapters by identity: an id removed and added again with other
+  files takes a slot of its own.
 
 The scheduler lets at most ``max_loras`` adapters run at once (:class:`~pagedpack.runtime.scheduler.Scheduler`),
 so a step always finds them slots.
@@ -85,7 +89,8 @@ class LoRAManager:
 
     ``specs``: the program's :class:`LoRASpec` list; ``weights``: its LoRA weight inputs, ``lora_a_0,
     lora_b_0, ...``, ``[max_loras, ...]`` each (the runner's, written in place here). Thread-safe:
-    :meth:`add_lora` reads files in the caller's thread; :meth:`slots` runs in the stepping one."""
+    :meth:`add_lora` / :meth:`adapter` read files in the caller's thread; :meth:`slots` runs in the
+    stepping one and reads none."""
 
     def __init__(self, specs: Sequence[LoRASpec], weights: Sequence[torch.Tensor], *, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int):
@@ -96,13 +101,21 @@ class LoRAManager:
         self._lock = threading.Lock()
         self._loaded: OrderedDict[int, tuple[LoRARequest, object]] = OrderedDict()  # id -> (request, LoRAAdapter)
         self._known: dict[int, tuple[LoRARequest, str]] = {}  # id -> (request, sha256 of its first load)
-        self._slots: OrderedDict[int, int] = OrderedDict()  # id -> slot, least recently used first
-        self.requests_by_adapter: dict[str, int] = {}  # lora_name -> requests admitted (the metrics')
+        self._slots: OrderedDict[int, int] = OrderedDict()  # id() of an adapter -> slot, least recently used first
+        self._in_slot: dict[int, object] = {}  # slot -> the adapter it holds
 
     def add_lora(self, request: LoRARequest) -> bool:
         """Load ``request``'s adapter into host memory unless loaded; True if it was loaded now.
         ``ValueError`` naming ``lora_request`` for an id already serving another name or path, or
         naming the file and field of an adapter that cannot be served."""
+        return self._get(request)[1]
+
+    def adapter(self, request: LoRARequest):
+        """``request``'s adapter (a :class:`~pagedpack.formats.lora_adapter.LoRAAdapter`), loaded if it is
+        not; for a request to hold (module docstring). Errors as :meth:`add_lora`."""
+        return self._get(request)[0]
+
+    def _get(self, request: LoRARequest):
         with self._lock:
             known = self._known.get(request.lora_int_id)
             if known is not None and (known[0].lora_name, known[0].lora_path) != (request.lora_name, request.lora_path):
@@ -111,7 +124,7 @@ class LoRAManager:
                                  f"({request.lora_path})")
             if request.lora_int_id in self._loaded:
                 self._loaded.move_to_end(request.lora_int_id)
-                return False
+                return self._loaded[request.lora_int_id][1], False
         adapter = self._read(request, None if known is None else known[1])
         with self._lock:
             self._known.setdefault(request.lora_int_id, (request, adapter.sha256))
@@ -119,14 +132,13 @@ class LoRAManager:
             self._loaded.move_to_end(request.lora_int_id)
             while len(self._loaded) > self.max_cpu_loras:
                 self._loaded.popitem(last=False)
-        return True
+        return adapter, True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget the adapter ``lora_int_id`` (its slot too); False if it was not loaded. A request
-        still running with it reads it again from its directory."""
+        """Forget the adapter ``lora_int_id``; False if it was not loaded. Requests running with it run on
+        (they hold it); its id may then serve other files."""
         with self._lock:
             self._known.pop(lora_int_id, None)
-            self._slots.pop(lora_int_id, None)
             return self._loaded.pop(lora_int_id, None) is not None
 
     def list_loras(self) -> list[LoRARequest]:
@@ -134,42 +146,33 @@ class LoRAManager:
         with self._lock:
             return [request for request, _ in self._loaded.values()]
 
-    def token_indices(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int],
-                      device: torch.device) -> torch.Tensor:
+    def token_indices(self, adapters: Sequence, num_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
         """``lora_indices [T] int32`` of a step whose sequence ``b`` brings ``num_tokens[b]`` tokens and
-        runs with ``lora_requests[b]`` (None: the base model, ``-1``), its adapters put in slots first."""
-        slots = self.slots(lora_requests)
+        runs with the adapter ``adapters[b]`` (None: the base model, ``-1``), put in slots first."""
+        slots = self.slots(adapters)
         return torch.tensor(slots, dtype=torch.int32).repeat_interleave(torch.tensor(list(num_tokens))).to(device)
 
-    def slots(self, lora_requests: Sequence[LoRARequest | None]) -> list[int]:
-        """The slot of each of ``lora_requests`` (``-1`` for None), copying adapters not in a slot into
-        the least recently used slots this step does not need. ``RuntimeError`` if the step names more
-        than ``max_loras`` adapters (the scheduler admits no more)."""
-        needed = list(dict.fromkeys(r.lora_int_id for r in lora_requests if r is not None))
+    def slots(self, adapters: Sequence) -> list[int]:
+        """The slot of each of ``adapters`` (``-1`` for None), copying those not in a slot into the least
+        recently used slots this step does not need. ``RuntimeError`` if the step holds more than
+        ``max_loras`` adapters (the scheduler admits no more)."""
+        needed = {id(a): a for a in adapters if a is not None}
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step of {len(needed)} LoRA adapters, expected at most max_loras={self.max_loras}")
-        for lora_id in needed:
-            if lora_id in self._slots:
-                self._slots.move_to_end(lora_id)
-        for request in dict.fromkeys(r for r in lora_requests if r is not None and r.lora_int_id not in self._slots):
-            self._swap_in(request, keep=set(needed))
-        return [-1 if r is None else self._slots[r.lora_int_id] for r in lora_requests]
+        for key in needed:
+            if key in self._slots:
+                self._slots.move_to_end(key)
+        for key, adapter in needed.items():
+            if key not in self._slots:
+                self._swap_in(key, adapter, keep=needed)
+        return [-1 if a is None else self._slots[id(a)] for a in adapters]
 
-    def _swap_in(self, request: LoRARequest, keep: set[int]) -> None:
+    def _swap_in(self, key: int, adapter, keep: dict) -> None:
         free = sorted(set(range(self.max_loras)) - set(self._slots.values()))
-        if free:
-            slot = free[0]
-        else:
-            victim = next(i for i in self._slots if i not in keep)
-            slot = self._slots.pop(victim)
-        with self._lock:
-            loaded = self._loaded.get(request.lora_int_id)
-        if loaded is None:  # dropped from host memory (max_cpu_loras) or removed since the request came
-            self.add_lora(request)
-            with self._lock:
-                loaded = self._loaded[request.lora_int_id]
-        self._write(slot, loaded[1])
-        self._slots[request.lora_int_id] = slot
+        slot = free[0] if free else self._slots.pop(next(k for k in self._slots if k not in keep))
+        self._write(slot, adapter)
+        self._in_slot[slot] = adapter  # alive while in the slot: its id() keys the slot
+        self._slots[key] = slot
 
     @torch.inference_mode()
     def _write(self, slot: int, adapter) -> None:

@@ -93,6 +93,7 @@ class Request:
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         self.lora_request = lora_request
+        self.lora_adapter = None  # the adapter it holds while it lives (the engine's, runtime/lora.py)
         self.block_keys = first_block_keys(cache_salt, None if lora_request is None else lora_request.lora_name)
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0

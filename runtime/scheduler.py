@@ -173,12 +173,12 @@ class Scheduler:
 
         # As vLLM: a step that had to preempt admits nobody (the pool is under pressure).
         other_adapter: list[Request] = []  # waiting for an adapter slot: they keep their place
-        loras = {r.lora_request.lora_int_id for r in [*self.running, *self.waiting_for_remote_kvs.values()]
+        loras = {_adapter(r) for r in [*self.running, *self.waiting_for_remote_kvs.values()]
                  if r.lora_request is not None}
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            lora = request.lora_request
-            if lora is not None and self.max_loras and lora.lora_int_id not in loras and len(loras) >= self.max_loras:
+            lora = _adapter(request) if request.lora_request is not None else None
+            if lora is not None and self.max_loras and lora not in loras and len(loras) >= self.max_loras:
                 other_adapter.append(self.waiting.popleft())
                 continue
             num_new = self._admit(request, budget)
@@ -188,7 +188,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if lora is not None:
-                loras.add(lora.lora_int_id)
+                loras.add(lora)
             if not num_new:  # its external tokens load asynchronously
                 self.waiting_for_remote_kvs[request.request_id] = request
                 continue
@@ -416,3 +416,9 @@ class Scheduler:
                 queued.append(fork)
         self.waiting.extendleft(reversed(queued))
         return finished
+
+
+def _adapter(request: Request) -> int:
+    """What tells a LoRA request's adapter apart: the adapter it holds (one that an id removed and added
+    again with other files is another), else its ``LoRARequest``'s id."""
+    return id(request.lora_adapter) if request.lora_adapter is not None else request.lora_request.lora_int_id

@@ -312,7 +312,7 @@ def test_mixed_batch_matches_the_reference_target(tnd_model, capture_once, mixed
         llm = LLM(tnd_model, target=target, block_size=BLOCK, max_num_batched_tokens=200)
         if target == "ascend":
             runner, execute = llm.llm_engine.runner, llm.llm_engine.runner.execute
-            runner.execute = lambda batch, execute=execute: steps.append(batch) or execute(batch)
+            runner.execute = lambda batch, *a, execute=execute, **k: steps.append(batch) or execute(batch, *a, **k)
         results = llm.generate(mixed_prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
         outputs[target] = [r.outputs[0].token_ids for r in results]
         if target == "ascend":  # decode steps padded to their bucket's graph, the others eager

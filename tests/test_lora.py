@@ -158,3 +158,27 @@ def test_lora_request_fields_are_checked(field, value, message):
 def test_what_lora_does_not_run_with_is_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(base_model("llama"), enable_lora=True, num_blocks=64, **kwargs)
+
+
+def test_a_running_request_keeps_its_adapter_when_it_is_removed_and_its_id_reused(served, tmp_path):
+    """The adapter is removed and its folder deleted after the request's first step, and its id then
+    serves other files: the running request still gets its own adapter's tokens (it holds the weights,
+    the stepping thread reads no file), and the id's new requests get the new adapter's."""
+    import shutil
+
+    llm, adapters, _ = served
+    engine = llm.llm_engine
+    shutil.copytree(adapters["qv"][0].lora_path, tmp_path / "qv")
+    first = LoRARequest("moving", 99, str(tmp_path / "qv"))
+    prompt = random_prompts([20], seed=7, vocab=V)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    engine.add_request("running", prompt, params, made=engine.make_request("running", prompt, params, first))
+    tokens = {"running": list(engine.step()[0].outputs[0].token_ids)}
+    assert engine.remove_lora(99)
+    shutil.rmtree(tmp_path / "qv")
+    second = LoRARequest("moved", 99, adapters["mlp"][0].lora_path)
+    engine.add_request("later", prompt, params, made=engine.make_request("later", prompt, params, second))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert tokens == {"running": expected(served, prompt, "qv"), "later": expected(served, prompt, "mlp")}

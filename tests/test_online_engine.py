@@ -240,11 +240,11 @@ def test_a_failing_step_fails_its_own_requests_and_the_others_run_on(llm, solo, 
     runner = llm.llm_engine.runner
     real, calls = runner.execute, []
 
-    def fail_first(batch):
+    def fail_first(batch, *state, **inputs):
         calls.append(batch)
         if len(calls) == 1:
             raise RuntimeError("device lost")
-        return real(batch)
+        return real(batch, *state, **inputs)
 
     monkeypatch.setattr(runner, "execute", fail_first)
     assert llm.reset_prefix_cache()  # earlier tests' cached prompts would change what the first step computes

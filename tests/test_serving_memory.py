@@ -211,7 +211,8 @@ def test_the_runner_trims_the_heap_after_long_steps_only(monkeypatch):
     trims, steps = [], []
     monkeypatch.setattr(model_runner, "trim_heap", lambda: trims.append(len(steps)))
     run = llm.llm_engine.runner.execute
-    monkeypatch.setattr(llm.llm_engine.runner, "execute", lambda batch: steps.append(batch.num_tokens) or run(batch))
+    monkeypatch.setattr(llm.llm_engine.runner, "execute",
+                        lambda batch, *a, **k: steps.append(batch.num_tokens) or run(batch, *a, **k))
     long_prompt = [7] * (2 * model_runner.TRIM_AFTER_TOKENS)
     llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # 2 + 3 steps
     assert steps == [model_runner.TRIM_AFTER_TOKENS] * 2 + [1] * 3

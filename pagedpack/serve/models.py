@@ -145,10 +145,9 @@ class ServingModels:
             self._adapters[lora_name] = request
         return request
 
-    def unload(self, lora_name: str | None, lora_int_id: int | None) -> str:
-        """Stop serving the adapter named ``lora_name`` (or of id ``lora_int_id``); its name.
-        ``ValueError`` when neither is given, ``LookupError`` for an adapter not served. As vLLM's, the
-        engine keeps its weights until its least-recently-used eviction (``--max-cpu-loras``)."""
+    def unload(self, lora_name: str | None, lora_int_id: int | None) -> LoRARequest:
+        """Stop serving the adapter named ``lora_name`` (or of id ``lora_int_id``); its request.
+        ``ValueError`` when neither is given, ``LookupError`` for an adapter not served."""
         if lora_name is None and lora_int_id is None:
             raise ValueError("lora_name: either 'lora_name' or 'lora_int_id' needs to be provided.")
         with self._lock:
@@ -157,8 +156,7 @@ class ServingModels:
             if not found:
                 raise LookupError(f"The lora adapter '{lora_name if lora_name is not None else lora_int_id}' "
                                   "cannot be found.")
-            del self._adapters[found[0]]
-        return found[0]
+            return self._adapters.pop(found[0])
 
     def _inside_root(self, lora_path: str) -> Path:
         """``lora_path`` resolved; ``ValueError`` unless it and the files in it resolve inside ``lora_root``."""

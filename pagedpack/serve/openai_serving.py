@@ -206,9 +206,10 @@ class OpenAIServing:
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
-        """vLLM's ``/v1/unload_lora_adapter``."""
-        name = _served(lambda: self.models.unload(body.lora_name, body.lora_int_id), "lora_name")
-        return f"Success: LoRA adapter '{name}' removed successfully."
+        """vLLM's ``/v1/unload_lora_adapter``: the engine lets the adapter go (its running requests hold it)."""
+        removed = _served(lambda: self.models.unload(body.lora_name, body.lora_int_id), "lora_name")
+        self.llm.llm_engine.remove_lora(removed.lora_int_id)
+        return f"Success: LoRA adapter '{removed.lora_name}' removed successfully."
 
     @property
     def healthy(self) -> bool:
