@@ -199,6 +199,7 @@ def test_metrics_show_the_adapters_requests(server, client):
     counted = server_metrics(server)
     assert counted["pagedpack:lora_requests_total{lora_name=A}"] >= len(PROMPTS) * 1.5  # n = 2 every other one
     assert counted["pagedpack:lora_requests_total{lora_name=R}"] == 1
+    assert 1 <= counted["pagedpack:lora_adapters_loaded{}"] <= 2  # --max-cpu-loras
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                       json={"model": "B", "prompt": "Hello", "max_tokens": 300, "ignore_eos": True,
                             "stream": True}) as response:

@@ -34,7 +34,8 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
 - with ``--enable-lora``: vLLM's gauge ``lora_requests_info`` (labels ``running_lora_adapters`` and
   ``waiting_lora_adapters``, the adapters of the running and waiting requests, comma-separated, and
   ``max_lora``; its value the time of the scrape, in seconds since the epoch, as vLLM's is its last
-  update's) and pagedpack's counter ``lora_requests_total{lora_name}`` (completions run with each adapter,
+  update's), pagedpack's gauge ``lora_adapters_loaded`` (adapters in host memory, at most
+  ``--max-cpu-loras``) and counter ``lora_requests_total{lora_name}`` (completions run with each adapter,
   counted when taken: vLLM has none);
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
@@ -116,6 +117,10 @@ class _EngineCollector:
         yield from self._offload(engine)
         if engine.lora is not None:
             yield self._lora_info(name, engine)
+            loaded = GaugeMetricFamily(name + "lora_adapters_loaded", "LoRA adapters loaded in host memory.",
+                                       labels=["model_name"])
+            loaded.add_metric([self.model_name], len(engine.list_loras()))
+            yield loaded
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      stats.prefix_cache_queries),
                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
