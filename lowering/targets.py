@@ -15,6 +15,7 @@ of its formats, once it has registered it).
 from __future__ import annotations
 
 import importlib
+import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Callable
@@ -303,6 +304,22 @@ def get_format(name) -> tuple[FileFormat, Target]:
     found = file_formats().get(name) if isinstance(name, str) else None
     if found is None or found[0].ranks_of is not None:
         raise ValueError(f"format: expected one of {format_names()}, got {name!r}")
+    return found
+
+
+def export_format_for(path, name: str | None) -> tuple[FileFormat, Target]:
+    """The export format to write ``path`` as: ``name`` (:func:`get_format`), or, None, the one whose
+    suffix ``path`` ends with (``pt2`` for any other name). ``ValueError`` naming ``format`` when ``path``
+    ends with another format's suffix (``model.onnx`` written as a ``.pt2`` archive would be served as
+    neither)."""
+    path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else ""
+    named = [fmt.name for fmt, _ in map(get_format, format_names()) if path.lower().endswith(fmt.suffix)]
+    if name is None:
+        return get_format(named[0] if len(named) == 1 else "pt2")
+    found = get_format(name)
+    if named and name not in named:
+        raise ValueError(f"format: {path!r} ends with the {named[0]} suffix, got format={name!r}; name the file "
+                         f"{found[0].suffix} or leave format out")
     return found
 
 

@@ -111,10 +111,10 @@ class LLM:
         """KV-cache bytes one token takes over all cache pairs (a layer sharing an earlier layer's cache adds none)."""
         return bytes_per_token(self.program.kv_cache_specs)
 
-    def export(self, path, *, format: str = "pt2", tensor_parallel_size=None, **options) -> str:
-        """Write the rewritten step program to ``path`` as ``format`` (a registered export format: ``"pt2"``,
-        ``"onnx"``, ...; ``options`` its own, e.g. ``attention`` for ONNX as in :mod:`pagedpack.lowering.onnx.export`),
-        or split over ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and a ``.pt2`` per rank
+    def export(self, path, *, format: str | None = None, tensor_parallel_size=None, **options) -> str:
+        """Write the rewritten step program to ``path`` as ``format`` (a registered export format: ``"pt2"``, ``"onnx"``
+        ...; None: the one ``path``'s suffix names, else ``"pt2"``; ``options`` its own, e.g. ONNX's ``attention``), or
+        split over ``tensor_parallel_size`` ranks (None: this LLM's) as a manifest and a ``.pt2`` per rank
         (:mod:`pagedpack.lowering.reference.tp`), with this LLM's description; returns ``str(path)``.
         ``ValueError`` for an LLM served from a file or lowered for a target other than the reference."""
         return self._builder.export(path, self.description, format=format, tensor_parallel_size=tensor_parallel_size,

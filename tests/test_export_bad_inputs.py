@@ -154,6 +154,15 @@ def test_export_to_a_directory_an_empty_or_a_non_path(fmt, llm, tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_llm_export_writes_the_format_its_file_name_says(llm, tmp_path):
+    # Regression: LLM.export("x.onnx") wrote a .pt2 archive under that name.
+    onnx.checker.check_model(llm.export(tmp_path / "x.onnx"))
+    assert zipfile.is_zipfile(llm.export(tmp_path / "x.pt2"))
+    with pytest.raises(ValueError, match=r"format: .*y\.onnx' ends with the onnx suffix, got format='pt2'"):
+        llm.export(tmp_path / "y.onnx", format="pt2")
+    assert not (tmp_path / "y.onnx").exists()
+
+
 def test_write_errors_name_the_path_and_leave_the_old_file(llm, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -16,7 +16,13 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES
 from pagedpack.llm import LLM
 from pagedpack.lowering.onnx.export import ATTENTIONS
-from pagedpack.lowering.targets import TargetUnavailableError, format_names, get_format, get_target
+from pagedpack.lowering.targets import (
+    TargetUnavailableError,
+    export_format_for,
+    format_names,
+    get_format,
+    get_target,
+)
 from pagedpack.models.aliases import DEFAULT_MODEL, TINY_ALIAS
 from pagedpack.runtime.engine_loop import EngineDeadError
 from pagedpack.runtime.flow_control import MAX_UNSENT_TOKENS, FlowControl
@@ -157,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="export the rewritten step program (.pt2 archive or ONNX model)",
                          formatter_class=_HelpFormatter)
     EngineArgs.add_cli_args(exp, engine=False)
-    exp.add_argument("--format", default="pt2", choices=format_names(),
-                     help="; ".join(f"{name}: {get_format(name)[0].description}" for name in format_names()))
+    exp.add_argument("--format", default=None, choices=format_names(),
+                     help="default: the one --out's suffix names, else pt2; " + "; ".join(
+                         f"{name}: {get_format(name)[0].description}" for name in format_names()))
     exp.add_argument("--attention", default=None, choices=ATTENTIONS,
                      help="onnx only: the pagedpack domain's functions (default; any onnxruntime provider) or "
                           "com.microsoft.PagedAttention (onnxruntime CUDA; needs --dtype float16/bfloat16)")
@@ -451,13 +458,13 @@ def _kv_capacity(llm: LLM, memory: int) -> Table:
 def _export(args) -> int:
     from pagedpack.formats.export import check_output_path
 
-    fmt = get_format(args.format)[0]
+    fmt = export_format_for(args.out, args.format)[0]
     options = {"attention": args.attention} if args.attention is not None else {}
     fmt.check_options(options)  # before the model is loaded
     check_output_path(args.out, "--out")
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, keep_source_model=True,
                                                         tensor_parallel_size=1))
-    path = llm.export(args.out, format=args.format, tensor_parallel_size=args.tensor_parallel_size, **options)
+    path = llm.export(args.out, format=fmt.name, tensor_parallel_size=args.tensor_parallel_size, **options)
     what = f"a manifest of {args.tensor_parallel_size} {fmt.suffix} files beside it" \
         if args.tensor_parallel_size > 1 else args.format
     print(f"wrote {path} ({what}); run it with {fmt.hint(path, options)}")

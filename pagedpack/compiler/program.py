@@ -33,7 +33,7 @@ from pagedpack.compiler.planner import resident_weight_bytes
 from pagedpack.compiler.source import describe_source, load_source, rewrite_module
 from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
-from pagedpack.lowering.targets import format_of, get_format, get_target, tensor_parallel_format
+from pagedpack.lowering.targets import export_format_for, format_of, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
 from pagedpack.step.contract import ModelDescription, StepProgram
 
@@ -356,14 +356,16 @@ class ProgramBuilder:
                              "again; export the original model")
         return (self.rewritten_step or self._capture_again()).step
 
-    def export(self, path, description: ModelDescription, *, format: str = "pt2",
+    def export(self, path, description: ModelDescription, *, format: str | None = None,
                tensor_parallel_size: int | None = None, **options) -> str:
         """Write the rewritten step program with ``description`` to ``path`` as ``format`` (a registered
-        export format, :func:`~pagedpack.lowering.targets.format_names`; ``options``: its own export
-        options, e.g. ONNX's ``attention``) (``LLM.export``); split over ``tensor_parallel_size`` ranks
-        (None: this LLM's) as the format's tensor-parallel manifest and one file per rank
+        export format, :func:`~pagedpack.lowering.targets.format_names`; None: the one ``path``'s suffix
+        names, else ``pt2``: :func:`~pagedpack.lowering.targets.export_format_for`; ``options``: its own
+        export options, e.g. ONNX's ``attention``) (``LLM.export``); split over ``tensor_parallel_size``
+        ranks (None: this LLM's) as the format's tensor-parallel manifest and one file per rank
         (:mod:`pagedpack.lowering.reference.tp`)."""
-        fmt, _ = get_format(format)
+        fmt, _ = export_format_for(path, format)
+        format = fmt.name
         fmt.check_options(options)
         tp_size = self.args.tensor_parallel_size if tensor_parallel_size is None else tensor_parallel_size
         if tp_size != 1:
