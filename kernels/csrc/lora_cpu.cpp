@@ -18,6 +18,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "float_pairs.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <utility>
@@ -32,26 +34,6 @@ constexpr int64_t kShrinkTokens = 16;       // tokens per shrink item
 constexpr int64_t kExpandTokens = 64;       // tokens per expand item
 constexpr int64_t kExpandCols = 64;         // output columns per expand item
 constexpr int64_t kMinWork = 1 << 15;       // multiply-adds a thread takes at least, on average
-
-template <typename T>
-inline std::pair<Vec, Vec> load2(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
-  } else {
-    auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
-    return {a, b};
-  }
-}
-
-template <typename T>
-inline void store2(const Vec& a, const Vec& b, T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    a.store(p);
-    b.store(p + Vec::size());
-  } else {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-}
 
 // One slot's tokens: rows order[begin:end] of the step.
 struct Group {
@@ -114,7 +96,7 @@ void shrink_rows(const float* x, const T* a, float* out, const int64_t* rows, in
       for (auto& pair : acc) pair[0] = pair[1] = Vec(0.f);
       int64_t k = 0;
       for (; k + kStep <= K; k += kStep) {
-        auto [a0, a1] = load2(ar + k);
+        auto [a0, a1] = pagedpack_cpu::load_floats(ar + k);
         for (int64_t q = 0; q < kTile; ++q) {
           acc[q][0] = at::vec::fmadd(a0, Vec::loadu(xr[q] + k), acc[q][0]);
           acc[q][1] = at::vec::fmadd(a1, Vec::loadu(xr[q] + k + Vec::size()), acc[q][1]);
@@ -195,8 +177,8 @@ void expand_rows(const float* buf, int64_t buf_stride, const float* bt, T* out, 
         }
       }
       for (int64_t q = 0; q < m; ++q) {
-        auto [y0, y1] = load2(orow[q] + c);
-        store2(y0 + acc[q][0], y1 + acc[q][1], orow[q] + c);
+        auto [y0, y1] = pagedpack_cpu::load_floats(orow[q] + c);
+        pagedpack_cpu::store_floats(y0 + acc[q][0], y1 + acc[q][1], orow[q] + c);
       }
     }
     for (; c < C; ++c) {

@@ -23,6 +23,8 @@
 #include <ATen/native/cpu/Gelu.h>
 #include <torch/library.h>
 
+#include "float_pairs.h"
+
 #include <cmath>
 #include <tuple>
 #include <type_traits>
@@ -45,26 +47,6 @@ struct GeluTanh {
   static float scalar(float x) { return at::native::scalar_gelu_approximated_with_tanh<float>(x); }
 };
 
-// The pair of float vectors holding p[0, kStep).
-template <typename T>
-inline std::pair<Vec, Vec> load_floats(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
-  } else {
-    auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
-    return {a, b};
-  }
-}
-
-template <typename T>
-inline void store_floats(const Vec& a, const Vec& b, T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    a.store(p);
-    b.store(p + Vec::size());
-  } else {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-}
 
 // out[r, :] = T(float(T(act(gate[r, :]))) * float(up[r, :])) for `rows` rows of `dim` values;
 // gate and up rows `gate_stride` / `up_stride` values apart, out's contiguous.
@@ -78,13 +60,13 @@ void act_and_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t 
       T* o = out + r * dim;
       int64_t d = 0;
       for (; d + kStep <= dim; d += kStep) {
-        auto [g0, g1] = load_floats(g + d);
-        auto [u0, u1] = load_floats(u + d);
+        auto [g0, g1] = pagedpack_cpu::load_floats(g + d);
+        auto [u0, u1] = pagedpack_cpu::load_floats(u + d);
         Vec s0 = Act::vec(g0), s1 = Act::vec(g1);
         if constexpr (!std::is_same_v<T, float>) {  // the activation rounded to T, as ATen's op stores it
           std::tie(s0, s1) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(s0, s1));
         }
-        store_floats(s0 * u0, s1 * u1, o + d);
+        pagedpack_cpu::store_floats(s0 * u0, s1 * u1, o + d);
       }
       for (; d < dim; ++d) {
         const T s = static_cast<T>(Act::scalar(static_cast<float>(g[d])));
