@@ -80,8 +80,7 @@ def export_metadata(rewritten, description: ModelDescription | None = None) -> d
     reads back): format version, input names, KV cache specs, recurrent state specs (``[]`` without
     recurrent layers), LoRA specs (``[]`` without ``enable_lora``), and ``description``'s eos ids,
     ``max_model_len``, vocabulary size (None: the exporter reads it off its program), model name and the
-    tokenizer's files (base64). ``ValueError``
-    if ``rewritten`` is not a rewritten reference-target model."""
+    tokenizer's files (base64). ``ValueError`` if ``rewritten`` is not a rewritten reference-target model."""
     check_portable(rewritten)
     description = description or ModelDescription()
     return {
@@ -211,13 +210,12 @@ def _check_lora_inputs(specs: list[LoRASpec], inputs: dict[str, tuple], path: st
                          f"program takes {dtype} {list(shape)}")
     names = lora_input_names(specs)[1:]
     for spec, a, b in zip(specs, names[0::2], names[1::2]):
-        for name, dim, layout in ((a, 2, f"[max_loras, S * max_rank, {spec.in_features}]"),
-                                  (b, 1, f"[max_loras, {spec.out_features}, max_rank]")):
+        for name, dim, size, layout in ((a, 2, spec.in_features, "[max_loras, S * max_rank, {}]"),
+                                        (b, 1, spec.out_features, "[max_loras, {}, max_rank]")):
             shape, dtype = inputs[name]
-            size = spec.in_features if dim == 2 else spec.out_features
             if len(shape) != 3 or shape[dim] != size or dtype != spec.dtype:
-                raise ValueError(f"path: {path!r}: lora_specs: the metadata says {name} is {spec.dtype} {layout}, "
-                                 f"its program takes {dtype} {list(shape)}")
+                raise ValueError(f"path: {path!r}: lora_specs: the metadata says {name} is {spec.dtype} "
+                                 f"{layout.format(size)}, its program takes {dtype} {list(shape)}")
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
