@@ -240,9 +240,6 @@ class EngineArgs:
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError(f"enable_lora: LoRA adapters are not sharded over tensor-parallel ranks yet; expected "
                              f"tensor_parallel_size=1 with it, got {self.tensor_parallel_size}")
-        if self.enable_lora and self.is_exported:
-            raise ValueError("enable_lora: an exported file is served as it was exported, and exports do not carry "
-                             "the LoRA inputs yet; serve the checkpoint with enable_lora")
 
     def _check_kv_transfer(self) -> None:
         """Parse ``kv_transfer_config`` (``ValueError`` naming ``kv_transfer_config.<field>``), or make the

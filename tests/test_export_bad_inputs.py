@@ -296,8 +296,8 @@ def test_load_another_format_version(fmt, version, files, tmp_path):
 # packages (pagedpack.lowering.reference.pt2, .tp, pagedpack.lowering.onnx.export): its fields in the order
 # written. The move left it as it was, so files written before load (checked by hand too: a .pt2 and an
 # .onnx written by the code before the move serve the same greedy tokens). Since .pt2 exports carry recurrent
-# layers, every file also has state_specs (after kv_cache_specs; [] without such layers), which the old layout
-# lacks: it still loads.
+# layers, every file also has state_specs (after kv_cache_specs; [] without such layers), and since they carry
+# LoRA inputs lora_specs (after state_specs; [] without enable_lora), which the old layout lacks: it still loads.
 OLD_LAYOUT = {"pt2": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
                       "vocab_size", "model_name", "tokenizer_files", "tensor_parallel", "cache_mutation"),
               "onnx": ("format_version", "signature", "kv_cache_specs", "eos_token_ids", "max_model_len",
@@ -308,8 +308,8 @@ OLD_LAYOUT = {"pt2": ("format_version", "signature", "kv_cache_specs", "eos_toke
 def test_a_file_in_the_layout_written_before_the_formats_moved_loads(fmt, files, llm, tmp_path):
     def old_layout(text: str) -> str:
         meta = json.loads(text)
-        assert meta.pop("state_specs") == []
-        assert tuple(meta) == OLD_LAYOUT[fmt]  # what this pagedpack writes is still that layout, but state_specs
+        assert meta.pop("state_specs") == meta.pop("lora_specs") == []
+        assert tuple(meta) == OLD_LAYOUT[fmt]  # what this pagedpack writes is still that layout, but the specs
         return json.dumps({"format_version": 1, **{key: meta[key] for key in OLD_LAYOUT[fmt][1:]}})
 
     with_meta = onnx_with_meta if fmt == "onnx" else pt2_with_meta

@@ -65,7 +65,8 @@ def export_onnx(rewritten, path: str | os.PathLike, description: ModelDescriptio
     Raises:
         ValueError: an unknown ``attention``; ``"com.microsoft"`` with a KV dtype the op's schema
             does not take; a source that is not a rewritten reference-target model, or one with
-            recurrent layers (``state_specs``: the format carries no state); a ``path`` that cannot
+            recurrent layers (``state_specs``: the format carries no state) or LoRA inputs
+            (``enable_lora``, named); a ``path`` that cannot
             be written (checked before exporting).
         TypeError: ``path`` is not a path.
     """
@@ -110,6 +111,9 @@ def check_attention(attention, rewritten) -> None:
     if attention not in ATTENTIONS:
         raise ValueError(f"attention: expected one of {list(ATTENTIONS)}, got {attention!r}")
     check_portable(rewritten)
+    if rewritten.lora_specs:
+        raise ValueError("enable_lora: the model's step graph takes LoRA inputs, which the onnx format does not carry "
+                         "yet; export it as pt2 (format='pt2', --format pt2), which takes adapters when served")
     if rewritten.state_specs:
         raise ValueError(f"rewritten: the model's recurrent layers ({state_layers(rewritten.state_specs)}) keep a "
                          f"state the onnx format does not carry yet; export it as pt2 (format='pt2', --format pt2) "
@@ -193,7 +197,7 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     data: loading one runs no code of the file's.)
 
     Raises ``ValueError`` if ``path`` is not such a file, is damaged, its metadata disagrees with its
-    graph or describes recurrent state (``state_specs``), or its attention is
+    graph or describes recurrent state (``state_specs``) or LoRA inputs (``lora_specs``), or its attention is
     ``com.microsoft.PagedAttention``, which onnxruntime implements for
     CUDA only.
     """
@@ -218,6 +222,9 @@ def load_onnx(path: str | os.PathLike) -> ExportedStep:
     if step.state_specs:
         raise ValueError(f"path: {path!r}: state_specs: expected none (the onnx format carries no recurrent state), "
                          f"got {len(step.state_specs)} of {state_layers(step.state_specs)}")
+    if step.lora_specs:
+        raise ValueError(f"path: {path!r}: lora_specs: expected none (the onnx format carries no LoRA inputs), "
+                         f"got {len(step.lora_specs)}")
     if step.attention == "com.microsoft":
         raise ValueError(f"path: {path!r} uses com.microsoft.PagedAttention, which onnxruntime runs on its CUDA "
                          f"provider only; export with attention='pagedpack' to run it here")

@@ -4,7 +4,9 @@ The archive holds one ``ExportedProgram`` of the step graph (the signature of
 :mod:`pagedpack.step.contract`, dynamic in ``T``, ``B``, ``R``, ``max_blocks_per_seq``, ``num_blocks``
 and ``block_size``: the block size is a runtime choice, not baked in; with recurrent layers, the
 recurrent ops and the state inputs after the caches, dynamic in the number of state slots, written in
-place as the caches are). An archive written before
+place as the caches are; with ``enable_lora``, ``pagedpack::lora_shrink`` / ``lora_expand`` and the LoRA
+inputs last, ``lora_indices`` dynamic in ``T`` and the adapter weights in ``max_loras`` and the rank, so
+that the runtime that serves the file chooses its slots and loads adapters into them). An archive written before
 ``R`` had a dimension of its own takes ``R == B`` only (:func:`load_pt2` marks its program so).
 
 KV caches: the program is kept in export's default IR, where ``pagedpack::reshape_and_cache``
@@ -45,7 +47,7 @@ from pagedpack.formats.export import (
 from pagedpack.formats.files import RecordingWriter, atomic_write
 from pagedpack.formats.pt2_check import check_pt2_archive, weights_only_loads
 from pagedpack.lowering.targets import FileFormat
-from pagedpack.step.contract import ModelDescription
+from pagedpack.step.contract import ModelDescription, lora_input_names
 
 
 def export_pt2(rewritten, path: str | os.PathLike, description: ModelDescription | None = None, *,
@@ -94,8 +96,9 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
     it: its sha256 record (:mod:`pagedpack.formats.checksum`) and, unless ``trust_file``, that nothing in it
     would run code (:mod:`pagedpack.formats.pt2_check`: pickled members, non-operator node targets, ...;
     refused with :class:`~pagedpack.formats.pt2_check.UntrustedFileError`); after: that its metadata
-    (:func:`~pagedpack.formats.export.step_from_metadata`: KV cache and recurrent state specs, ...)
-    is valid and matches the program's own inputs and logits. ``ValueError`` if ``path`` is missing or
+    (:func:`~pagedpack.formats.export.step_from_metadata`: KV cache, recurrent state and LoRA specs, ...)
+    is valid and matches the program's own inputs and logits (and each ``lora_expand`` call, the slices of
+    its ``lora_specs`` entry). ``ValueError`` if ``path`` is missing or
     is not such an archive. The libraries that register ops the program calls besides pagedpack's
     (:data:`_OP_LIBRARIES`) are imported first."""
     path = check_export_file(path)
@@ -117,6 +120,7 @@ def load_pt2(path, *, trust_file: bool = False) -> ExportedStep:
         raise ValueError(f"path: {path!r} is a torch.export archive but not a pagedpack one (no {META_FILE})")
     step = step_from_metadata(None, extra[META_FILE], path, METADATA_CHOICES)
     check_program_signature(step, _pt2_signature(program), path)
+    _check_lora_slices(step.lora_specs, program, path)
     if _logits_rows_tied(program):
         step.one_logits_row_per_seq = (f"the reference target's .pt2 program {path!r} returns one logits row per "
                                        "sequence (exported before logits_indices had a size of its own); export "
@@ -137,6 +141,19 @@ def _pt2_signature(program: torch.export.ExportedProgram) -> tuple[dict[str, tup
     output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
     val = output.meta.get("val") if isinstance(output, torch.fx.Node) else None
     return inputs, static_shape(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _check_lora_slices(specs, program: torch.export.ExportedProgram, path: str) -> None:
+    """The program's ``lora_expand`` call reading ``lora_b_i`` splits it into ``specs[i].slice_sizes``
+    (the slices an adapter's modules are copied into); ``ValueError`` naming ``lora_specs`` otherwise."""
+    expand = torch.ops.pagedpack.lora_expand.default
+    found = {node.args[2].name: list(node.args[4]) for node in program.graph.nodes
+             if node.target is expand and isinstance(node.args[2], torch.fx.Node)}
+    for name, spec in zip(lora_input_names(specs)[2::2], specs):
+        if found.get(name) != list(spec.slice_sizes):
+            raise ValueError(f"path: {path!r}: lora_specs: the metadata says {name} holds slices of "
+                             f"{list(spec.slice_sizes)} outputs, its program's lora_expand splits it into "
+                             f"{found.get(name)}")
 
 
 def _logits_rows_tied(program: torch.export.ExportedProgram) -> bool:

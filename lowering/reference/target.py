@@ -51,6 +51,6 @@ class ReferenceTarget(Target):
         step = super().load_exported(path, fmt, trust_file=trust_file, device=device, max_model_len=max_model_len,
                                      rank=rank)
         limit = max_model_len or step.description.max_model_len
-        step.run, note = cpu_step(step.run, step.kv_cache_specs, device, limit, step.state_specs)
+        step.run, note = cpu_step(step.run, step.kv_cache_specs, device, limit, step.state_specs, step.lora_specs)
         step.note = "; ".join(filter(None, (step.note, note)))
         return step

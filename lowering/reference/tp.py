@@ -46,7 +46,7 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
     """Write ``rewritten`` (a ``RewrittenModel`` captured from the ``transformers`` ``model``) split
     over ``tp_size`` ranks as the manifest ``path`` and its rank files (module docstring); the split
     is checked on a sample first. Returns ``str(path)``. ``ValueError`` if it cannot be split so (a
-    model with recurrent layers among others) or ``path`` cannot be written."""
+    model with recurrent layers or LoRA inputs (``enable_lora``) among others) or ``path`` cannot be written."""
     from pagedpack.passes.pipeline import RewrittenModel
     from pagedpack.passes.tensor_parallel import (
         check_no_recurrent_state,
@@ -58,6 +58,9 @@ def export_tensor_parallel(rewritten, model, path, description, *, tp_size: int)
     path = check_output_path(path)
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 2:
         raise ValueError(f"tensor_parallel_size: expected an int >= 2 for a tensor-parallel export, got {tp_size!r}")
+    if rewritten.lora_specs:
+        raise ValueError("enable_lora: LoRA adapters are not sharded over tensor-parallel ranks yet, so a "
+                         "tensor-parallel export does not carry the LoRA inputs; export it as one pt2 file")
     check_no_recurrent_state(rewritten.state_specs, tp_size)
     check_no_sparse_attention(rewritten.graph_module, tp_size)
     check_shards(rewritten.graph_module, rewritten.kv_cache_specs, model, tp_size=tp_size)

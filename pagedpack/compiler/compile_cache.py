@@ -8,17 +8,19 @@ report); the ``LLM`` loads that file and lowers it as ``LLM.from_exported`` does
 process so never imports ``transformers``' modeling code, dynamo's capture or the passes (their
 memory: ``docs/cpu-kernels.md``), and a later ``LLM`` of the same checkpoint starts from the file.
 
-An entry is ``<cache>/compiled/<digest of the checkpoint's path and dtype>/`` (``<cache>``:
+An entry is ``<cache>/compiled/<digest of the checkpoint's path, dtype and enable_lora>/`` (``<cache>``:
 ``$PAGEDPACK_CACHE`` or ``~/.cache/pagedpack``) with ``step.pt2`` and ``info.json`` (the pass
-report as JSON, and a ``key`` (the checkpoint's files with sizes and times, dtype, the versions of
-torch and transformers, a digest of pagedpack's own source) which must equal the current one, else
-the entry is built again in its place: one entry per checkpoint and dtype. A checkpoint the child
+report as JSON, and a ``key`` (the checkpoint's files with sizes and times, dtype, ``enable_lora``, the
+versions of torch and transformers, a digest of pagedpack's own source) which must equal the current one,
+else the entry is built again in its place: one entry per checkpoint, dtype and ``enable_lora``. With
+``enable_lora`` the child rewrites the model with LoRA inputs and the ``.pt2`` carries them: the adapters
+are loaded into its slots when served, as for a capture in process. A checkpoint the child
 cannot compile (the pass refuses it, or ``torch.export`` fails) is recorded as such, and its
 ``LLM`` captures in its own process, which raises the errors that capture raises there.
 
 ``PAGEDPACK_COMPILE_CACHE=0`` (or ``false``, ``off``, ``no``) turns this off: everything in one
 process, as for an ``nn.Module``, the built-in ``tiny`` model, a hub id, another target or device,
-``keep_source_model=True``, a ``memory_budget``, ``extra_passes``, ``enable_lora`` or ``PAGEDPACK_DUMP_GRAPHS``
+``keep_source_model=True``, a ``memory_budget``, ``extra_passes`` or ``PAGEDPACK_DUMP_GRAPHS``
 (the passes' graphs are written where they run), which all capture in process. The child's messages (``transformers``'
 loading report among them) show on the run that builds the entry; the report's pass times are that
 run's. Entries of checkpoints that are gone, and what a killed build left, are removed when the next
@@ -75,14 +77,14 @@ def compiled_step(args: EngineArgs) -> CompiledStep | None:
     stamp = checkpoint_stamp(args.model)
     if stamp is None:  # no local directory
         return None
-    entry = _entry_dir(stamp, args.dtype)
-    key = _key(stamp, args.dtype)
+    entry = _entry_dir(stamp, args.dtype, args.enable_lora)
+    key = _key(stamp, args.dtype, enable_lora=args.enable_lora)
     info = _read_json(entry / "info.json")
     current = info.get("key") == key
     if current and isinstance(info.get("error"), str):  # recorded: the child cannot compile this checkpoint
         return None
     compiled = _parse(info, entry, stamp) if current else None
-    return compiled or _parse(_compile(stamp[0], args.dtype, entry, key), entry, stamp)
+    return compiled or _parse(_compile(stamp[0], args.dtype, args.enable_lora, entry, key), entry, stamp)
 
 
 def _parse(info: dict, entry: Path, stamp: tuple) -> CompiledStep | None:
@@ -110,22 +112,23 @@ def _applies(args: EngineArgs) -> bool:
             and bool(sys.executable) and isinstance(args.model, (str, os.PathLike)) and not args.is_exported
             and args.lowering_target.serves_pt2 and is_cpu(args.device)
             and not args.keep_source_model and args.memory_budget is None and not args.extra_passes
-            and args.tensor_parallel_size == 1 and not args.enable_lora)
+            and args.tensor_parallel_size == 1)
 
 
-def _entry_dir(stamp: tuple, dtype: torch.dtype | None) -> Path:
-    digest = hashlib.sha256(os.fsencode(stamp[0]) + f"|{dtype}".encode()).hexdigest()[:16]
+def _entry_dir(stamp: tuple, dtype: torch.dtype | None, enable_lora: bool) -> Path:
+    digest = hashlib.sha256(os.fsencode(stamp[0]) + f"|{dtype}{'|lora' if enable_lora else ''}".encode()).hexdigest()
+    return cache_dir() / "compiled" / digest[:16]
     return cache_dir() / "compiled" / digest
 
 
-def _key(stamp: tuple, dtype: torch.dtype | None, extra_passes=()) -> dict:
-    """What an entry must have been built from: the checkpoint, dtype, versions, pagedpack's source
+def _key(stamp: tuple, dtype: torch.dtype | None, extra_passes=(), *, enable_lora: bool = False) -> dict:
+    """What an entry must have been built from: the checkpoint, dtype, ``enable_lora``, versions, pagedpack's source
     (which covers the step pipeline's own passes) and the uuids of ``extra_passes``
     (:meth:`~pagedpack.passes.manager.Pass.uuid`; passes of this process, so today an ``LLM`` with
     extra passes captures in process and uses no entry)."""
     return {"checkpoint": json.loads(json.dumps(stamp)), "dtype": str(dtype), "torch": torch.__version__,
             "transformers": importlib.metadata.version("transformers"), "pagedpack": _source_digest(),
-            "extra_passes": [p.uuid() for p in extra_passes]}
+            "extra_passes": [p.uuid() for p in extra_passes], "enable_lora": enable_lora}
 
 
 @functools.cache
@@ -153,11 +156,11 @@ _CHILD = ("import json, os, sys; sys.path[:] = json.loads(os.environ['PAGEDPACK_
           "from pagedpack.compiler.compile_cache import _main; sys.exit(_main(*sys.argv[1:]))")
 
 
-def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> dict:
-    """Build the entry for ``model`` in a child process (:func:`_main`, its messages on this
-    process's stderr) into a staging folder renamed into place; its ``info.json`` record. A record
-    whose ``error`` comes from a child that could not run (or a cache that cannot be written) is
-    returned, not kept: the next ``LLM`` tries again."""
+def _compile(model: str, dtype: torch.dtype | None, enable_lora: bool, entry: Path, key: dict) -> dict:
+    """Build the entry for ``model`` (with LoRA inputs if ``enable_lora``) in a child process
+    (:func:`_main`, its messages on this process's stderr) into a staging folder renamed into place;
+    its ``info.json`` record. A record whose ``error`` comes from a child that could not run (or a cache
+    that cannot be written) is returned, not kept: the next ``LLM`` tries again."""
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(entry.parent)
@@ -170,8 +173,8 @@ def _compile(model: str, dtype: torch.dtype | None, entry: Path, key: dict) -> d
         dtype_name = "auto" if dtype is None else str(dtype).removeprefix("torch.")
         env = {**os.environ, "PAGEDPACK_SYS_PATH": json.dumps(sys.path)}
         try:
-            done = subprocess.run([sys.executable, "-c", _CHILD, model, dtype_name, str(staging)], env=env,
-                                  preexec_fn=die_with_parent())
+            done = subprocess.run([sys.executable, "-c", _CHILD, model, dtype_name, str(int(enable_lora)),
+                                   str(staging)], env=env, preexec_fn=die_with_parent())
         except OSError as err:  # no interpreter to start (an embedded or frozen Python)
             done = subprocess.CompletedProcess([], None, stderr=str(err))
         result = _read_json(staging / "result.json")
@@ -216,8 +219,9 @@ def _remove_leftovers(folder: Path) -> None:
 _TRANSIENT = (ImportError, MemoryError, OSError)
 
 
-def _main(model: str, dtype_name: str, out: str) -> int:
-    """The child: capture and rewrite ``model``, write ``step.pt2`` to ``out`` and ``result.json``:
+def _main(model: str, dtype_name: str, enable_lora: str, out: str) -> int:
+    """The child: capture and rewrite ``model`` (with LoRA inputs if ``enable_lora`` is ``"1"``), write
+    ``step.pt2`` to ``out`` and ``result.json``:
     ``{"error": None, "source_weight_bytes": n, "report": PassReport.to_dict()}``, or for a checkpoint it
     cannot compile ``{"error": reason}`` (exit status :data:`_UNCOMPILABLE`). It dies with its parent
     (:func:`pagedpack.host.child_process.die_with_parent`, set before it starts)."""
@@ -225,7 +229,8 @@ def _main(model: str, dtype_name: str, out: str) -> int:
     from pagedpack.compiler.source import capture_source
     from pagedpack.lowering.reference.pt2 import export_pt2
 
-    args = EngineArgs(model=model, dtype=None if dtype_name == "auto" else getattr(torch, dtype_name))
+    args = EngineArgs(model=model, dtype=None if dtype_name == "auto" else getattr(torch, dtype_name),
+                      enable_lora=enable_lora == "1")
     result = Path(out) / "result.json"
     try:
         module, description, rewritten = capture_source(args)

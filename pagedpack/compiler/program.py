@@ -170,7 +170,9 @@ def load_file(source: Source, path: str, *, trust_file: bool = False,
               join_group: Callable[[], str] | None = None) -> Lowered:
     """The program of a file ``pagedpack export`` wrote, served by the target of its format (a
     compile-cache entry is never trusted as code); a tensor-parallel manifest's rank file for
-    ``source.rank``, its all-reduces on the process group ``join_group()`` names."""
+    ``source.rank``, its all-reduces on the process group ``join_group()`` names. With
+    ``enable_lora``, ``ValueError`` naming it for a file whose program takes no LoRA inputs (a file
+    that takes them and is served without ``enable_lora`` runs the base model: no slot is ever named)."""
     from pagedpack.passes.tensor_parallel import count_all_reduces, set_group_name
 
     args = source.args
@@ -182,6 +184,9 @@ def load_file(source: Source, path: str, *, trust_file: bool = False,
     elif getattr(program, "tensor_parallel", None) is not None or (
             isinstance(program.run, torch.fx.GraphModule) and count_all_reduces(program.run)):
         raise ValueError(f"path: {path!r} is one rank of a tensor-parallel export; serve its manifest")
+    if args.enable_lora and not program.lora_specs:
+        raise ValueError(f"enable_lora: {path!r} (format {fmt.name}) takes no LoRA inputs; export the model with "
+                         "enable_lora (format pt2) to serve adapters from a file, or serve it without enable_lora")
     return Lowered(program, target.name, None, None, tuple(program.kv_cache_specs), None)
 
 

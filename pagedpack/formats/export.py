@@ -16,12 +16,17 @@ The step program every format holds, dynamic in every size::
     forward(input_ids [T], positions [T], cu_seqlens_q [B+1], seq_lens [B],
             block_table [B, max_blocks_per_seq], slot_mapping [T], logits_indices [R],
             key_cache_0, value_cache_0, ...,            # [num_blocks, block_size, H_kv, D]
-            [state_indices [B], has_initial_state [B], conv_state_0, ssm_state_1, ...])
+            [state_indices [B], has_initial_state [B], conv_state_0, ssm_state_1, ...],
+            [lora_indices [T], lora_a_0, lora_b_0, ...])    # [max_loras, S * max_rank, in], [max_loras, out, max_rank]
         -> logits [R, vocab]
 
 ``R``: the logits rows (``B``, plus the prompt rows of requests asking for ``prompt_logprobs``). The
 state inputs (``[num_slots, *StateSpec.shape]``) are those of a model with recurrent layers, which only
-the ``.pt2`` format carries (ONNX refuses such a model, naming its layers).
+the ``.pt2`` format carries (ONNX refuses such a model, naming its layers). The LoRA inputs
+(``lora_specs``, :class:`~pagedpack.step.contract.LoRASpec`) are those of a model rewritten with
+``enable_lora``, which only the ``.pt2`` format carries (dynamic in ``max_loras`` and the rank: the
+adapters are loaded when it is served); ONNX and tensor-parallel exports refuse such a model, naming
+``enable_lora``. A file written before LoRA was exported has no ``lora_specs`` and takes no LoRA inputs.
 :data:`FORMAT_VERSION` versions the metadata record; a file of another version is refused, naming
 the version found and the one this pagedpack reads.
 """
@@ -38,17 +43,20 @@ import torch
 
 from pagedpack.formats.files import check_file_name, parse_json
 from pagedpack.step.contract import (
+    LORA_INDICES,
     METADATA_INPUTS,
     STATE_INPUTS,
     STATE_KINDS,
     KVCacheSpec,
+    LoRASpec,
     LoweredStep,
     ModelDescription,
     StateSpec,
+    lora_input_names,
     state_input_names,
     step_input_names,
 )
-from pagedpack.step.metadata import example_metadata, example_state_inputs
+from pagedpack.step.metadata import example_lora_inputs, example_metadata, example_state_inputs
 
 FORMAT_VERSION = 1
 META_FILE = "pagedpack.json"
@@ -70,19 +78,21 @@ class ExportedStep(LoweredStep):
 def export_metadata(rewritten, description: ModelDescription | None = None) -> dict:
     """The metadata record stored with an export of ``rewritten`` (what :func:`step_from_metadata`
     reads back): format version, input names, KV cache specs, recurrent state specs (``[]`` without
-    recurrent layers), and ``description``'s eos ids, ``max_model_len``, vocabulary size (None: the
-    exporter reads it off its program), model name and the tokenizer's files (base64). ``ValueError``
-    if ``rewritten`` is not a rewritten reference-target model."""
+    recurrent layers), LoRA specs (``[]`` without ``enable_lora``), and ``description``'s eos ids,
+    ``max_model_len``, vocabulary size (None: the exporter reads it off its program), model name and the
+    tokenizer's files (base64). ``ValueError`` if ``rewritten`` is not a rewritten reference-target model."""
     check_portable(rewritten)
     description = description or ModelDescription()
     return {
         "format_version": FORMAT_VERSION,
-        "signature": step_input_names(len(rewritten.kv_cache_specs), rewritten.state_specs),
+        "signature": step_input_names(len(rewritten.kv_cache_specs), rewritten.state_specs, rewritten.lora_specs),
         "kv_cache_specs": [{"num_kv_heads": s.num_kv_heads, "key_head_size": s.key_head_size,
                             "value_head_size": s.value_head_size, "dtype": _dtype_name(s.dtype)}
                            for s in rewritten.kv_cache_specs],
         "state_specs": [{"kind": s.kind, "shape": list(s.shape), "dtype": _dtype_name(s.dtype), "layer": s.layer}
                         for s in rewritten.state_specs],
+        "lora_specs": [{"modules": list(s.modules), "in_features": s.in_features, "slice_sizes": list(s.slice_sizes),
+                        "dtype": _dtype_name(s.dtype)} for s in rewritten.lora_specs],
         "eos_token_ids": [int(i) for i in description.eos_token_ids],
         "max_model_len": description.max_model_len,
         "vocab_size": description.vocab_size,
@@ -100,9 +110,6 @@ def check_portable(rewritten) -> None:
         raise ValueError(f"rewritten: expected a RewrittenModel (pagedpack.rewrite's result, or LLM.rewritten), "
                          f"got {type(rewritten).__name__}")
     rewritten.raise_if_refused()
-    if getattr(rewritten, "lora_specs", None):
-        raise ValueError("rewritten: its step graph takes LoRA inputs (enable_lora), which the export formats do not "
-                         "carry yet; export the model without enable_lora")
     # a model without attention layers (Mamba) calls only the recurrent ops, a model of sparse-attention layers
     # only the sparse ones (DeepSeek-V3.2), which no other target lowers
     attention = (torch.ops.pagedpack.paged_attention.default, torch.ops.pagedpack.sparse_paged_attention.default)
@@ -163,12 +170,12 @@ def static_shape(sizes) -> tuple:
 
 
 def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple], tuple], path: str) -> None:
-    """The metadata of ``step`` (KV cache specs, recurrent state specs, vocabulary) matches its
+    """The metadata of ``step`` (KV cache specs, recurrent state specs, LoRA specs, vocabulary) matches its
     program's own inputs and logits (``signature``: ``({input name: (shape, dtype)}, logits shape)``,
     a shape entry None where symbolic, as each format reads it off its program);
     ``ValueError`` naming the field, what the program has and what the metadata says."""
     inputs, logits = signature
-    expected = step_input_names(len(step.kv_cache_specs), step.state_specs)
+    expected = step_input_names(len(step.kv_cache_specs), step.state_specs, step.lora_specs)
     if list(inputs) != expected:
         raise ValueError(f"path: {path!r}: its metadata describes the inputs {expected}, its program has "
                          f"{list(inputs)}")
@@ -185,15 +192,36 @@ def check_program_signature(step: ExportedStep, signature: tuple[dict[str, tuple
                 raise ValueError(f"path: {path!r}: kv_cache_specs: the metadata says {name} is {spec.dtype} "
                                  f"[num_blocks, block_size, {spec.num_kv_heads}, {head_size}], its program takes "
                                  f"{dtype} {list(shape)}")
+    _check_lora_inputs(step.lora_specs, inputs, path)
     vocab = step.description.vocab_size
     if len(logits) != 2 or logits[1] != vocab:
         raise ValueError(f"path: {path!r}: vocab_size: the metadata says {vocab}, its program returns logits of "
                          f"shape {list(logits)}")
 
 
+def _check_lora_inputs(specs: list[LoRASpec], inputs: dict[str, tuple], path: str) -> None:
+    """The program's LoRA inputs have the ranks, static sizes and dtypes ``specs`` describe
+    (:func:`check_program_signature`)."""
+    if not specs:
+        return
+    shape, dtype = inputs[LORA_INDICES]
+    if len(shape) != 1 or dtype != torch.int32:
+        raise ValueError(f"path: {path!r}: lora_specs: the metadata says {LORA_INDICES} is int32 [num_tokens], its "
+                         f"program takes {dtype} {list(shape)}")
+    names = lora_input_names(specs)[1:]
+    for spec, a, b in zip(specs, names[0::2], names[1::2]):
+        for name, dim, size, layout in ((a, 2, spec.in_features, "[max_loras, S * max_rank, {}]"),
+                                        (b, 1, spec.out_features, "[max_loras, {}, max_rank]")):
+            shape, dtype = inputs[name]
+            if len(shape) != 3 or shape[dim] != size or dtype != spec.dtype:
+                raise ValueError(f"path: {path!r}: lora_specs: the metadata says {name} is {spec.dtype} "
+                                 f"{layout.format(size)}, its program takes {dtype} {list(shape)}")
+
+
 _CACHE_DTYPES = ("float32", "float16", "bfloat16")
+# a file written before recurrent layers (LoRA inputs) were exported has no state_specs (lora_specs)
 _OPTIONAL = {"max_model_len": int, "model_name": str, "tokenizer_files": dict, "tensor_parallel": dict,
-             "state_specs": list}  # a file written before recurrent layers were exported has no state_specs
+             "state_specs": list, "lora_specs": list}
 _REQUIRED = {"format_version": int, "signature": list, "kv_cache_specs": list, "eos_token_ids": list,
              "vocab_size": int}
 _KV_SIZES = ("num_kv_heads", "key_head_size", "value_head_size")
@@ -223,6 +251,21 @@ def _state_spec(spec, invalid) -> StateSpec:
     return StateSpec(spec["kind"], tuple(spec["shape"]), getattr(torch, spec["dtype"]), spec["layer"])
 
 
+def _lora_spec(spec, invalid) -> LoRASpec:
+    """The :class:`LoRASpec` of one ``lora_specs`` entry of a file's metadata (``{"modules", "in_features",
+    "slice_sizes", "dtype"}``); ``invalid(field, expected, got)``'s error for anything else."""
+    expected = (f"{{'modules', 'in_features', 'slice_sizes', 'dtype'}}: module paths with one positive slice size "
+                f"each, positive in_features and a dtype in {_CACHE_DTYPES}")
+    if not (isinstance(spec, dict) and set(spec) == {"modules", "in_features", "slice_sizes", "dtype"}
+            and isinstance(spec["modules"], list) and isinstance(spec["slice_sizes"], list) and spec["modules"]
+            and len(spec["modules"]) == len(spec["slice_sizes"]) and all(map(_positive, spec["slice_sizes"]))
+            and all(isinstance(m, str) and _MODULE_PATH.fullmatch(m) for m in spec["modules"])
+            and _positive(spec["in_features"]) and spec["dtype"] in _CACHE_DTYPES):
+        raise invalid("lora_specs", expected, spec)
+    return LoRASpec(tuple(spec["modules"]), spec["in_features"], tuple(spec["slice_sizes"]),
+                    getattr(torch, spec["dtype"]))
+
+
 def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, ...]]) -> ExportedStep:
     """An :class:`ExportedStep` calling ``run``, from the metadata JSON
     :func:`export_metadata` wrote (untrusted: nothing in it is run or unpickled) and its format added:
@@ -230,7 +273,8 @@ def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, .
     ``ValueError`` naming ``path`` and the field for another format version or metadata that does not
     describe a pagedpack step program of that format: a field of another type (``true`` is no int),
     a field no format writes, eos ids outside the vocabulary, a ``state_specs`` entry of an unknown
-    kind, of a shape of another rank, or beside a ``tensor_parallel`` shard, .... Whether the specs
+    kind, of a shape of another rank, a ``state_specs`` or ``lora_specs`` entry beside a
+    ``tensor_parallel`` shard, a ``lora_specs`` entry without a slice size per module, .... Whether the specs
     are those of the file's program is :func:`check_program_signature`'s check."""
     def invalid(name, expected, got):
         return ValueError(f"path: {path!r} has invalid pagedpack metadata: {name}: expected {expected}, "
@@ -268,10 +312,12 @@ def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, .
                           f"in {_CACHE_DTYPES}", spec)
         specs.append(KVCacheSpec(*sizes, getattr(torch, spec["dtype"])))
     states = [_state_spec(spec, invalid) for spec in meta.get("state_specs") or []]
-    signature = step_input_names(len(specs), states)
+    loras = [_lora_spec(spec, invalid) for spec in meta.get("lora_specs") or []]
+    signature = step_input_names(len(specs), states, loras)
     if not (specs or states) or meta["signature"] != signature:
         raise invalid("signature", f"{signature} (one cache pair per kv_cache_specs entry, then "
-                      f"{list(STATE_INPUTS)} and one input per state_specs entry, if any)", meta["signature"])
+                      f"{list(STATE_INPUTS)} and one input per state_specs entry, if any, then {LORA_INDICES} "
+                      f"and two inputs per lora_specs entry, if any)", meta["signature"])
     for name in ("max_model_len", "vocab_size"):
         if meta.get(name) is not None and meta[name] < 1:
             raise invalid(name, "an int >= 1", meta[name])
@@ -286,6 +332,8 @@ def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, .
         raise invalid("tensor_parallel", "{'rank', 'size', 'export_id'} of one rank's shard", shard)
     if shard is not None and states:
         raise invalid("tensor_parallel", "null with state_specs (recurrent layers are not split over ranks)", shard)
+    if shard is not None and loras:
+        raise invalid("tensor_parallel", "null with lora_specs (LoRA adapters are not split over ranks)", shard)
     try:
         check_tokenizer_files(meta.get("tokenizer_files"))
     except ValueError as err:
@@ -297,15 +345,17 @@ def step_from_metadata(run, raw: str, path: str, choices: dict[str, tuple[str, .
     description = ModelDescription(meta["eos_token_ids"], meta.get("max_model_len"), meta["vocab_size"],
                                    meta.get("model_name"), tokenizer)
     return ExportedStep(run, specs, functional=meta.get("cache_mutation") == "returned", state_specs=states,
-                        note=f"loaded from {path}", description=description, attention=meta.get("attention"),
-                        tensor_parallel=shard)
+                        lora_specs=loras, note=f"loaded from {path}", description=description,
+                        attention=meta.get("attention"), tensor_parallel=shard)
 
 
 def example_step(rewritten) -> tuple[tuple, tuple]:
     """``(args, dynamic_shapes)``: a small valid step for the rewritten graph (from the batch
-    builder; with recurrent layers, sequence ``b`` in state slot ``b`` of 4, the first one fresh),
-    and the ``torch.export`` dims that make every size dynamic (tokens, sequences, blocks per
-    sequence, number of blocks, block size, state slots; ``cu_seqlens_q`` is sequences + 1).
+    builder; with recurrent layers, sequence ``b`` in state slot ``b`` of 4, the first one fresh; with LoRA
+    inputs, 2 adapter slots of rank 4, :func:`~pagedpack.step.metadata.example_lora_inputs`), and the
+    ``torch.export`` dims that make every size dynamic (tokens, sequences, blocks per sequence, number of
+    blocks, block size, state slots, adapter slots, adapter rank; ``cu_seqlens_q`` is sequences + 1, each
+    ``lora_a_i``'s rows ``S`` times the rank).
 
     Example sizes are >= 2 (export specialises 0 and 1) and the token, block and block-size
     counts distinct; the dims' minimum is 1, so a step of one token of one sequence runs too. The
@@ -314,8 +364,8 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     """
     device = next(rewritten.graph_module.parameters()).device
     block_size, num_blocks = 6, 11  # T=11 tokens of B=3 sequences, KV lengths 2, 14, 7 (blocks 1, 3, 2)
-    context_lens = [0, 9, 3]
-    batch = example_metadata([2, 5, 4], context_lens, block_size=block_size, num_blocks=num_blocks, device=device)
+    q_lens, context_lens = [2, 5, 4], [0, 9, 3]
+    batch = example_metadata(q_lens, context_lens, block_size=block_size, num_blocks=num_blocks, device=device)
     batch = batch._replace(logits_indices=torch.tensor([1, 6, 10, 2, 3], device=device))
     inputs = batch.as_inputs()
     args = [inputs[name] for name in METADATA_INPUTS]
@@ -323,6 +373,7 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
         args += [torch.zeros(shape, dtype=spec.dtype, device=device)
                  for shape in spec.cache_shapes(num_blocks, block_size)]
     args += example_state_inputs(rewritten.state_specs, context_lens, device, num_slots=4)
+    args += example_lora_inputs(rewritten.lora_specs, q_lens, device, max_loras=2, max_rank=4)
 
     dim = torch.export.Dim
     t, b, r = dim("num_tokens", min=1), dim("num_seqs", min=1), dim("num_logits_rows", min=1)
@@ -332,6 +383,11 @@ def example_step(rewritten) -> tuple[tuple, tuple]:
     if rewritten.state_specs:
         slots = dim("num_state_slots", min=1)
         dynamic_shapes += [{0: b}, {0: b}, *[{0: slots}] * len(rewritten.state_specs)]
+    if rewritten.lora_specs:
+        loras, rank = dim("max_loras", min=1), dim("max_lora_rank", min=1)
+        dynamic_shapes += [{0: t}]
+        for spec in rewritten.lora_specs:
+            dynamic_shapes += [{0: loras, 1: len(spec.modules) * rank}, {0: loras, 2: rank}]
     return tuple(args), tuple(dynamic_shapes)
 
 
