@@ -46,6 +46,8 @@ def user_pass(spec: str):
     return cls()
 
 
+MAX_LORA_RANK = 512  # the largest of vLLM's max_lora_rank choices
+
 # how tensor-parallel ranks start (EngineArgs.distributed_executor_backend)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
 
@@ -231,6 +233,9 @@ class EngineArgs:
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             check_int(name, getattr(self, name))
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank: expected at most {MAX_LORA_RANK} (vLLM's largest), "
+                             f"got {self.max_lora_rank}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         check_int("max_cpu_loras", self.max_cpu_loras)

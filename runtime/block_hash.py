@@ -10,7 +10,7 @@ and those values depend on every token before them. So a block is named by
 (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``): a cryptographic hash over a canonical
 encoding, so that two different prefixes sharing a block would need a sha256 collision. Extra
 keys carry what changes the K/V of the same tokens (a request's ``cache_salt``, its LoRA adapter's
-name: :func:`first_block_keys`); as in vLLM they enter the first block only, and the chain carries them on.
+files' digest: :func:`first_block_keys`); as in vLLM they enter the first block only, and the chain carries them on.
 """
 from __future__ import annotations
 
@@ -40,11 +40,13 @@ def hash_block_tokens(parent: BlockHash, token_ids: Sequence[int], extra_keys: S
     return h.digest()
 
 
-def first_block_keys(cache_salt: str | None = None, lora_name: str | None = None) -> tuple[str, ...]:
-    """The extra keys of a sequence's first block: its ``cache_salt``, then ``"lora:<name>"`` for a
-    request of a LoRA adapter (vLLM's ``_gen_lora_extra_hash_keys``: no prefix hit across adapters, or
-    between an adapter and the base model)."""
-    return (*(() if cache_salt is None else (cache_salt,)), *(() if lora_name is None else (f"lora:{lora_name}",)))
+def first_block_keys(cache_salt: str | None = None, lora_digest: str | None = None) -> tuple[str, ...]:
+    """The extra keys of a sequence's first block: its ``cache_salt``, then ``"lora:<digest>"`` for a
+    request of a LoRA adapter, the sha256 of its files (as vLLM's ``_gen_lora_extra_hash_keys`` adds the
+    adapter, but by what it computes, not its name, which an unload and a load may give other weights):
+    no prefix hit across adapters, or between an adapter and the base model."""
+    return (*(() if cache_salt is None else (cache_salt,)),
+            *(() if lora_digest is None else (f"lora:{lora_digest}",)))
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,

@@ -181,6 +181,7 @@ class LLMEngine:
             log.warning("prefix caching is off for this model: a cached prefix's blocks would not hold its recurrent "
                         "layers' state (enable_prefix_caching=False says so and silences this)")
         lora = lora_config or LoRAConfig(1, 1, 1)
+        lora.check_slot_memory(getattr(program, "lora_specs", ()))
         runner = ModelRunner(program, num_blocks=num_blocks, block_size=block_size, device=device,
                              cpu_threads=cpu_threads, workers=workers, num_state_slots=num_state_slots,
                              lora_slots=(lora.max_loras, lora.max_lora_rank))
@@ -229,8 +230,9 @@ class LLMEngine:
         adapter = self._lora_manager(lora_request).adapter(lora_request) if lora_request is not None else None
         request = make_request(request_id, token_ids, params, eos_token_ids=self.description.eos_token_ids,
                                cache_salt=prompt.cache_salt, lora_request=lora_request)
-        for completion in [request, *request.forks]:
-            completion.lora_adapter = adapter
+        if adapter is not None:
+            for completion in [request, *request.forks]:
+                completion.set_lora_adapter(adapter)
         if params.structured_outputs is not None:
             matchers = self.structured_outputs.matchers(params.structured_outputs, params.n)
             for completion, matcher in zip([request, *request.forks], matchers):

@@ -13,7 +13,7 @@ is None for a sequence's first block. ``medium`` is vLLM's name of the tier the 
 pool is in, ``"GPU"`` (``MEDIUM_GPU``), whatever the device; ``group_idx`` is 0 (one KV cache
 group); ``lora_id`` / ``lora_name`` None (a LoRA request's blocks say their adapter in ``extra_keys``).
 ``extra_keys`` holds, per block, what its hash covers besides tokens: a sequence's first block's
-:func:`~pagedpack.runtime.block_hash.first_block_keys` (its ``cache_salt``, ``"lora:<name>"``), else None.
+:func:`~pagedpack.runtime.block_hash.first_block_keys` (its ``cache_salt``, ``"lora:<digest>"``), else None.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ linear, the stacked weights of ``max_loras`` slots and each token's slot (``lora
 
 - up to ``max_cpu_loras`` adapters loaded in host memory (read and checked once from their PEFT
   directory, :func:`pagedpack.formats.lora_adapter.load_lora_adapter`; least recently used dropped
-  first, and read again, checked against the sha256 of their first load, when a later request
-  names them). A request holds the adapter it was made with until it finishes, so the stepping
-  thread never reads a file: a dropped or removed adapter's running requests run on;
+  first, and read again, checked against the sha256 of both files at their first load, when a later
+  request names them; while a request still holds it, that copy is taken again, not the files). A
+  request holds the adapter it was made with until it finishes, so the stepping thread never reads a
+  file: a dropped or removed adapter's running requests run on;
 - ``max_loras`` slots in the program's weight inputs, an adapter copied into the least recently used
   slot no request of the step needs when a step needs it (its scaling folded into B, its rank
   zero-padded to ``max_lora_rank``, the slices of a module it does not target zero). Slots are the
@@ -20,7 +21,9 @@ so a step always finds them slots.
 """
 from __future__ import annotations
 
+import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +47,19 @@ class LoRAConfig:
     def of(cls, args) -> "LoRAConfig | None":
         """The config of ``EngineArgs`` ``args``; None without ``enable_lora``."""
         return cls(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
+
+    def check_slot_memory(self, specs: Sequence[LoRASpec]) -> None:
+        """``ValueError`` naming ``max_loras`` and ``max_lora_rank`` if the slots of ``specs`` (allocated
+        up front, as the KV pool) would take more than the machine's available memory."""
+        from pagedpack.runtime.memory import available_memory
+
+        size = sum(math.prod(shape(self.max_loras, self.max_lora_rank)) * spec.dtype.itemsize
+                   for spec in specs for shape in (spec.a_shape, spec.b_shape))
+        available = available_memory()
+        if available is not None and size > available:
+            raise ValueError(f"max_loras, max_lora_rank: {self.max_loras} slots of rank {self.max_lora_rank} take "
+                             f"{size} bytes for this model's {len(specs)} LoRA linears, more than the {available} "
+                             "bytes of memory available; expected fewer slots or a lower rank")
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,9 @@ class LoRARequest:
             raise ValueError(f"lora_request.lora_int_id: expected an int >= 1, got {self.lora_int_id!r:.40}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_request.lora_path: expected the adapter's directory, got {self.lora_path!r:.120}")
+        if self.sha256 is not None and not (isinstance(self.sha256, str) and len(self.sha256) == 64
+                                            and all(c in "0123456789abcdefABCDEF" for c in self.sha256)):
+            raise ValueError(f"lora_request.sha256: expected 64 hexadecimal digits or None, got {self.sha256!r:.80}")
 
 
 def normalize_lora_requests(lora_request, num_prompts: int) -> list[LoRARequest | None]:
@@ -100,7 +119,9 @@ class LoRAManager:
                               for module, size in zip(spec.modules, spec.slice_sizes)}
         self._lock = threading.Lock()
         self._loaded: OrderedDict[int, tuple[LoRARequest, object]] = OrderedDict()  # id -> (request, LoRAAdapter)
-        self._known: dict[int, tuple[LoRARequest, str]] = {}  # id -> (request, sha256 of its first load)
+        self._known: dict[int, tuple[LoRARequest, str]] = {}  # id -> (request, digest of its first load)
+        # (id, path) -> the adapter while requests hold it: read again, it is that one (one copy, one slot)
+        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._slots: OrderedDict[int, int] = OrderedDict()  # id() of an adapter -> slot, least recently used first
         self._in_slot: dict[int, object] = {}  # slot -> the adapter it holds
 
@@ -125,9 +146,12 @@ class LoRAManager:
             if request.lora_int_id in self._loaded:
                 self._loaded.move_to_end(request.lora_int_id)
                 return self._loaded[request.lora_int_id][1], False
-        adapter = self._read(request, None if known is None else known[1])
+            adapter = self._held.get((request.lora_int_id, request.lora_path))
+        if adapter is None:
+            adapter = self._read(request, None if known is None else known[1])
         with self._lock:
-            self._known.setdefault(request.lora_int_id, (request, adapter.sha256))
+            self._known.setdefault(request.lora_int_id, (request, adapter.digest))
+            self._held[request.lora_int_id, request.lora_path] = adapter
             self._loaded[request.lora_int_id] = (request, adapter)
             self._loaded.move_to_end(request.lora_int_id)
             while len(self._loaded) > self.max_cpu_loras:
@@ -139,6 +163,8 @@ class LoRAManager:
         (they hold it); its id may then serve other files."""
         with self._lock:
             self._known.pop(lora_int_id, None)
+            for key in [k for k in self._held if k[0] == lora_int_id]:
+                self._held.pop(key, None)
             return self._loaded.pop(lora_int_id, None) is not None
 
     def list_loras(self) -> list[LoRARequest]:
@@ -189,8 +215,17 @@ class LoRAManager:
                     lora_b[slot, offset:offset + size, :b.shape[1]] = b * scaling
                 offset += size
 
-    def _read(self, request: LoRARequest, sha256: str | None):
+    def _read(self, request: LoRARequest, digest: str | None):
+        """The adapter's folder read; ``digest``: what its first read computed (a folder changed since is
+        refused: the prefix cache and the answers would mix two adapters under one id)."""
         from pagedpack.formats.lora_adapter import load_lora_adapter
 
-        return load_lora_adapter(request.lora_path, self.module_shapes, max_lora_rank=self.max_lora_rank,
-                                 sha256=sha256 or request.sha256)
+        try:
+            adapter = load_lora_adapter(request.lora_path, self.module_shapes, max_lora_rank=self.max_lora_rank,
+                                        sha256=request.sha256)
+        except ValueError as err:
+            raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
+        if digest is not None and adapter.digest != digest:
+            raise ValueError(f"lora_request {request.lora_name!r}: {request.lora_path} changed since it was first "
+                             f"loaded as id {request.lora_int_id} (its files' sha256); load it under a new id")
+        return adapter

@@ -54,7 +54,8 @@ class Request:
         cache_salt: requests share cached KV blocks only if their salts are equal (None is a
             salt of its own), as vLLM's ``cache_salt``.
         lora_request: the LoRA adapter it runs with (:class:`~pagedpack.runtime.lora.LoRARequest`),
-            None for the base model; its blocks are cached under the adapter's name (``block_keys``).
+            None for the base model; its blocks are cached under its adapter's digest (``block_keys``,
+            :meth:`set_lora_adapter`).
         block_hashes / num_cached_blocks: the content hashes of its full blocks and how many of
             its leading blocks were offered to the prefix cache (the ``KVCacheManager``'s).
         grammar: with ``SamplingParams.structured_outputs``, the completion's own matcher (an
@@ -94,7 +95,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request
         self.lora_adapter = None  # the adapter it holds while it lives (the engine's, runtime/lora.py)
-        self.block_keys = first_block_keys(cache_salt, None if lora_request is None else lora_request.lora_name)
+        self.block_keys = first_block_keys(cache_salt)  # and the adapter's digest: set_lora_adapter
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
@@ -104,6 +105,12 @@ class Request:
         self.output_logprobs: list[tuple] = []
         # with SamplingParams.prompt_logprobs, the same for prompt tokens 1, 2, ... as their rows are computed
         self.prompt_logprobs: list[tuple] = []
+
+    def set_lora_adapter(self, adapter) -> None:
+        """Hold ``adapter`` (its :class:`~pagedpack.runtime.lora.LoRARequest`'s, loaded) and key the prefix
+        cache by what it computes (:func:`~pagedpack.runtime.block_hash.first_block_keys`)."""
+        self.lora_adapter = adapter
+        self.block_keys = first_block_keys(self.cache_salt, adapter.digest)
 
     def __repr__(self) -> str:
         return (

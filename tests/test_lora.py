@@ -182,3 +182,68 @@ def test_a_running_request_keeps_its_adapter_when_it_is_removed_and_its_id_reuse
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
     assert tokens == {"running": expected(served, prompt, "qv"), "later": expected(served, prompt, "mlp")}
+
+
+def test_a_name_or_id_given_other_files_never_reads_the_old_adapter_s_cached_blocks(served, tmp_path):
+    """From an adversarial trial: the prefix cache was keyed by the adapter's name, so a name unloaded and
+    loaded again from other files (or under another id) got the old adapter's cached KV blocks."""
+    llm, adapters, _ = served
+    prompt = random_prompts([48], seed=11, vocab=V)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    first = LoRARequest("same", 50, adapters["qv"][0].lora_path)
+    assert llm.generate([prompt], params, lora_request=first, use_tqdm=False)[0].outputs[0].token_ids == \
+        expected(served, prompt, "qv")
+    assert llm.llm_engine.remove_lora(50)
+    for again in (LoRARequest("same", 50, adapters["mlp"][0].lora_path),
+                  LoRARequest("same", 51, adapters["mlp"][0].lora_path)):
+        out = llm.generate([prompt], params, lora_request=again, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected(served, prompt, "mlp")
+
+
+def test_a_folder_changed_since_its_first_load_is_refused(tmp_path):
+    """Dropped from host memory (max_cpu_loras), an adapter is read again: a config or weights file
+    changed since is refused (its digest), not served as another adapter under the same id."""
+    import json
+    import shutil
+
+    model = base_model("llama")
+    paths = {name: save_adapter(model, name, tmp_path, seed=i) for i, name in enumerate(("qv", "mlp"))}
+    llm = LLM(model, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, num_blocks=64)
+    moving = LoRARequest("moving", 1, str(tmp_path / "moving"))
+    shutil.copytree(paths["qv"], moving.lora_path)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    assert llm.generate([[1, 2, 3]], params, lora_request=moving, use_tqdm=False)[0].error is None
+    llm.generate([[1, 2, 3]], params, lora_request=LoRARequest("other", 2, paths["mlp"]), use_tqdm=False)
+    config = json.loads((tmp_path / "moving" / "adapter_config.json").read_text())
+    (tmp_path / "moving" / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 800}))
+    with pytest.raises(ValueError, match="lora_request 'moving': .*changed since it was first loaded as id 1"):
+        llm.generate([[1, 2, 3]], params, lora_request=moving, use_tqdm=False)
+
+
+def test_an_adapter_a_request_holds_is_taken_again_not_read_again(served):
+    """Dropped from host memory while a request holds it, an adapter named again is that copy (one copy,
+    one slot), not a second read of its files."""
+    llm, adapters, _ = served
+    manager = llm.llm_engine.lora
+    held = manager.adapter(adapters["qv"][0])
+    for name in ("mlp", "all"):  # max_cpu_loras=2: qv is dropped
+        manager.adapter(adapters[name][0])
+    assert adapters["qv"][0].lora_int_id not in [r.lora_int_id for r in manager.list_loras()]
+    assert manager.adapter(adapters["qv"][0]) is held
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_lora_rank=1024), "max_lora_rank: expected at most 512"),
+    (dict(max_loras=64, max_lora_rank=512), r"max_loras, max_lora_rank: 64 slots of rank 512 take \d+ bytes"),
+])
+def test_slots_beyond_the_machine_are_refused_before_they_are_allocated(kwargs, message, monkeypatch):
+    import pagedpack.runtime.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 << 20)
+    with pytest.raises(ValueError, match=message):
+        LLM(base_model("llama"), enable_lora=True, num_blocks=64, **kwargs)
+
+
+def test_a_lora_request_sha256_is_hexadecimal():
+    with pytest.raises(ValueError, match="lora_request.sha256: expected 64 hexadecimal digits"):
+        LoRARequest("a", 1, "/x", sha256=5)

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,25 @@ def test_a_regex_that_backtracks_without_end_is_bounded(adapter, shapes, monkeyp
     assert len(load(adapter, shapes).weights) == 4
     monkeypatch.setattr(lora_adapter, "REGEX_BUDGET_S", 0)
     refused(adapter, shapes, adapter / CONFIG_FILE, "target_modules", "ran past the 0 s")
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("(?:(?:(?:a{1000}){1000}){1000})", "bounded child process"),  # compiling it filled gigabytes, GIL held
+    ("(" * 5000 + ")" * 5000, "characters, expected at most 4096"),
+    ("(" * 1000 + ")" * 1000, "RecursionError"),
+    ("q" * 900_000, "characters, expected at most 4096"),
+])
+def test_a_regex_that_compiles_without_end_is_refused_at_once(adapter, shapes, pattern, says):
+    # From an adversarial trial: only matching was timed; compiling stalled and swelled a server.
+    start = time.monotonic()
+    edit_config(adapter, target_modules=r".*\.(q_proj|v_proj)", exclude_modules=pattern)
+    message = refused(adapter, shapes, adapter / CONFIG_FILE, "exclude_modules")
+    assert says in message and time.monotonic() - start < 10, message
+
+
+def test_an_alpha_whose_scaling_overflows_is_refused(adapter, shapes):
+    edit_config(adapter, lora_alpha=1e300)  # finite, but B * scaling is not: every answer would be NaN
+    refused(adapter, shapes, adapter / CONFIG_FILE, "lora_alpha", "overflows float32")
 
 
 def _add(name, tensor):

@@ -317,8 +317,6 @@ def _serve(args) -> int:
                                   metrics_namespace=args.metrics_namespace, flow_control=flow_control)
         return run(pagedpack_app(engine_args, config, options), host=args.host, port=args.port)
     llm = LLM.from_engine_args(engine_args)
-    print(f"pagedpack: serving {name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV cache) "
-          f"on http://{args.host}:{args.port}/v1", flush=True)
     return serve(llm, config, ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                                             metrics_namespace=args.metrics_namespace, log_level=args.log_level,
                                             graceful_s=args.timeout_graceful_shutdown, flow_control=flow_control))

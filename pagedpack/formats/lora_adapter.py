@@ -17,6 +17,8 @@ import math
 import os
 import re
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +37,10 @@ MAX_CONFIG_BYTES = 1 << 20
 # the weights file may hold the expected tensors at 8 bytes an element (float64) plus this much header
 HEADER_SLACK_BYTES = 1 << 20
 REGEX_BUDGET_S = 2.0  # for all the config's regular expressions together, on every module
+MAX_PATTERN_CHARS = 4096  # PEFT's target patterns name modules: a few hundred characters at most
+COMPILE_CHECK_BYTES = 512 << 20  # address space of the child that compiles a pattern with counted repetitions
+_COMPILE_CHECK = ("import resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); "
+                  "import regex; regex.compile(sys.stdin.read())")
 EXTRA_ENTRIES = 64  # a list or object field may hold one entry per module LoRA may target, and this many more
 INIT_LORA_WEIGHTS = (True, False, "gaussian", "eva", "orthogonal")  # initializations that leave the base weights
 
@@ -65,12 +71,15 @@ _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.(?P<kind>lora_[AB])(?:\.(
 class LoRAAdapter:
     """An adapter read by :func:`load_lora_adapter`. ``weights``: module path -> ``(A [r_m, in_features]
     float32, B [out_features, r_m] float32, scaling)``, the module's output gaining
-    ``scaling * x @ A.T @ B.T``; ``rank``: the largest ``r_m``; ``sha256``: of ``adapter_model.safetensors``."""
+    ``scaling * x @ A.T @ B.T``; ``rank``: the largest ``r_m``; ``sha256``: of ``adapter_model.safetensors``;
+    ``digest``: a sha256 over both files (what the adapter computes: the prefix cache's key for its blocks,
+    and how a later read of the folder tells a change apart)."""
 
     path: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
     sha256: str
+    digest: str
 
 
 def lora_module_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -98,7 +107,7 @@ def load_lora_adapter(path: str, module_shapes: Mapping[str, tuple[int, int]], *
     if not os.path.isdir(folder):
         raise ValueError(f"path: expected an adapter folder, got {path!r} (not a directory)")
     config_path, weights_path = (os.path.join(path, name) for name in (CONFIG_FILE, WEIGHTS_FILE))
-    config = _read_inside(folder, config_path, MAX_CONFIG_BYTES, "an adapter config may take")
+    config = config_bytes = _read_inside(folder, config_path, MAX_CONFIG_BYTES, "an adapter config may take")
     if config is None:
         raise ValueError(f"{config_path}: missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
@@ -137,7 +146,12 @@ def load_lora_adapter(path: str, module_shapes: Mapping[str, tuple[int, int]], *
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         weights[module] = (_checked(a_name, a, (r, in_features), weights_path),
                            _checked(b_name, b, (out_features, r), weights_path), float(scaling))
-    return LoRAAdapter(path=path, rank=max(r for r, _ in ranks.values()), weights=weights, sha256=digest)
+        if not torch.isfinite(weights[module][1] * weights[module][2]).all():  # folded into B in the slots
+            raise ValueError(f"{config_path}: lora_alpha: the scaling {scaling:.3g} of {module} times its "
+                             f"{b_name!r:.200} overflows float32; expected an alpha that keeps B * scaling finite")
+    both = hashlib.sha256(hashlib.sha256(config_bytes).digest() + bytes.fromhex(digest)).hexdigest()
+    return LoRAAdapter(path=path, rank=max(r for r, _ in ranks.values()), weights=weights, sha256=digest,
+                       digest=both)
 
 
 def _target_ranks(config: dict, file: str, module_shapes: Mapping[str, tuple[int, int]],
@@ -210,10 +224,10 @@ def _target_ranks(config: dict, file: str, module_shapes: Mapping[str, tuple[int
     def fullmatch(field, pattern, key, around=("", "")):  # ``around``: what PEFT puts before and after the pattern
         try:
             if (pattern, around) not in compiled:
-                compiled[pattern, around] = regex.compile(around[0] + pattern + around[1])
+                compiled[pattern, around] = _compile(around[0] + pattern + around[1], deadline)
             return compiled[pattern, around].fullmatch(key, timeout=max(deadline - time.monotonic(), 1e-6))
-        except regex.error as err:
-            refuse(field, f"expected a regular expression, got {pattern!r:.120} ({err})")
+        except (regex.error, RecursionError, OverflowError) as err:
+            refuse(field, f"expected a regular expression, got {pattern!r:.120} ({type(err).__name__}: {err})")
         except TimeoutError:
             refuse(field, f"matching {pattern!r:.120} against {key!r} ran past the {REGEX_BUDGET_S} s that the "
                    "config's regular expressions may take in all")
@@ -302,6 +316,25 @@ def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, int], file: str)
 def _leaf_names(module_shapes: Mapping[str, tuple[int, int]]) -> str:
     """The modules' last names, once each: ``"down_proj, gate_proj, k_proj, ..."``."""
     return ", ".join(sorted({m.rpartition(".")[2] for m in module_shapes})) or "none"
+
+
+def _compile(pattern: str, deadline: float) -> regex.Pattern:
+    """``pattern`` compiled. Compiling is not timed as matching is, and a counted repetition multiplies what
+    it compiles (``(?:(?:a{1000}){1000}){1000}`` fills gigabytes, holding the GIL): a pattern longer than
+    :data:`MAX_PATTERN_CHARS`, or one with a count that a child process (at most
+    :data:`COMPILE_CHECK_BYTES` of memory, until ``deadline``) cannot compile, is a ``regex.error``."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise regex.error(f"{len(pattern)} characters, expected at most {MAX_PATTERN_CHARS}")
+    if "{" in pattern:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", _COMPILE_CHECK, str(COMPILE_CHECK_BYTES)],
+                                  input=pattern.encode(), capture_output=True,
+                                  timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            raise regex.error("compiling it took longer than the config's regular expressions may") from None
+        if done.returncode:
+            raise regex.error(f"compiling it in a bounded child process failed ({done.stderr.decode()[-200:]!r})")
+    return regex.compile(pattern)
 
 
 def _is_int(value) -> bool:

@@ -89,6 +89,8 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
     503, until stopped)."""
     sys.setswitchinterval(GIL_SWITCH_S)
     serving = serving_over(llm, config, flow_control=options.flow_control, metrics_namespace=options.metrics_namespace)
+    print(f"pagedpack: serving {config.model_name!r} ({llm.target} target, {llm.get_stats().kv_cache_dtype} KV "
+          f"cache) on http://{options.host}:{options.port}/v1", flush=True)  # once its adapters are loaded
     # The model, its graphs and the tokenizer live as long as the process: out of the collector's
     # sight (as vLLM does after start-up), they cost no full collection while serving and none at
     # exit, which took 2-5 s to walk them.
