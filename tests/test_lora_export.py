@@ -139,3 +139,12 @@ def test_the_compile_cache_serves_enable_lora_from_its_entry(lora_setup, tmp_pat
     assert_serves_adapters(llm, cases, prompts)
     stamp = compile_cache.checkpoint_stamp(str(checkpoint))
     assert compile_cache._entry_dir(stamp, None, False) != entry  # the base model's entry is another one
+
+
+def test_the_cli_exports_a_model_that_serves_adapters(tmp_path, capsys):
+    from pagedpack.cli import main
+
+    path = tmp_path / "tiny_lora.pt2"
+    assert main(["export", "--enable-lora", "--out", str(path)]) == 0
+    assert f"wrote {path} (pt2)" in capsys.readouterr().out
+    assert LLM(str(path), enable_lora=True, num_blocks=16).program.lora_specs  # refused were there no LoRA inputs

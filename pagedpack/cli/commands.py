@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                      help="write one .pt2 per rank of this many and a manifest naming them (--out NAME.json), "
                           "served with LLM('NAME.json') / pagedpack serve NAME.json")
+    exp.add_argument("--enable-lora", action="store_true",
+                     help="give the linears LoRA inputs, so that the .pt2 serves adapters (docs/lora.md)")
     exp.add_argument("--out", required=True, help="file to write, e.g. model.pt2 or model.onnx")
 
     plan = sub.add_parser("plan", help="plan memory: KV bytes per token, the symbolic activation peak, the blocks "
@@ -464,6 +466,6 @@ def _export(args) -> int:
                                                         tensor_parallel_size=1))
     path = llm.export(args.out, format=fmt.name, tensor_parallel_size=args.tensor_parallel_size, **options)
     what = f"a manifest of {args.tensor_parallel_size} {fmt.suffix} files beside it" \
-        if args.tensor_parallel_size > 1 else args.format
+        if args.tensor_parallel_size > 1 else fmt.name
     print(f"wrote {path} ({what}); run it with {fmt.hint(path, options)}")
     return 0

@@ -119,8 +119,10 @@ def load_lora_adapter(path: str, module_shapes: Mapping[str, tuple[int, int]], *
     ranks = _target_ranks(config, config_path, module_shapes, max_lora_rank)
 
     limit = HEADER_SLACK_BYTES + 8 * sum(r * sum(module_shapes[m]) for m, (r, _) in ranks.items())
+    base = config.get("base_model_name_or_path")
     data = _read_inside(folder, weights_path, limit, "the targeted modules' tensors take at 8 bytes an "
-                        "element, plus a header")
+                        "element, plus a header (is it an adapter of another base model"
+                        + (f", {base!r:.120}?)" if isinstance(base, str) else "?)"))
     if data is None:
         pickled = [name for name in PICKLED_FILES if os.path.lexists(os.path.join(path, name))]
         hint = (f"; the folder holds {', '.join(pickled)}, a pickle, which pagedpack never loads: convert it to "
