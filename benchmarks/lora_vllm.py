@@ -1,6 +1,7 @@
 """vLLM CPU's side of ``lora.py``: the same configurations through vLLM's ``LLM(enable_lora=True)``,
 run by the vLLM venv's interpreter. usage: ``python lora_vllm.py MODEL_DIR ARGS_JSON`` (``lora.py``'s
-arguments); prints one JSON line: the rows ``lora.py`` makes (without the ratios) and vLLM's version."""
+arguments); prints, after each configuration, a JSON line of the rows so far (``lora.py``'s, without the
+ratios) and vLLM's version: a run cut short keeps what it measured."""
 import json
 import os
 import sys
@@ -27,6 +28,8 @@ def main() -> None:
         return lambda n: llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                                       use_tqdm=False, lora_request=loras)
 
+    import vllm
+
     plain = LLM(**common)
     rows = {"none": timed(runner(plain, None), args)}
     del plain
@@ -35,9 +38,7 @@ def main() -> None:
         adapters = [LoRARequest(f"a{i}", i + 1, str(Path(args.adapters, f"a{i}"))) for i in range(count)]
         loras = [adapters[i % count] for i in range(args.num_seqs)] if count else None
         rows[f"{count}_adapters"] = timed(runner(llm, loras), args)
-    import vllm
-
-    print(json.dumps({"rows": rows, "version": vllm.__version__}))
+        print(json.dumps({"rows": rows, "version": vllm.__version__}), flush=True)  # the rows so far
 
 
 if __name__ == "__main__":
