@@ -440,3 +440,22 @@ def tiny_llama_exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("exports")
     return llm, {fmt: export(llm.rewritten, folder / f"tiny-llama.{fmt}", llm.description)
                  for fmt, export in (("pt2", export_pt2), ("onnx", export_onnx))}
+
+
+@pytest.fixture
+def children(monkeypatch):
+    """The child processes the compile cache starts (their argument lists): test_compile_cache.py's and
+    test_lora_export.py's."""
+    import subprocess
+
+    from pagedpack.compiler import compile_cache
+
+    started, run = [], subprocess.run
+
+    def counted(cmd, *args, **kwargs):
+        if cmd[1:3] == ["-c", compile_cache._CHILD]:
+            started.append(cmd)
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    return started

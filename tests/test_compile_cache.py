@@ -89,20 +89,6 @@ def warm(cache, built):
     return cache
 
 
-@pytest.fixture
-def children(monkeypatch):
-    """The child processes the compile cache starts (their argument lists)."""
-    started, run = [], subprocess.run
-
-    def counted(cmd, *args, **kwargs):
-        if cmd[1:3] == ["-c", compile_cache._CHILD]:
-            started.append(cmd)
-        return run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "run", counted)
-    return started
-
-
 def tokens(llm):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 

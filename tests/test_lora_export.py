@@ -115,7 +115,7 @@ def test_onnx_and_tensor_parallel_exports_refuse_lora_and_enable_lora_needs_lora
         LLM(plain, **SERVE)
 
 
-def test_the_compile_cache_serves_enable_lora_from_its_entry(lora_setup, tmp_path, monkeypatch):
+def test_the_compile_cache_serves_enable_lora_from_its_entry(lora_setup, tmp_path, monkeypatch, children):
     """A child exports the LoRA-enabled entry (keyed on enable_lora); a second LLM uses it, no child."""
     checkpoint, _, cases, prompts = lora_setup
     library = native.library_path()  # this process's build, so that the child does not compile it
@@ -123,14 +123,7 @@ def test_the_compile_cache_serves_enable_lora_from_its_entry(lora_setup, tmp_pat
         shutil.copytree(library.parent, tmp_path / "native" / library.parent.name)
     monkeypatch.setenv("PAGEDPACK_CACHE", str(tmp_path))
     monkeypatch.setenv("PAGEDPACK_COMPILE_CACHE", "1")
-    started, run = [], subprocess.run
-
-    def counted(cmd, *args, **kwargs):
-        if cmd[1:3] == ["-c", compile_cache._CHILD]:
-            started.append(cmd)
-        return run(cmd, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "run", counted)
+    started = children
     LLM(str(checkpoint), **SERVE)
     (entry,) = (tmp_path / "compiled").iterdir()
     assert len(started) == 1 and json.loads((entry / "info.json").read_text())["key"]["enable_lora"] is True
