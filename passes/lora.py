@@ -60,9 +60,9 @@ def add_lora(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[LoRASpec]
             continue
         parts = sorted(linear_projections(gm, node), key=lambda part: part[1])
         names = [modules.get(address) for *_, address in parts]
-        if not parts or None in names or not _tiles(parts, attr_tensor(gm, node.args[1]).shape[0]):
-            continue
         weight = attr_tensor(gm, node.args[1])
+        if not parts or None in names or not _tiles(parts, weight.shape[0]):
+            continue
         spec = LoRASpec(tuple(names), weight.shape[1], tuple(end - start for _, start, end, _ in parts), weight.dtype)
         targets.append((node, spec))
     if not targets:
