@@ -20,13 +20,14 @@ def build_batch(
     device: torch.device | str = "cpu",
     extra_logits_rows: list[int] | None = None,
 ) -> StepMetadata:
-    """Metadata for ``scheduled`` (in order): request ``r`` contributes the tokens
-    ``all_token_ids[c : c + n]`` at positions ``c ..``, where ``c = num_computed_tokens`` and
-    ``n = num_new_tokens``; its K/V go to slot ``block_ids[pos // block_size] * block_size +
-    pos % block_size``.
+    """Metadata for ``scheduled`` (in order): request ``r`` contributes the ``n = num_new_tokens`` tokens
+    ``ScheduledRequest.token_ids`` (``all_token_ids[c : c + n]``, where ``c = num_computed_tokens``, its
+    draft tokens last under speculative decoding) at positions ``c ..``; its K/V go to slot
+    ``block_ids[pos // block_size] * block_size + pos % block_size``.
 
     ``logits_indices``: each sequence's last row, then ``extra_logits_rows`` (packed rows in
-    ``[0, T)``: the prompt rows of :func:`pagedpack.runtime.prompt_logprobs.prompt_rows`).
+    ``[0, T)``: the prompt rows of :func:`pagedpack.runtime.prompt_logprobs.prompt_rows`, the rows
+    verifying draft tokens).
 
     Built on the CPU, checked with ``check_block_table`` (``ValueError`` naming ``block_table`` when a
     request's ``block_ids`` do not cover its tokens or name a block outside the pool), then moved to
@@ -38,7 +39,7 @@ def build_batch(
     q_lens = [s.num_new_tokens for s in scheduled]
     starts = [r.num_computed_tokens for r in requests]
     input_ids = np.fromiter(
-        itertools.chain.from_iterable(r.all_token_ids[c : c + n] for r, c, n in zip(requests, starts, q_lens)),
+        itertools.chain.from_iterable(s.token_ids for s in scheduled),
         dtype=np.int64, count=sum(q_lens))
     # Missing blocks are -1 while checking, so a request whose block_ids are too short fails the check.
     metadata = paged_metadata(q_lens, starts, [r.block_ids for r in requests], block_size=block_size,

@@ -32,6 +32,9 @@ from pagedpack.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
 from pagedpack.runtime.scheduler import KVConnectorOutput, Scheduler, SchedulerOutput
+from pagedpack.runtime.spec_decode.config import SpeculativeConfig
+from pagedpack.runtime.spec_decode.proposer import Proposer
+from pagedpack.runtime.spec_decode.verify import StepSample, sample_positions, spec_rows
 from pagedpack.step.contract import ModelDescription, bytes_per_token
 from pagedpack.step.metadata import state_metadata
 
@@ -85,6 +88,9 @@ class Stats:
     ``state_slots_total`` / ``state_slots_used``: the recurrent-state slots (0 without such layers).
     With a KV connector (vLLM's ``external_prefix_cache_*``): ``external_prefix_cache_queries`` (tokens of
     requests admitted) and ``external_prefix_cache_hits`` (of those, tokens the connector loaded).
+    With speculative decoding (vLLM's ``spec_decode_*``, :mod:`pagedpack.runtime.spec_decode.stats`):
+    ``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+    ``spec_decode_num_accepted_tokens_per_pos`` (a tuple, one count per draft position).
     """
 
     num_steps: int
@@ -109,6 +115,10 @@ class Stats:
     state_slots_used: int
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class RequestRejected(ValueError):
@@ -145,8 +155,9 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
                  description: ModelDescription | None = None, kv_event_publisher=None, kv_connector=None,
-                 lora_manager: LoRAManager | None = None):
+                 lora_manager: LoRAManager | None = None, speculative_config: SpeculativeConfig | None = None):
         self.runner, self.scheduler, self.lora = runner, scheduler, lora_manager
+        self.proposer = Proposer(speculative_config) if speculative_config is not None else None
         # a KV connector's WORKER half (the scheduler holds its SCHEDULER half), driven around each step
         self.kv_connector = KVConnectorDriver(kv_connector, runner) if kv_connector is not None else None
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
@@ -165,7 +176,8 @@ class LLMEngine:
               enable_prefix_caching: bool, max_num_batched_tokens: int, max_num_seqs: int,
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
               kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None,
-              kv_transfer_config=None, model_stamp=None, lora_config: LoRAConfig | None = None) -> "LLMEngine":
+              kv_transfer_config=None, model_stamp=None, lora_config: LoRAConfig | None = None,
+              speculative_config: SpeculativeConfig | None = None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
@@ -174,9 +186,18 @@ class LLMEngine:
         ``kv_transfer_config``: a :class:`~pagedpack.runtime.kv_connector.factory.KVTransferConfig` (None: no
         KV connector); ``model_stamp``: what tells the model's checkpoint apart, for a connector
         keeping blocks across processes (None: unknown); ``lora_config``: the adapter slots of a program
-        rewritten with ``enable_lora`` (:mod:`pagedpack.runtime.lora`; None: one slot of rank 1, unused)."""
+        rewritten with ``enable_lora`` (:mod:`pagedpack.runtime.lora`; None: one slot of rank 1, unused);
+        ``speculative_config``: propose and verify draft tokens (:mod:`pagedpack.runtime.spec_decode`; None:
+        no speculation); ``ValueError`` naming it for a model with recurrent layers (their state cannot
+        step back from a rejected draft yet) or with a KV connector."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
+        if speculative_config is not None and (num_state_slots or kv_transfer_config is not None):
+            raise ValueError("speculative_config: " + (
+                "a model with recurrent layers cannot take speculation yet (their state would have to step back "
+                "past rejected draft tokens)" if num_state_slots else
+                "a KV connector (kv_transfer_config) and speculation do not run together yet") +
+                "; expected speculative_config=None")
         if enable_prefix_caching and num_state_slots:
             log.warning("prefix caching is off for this model: a cached prefix's blocks would not hold its recurrent "
                         "layers' state (enable_prefix_caching=False says so and silences this)")
@@ -200,7 +221,7 @@ class LLMEngine:
                               max_loras=lora.max_loras if lora_manager else 0)
         publisher = kv_event_publisher or make_publisher(kv_events_config)
         return cls(runner, scheduler, description=description, kv_event_publisher=publisher,
-                   kv_connector=worker_connector, lora_manager=lora_manager)
+                   kv_connector=worker_connector, lora_manager=lora_manager, speculative_config=speculative_config)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                      lora_request: LoRARequest | None = None) -> tuple[Request, str | None]:
@@ -361,7 +382,16 @@ class LLMEngine:
             prefix_caching=kv.enable_prefix_caching, state_slots_total=kv.num_state_slots,
             state_slots_used=kv.num_state_slots - kv.num_free_state_slots,
             external_prefix_cache_queries=self.scheduler.connector_prefix_cache_stats.queries,
-            external_prefix_cache_hits=self.scheduler.connector_prefix_cache_stats.hits)
+            external_prefix_cache_hits=self.scheduler.connector_prefix_cache_stats.hits,
+            **self._spec_decode_stats())
+
+    def _spec_decode_stats(self) -> dict:
+        if self.proposer is None:
+            return {}
+        spec = self.proposer.stats
+        return dict(spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block nobody holds (vLLM's ``reset_prefix_cache``) and publish the
@@ -417,9 +447,10 @@ class LLMEngine:
             if output.states_to_copy:
                 self.runner.copy_states(output.states_to_copy)
             spans, prompt_logits_rows = prompt_rows(output.scheduled)
+            draft_rows, verify_rows = spec_rows(output.scheduled, len(output.scheduled) + len(prompt_logits_rows))
             batch = build_batch(output.scheduled, block_size=self.runner.block_size,
                                 num_blocks=self.runner.num_blocks, device=self.runner.device,
-                                extra_logits_rows=prompt_logits_rows)
+                                extra_logits_rows=prompt_logits_rows + verify_rows)
             state = state_metadata([s.request.state_slot for s in output.scheduled],
                                    [s.request.num_computed_tokens for s in output.scheduled],
                                    self.runner.device) if self.runner.state_specs else ()
@@ -439,32 +470,25 @@ class LLMEngine:
         except Exception as err:  # noqa: BLE001 -- not one request's: the step's requests fail, the others run on
             return self._fail_step(output, err)
         if spans:  # the prompt rows follow the B last rows
-            take_prompt_logprobs(logits[len(output.scheduled):], spans)
-            logits = logits[:len(output.scheduled)]
-        rows, to_sample = [], []
+            take_prompt_logprobs(logits[len(output.scheduled):len(output.scheduled) + len(prompt_logits_rows)], spans)
+        rows, drafts, to_sample = [], [], []  # per request taking tokens: its rows (one per position), drafts
         for i, s in enumerate(output.scheduled):
-            takers = s.sample_requests if s.request.request_id not in rolled_back else []
-            if takers:
-                rows += [i] * len(takers)
-                to_sample += takers
-        sampled, failed = {}, {}
-        if rows:
+            if s.request.request_id not in rolled_back:
+                for request in s.sample_requests:
+                    rows.append([*draft_rows.get(i, ()), i])
+                    drafts.append(s.spec_token_ids if request is s.request else [])
+                    to_sample.append(request)
+        sample = StepSample()
+        if to_sample:
             if grammar is not None and len(to_sample) < len(takers):  # rolled back: no token
                 grammar = grammar.select([takers.index(r) for r in to_sample])
-            sample = self._sample(logits if rows == list(range(logits.shape[0])) else logits[rows], to_sample, grammar)
-            failed = {to_sample[i].request_id: why for i, why in sample.errors.items()}
-            for request, token, logprobs in zip(to_sample, sample.token_ids, sample.logprobs):
-                if request.request_id in failed:
-                    continue
-                if request.grammar is not None and not request.grammar.accept_token(token):  # masked: cannot happen
-                    failed[request.request_id] = (f"structured_outputs: request {request.request_id!r} sampled token "
-                                                  f"{token}, which its grammar does not accept")
-                    log.error("%s", failed[request.request_id])
-                    continue
-                sampled[request.request_id] = token
-                if logprobs is not None:
-                    request.output_logprobs.append(logprobs)
+            sample = sample_positions(self._sample, logits, to_sample, rows, drafts, grammar, self._next_bitmask)
+        if self.proposer is not None:
+            for s in output.scheduled:
+                if s.spec_token_ids and s.request.request_id in sample.token_ids:
+                    self.proposer.observe(s, sample.token_ids[s.request.request_id])
         self._count(output)
+        sampled, failed = sample.token_ids, sample.failed
         finished = self.scheduler.update_from_output(output, sampled, failed, rolled_back)
         outputs, stopped, broken = self.output_processor.process(
             [*to_sample, *(r for r in finished if r.request_id not in sampled and r.request_id not in failed)])
@@ -472,9 +496,15 @@ class LLMEngine:
             self.scheduler.finish_requests([r.request_id for r in stopped], RequestStatus.FINISHED_STOPPED)
         if broken:  # their output failed: already handed out as errors
             self.scheduler.finish_requests([r.request_id for r in broken], RequestStatus.FINISHED_ERROR)
+        if self.proposer is not None:
+            self.proposer.propose([s.request for s in output.scheduled])
         for observe in self.step_observers:
             observe(self)
         return outputs
+
+    def _next_bitmask(self, requests: list[Request]) -> StepBitmask | None:
+        """The grammar bitmask of a speculative step's later position (None: no request constrained)."""
+        return self._structured_outputs.bitmasks.start(requests) if self._structured_outputs else None
 
     def _sample(self, logits, requests: list[Request], grammar: StepBitmask | None) -> SamplerOutput:
         """The sampler's output for ``requests`` (``grammar``: their rows' bitmask, None if none is

@@ -193,6 +193,14 @@ class KVCacheManager:
         self._name_blocks(request, named_up_to)
         return True
 
+    def free_blocks_past(self, request: Request, num_tokens: int) -> None:
+        """Free ``request``'s blocks past the first ``num_tokens`` tokens' (those held only rejected draft
+        tokens: never offered to the prefix cache, which names blocks of known tokens only)."""
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            self.pool.free(block_id)
+        del request.block_ids[keep:]
+
     def forget_blocks(self, request: Request, first: int) -> None:
         """``request``'s blocks from index ``first`` on do not hold what their hashes say (a KV
         connector's load failed): uncache them and let the request name them again once recomputed."""

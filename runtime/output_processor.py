@@ -34,6 +34,7 @@ log = logging.getLogger("pagedpack.engine")
 class _Completion(CompletionOutput):
     """A completion's state: its ``text`` (cut at a stop string), finish and stop reasons, and how
     many output tokens and characters were handed out (``token_ids`` stay the request's own);
+    ``num_taken``: once a stop string ended it, the output tokens it keeps (up to the one completing it);
     ``held``: the characters held back while it runs, ``len(longest stop string) - 1``."""
 
     detokenizer: IncrementalDetokenizer | None = None
@@ -41,6 +42,7 @@ class _Completion(CompletionOutput):
     include_stop: bool = False
     num_tokens: int = 0
     num_chars: int = 0
+    num_taken: int | None = None  # set by a stop string: the output tokens up to the one completing it
     held: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -138,23 +140,28 @@ class OutputProcessor:
         return self._output(state, deltas, None)
 
     def _advance(self, completion: _Completion, request: Request) -> bool:
-        """Take ``request``'s new tokens into ``completion``; True if a stop string finished it."""
+        """Take ``request``'s new tokens into ``completion``; True if a stop string finished it. Several new
+        tokens (a speculative step's) are searched one by one where there are stop strings, so the
+        completion ends with the token that completed the string, as without speculation."""
         new = request.output_token_ids[completion.num_tokens:]
         detokenizer = completion.detokenizer
         if detokenizer is not None:
-            searched = max(0, len(completion.text) - completion.held)
-            detokenizer.push(new)
-            if request.is_finished:
-                detokenizer.finish()
-            completion.text = detokenizer.text
-            # stop strings wait for min_tokens
-            hit = _find_stop(completion.text, completion.stop, searched) if completion.stop and \
-                request.num_output_tokens >= request.sampling_params.min_tokens else None
-            if hit is not None:
-                at, stop = hit
-                completion.text = completion.text[:at + len(stop) if completion.include_stop else at]
-                completion.finish_reason, completion.stop_reason = "stop", stop
-                return True
+            chunks = [[token] for token in new] if completion.stop and len(new) > 1 else [new]
+            for taken, chunk in enumerate(chunks, start=completion.num_tokens + len(chunks[0])):
+                searched = max(0, len(completion.text) - completion.held)
+                detokenizer.push(chunk)
+                if request.is_finished and chunk is chunks[-1]:
+                    detokenizer.finish()
+                completion.text = detokenizer.text
+                # stop strings wait for min_tokens
+                hit = _find_stop(completion.text, completion.stop, searched) if completion.stop and \
+                    taken >= request.sampling_params.min_tokens else None
+                if hit is not None:
+                    at, stop = hit
+                    completion.text = completion.text[:at + len(stop) if completion.include_stop else at]
+                    completion.finish_reason, completion.stop_reason = "stop", stop
+                    completion.num_taken = taken
+                    return True
         if request.is_finished:
             completion.finish_reason = request.finish_reason
             last = request.output_token_ids[-1] if request.output_token_ids else None
@@ -163,18 +170,20 @@ class OutputProcessor:
         return False
 
     def _delta(self, completion: _Completion, request: Request) -> CompletionOutput:
-        token_ids = request.output_token_ids[completion.num_tokens:]
-        completion.num_tokens = request.num_output_tokens
+        end = completion.num_taken or request.num_output_tokens
+        token_ids = request.output_token_ids[completion.num_tokens:end]
         held = 0 if completion.finished else completion.held
-        end = max(completion.num_chars, len(completion.text) - held)
-        text = completion.text[completion.num_chars:end]
-        completion.num_chars = end
+        chars = max(completion.num_chars, len(completion.text) - held)
+        text = completion.text[completion.num_chars:chars]
+        completion.num_chars = chars
         logprobs = None
         if request.sampling_params.logprobs is not None:
+            first = len(request.output_logprobs) - request.num_output_tokens + completion.num_tokens
             logprobs = [self._logprobs(token, entry) for token, entry in
-                        zip(token_ids, request.output_logprobs[len(request.output_logprobs) - len(token_ids):])]
+                        zip(token_ids, request.output_logprobs[first:first + len(token_ids)])]
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
                 entry[token].logprob for token, entry in zip(token_ids, logprobs))
+        completion.num_tokens = end
         return CompletionOutput(completion.index, text, token_ids, completion.finish_reason,
                                 completion.stop_reason, logprobs, completion.cumulative_logprob)
 

@@ -1,6 +1,7 @@
 """One generation request: its tokens, its place in the KV cache and its life cycle."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 
@@ -64,6 +65,9 @@ class Request:
         forks: parallel samples of the same prompt (``SamplingParams.n``), not yet scheduled:
             once this request's prompt is computed they take their first tokens from its last
             logits row, share its full blocks and run on their own (``Scheduler``).
+        spec_token_ids: with speculative decoding, the draft tokens proposed to follow
+            ``all_token_ids`` (:mod:`pagedpack.runtime.spec_decode`), until the next step scheduling it
+            verifies them; ``spec_lookahead``: how many it may get (adapted to its acceptance).
     """
 
     def __init__(
@@ -99,6 +103,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.forks: list[Request] = []
+        self.spec_token_ids: list[int] = []
+        self.spec_lookahead = None  # a spec_decode.Lookahead, made by the first proposal
         self.grammar = None
         self.kv_transfer_params: dict | None = None  # what a KV connector's request_finished returned
         # per output token, with SamplingParams.logprobs: (logprob, rank, [(token id, logprob), ...])
@@ -160,13 +166,31 @@ class Request:
             raise RuntimeError(f"request {self.request_id!r} is already finished ({self.status.name})")
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-        params = self.sampling_params
-        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in self._stop_token_ids or (
-                self.grammar is not None and self.grammar.is_terminated()):
+        if self.stops_on(token_id):
             self.finish(RequestStatus.FINISHED_STOPPED)
-        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        elif self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
         return self.is_finished
+
+    def stops_on(self, token_id: int) -> bool:
+        """Whether ``token_id``, just taken (and accepted by the grammar, if any), stops the request:
+        EOS (unless ``ignore_eos``), a ``stop_token_ids`` entry, or a grammar it terminated."""
+        return (token_id == self.eos_token_id and not self.sampling_params.ignore_eos) or \
+            token_id in self._stop_token_ids or (self.grammar is not None and self.grammar.is_terminated())
+
+    @contextlib.contextmanager
+    def tentative_outputs(self, token_ids: list[int]):
+        """Within the block, ``token_ids`` follow the output (what the logits processors see while a
+        speculative step's later positions are sampled: the tokens accepted before them); removed after."""
+        if not token_ids:
+            yield
+            return
+        self.output_token_ids += token_ids
+        self._all_token_ids += token_ids
+        try:
+            yield
+        finally:
+            del self.output_token_ids[-len(token_ids):], self._all_token_ids[-len(token_ids):]
 
     def fail(self, error: str) -> None:
         """Finish the request with ``finish_reason="error"`` and the given message."""
@@ -175,9 +199,10 @@ class Request:
 
     def finish(self, status: RequestStatus) -> None:
         """End the request with a finished ``status`` (its ``finish_reason`` follows); its grammar
-        matcher goes."""
+        matcher and draft tokens go."""
         self.status = status
         self.grammar = None
+        self.spec_token_ids = []
         self.finish_reason = status.finish_reason
 
 
@@ -207,27 +232,40 @@ def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingP
 class ScheduledRequest:
     """``num_new_tokens`` tokens of ``request`` to compute this step, starting at
     ``request.num_computed_tokens`` (which the scheduler advances only in
-    ``update_from_output``). ``ValueError`` unless ``1 <= num_new_tokens <= `` the tokens left."""
+    ``update_from_output``); with speculative decoding the last ``len(spec_token_ids)`` of them are
+    draft tokens following the request's known ones, each verified by the row before it.
+    ``ValueError`` unless ``1 <= num_new_tokens <= `` the tokens left plus the drafts, and drafts
+    come only after the last known token."""
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     _needs_sample: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        end = self.request.num_computed_tokens + self.num_new_tokens
-        if self.num_new_tokens < 1 or end > self.request.num_tokens:
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        end = self.request.num_computed_tokens + known
+        if known < 1 or end > self.request.num_tokens or (self.spec_token_ids and end != self.request.num_tokens):
             raise ValueError(
                 f"num_new_tokens: expected 1 .. {self.request.num_tokens - self.request.num_computed_tokens} "
                 f"for request {self.request.request_id!r} ({self.request.num_computed_tokens} of "
-                f"{self.request.num_tokens} tokens computed), got {self.num_new_tokens}"
+                f"{self.request.num_tokens} tokens computed) plus its {len(self.spec_token_ids)} draft tokens "
+                f"(drafts only after the last known token), got {self.num_new_tokens}"
             )
         self._needs_sample = end == self.request.num_tokens
 
     @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step feeds: the request's from ``num_computed_tokens`` on, then the drafts."""
+        start = self.request.num_computed_tokens
+        known = self.request.all_token_ids[start:start + self.num_new_tokens - len(self.spec_token_ids)]
+        return known + self.spec_token_ids if self.spec_token_ids else known
+
+    @property
     def needs_sample(self) -> bool:
         """This chunk reaches the request's last known token, so its last row is sampled
-        (``num_computed_tokens + num_new_tokens == num_tokens`` when scheduled; fixed then, so
-        it stays valid after ``update_from_output``)."""
+        (``num_computed_tokens + num_new_tokens == num_tokens`` when scheduled, drafts aside; fixed then,
+        so it stays valid after ``update_from_output``)."""
         return self._needs_sample
 
     @property

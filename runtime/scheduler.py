@@ -160,15 +160,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache_manager.allocate_slots(request, num_new):
+            drafts = self._take_drafts(request, num_new, budget)
+            while not self.kv_cache_manager.allocate_slots(request, num_new + len(drafts)):
+                if drafts:  # verify none rather than preempt anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                scheduled.append(ScheduledRequest(request, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
                 i += 1
 
         # As vLLM: a step that had to preempt admits nobody (the pool is under pressure).
@@ -206,6 +210,18 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The draft tokens (``Request.spec_token_ids``, taken from it) that ``request`` verifies in this
+        step after its ``num_new`` tokens: none unless those reach its last known token; at most what the
+        budget leaves, and fewer than the outputs ``max_tokens`` and ``max_model_len`` still allow (a step
+        takes one token more than the drafts it accepts)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        room = min(budget - num_new, self.max_model_len - request.num_tokens - 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _release_a_waiting_holder(self, head: Request) -> bool:
         """With nothing running, the blocks ``head`` lacks can only be held by waiting requests whose
@@ -291,6 +307,7 @@ class Scheduler:
         for request in [r for r in [*self.running, *self.waiting] if r.request_id in ids]:
             self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
+            request.spec_token_ids = []
             request.status = RequestStatus.WAITING
             self.paused[request.request_id] = request
         self.running = [r for r in self.running if r.request_id not in ids]
@@ -304,21 +321,25 @@ class Scheduler:
                 self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-style eviction: drop its KV and queue it first among the waiting."""
+        """Recompute-style eviction: drop its KV and drafts and queue it first among the waiting."""
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]],
                            failed: dict[str, str] | None = None, rolled_back: set[str] = frozenset()) -> list[Request]:
         """Record a computed step: advance ``num_computed_tokens``, append sampled tokens.
 
-        ``sampled_token_ids`` maps ``request_id`` to the new token, and ``failed`` to why it could
-        take none (the sampler's error; it finishes with ``"error"``), for exactly the scheduled
+        ``sampled_token_ids`` maps ``request_id`` to the new token (a list: the tokens a speculative step
+        took, its accepted drafts then one more; ``[token]`` without drafts), and ``failed`` to why it
+        could take none (the sampler's error; it finishes with ``"error"``), for exactly the scheduled
         requests whose ``needs_sample`` is true, together (``ValueError`` otherwise; nothing changes
-        then). Finished requests leave ``running`` and free their blocks; they are returned.
+        then). A request's rejected drafts are not computed: its KV ends after its accepted ones, and the
+        blocks only they reached go back to the pool (they were never offered to the prefix cache).
+        Finished requests leave ``running`` and free their blocks; they are returned.
         ``rolled_back``: scheduled requests a failed KV load rolled back
         (:meth:`update_from_connector_output`): they take no tokens (none expected) and compute again.
         """
@@ -330,9 +351,12 @@ class Scheduler:
                 f"sampled_token_ids, failed: expected tokens or errors for exactly {sorted(expected)}, "
                 f"got tokens for {sorted(sampled_token_ids)}, errors for {sorted(failed)}"
             )
+        taken = {i: t if isinstance(t, list) else [t] for i, t in sampled_token_ids.items()}
         for s in output.scheduled:
             if s.request.request_id not in rolled_back:
-                s.request.num_computed_tokens += s.num_new_tokens
+                tokens = taken.get(s.request.request_id)
+                rejected = len(s.spec_token_ids) - len(tokens) + 1 if s.spec_token_ids and tokens else 0
+                s.request.num_computed_tokens += s.num_new_tokens - rejected
         self.kv_cache_manager.end_step()
         finished = []
         for s in sampled:
@@ -342,11 +366,13 @@ class Scheduler:
             if request.request_id in failed:
                 request.fail(failed[request.request_id])
                 finished.append(request)
-            elif request.append_output(sampled_token_ids[request.request_id], self.max_model_len):
+            elif any(request.append_output(token, self.max_model_len) for token in taken[request.request_id]):
                 finished.append(request)
+            elif s.spec_token_ids:
+                self.kv_cache_manager.free_blocks_past(request, request.num_tokens)
             if forks:
                 request.forks = []
-                finished += self._fork(request, forks, [sampled_token_ids.get(f.request_id) for f in forks], failed)
+                finished += self._fork(request, forks, [taken.get(f.request_id, [None])[0] for f in forks], failed)
         if finished:
             for request in finished:
                 self._free_finished(request)
