@@ -141,6 +141,11 @@ class EngineArgs:
             of rank at most ``max_lora_rank`` (default 16); ``max_cpu_loras`` (default ``max_loras``)
             adapters stay loaded in host memory. A request names its adapter with a
             :class:`~pagedpack.runtime.lora.LoRARequest`.
+        speculative_config: vLLM's ``speculative_config`` (a dict, its JSON text, or
+            :class:`pagedpack.runtime.spec_decode.config.SpeculativeConfig`), e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}``: each decoding request brings draft tokens that one step verifies,
+            and keeps the run the sampler would have drawn itself (docs/speculative-decoding.md); None
+            (default): one token per step.
         trust_file: load a ``.pt2`` export even if it holds what would run code (pickled members,
             calls that are not operators: :mod:`pagedpack.formats.pt2_check`), as ``transformers``'
             ``trust_remote_code``; only for a file you trust as code. Off: such a file is refused.
@@ -179,6 +184,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: object = None
 
     def __post_init__(self):
         target = self.lowering_target  # ValueError for an unknown name
@@ -214,9 +220,15 @@ class EngineArgs:
         self._check_lora()
         from pagedpack.runtime.cpu_threads import CpuThreads  # the compile side imports no runtime
         from pagedpack.runtime.kv_event_publisher import KVEventsConfig
+        from pagedpack.runtime.spec_decode.config import SpeculativeConfig
 
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         self._check_kv_transfer()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.kv_transfer_config):
+            raise ValueError("speculative_config: speculation does not run with " + (
+                "tensor parallelism (tensor_parallel_size > 1)" if self.tensor_parallel_size > 1 else
+                "a KV connector (kv_transfer_config / kv_offload_size)") + " yet; expected speculative_config=None")
 
         CpuThreads.check(self.num_threads, self.reserved_cpus)
         if self.extra_passes and self.is_exported:
@@ -381,8 +393,9 @@ class EngineArgs:
         given = {**self.as_kwargs(), **overrides}
         given["dtype"] = None if given["dtype"] is None else str(given["dtype"]).removeprefix("torch.")
         given["device"] = str(given["device"])
-        if dataclasses.is_dataclass(given["target_options"]):
-            given["target_options"] = dataclasses.asdict(given["target_options"])
+        for name in ("target_options", "speculative_config"):
+            if dataclasses.is_dataclass(given[name]):
+                given[name] = dataclasses.asdict(given[name])
         passes = [f"{type(p).__module__}:{type(p).__qualname__}" for p in given["extra_passes"]]
         if any(name.startswith("__main__:") or "<" in name for name in passes):
             raise ValueError(f"extra_passes: another process makes each pass again by its module and class name; "
@@ -508,6 +521,10 @@ class EngineArgs:
         parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank a slot holds")
         parser.add_argument("--max-cpu-loras", type=int, default=None,
                             help="adapters kept loaded in host memory (default: --max-loras)")
+        parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                            help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                                 '(docs/speculative-decoding.md)')
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="

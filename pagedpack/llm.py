@@ -65,7 +65,7 @@ class LLM:
                 cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
                 workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher,
                 kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp,
-                lora_config=LoRAConfig.of(args))
+                lora_config=LoRAConfig.of(args), speculative_config=args.speculative_config)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

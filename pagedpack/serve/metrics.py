@@ -37,6 +37,10 @@ exactly, for dashboards written for vLLM. Each metric has the label ``model_name
   update's), pagedpack's gauge ``lora_adapters_loaded`` (adapters in host memory, at most
   ``--max-cpu-loras``) and counter ``lora_requests_total{lora_name}`` (completions run with each adapter,
   counted when taken: vLLM has none);
+- with ``--speculative-config``, vLLM's counters ``spec_decode_num_drafts_total``,
+  ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+  ``spec_decode_num_accepted_tokens_per_pos_total{position}`` (acceptance rate: accepted over draft
+  tokens; mean acceptance length: ``1 +`` accepted over drafts);
 - histograms (seconds, measured where the server hands tokens out): ``time_to_first_token_seconds``,
   ``inter_token_latency_seconds`` (between two outputs of a completion: one per step),
   ``e2e_request_latency_seconds``, and ``request_prompt_tokens`` / ``request_generation_tokens``.
@@ -133,10 +137,22 @@ class _EngineCollector:
                           stats.external_prefix_cache_queries),
                          ("external_prefix_cache_hits", "Tokens a KV connector loaded at admission.",
                           stats.external_prefix_cache_hits))
+        if engine.proposer is not None:
+            counters += (("spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+                         ("spec_decode_num_draft_tokens", "Number of draft tokens.",
+                          stats.spec_decode_num_draft_tokens),
+                         ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          stats.spec_decode_num_accepted_tokens))
         for metric, doc, value in counters:
             family = CounterMetricFamily(name + metric, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if engine.proposer is not None:
+            per_position = CounterMetricFamily(name + "spec_decode_num_accepted_tokens_per_pos",
+                                               "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_position.add_metric([self.model_name, str(position)], value)
+            yield per_position
         connector = engine.scheduler.connector
         yield from self._kv_transfer(name, connector.get_kv_connector_stats() if connector is not None else None)
 
