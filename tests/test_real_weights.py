@@ -32,6 +32,7 @@ from test_planner import check_peak_matches_profiler
 
 MAX_TOKENS = 32
 BUDGET = 256  # max_num_batched_tokens: every prompt above it is prefilled in chunks
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 TIE = 1e-5
 
 PROMPTS = [
@@ -301,8 +302,8 @@ def _greedy_steps_checked(model, prompt_ids: list[int], tokens: list[int]) -> in
 
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
 def test_greedy_tokens_equal_the_unmodified_model(alias):
-    """All seven prompts together (continuous batching, chunked prefill), 32 greedy tokens each,
-    against the unmodified model run one prompt at a time. Gemma-3's local layers have a 512-token
+    """All seven prompts together (continuous batching, chunked prefill, n-gram speculation), 32 greedy
+    tokens each, against the unmodified model run one prompt at a time. Gemma-3's local layers have a 512-token
     sliding window, shorter than two of the prompts. (An eighth prompt of 950-970 tokens, dropped for
     the suite's time, was a third of the tokens both sides ran and exercised nothing these two do not:
     a window passed, a prompt prefilled in more than two chunks.)"""
@@ -310,8 +311,10 @@ def test_greedy_tokens_equal_the_unmodified_model(alias):
 
     checkpoint = fetch_alias_or_skip(alias)
     start = time.perf_counter()
-    llm = LLM(alias, max_num_batched_tokens=BUDGET, dtype=torch.float32, keep_source_model=True)
+    llm = LLM(alias, max_num_batched_tokens=BUDGET, dtype=torch.float32, keep_source_model=True,
+              speculative_config=SPECULATION)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert llm.get_stats().spec_decode_num_accepted_tokens > 0  # drafts of the prompts' spans were taken
     paged_s = time.perf_counter() - start
     lens = [len(o.prompt_token_ids) for o in outputs]
     assert sum(n > 2 * BUDGET for n in lens) >= 2, lens  # each prefilled in three chunks

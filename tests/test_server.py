@@ -26,6 +26,7 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfo
            "{% if add_generation_prompt %}<assistant>{% endif %}"
 MAX_QUEUE = 300
 PROMPTS = random_prompts((3, 17, 40, 5, 29, 64, 11, 2), seed=5)
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 TEXTS = ["Hello", "naïve café ✓", "日本語", "The capital of France is", "def f(x):", "1, 2, 3,"]
 
 
@@ -60,9 +61,10 @@ def server(tmp_path_factory, kept):
     folder = tmp_path_factory.mktemp("server")
     exported = kept.export(folder / "tiny.pt2")
     (folder / "chat.jinja").write_text(TEMPLATE)
+    # every request here runs with n-gram speculation: each answer must still be the model's own
     with RemoteServer(exported, "--served-model-name", "tiny", "--api-key", KEY, "--chat-template",
                       str(folder / "chat.jinja"), "--num-blocks", "512", "--max-queue", str(MAX_QUEUE),
-                      log_path=folder / "server.log") as remote:
+                      "--speculative-config", json.dumps(SPECULATION), log_path=folder / "server.log") as remote:
         yield remote
         # SIGTERM while a stream runs past the grace period: it ends with "abort" and [DONE], exit status 0;
         # a stream whose client never reads (~5 MB of logprobs, more than the sockets hold: its sends wait) is
@@ -319,7 +321,9 @@ def test_token_counters_are_exact_after_a_known_workload(server, client):
     assert delta["pagedpack:request_success_total{finished_reason=length}"] == 4
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert delta[f"pagedpack:{name}_count{{}}"] == 4
-    assert delta["pagedpack:inter_token_latency_seconds_count{}"] == 3 * 6 + 4
+    # one per step after the first: a step that accepted k drafts gave k + 1 tokens at once
+    accepted = delta["pagedpack:spec_decode_num_accepted_tokens_total{}"]
+    assert delta["pagedpack:inter_token_latency_seconds_count{}"] == 3 * 6 + 4 - accepted
     assert delta["pagedpack:prefix_cache_queries_total{}"] >= sum(map(len, prompts))
 
 
@@ -697,6 +701,11 @@ def test_models_version_and_metrics_names(server, client):
                  "num_preemptions_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_success_total"):
         assert f"pagedpack:{name}" in names
+    spec = {k.removeprefix("pagedpack:spec_decode_num_"): v for k, v in server_metrics(server).items()
+            if k.startswith("pagedpack:spec_decode_num_")}
+    accepted = [spec[f"accepted_tokens_per_pos_total{{position={i}}}"] for i in range(3)]
+    assert 0 < spec["accepted_tokens_total{}"] == sum(accepted) <= spec["draft_tokens_total{}"]
+    assert spec["draft_tokens_total{}"] >= spec["drafts_total{}"] > 0
     no_state = server_metrics(server)  # a model without recurrent layers: no state slots
     assert no_state["pagedpack:recurrent_state_slots_used{}"] == no_state["pagedpack:recurrent_state_usage_perc{}"] == 0
 

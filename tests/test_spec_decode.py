@@ -1,0 +1,251 @@
+"""Speculative decoding (``pagedpack.runtime.spec_decode``) against independent references: the
+n-gram proposer against a brute-force search; greedy tokens with drafts of every length, rejected at
+every point (an oracle proposer built from the unmodified model's own tokens), against that model
+run one prompt at a time, across arrival orders, chunked prefill, prefix caching and preemption;
+families with n-gram drafts; seeded sampling token for token; and the sampled distribution against
+the unmodified model's exact probabilities (chi-square)."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedpack import LLM, SamplingParams
+from pagedpack.engine_args import EngineArgs
+from pagedpack.models.tiny import tiny_model
+from pagedpack.runtime.spec_decode.config import SpeculativeConfig
+from pagedpack.runtime.spec_decode.lookahead import Lookahead
+from pagedpack.runtime.spec_decode.ngram import propose_ngram
+from pagedpack.runtime.spec_decode.proposer import Proposer
+
+from conftest import arrival_schedules, assert_each_as_alone, hf_greedy, random_prompts, snapshot
+from test_families import SERVED, family_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def brute_force_ngram(tokens: list[int], k: int, low: int, high: int) -> list[int]:
+    """vLLM's rule, searched naively: the longest suffix n-gram, its earliest earlier occurrence."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        for i in range(len(tokens) - n):
+            if tokens[i:i + n] == tokens[-n:]:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), k=st.integers(1, 6), low=st.integers(1, 4),
+       extra=st.integers(0, 3))
+def test_ngram_proposals_equal_a_brute_force_search(tokens, k, low, extra):
+    assert propose_ngram(tokens, k, low, low + extra) == brute_force_ngram(tokens, k, low, low + extra)
+
+
+def test_lookahead_grows_with_acceptance_and_pauses_after_misses():
+    look = Lookahead(4)
+    look.update(4, 1)
+    assert look.next_length() == 2  # accepted 1 of 4: 2 next
+    look.update(2, 2)
+    assert look.next_length() == 3  # all accepted: one more
+    lengths = []
+    for _ in range(3):  # none accepted, three times: paused 1, then 3, then 7 steps
+        look.update(look.length, 0)
+        lengths += [look.next_length() for _ in range(2 ** (look.misses) - 1)] + [look.next_length()]
+    assert lengths == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+    look.update(1, 1)
+    assert (look.misses, look.next_length()) == (0, 2)
+
+
+def test_speculative_config_takes_vllm_s_spelling_and_defaults():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 4}).prompt_lookup_min == 4
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens: expected an int from 1 to 32, got None"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens: expected an int from 1 to 32, got True"),
+    ({"num_speculative_tokens": 33}, "num_speculative_tokens: expected an int from 1 to 32, got 33"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_min: expected at most prompt_lookup_max=3, got 4"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "suffix decoding is not implemented yet"),
+    ({"method": "nonsense", "num_speculative_tokens": 2}, "method: expected 'ngram', got 'nonsense'"),
+    ({"num_speculative_tokens": 2, "model": "x"}, "speculative_config.model: expected one of the fields"),
+    ("[1]", "speculative_config: expected a JSON object (a dict)"),
+])
+def test_bad_speculative_configs_are_refused_naming_the_field(given, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SpeculativeConfig.parse(given)
+
+
+def test_speculation_is_refused_where_it_cannot_run_yet():
+    with pytest.raises(ValueError, match="speculative_config: speculation does not run with tensor parallelism"):
+        EngineArgs(tensor_parallel_size=2, speculative_config=NGRAM)
+    with pytest.raises(ValueError, match="speculative_config: a model with recurrent layers"):
+        LLM(family_model(SERVED, "lfm2", "sdpa"), speculative_config=NGRAM)
+
+
+class OracleProposer(Proposer):
+    """Drafts from the answer: each decoding request gets up to ``num_speculative_tokens`` of its true
+    next tokens (``expected``, by prompt), the length and one wrong token (or none) drawn from ``rng``,
+    so that steps accept every number of drafts; past the answer's end, random tokens."""
+
+    def __init__(self, config, expected: dict[tuple, list[int]], rng: random.Random, vocab: int):
+        super().__init__(SpeculativeConfig.parse(config))
+        self.expected, self.rng, self.vocab = expected, rng, vocab
+
+    def propose(self, requests):
+        for r in requests:
+            if r.is_finished or r.forks or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            truth = self.expected[tuple(r.prompt_token_ids)][r.num_output_tokens:]
+            k = self.rng.randint(0, self.config.num_speculative_tokens)
+            draft = (truth + [self.rng.randrange(self.vocab) for _ in range(k)])[:k]
+            wrong = self.rng.randint(0, k)
+            if wrong < k:
+                draft[wrong] = (draft[wrong] + 1) % self.vocab
+            r.spec_token_ids = draft
+
+
+@pytest.fixture(scope="module")
+def oracle_case():
+    model = tiny_model("llama", num_hidden_layers=2)
+    reference = snapshot(model)
+    prompts = random_prompts((1, 17, 40, 64, 100, 33), seed=5)
+    expected = {tuple(p): hf_greedy(reference, p, 20) for p in prompts}
+    # 12 blocks of 16 tokens for 6 requests of up to 120 tokens: preemptions; a 48-token budget: chunks
+    llm = LLM(model, block_size=16, num_blocks=12, max_num_batched_tokens=48, speculative_config=NGRAM)
+    return llm, prompts, expected
+
+
+@settings(max_examples=12, deadline=None)
+@given(schedule=st.fixed_dictionaries(arrival_schedules(6)), seed=st.integers(0, 2**16))
+def test_greedy_tokens_with_drafts_cut_anywhere_equal_the_model_alone(oracle_case, schedule, seed):
+    llm, prompts, expected = oracle_case
+    engine = llm.llm_engine
+    engine.proposer = OracleProposer(NGRAM, expected, random.Random(seed), llm.vocab_size)
+    assert_each_as_alone(llm, prompts, schedule["arrival"], schedule["aborted"],
+                         lambda i: SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                         [expected[tuple(p)] for p in prompts])
+    stats = engine.proposer.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_prefix_cache_holds_no_rejected_draft_tokens(oracle_case):
+    """A prompt served with drafts rejected everywhere, then each prompt extended by its answer: the
+    second round's hits read blocks written by speculative steps, and its tokens are the model's."""
+    llm, prompts, expected = oracle_case
+    model = tiny_model("llama", num_hidden_layers=2)
+    engine = llm.llm_engine
+    engine.proposer = OracleProposer(NGRAM, expected, random.Random(1), llm.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    preemptions = engine.stats.num_preemptions
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
+        expected[tuple(p)] for p in prompts]
+    assert engine.stats.num_preemptions > preemptions  # all at once: the pool is too small
+    hits = llm.get_stats().prefix_cache_hits
+    longer = [p + expected[tuple(p)][:16] for p in prompts]
+    engine.proposer = Proposer(SpeculativeConfig.parse(NGRAM))
+    outputs = llm.generate(longer, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits > hits
+    for prompt, out in zip(longer, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+FAMILIES = ["gemma3", "qwen2", "gpt2", "falcon", "phi", "gemma2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_with_ngram_drafts_give_the_model_s_greedy_tokens(family):
+    """Prompts that repeat themselves, so the n-gram proposer drafts; tiny random models loop, so
+    drafts of their own output are accepted too."""
+    config_class, config, attns, _ = SERVED[family]
+    model = family_model(SERVED, family, attns[0])
+    reference = snapshot(model)
+    vocab = config["vocab_size"]
+    prompts = [p + p[: len(p) // 2] for p in random_prompts((3, 20, 45, 90), seed=2, vocab=vocab)]
+    llm = LLM(model, block_size=16, num_blocks=256, max_num_batched_tokens=64, speculative_config=NGRAM)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 16), f"prompt length {len(prompt)}"
+    assert llm.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    model = tiny_model("llama", num_hidden_layers=2, vocab_size=260)
+    return model, LLM(snapshot(model), speculative_config=NGRAM), LLM(snapshot(model))
+
+
+def test_seeded_sampling_takes_the_same_tokens_with_and_without_drafts(sampling_models):
+    """Each position draws once from the request's generator, as a step without speculation does, with
+    the accepted drafts already in the output: penalties, min_tokens and logprobs see what they would."""
+    _, speculative, plain = sampling_models
+    prompts = [p * 3 for p in random_prompts((4, 9, 15), seed=3, vocab=260)]
+    params = [SamplingParams(temperature=0.3, seed=7 + i, max_tokens=40, top_k=20, top_p=0.95, logprobs=2,
+                             repetition_penalty=1.1, frequency_penalty=0.2, min_tokens=30) for i in range(3)]
+    got = speculative.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert speculative.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_sampled_tokens_follow_the_model_s_distribution():
+    """Drafts of fixed tokens for every request (the likeliest first token, then the likeliest after
+    it): the first two sampled tokens' joint frequencies over 4,000 seeded requests of a 12-token
+    vocabulary against the unmodified model's exact ``p(t1) p(t2 | t1)`` (chi-square, 144 cells)."""
+    from scipy.stats import chisquare
+
+    vocab, n, prompt = 12, 4000, [3, 9, 1]
+    model = tiny_model("llama", num_hidden_layers=2, vocab_size=vocab, initializer_range=0.3)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        second = [torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1].double(), -1) for t in range(vocab)]
+    draft = [int(first.argmax()), int(second[int(first.argmax())].argmax())]
+
+    class Fixed(Proposer):
+        def propose(self, requests):
+            for r in requests:
+                if not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
+                    r.spec_token_ids = draft[1:] if r.output_token_ids == draft[:1] else []
+
+    llm = LLM(snapshot(model), speculative_config=NGRAM, max_num_seqs=512)
+    llm.llm_engine.proposer = Fixed(SpeculativeConfig.parse(NGRAM))
+    outputs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=3) for i in range(n)],
+                           use_tqdm=False)
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for out in outputs:
+        t, u = out.outputs[0].token_ids[:2]
+        counts[t, u] += 1
+    exact = first[:, None] * torch.stack(second)
+    assert llm.llm_engine.proposer.stats.num_accepted_tokens > 0.05 * n
+    assert chisquare(counts.flatten(), exact.flatten() * n).pvalue > 1e-3
+
+
+def test_stop_strings_end_a_speculative_step_where_they_end_a_plain_one():
+    """A stop string completed by an accepted draft ends the completion at that token: the text, token
+    ids, logprobs and finish are those of a run without speculation, whatever the step took after it
+    (the oracle's drafts are the plain run's tokens, one sometimes wrong)."""
+    llm = LLM("tiny", speculative_config=NGRAM)
+    engine, prompts = llm.llm_engine, ["Hello, hello, hello", "abcabcabc", "The capital"]
+    engine.proposer = None  # no speculation
+    free = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)
+    expected = {tuple(out.prompt_token_ids): out.outputs[0].token_ids for out in free}
+    oracle = OracleProposer(NGRAM, expected, random.Random(0), llm.vocab_size)
+    for i, out in enumerate(free):
+        text = out.outputs[0].text
+        params = SamplingParams(temperature=0.0, max_tokens=48, stop=[text[20 + i:22 + i]], logprobs=1)
+        engine.proposer = None
+        want = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0]
+        engine.proposer = oracle
+        got = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert [lp.keys() for lp in got.logprobs] == [lp.keys() for lp in want.logprobs]
+    assert oracle.stats.num_accepted_tokens > 0
