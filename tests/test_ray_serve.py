@@ -157,8 +157,11 @@ def test_replica_killed_in_flight(app):
         deadline = time.monotonic() + 30
         while len(streaming) < len(prompts) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        running = {name: ray.get(replica.record_routing_stats.remote())["num_running"]
-                   for name, replica in before.items()}
+        # awaited, not ray.get: the streams keep being read meanwhile (an unread one is paused, leaving running)
+        running = {}
+        while not any(running.values()) and time.monotonic() < deadline:
+            running = {name: (await replica.record_routing_stats.remote())["num_running"]
+                       for name, replica in before.items()}
         ray.kill(before[max(running, key=running.get)], no_restart=True)
         return running, await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
