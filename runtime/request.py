@@ -157,26 +157,36 @@ class Request:
     def append_output(self, token_id: int, max_model_len: int) -> bool:
         """Append a generated token; finish the request if a stop condition holds.
 
-        Stop conditions, in order: the EOS token (unless ``ignore_eos``), a ``stop_token_ids``
-        entry, or a token that terminated its grammar (``grammar``, which accepted it) -> "stop";
-        ``max_tokens`` outputs or ``max_model_len`` tokens in all -> "length". The stopping token
-        stays in ``output_token_ids``. Returns whether the request finished. Raises ``RuntimeError`` if it already had.
+        Stop conditions, in order: the EOS token (unless ``ignore_eos``), a ``stop_token_ids`` entry, or a
+        token that terminated its grammar (``grammar``, which accepted it) -> "stop"; ``max_tokens`` outputs
+        or ``max_model_len`` tokens in all -> "length". The stopping token stays in ``output_token_ids``.
+        Returns whether the request finished. Raises ``RuntimeError`` if it already had.
         """
+        return self.append_outputs([token_id], max_model_len)
+
+    def append_outputs(self, token_ids: list[int], max_model_len: int) -> bool:
+        """:meth:`append_output` for the tokens of one step in order (a speculative step's accepted drafts
+        and the token after them), up to the first that stops the request (the rest are dropped). The
+        grammar, which accepted them all, is asked whether it terminated only after the last."""
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is already finished ({self.status.name})")
-        self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
-        if self.stops_on(token_id):
-            self.finish(RequestStatus.FINISHED_STOPPED)
-        elif self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len:
-            self.finish(RequestStatus.FINISHED_LENGTH)
+        for i, token_id in enumerate(token_ids, start=1):
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)
+            if self.stops_on(token_id, grammar=i == len(token_ids)):
+                self.finish(RequestStatus.FINISHED_STOPPED)
+            elif self.num_output_tokens >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len:
+                self.finish(RequestStatus.FINISHED_LENGTH)
+            if self.is_finished:
+                break
         return self.is_finished
 
-    def stops_on(self, token_id: int) -> bool:
-        """Whether ``token_id``, just taken (and accepted by the grammar, if any), stops the request:
-        EOS (unless ``ignore_eos``), a ``stop_token_ids`` entry, or a grammar it terminated."""
+    def stops_on(self, token_id: int, *, grammar: bool = True) -> bool:
+        """Whether ``token_id``, just taken, stops the request: EOS (unless ``ignore_eos``), a
+        ``stop_token_ids`` entry, or (``grammar``: the matcher's last accepted token is this one) a grammar
+        it terminated."""
         return (token_id == self.eos_token_id and not self.sampling_params.ignore_eos) or \
-            token_id in self._stop_token_ids or (self.grammar is not None and self.grammar.is_terminated())
+            token_id in self._stop_token_ids or (grammar and self.grammar is not None and self.grammar.is_terminated())
 
     @contextlib.contextmanager
     def tentative_outputs(self, token_ids: list[int]):

@@ -366,7 +366,7 @@ class Scheduler:
             if request.request_id in failed:
                 request.fail(failed[request.request_id])
                 finished.append(request)
-            elif any(request.append_output(token, self.max_model_len) for token in taken[request.request_id]):
+            elif request.append_outputs(taken[request.request_id], self.max_model_len):
                 finished.append(request)
             elif s.spec_token_ids:
                 self.kv_cache_manager.free_blocks_past(request, request.num_tokens)

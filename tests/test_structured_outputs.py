@@ -231,3 +231,25 @@ def test_random_schemas_every_finished_output_validates(llm, schema):
     for text, reason in texts(llm, PROMPTS[:2], greedy(json=schema, disable_any_whitespace=True, max_tokens=250)):
         if reason == "stop":
             jsonschema.validate(parse(text), schema)
+
+
+def test_speculative_steps_keep_each_grammar_s_state(llm):
+    """Drafts (the plain run's tokens, one sometimes wrong, which the grammar may forbid) verified
+    position by position, each masked by the grammar after the tokens before it: the same outputs as
+    without speculation, greedy and seeded."""
+    import random
+
+    from test_spec_decode import NGRAM, OracleProposer
+
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=120,
+                             structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    params = [greedy(json=SCHEMA, disable_any_whitespace=True), sampled, greedy(regex=r"[a-c]{2,9}-[0-9]{3,8}")]
+    plain = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    expected = {tuple(out.prompt_token_ids): out.outputs[0].token_ids for out in plain}
+    llm.llm_engine.proposer = oracle = OracleProposer(NGRAM, expected, random.Random(2), VOCAB)
+    try:
+        speculative = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.proposer = None
+    assert [o.outputs[0].token_ids for o in speculative] == [o.outputs[0].token_ids for o in plain]
+    assert 0 < oracle.stats.num_accepted_tokens < oracle.stats.num_draft_tokens
