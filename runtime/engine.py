@@ -497,7 +497,7 @@ class LLMEngine:
         if broken:  # their output failed: already handed out as errors
             self.scheduler.finish_requests([r.request_id for r in broken], RequestStatus.FINISHED_ERROR)
         if self.proposer is not None:
-            self.proposer.propose([s.request for s in output.scheduled])
+            self.proposer.propose([s.request for s in output.scheduled], self.scheduler.live_request_ids)
         for observe in self.step_observers:
             observe(self)
         return outputs

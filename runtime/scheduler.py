@@ -125,6 +125,11 @@ class Scheduler:
         """Requests to schedule or waiting for a connector (paused ones are not)."""
         return bool(self.waiting or self.running or self.waiting_for_remote_kvs or self.finished_sending)
 
+    def live_request_ids(self) -> set[str]:
+        """The ids of every request not finished: waiting, running, paused or waiting for a connector."""
+        return {r.request_id for r in [*self.waiting, *self.running, *self.paused.values(),
+                                       *self.waiting_for_remote_kvs.values()]}
+
     def check_request(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` could never be served by this scheduler."""
         num_prompt = request.num_prompt_tokens

@@ -69,8 +69,9 @@ def test_speculative_config_takes_vllm_s_spelling_and_defaults():
     ({"num_speculative_tokens": 33}, "num_speculative_tokens: expected an int from 1 to 32, got 33"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
      "prompt_lookup_min: expected at most prompt_lookup_max=3, got 4"),
-    ({"method": "suffix", "num_speculative_tokens": 2}, "suffix decoding is not implemented yet"),
-    ({"method": "nonsense", "num_speculative_tokens": 2}, "method: expected 'ngram', got 'nonsense'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft models are not implemented yet"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob: expected a number from 0.0 to 1.0"),
+    ({"method": "nonsense", "num_speculative_tokens": 2}, "method: expected one of .*, got .nonsense."),
     ({"num_speculative_tokens": 2, "model": "x"}, "speculative_config.model: expected one of the fields"),
     ("[1]", "speculative_config: expected a JSON object (a dict)"),
 ])
@@ -95,7 +96,7 @@ class OracleProposer(Proposer):
         super().__init__(SpeculativeConfig.parse(config))
         self.expected, self.rng, self.vocab = expected, rng, vocab
 
-    def propose(self, requests):
+    def propose(self, requests, live_request_ids=None):
         for r in requests:
             if r.is_finished or r.forks or r.num_computed_tokens != r.num_tokens - 1:
                 continue
@@ -210,7 +211,7 @@ def test_sampled_tokens_follow_the_model_s_distribution():
     draft = [int(first.argmax()), int(second[int(first.argmax())].argmax())]
 
     class Fixed(Proposer):
-        def propose(self, requests):
+        def propose(self, requests, live_request_ids=None):
             for r in requests:
                 if not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
                     r.spec_token_ids = draft[1:] if r.output_token_ids == draft[:1] else []
@@ -249,3 +250,30 @@ def test_stop_strings_end_a_speculative_step_where_they_end_a_plain_one():
             want.text, want.token_ids, want.finish_reason, want.stop_reason)
         assert [lp.keys() for lp in got.logprobs] == [lp.keys() for lp in want.logprobs]
     assert oracle.stats.num_accepted_tokens > 0
+
+
+def test_suffix_decoding_drafts_from_the_request_and_earlier_responses():
+    """Suffix decoding (Arctic Inference's trees): a prompt asked again is answered from the global tree of
+    earlier responses, which prompt lookup cannot see; the tokens stay the model's own."""
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    model = tiny_model("llama", num_hidden_layers=2)
+    reference = snapshot(model)
+    prompts = random_prompts((7, 30, 50), seed=9)
+    llm = LLM(model, speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    params = SamplingParams(temperature=0.0, max_tokens=24)  # to EOS, as generate
+    first = llm.generate(prompts, params, use_tqdm=False)
+    accepted = llm.get_stats().spec_decode_num_accepted_tokens
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, a, b in zip(prompts, first, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(reference, prompt, 24)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_accepted_tokens - accepted >= sum(len(o.outputs[0].token_ids) for o in again) / 2
+    assert not llm.llm_engine.proposer._suffix.cache.active_requests  # finished requests' trees stopped
+
+
+def test_suffix_without_arctic_inference_is_refused_naming_the_method(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
+    with pytest.raises(ValueError, match=r"speculative_config.method: 'suffix' needs Arctic Inference"):
+        Proposer(SpeculativeConfig.parse({"method": "suffix"}))
