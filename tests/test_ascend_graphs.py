@@ -192,8 +192,9 @@ def test_the_capture_reads_no_device_value():
 
 
 def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
-    """The reference target, the replayed ACL graphs, the padded TorchAir decode graphs and the
-    dynamic graph mode each give the
+    """The reference target, the replayed ACL graphs, the padded TorchAir decode graphs, the
+    dynamic graph mode and the ACL graphs with n-gram speculation (its verification steps eager, FIA's
+    ``actual_seq_qlen`` read off ``cu_seqlens_q``) each give the
     unmodified model's greedy tokens, a bf16 tie aside (the targets' attention sums in different
     orders: a 1-ulp bf16 difference picks the other side of a tie)."""
     reference = snapshot(tnd_model)
@@ -204,10 +205,16 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
                          ("aclgraph", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
                          ("decode_buckets", dict(target="ascend", target_options={"graph_mode": "decode_buckets",
                                                                                   "graph_batch_sizes": [4, 8]})),
-                         ("dynamic", dict(target="ascend", target_options={"graph_mode": "dynamic"}))):
+                         ("dynamic", dict(target="ascend", target_options={"graph_mode": "dynamic"})),
+                         # verification steps (1 + k query tokens a sequence) run eager, decode steps replay
+                         ("speculative", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]},
+                                              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2}))):
         llm = LLM(tnd_model, block_size=BLOCK, max_num_batched_tokens=256, **kwargs)
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                       params, use_tqdm=False)]
+        if name == "speculative":
+            assert llm.get_stats().spec_decode_num_accepted_tokens > 0
         if name in ("aclgraph", "decode_buckets"):  # 5 decoding sequences run padded to 8, fewer padded to 4
             assert llm.program.graphs.graph_steps > 0 and set(llm.program.graphs.buckets_compiled) <= {4, 8}
         if name == "dynamic":
