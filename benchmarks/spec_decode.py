@@ -114,12 +114,13 @@ def workload_prompts(tokenizer) -> dict[str, list[list[int]]]:
 
 
 def spec_delta(before: dict, after: dict) -> dict:
-    """The counters' growth from ``before`` to ``after`` (lists element-wise; floats as they are now),
+    """The counters' growth from ``before`` to ``after`` (sequences element-wise; floats as they are now),
     with ``acceptance_rate`` (accepted / draft tokens) and ``mean_acceptance_length`` (1 + accepted / drafts)."""
     out = {}
     for key, value in after.items():
-        if isinstance(value, list):
-            out[key] = [x - y for x, y in zip(value, before.get(key) or [0] * len(value))]
+        if isinstance(value, (list, tuple)):  # per draft position (pagedpack: a tuple, empty before any draft)
+            old = list(before.get(key) or ())
+            out[key] = [x - y for x, y in zip(value, old + [0] * (len(value) - len(old)))]
         elif isinstance(value, int) and not isinstance(value, bool):
             out[key] = value - before.get(key, 0)
         else:
