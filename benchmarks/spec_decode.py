@@ -159,42 +159,53 @@ def timed_calls(llm, ids: list, params: list, streams: int) -> tuple[float, list
 
 
 def run_config(llm, sampling_params, prompts: dict, args, counters=None, show=False) -> dict:
-    """The cells of one engine (vLLM's or pagedpack's ``LLM`` and ``SamplingParams``): ``tok_s`` per
-    workload, stream count and sampling; ``counters(llm)``: the speculation counters (their growth per cell).
-    A cell whose requests the engine refuses (``ValueError``, ``NotImplementedError``): ``skipped``, why."""
-    rows = {}
-    for workload, streams, mode in itertools.product(args.workloads, args.streams, ("greedy", "sampled")):
+    """The cells of one engine (vLLM's or pagedpack's ``LLM`` and ``SamplingParams``) per workload, stream
+    count and sampling: ``decode_tok_s``, the tokens after each request's first over the time the calls
+    take beyond the same calls with ``max_tokens=1`` (the prompts' prefill and first token, timed once per
+    workload and stream count), and ``tok_s`` over the whole calls; ``counters(llm)``: the speculation
+    counters (their growth per cell). The engine is warmed up once, on the first cell's calls. A cell whose
+    requests the engine refuses (``ValueError``, ``NotImplementedError``): ``skipped``, why."""
+    rows, warm = {}, False
+    for workload, streams in itertools.product(args.workloads, args.streams):
         ids = [{"prompt_token_ids": p} for p in prompts[workload]]
-        params = [sampling_params(temperature=0.0 if mode == "greedy" else 1.0,
-                                  seed=SEED + i if mode == "sampled" else None,
-                                  max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(ids))]
-        cell, before = f"{workload}/{streams}-stream/{mode}", counters(llm) if counters else {}
-        try:
-            timed_calls(llm, ids, params, streams)  # the warm-up
-            best, outs = min((timed_calls(llm, ids, params, streams) for _ in range(args.runs)), key=lambda r: r[0])
-        except (ValueError, NotImplementedError) as err:
-            rows[cell] = {"skipped": f"{type(err).__name__}: {err}"}
-            continue
-        out_ids = [o.outputs[0].token_ids if o.outputs else [] for o in outs]
-        tokens, errors = sum(map(len, out_ids)), sorted({str(e) for o in outs if (e := getattr(o, "error", None))})
-        row = rows[cell] = {"tok_s": round(tokens / best, 1), "best_s": round(best, 3), "tokens": tokens,
-                            "copied_4grams": round(sum(map(copied, prompts[workload], out_ids)) / len(outs), 3),
-                            **({"errors": errors} if errors else {})}
-        if counters:
-            row |= spec_delta(before, counters(llm))
-        if show and mode == "greedy" and streams == args.streams[0]:
-            for o in outs:
-                print(f"--- {workload}: {o.outputs[0].text if o.outputs else None!r}", file=sys.stderr)
+        first = [sampling_params(temperature=0.0, max_tokens=1, ignore_eos=True) for _ in ids]
+        if not warm:
+            timed_calls(llm, ids, first, streams)
+            warm = True
+        prefill = min(timed_calls(llm, ids, first, streams)[0] for _ in range(args.runs))
+        for mode in ("greedy", "sampled"):
+            params = [sampling_params(temperature=0.0 if mode == "greedy" else 1.0,
+                                      seed=SEED + i if mode == "sampled" else None,
+                                      max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(ids))]
+            cell, before = f"{workload}/{streams}-stream/{mode}", counters(llm) if counters else {}
+            try:
+                best, outs = min((timed_calls(llm, ids, params, streams) for _ in range(args.runs)),
+                                 key=lambda r: r[0])
+            except (ValueError, NotImplementedError) as err:
+                rows[cell] = {"skipped": f"{type(err).__name__}: {err}"}
+                continue
+            out_ids = [o.outputs[0].token_ids if o.outputs else [] for o in outs]
+            tokens, errors = sum(map(len, out_ids)), sorted({str(e) for o in outs if (e := getattr(o, "error", None))})
+            row = rows[cell] = {"decode_tok_s": round((tokens - len(ids)) / (best - prefill), 1),
+                                "tok_s": round(tokens / best, 1), "best_s": round(best, 3),
+                                "prefill_s": round(prefill, 3), "tokens": tokens,
+                                "copied_4grams": round(sum(map(copied, prompts[workload], out_ids)) / len(outs), 3),
+                                **({"errors": errors} if errors else {})}
+            if counters:
+                row |= spec_delta(before, counters(llm))
+            if show and mode == "greedy" and streams == args.streams[0]:
+                for o in outs:
+                    print(f"--- {workload}: {o.outputs[0].text if o.outputs else None!r}", file=sys.stderr)
     return rows
 
 
 def with_ratios(configs: dict) -> dict:
-    """Each cell's ``ratio_vs_off``: its ``tok_s`` over the ``off`` configuration's."""
+    """Each cell's ``ratio_vs_off``: its ``decode_tok_s`` over the ``off`` configuration's."""
     off = configs.get("off", {}).get("rows", {})
     for config in configs.values():
         for cell, row in config.get("rows", {}).items():
-            if "tok_s" in row and off.get(cell, {}).get("tok_s"):
-                row["ratio_vs_off"] = round(row["tok_s"] / off[cell]["tok_s"], 3)
+            if "decode_tok_s" in row and off.get(cell, {}).get("decode_tok_s"):
+                row["ratio_vs_off"] = round(row["decode_tok_s"] / off[cell]["decode_tok_s"], 3)
     return configs
 
 
@@ -212,7 +223,7 @@ def pagedpack_side(args, model_dir: str, prompts: dict) -> dict:
     for name in args.configs:
         spec = CONFIGS[name]
         try:
-            llm = LLM(model_dir, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=max(args.streams),
+            llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=max(args.streams),
                       max_model_len=2048, num_threads=args.num_threads,
                       **({"speculative_config": spec} if spec else {}))
         except (TypeError, ValueError) as err:  # no speculative_config, or not this method
@@ -260,6 +271,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--vllm-python", default=None, help="a vLLM CPU venv's python (its speculation, side by side)")
@@ -270,7 +282,7 @@ def main() -> None:
     model_dir = model_folder(args.model)
     prompts = workload_prompts(AutoTokenizer.from_pretrained(model_dir))
     result = {"host": cpu_model(), "load_1min": load_1min(), "date": time.strftime("%Y-%m-%d"),
-              "model": args.model, "dtype": "bfloat16", "max_tokens": args.max_tokens, "runs": args.runs,
+              "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "runs": args.runs,
               "prompt_lens": {w: [len(p) for p in prompts[w]] for w in args.workloads}, "versions": versions(),
               "pagedpack": pagedpack_side(args, model_dir, prompts)}
     if args.vllm_python:

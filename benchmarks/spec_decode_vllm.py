@@ -34,7 +34,7 @@ def main() -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    common = dict(model=model_dir, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, seed=0,
+    common = dict(model=model_dir, dtype=args.dtype, skip_tokenizer_init=True, max_model_len=2048, seed=0,
                   enable_prefix_caching=False, max_num_seqs=max(args.streams), disable_log_stats=False)
     configs = {}
     for name in args.configs:
