@@ -59,7 +59,7 @@ def sample_positions(sample: Callable[[torch.Tensor, list, StepBitmask | None], 
     while active:
         index = [rows[a][position] for a in active]
         with contextlib.ExitStack() as tentative:
-            for a in active:
+            for a in active if position else ():  # position 0 (every plain step's only one): nothing taken yet
                 tentative.enter_context(requests[a].tentative_outputs(taken[a]))
             out = sample(logits if index == list(range(logits.shape[0])) else logits[index],
                          [requests[a] for a in active], bitmask)
