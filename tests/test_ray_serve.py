@@ -129,8 +129,9 @@ def test_prefix_aware_routing_hits_the_cache(app):
 
 
 def test_replica_killed_in_flight(app):
-    """A replica killed while every stream has sent its first chunk: its streams end with OpenAI's
-    error body, the other replica's complete as the single engine answers them alone; later requests
+    """A replica killed while a stream it runs has sent its first chunk, others arriving: that stream
+    ends with OpenAI's error body, the rest complete as the single engine answers them alone (on the
+    other replica, or retried there when the dead one had sent them nothing); later requests
     are all answered; Serve starts a replica in the dead one's place."""
     url, llm = app
     prompts = random_prompts([20, 24, 28, 32, 36, 40], seed=3, vocab=250)
@@ -153,15 +154,18 @@ def test_replica_killed_in_flight(app):
     before = engine_replicas()
 
     async def run():
-        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
-        deadline = time.monotonic() + 30
-        while len(streaming) < len(prompts) and time.monotonic() < deadline:
+        # the first stream alone until its first chunk: the one replica then running a request is its
+        # (when every stream's first chunk was awaited, on a loaded host the first streams had ended)
+        tasks = [asyncio.ensure_future(one(prompts[0]))]
+        deadline = time.monotonic() + 60
+        while not streaming and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        # awaited, not ray.get: the streams keep being read meanwhile (an unread one is paused, leaving running)
+        # awaited, not ray.get: the stream keeps being read meanwhile
         running = {}
         while not any(running.values()) and time.monotonic() < deadline:
             running = {name: (await replica.record_routing_stats.remote())["num_running"]
                        for name, replica in before.items()}
+        tasks += [asyncio.ensure_future(one(p)) for p in prompts[1:]]  # sent as it dies: routed past it, or retried
         ray.kill(before[max(running, key=running.get)], no_restart=True)
         return running, await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
