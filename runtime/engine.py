@@ -430,6 +430,7 @@ class LLMEngine:
             self._publish_kv_events()
 
     def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled:
             if self.kv_connector is not None:  # saves and asynchronous loads still finish (vLLM: no forward)
@@ -498,6 +499,7 @@ class LLMEngine:
             self.scheduler.finish_requests([r.request_id for r in broken], RequestStatus.FINISHED_ERROR)
         if self.proposer is not None:
             self.proposer.propose([s.request for s in output.scheduled], self.scheduler.live_request_ids)
+            self.proposer.observe_step(output.scheduled, time.perf_counter() - started)
         for observe in self.step_observers:
             observe(self)
         return outputs

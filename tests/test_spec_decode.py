@@ -2,8 +2,9 @@
 n-gram proposer against a brute-force search; greedy tokens with drafts of every length, rejected at
 every point (an oracle proposer built from the unmodified model's own tokens), against that model
 run one prompt at a time, across arrival orders, chunked prefill, prefix caching and preemption;
-families with n-gram drafts; seeded sampling token for token; and the sampled distribution against
-the unmodified model's exact probabilities (chi-square)."""
+families with n-gram drafts; seeded sampling token for token; the sampled distribution against
+the unmodified model's exact probabilities (chi-square); the drafts kept for a step's cost against
+every choice of draft lengths, enumerated."""
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.spec_decode.config import SpeculativeConfig
+from pagedpack.runtime.spec_decode.cost import Acceptance, StepCost, keep_worthwhile
 from pagedpack.runtime.spec_decode.lookahead import Lookahead
 from pagedpack.runtime.spec_decode.ngram import propose_ngram
 from pagedpack.runtime.spec_decode.proposer import Proposer
@@ -42,7 +44,7 @@ def test_ngram_proposals_equal_a_brute_force_search(tokens, k, low, extra):
 
 
 def test_lookahead_grows_with_acceptance_and_pauses_after_misses():
-    look = Lookahead(4)
+    look = Lookahead(4, 0.5)
     look.update(4, 1)
     assert look.next_length() == 2  # accepted 1 of 4: 2 next
     look.update(2, 2)
@@ -54,6 +56,76 @@ def test_lookahead_grows_with_acceptance_and_pauses_after_misses():
     assert lengths == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1]
     look.update(1, 1)
     assert (look.misses, look.next_length()) == (0, 2)
+
+
+def test_step_cost_fits_the_line_of_decode_steps():
+    """Steps timed ``2 ms + 0.5 ms per row`` (+-5 %): the fitted line, none before a spread of row
+    counts came, the last fit kept while later steps all have the same rows."""
+    rng = random.Random(0)
+    cost = StepCost()
+    for _ in range(20):  # 8 rows every step: no slope to fit
+        cost.observe(8, 0.006 * rng.uniform(0.95, 1.05))
+    assert cost.per_row is None
+    for _ in range(40):
+        rows = rng.randint(8, 40)
+        cost.observe(rows, (0.002 + 0.0005 * rows) * rng.uniform(0.95, 1.05))
+    assert cost.per_row == pytest.approx(0.0005, rel=0.15) and cost.intercept == pytest.approx(0.002, rel=0.5)
+    fitted = cost.per_row
+    for _ in range(200):
+        cost.observe(8, 0.006)
+    assert cost.per_row == pytest.approx(fitted, rel=0.3)
+
+
+def test_acceptance_counts_each_position_up_to_the_first_rejection():
+    acceptance = Acceptance(0.5)  # 1 of 2 prior tokens
+    acceptance.update(4, 2)  # 2 accepted, the third rejected, the fourth never tried: 3 tried
+    assert acceptance.rate == pytest.approx((0.97 * 1 + 2) / (0.97 * 2 + 3))
+    acceptance.update(3, 3)  # all accepted: nothing rejected
+    assert acceptance.rate == pytest.approx((0.97 * (0.97 + 2) + 3) / (0.97 * (0.97 * 2 + 3) + 3))
+
+
+class _Line(StepCost):
+    def __init__(self, intercept: float, per_row: float):
+        super().__init__()
+        self.intercept, self.per_row = intercept, per_row
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates=st.lists(st.floats(0, 1), min_size=1, max_size=4), lengths=st.lists(st.integers(0, 3), min_size=4,
+       max_size=4), intercept=st.floats(0, 1), per_row=st.floats(0.001, 1))
+def test_kept_drafts_give_the_most_expected_tokens_per_second(rates, lengths, intercept, per_row):
+    """Against every choice of draft lengths (each request's first ``k`` drafts), enumerated: the kept
+    drafts' expected tokens per second (draft ``j`` accepted with ``rate ** j``) is the largest."""
+    import itertools
+    from types import SimpleNamespace
+
+    requests = [SimpleNamespace(spec_token_ids=[7] * n, spec_lookahead=SimpleNamespace(
+        acceptance=SimpleNamespace(rate=rate))) for rate, n in zip(rates, lengths)]
+    drafted = [len(r.spec_token_ids) for r in requests]
+
+    def tokens_per_second(kept):
+        tokens = sum(1 + sum(r ** j for j in range(1, k + 1)) for r, k in zip(rates, kept))
+        return tokens / (intercept + per_row * (len(rates) + sum(kept)))
+
+    keep_worthwhile(requests, _Line(intercept, per_row))
+    kept = [len(r.spec_token_ids) for r in requests]
+    assert all(k <= d for k, d in zip(kept, drafted))
+    best = max(tokens_per_second(c) for c in itertools.product(*(range(d + 1) for d in drafted)))
+    assert tokens_per_second(kept) >= best * (1 - 1e-9)
+
+
+def test_drafts_not_worth_their_rows_are_not_verified(sampling_models):
+    """A step cost where a row costs as much as the rest of the step: no draft pays (the engine
+    verifies none) and the tokens are the model's."""
+    model, _, _ = sampling_models
+    llm = LLM(snapshot(model), speculative_config=NGRAM)
+    llm.llm_engine.proposer.cost = _Line(0.0, 1.0)
+    llm.llm_engine.proposer.cost.observe = lambda rows, seconds: None
+    prompts = [p * 3 for p in random_prompts((4, 9, 15), seed=3, vocab=260)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 16)
+    assert llm.get_stats().spec_decode_num_draft_tokens == 0
 
 
 def test_speculative_config_takes_vllm_s_spelling_and_defaults():

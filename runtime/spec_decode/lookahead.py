@@ -5,8 +5,12 @@ may get one more (up to that number); after one that accepted ``a`` of more, ``a
 accepted none also pauses its proposals for ``2**misses - 1`` steps (``misses``: such steps in a row,
 the pause at most :data:`MAX_PAUSE`), so text that the proposer cannot predict stops paying for the
 rows that verify its drafts, and a request whose text turns predictable is tried again soon.
+Its acceptance rate per draft token (:class:`~pagedpack.runtime.spec_decode.cost.Acceptance`) is
+counted too, for the step's cost to weigh its drafts against (:mod:`.cost`).
 """
 from __future__ import annotations
+
+from pagedpack.runtime.spec_decode.cost import Acceptance
 
 MAX_PAUSE = 15
 
@@ -14,8 +18,9 @@ MAX_PAUSE = 15
 class Lookahead:
     """One request's draft length (the module docstring)."""
 
-    def __init__(self, num_speculative_tokens: int):
+    def __init__(self, num_speculative_tokens: int, prior_rate: float):
         self.maximum = self.length = num_speculative_tokens
+        self.acceptance = Acceptance(prior_rate)
         self.misses = 0
         self.pause = 0
 
@@ -31,3 +36,4 @@ class Lookahead:
         self.length = min(self.maximum, self.length + 1) if accepted == drafted else accepted + 1
         self.misses = 0 if accepted else self.misses + 1
         self.pause = min(2 ** self.misses - 1, MAX_PAUSE)
+        self.acceptance.update(drafted, accepted)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pagedpack.runtime.spec_decode.cost import StepCost, keep_worthwhile
 from pagedpack.runtime.spec_decode.lookahead import Lookahead
 from pagedpack.runtime.spec_decode.ngram import propose_ngram
 from pagedpack.runtime.spec_decode.stats import SpecDecodingStats
@@ -14,29 +15,39 @@ if TYPE_CHECKING:
     from pagedpack.runtime.spec_decode.config import SpeculativeConfig
 
 
+PRIOR_RATE = 0.5  # a request's acceptance rate before any was verified, while the engine has none either
+
+
 class Proposer:
-    """Proposes with ``config``'s method (after each step, :meth:`propose`) and counts each
-    proposal's acceptance (:meth:`observe`, into :attr:`stats`). ``ValueError`` naming
+    """Proposes with ``config``'s method (after each step, :meth:`propose`), counts each proposal's
+    acceptance (:meth:`observe`, into :attr:`stats`) and each decode step's time (:meth:`observe_step`,
+    into :attr:`cost`, which the drafts must pay for: :mod:`.cost`). ``ValueError`` naming
     ``speculative_config.method`` for a method whose library is not installed."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        self.cost = StepCost()
         self._suffix = SuffixProposer(config) if config.method == "suffix" else None
 
     def propose(self, requests: list[Request], live_request_ids: Callable[[], set[str]]) -> None:
         """Set ``spec_token_ids`` of each of ``requests`` that decodes (its KV computed up to its last
-        token, no parallel samples to fork) to its draft, of its :class:`Lookahead`'s length;
-        ``live_request_ids()``: every request the engine still holds (a proposer's state of the others goes)."""
+        token, no parallel samples to fork) to its draft, of its :class:`Lookahead`'s length, less the
+        drafts not worth their rows (:func:`~.cost.keep_worthwhile`); ``live_request_ids()``: every
+        request the engine still holds (a proposer's state of the others goes)."""
         if self._suffix is not None:
             self._suffix.release(live_request_ids())
-        for request in requests:
-            if request.is_finished or request.forks or request.num_computed_tokens != request.num_tokens - 1:
+        decoding = [r for r in requests if not r.is_finished and r.num_computed_tokens == r.num_tokens - 1]
+        prior = self.stats.num_accepted_tokens / self.stats.num_draft_tokens if self.stats.num_draft_tokens \
+            else PRIOR_RATE
+        for request in decoding:
+            if request.forks:
                 continue
             if request.spec_lookahead is None:
-                request.spec_lookahead = Lookahead(self.config.num_speculative_tokens)
+                request.spec_lookahead = Lookahead(self.config.num_speculative_tokens, prior)
             length = request.spec_lookahead.next_length()
             request.spec_token_ids = self.draft(request, length) if length else []
+        keep_worthwhile(decoding, self.cost)
 
     def draft(self, request: Request, length: int) -> list[int]:
         """At most ``length`` draft tokens to follow ``request``'s tokens."""
@@ -44,6 +55,12 @@ class Proposer:
             return self._suffix.draft(request, length)
         return propose_ngram(request.all_token_ids, length, self.config.prompt_lookup_min,
                              self.config.prompt_lookup_max)
+
+    def observe_step(self, scheduled: list[ScheduledRequest], seconds: float) -> None:
+        """A step of ``scheduled`` took ``seconds`` (from scheduling to its next drafts); timed into
+        :attr:`cost` if it only decoded (each request one token and its drafts)."""
+        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in scheduled):
+            self.cost.observe(sum(s.num_new_tokens for s in scheduled), seconds)
 
     def observe(self, scheduled: ScheduledRequest, token_ids: list[int]) -> None:
         """``scheduled`` brought drafts and took ``token_ids``: its accepted drafts, then one more."""
