@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from pagedpack.chat import conversations, render
 from pagedpack.compiler.planner import MemoryPlan, plan_memory, pool_num_blocks
-from pagedpack.compiler.program import ProgramBuilder, max_model_len
+from pagedpack.compiler.program import ProgramBuilder, build_draft, max_model_len
 from pagedpack.engine_args import EngineArgs
 from pagedpack.host.devices import is_cpu
 from pagedpack.inputs import normalize_prompts, parse_bytes
@@ -65,7 +65,7 @@ class LLM:
                 cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
                 workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher,
                 kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp,
-                lora_config=LoRAConfig.of(args), speculative_config=args.speculative_config)
+                lora_config=LoRAConfig.of(args), speculative_config=args.speculative_config, draft=build_draft(args))
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 

@@ -33,6 +33,7 @@ from pagedpack.runtime.request import Request, RequestStatus, make_request
 from pagedpack.runtime.sampling import Sampler, SamplerOutput, SamplingParams
 from pagedpack.runtime.scheduler import KVConnectorOutput, Scheduler, SchedulerOutput
 from pagedpack.runtime.spec_decode.config import SpeculativeConfig
+from pagedpack.runtime.spec_decode.draft_model import DraftModel, check_draft
 from pagedpack.runtime.spec_decode.proposer import Proposer
 from pagedpack.runtime.spec_decode.verify import StepSample, sample_positions, spec_rows
 from pagedpack.step.contract import ModelDescription, bytes_per_token
@@ -155,9 +156,11 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler | None = None, *,
                  description: ModelDescription | None = None, kv_event_publisher=None, kv_connector=None,
-                 lora_manager: LoRAManager | None = None, speculative_config: SpeculativeConfig | None = None):
+                 lora_manager: LoRAManager | None = None, speculative_config: SpeculativeConfig | None = None,
+                 draft_model: DraftModel | None = None):
         self.runner, self.scheduler, self.lora = runner, scheduler, lora_manager
-        self.proposer = Proposer(speculative_config) if speculative_config is not None else None
+        self.proposer = Proposer(speculative_config, draft_model) if speculative_config is not None else None
+        self._draft = draft_model
         # a KV connector's WORKER half (the scheduler holds its SCHEDULER half), driven around each step
         self.kv_connector = KVConnectorDriver(kv_connector, runner) if kv_connector is not None else None
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
@@ -177,7 +180,7 @@ class LLMEngine:
               max_model_len: int, cpu_threads: CpuThreads | None = None, workers=None,
               kv_events_config: KVEventsConfig | None = None, kv_event_publisher=None,
               kv_transfer_config=None, model_stamp=None, lora_config: LoRAConfig | None = None,
-              speculative_config: SpeculativeConfig | None = None) -> "LLMEngine":
+              speculative_config: SpeculativeConfig | None = None, draft=None) -> "LLMEngine":
         """The engine of ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) over a pool of
         ``num_blocks`` KV blocks of ``block_size`` tokens on ``device``, with those scheduler limits
         and, on the CPU, that thread policy; ``workers``: the other tensor-parallel ranks, if any;
@@ -188,8 +191,10 @@ class LLMEngine:
         keeping blocks across processes (None: unknown); ``lora_config``: the adapter slots of a program
         rewritten with ``enable_lora`` (:mod:`pagedpack.runtime.lora`; None: one slot of rank 1, unused);
         ``speculative_config``: propose and verify draft tokens (:mod:`pagedpack.runtime.spec_decode`; None:
-        no speculation); ``ValueError`` naming it for a model with recurrent layers (their state cannot
-        step back from a rejected draft yet) or with a KV connector."""
+        no speculation); ``draft``: its draft model's ``(program, description)`` (method ``draft_model``);
+        ``ValueError`` naming it for a model with recurrent layers (their state cannot step back from a
+        rejected draft yet) or with a KV connector, or naming ``speculative_config.model`` for a draft
+        whose token ids are not the target's."""
         # a state slot per running request (max_num_seqs of them); prefix caching off (KVCacheManager)
         num_state_slots = max_num_seqs if getattr(program, "state_specs", None) else 0
         if speculative_config is not None and (num_state_slots or kv_transfer_config is not None):
@@ -219,9 +224,16 @@ class LLMEngine:
         scheduler = Scheduler(kv_cache_manager, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, connector=scheduler_connector,
                               max_loras=lora.max_loras if lora_manager else 0)
+        draft_model = None
+        if draft is not None:
+            check_draft(description, draft[1])
+            draft_model = DraftModel(draft[0], num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                     num_speculative_tokens=speculative_config.num_speculative_tokens, device=device,
+                                     cpu_threads=cpu_threads, max_positions=draft[1].max_model_len)
         publisher = kv_event_publisher or make_publisher(kv_events_config)
         return cls(runner, scheduler, description=description, kv_event_publisher=publisher,
-                   kv_connector=worker_connector, lora_manager=lora_manager, speculative_config=speculative_config)
+                   kv_connector=worker_connector, lora_manager=lora_manager, speculative_config=speculative_config,
+                   draft_model=draft_model)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                      lora_request: LoRARequest | None = None) -> tuple[Request, str | None]:
@@ -445,6 +457,8 @@ class LLMEngine:
                 self.kv_connector.before_step(output)
             if output.blocks_to_copy:
                 self.runner.copy_blocks(output.blocks_to_copy)
+                if self._draft is not None:
+                    self._draft.copy_blocks(output.blocks_to_copy)
             if output.states_to_copy:
                 self.runner.copy_states(output.states_to_copy)
             spans, prompt_logits_rows = prompt_rows(output.scheduled)
@@ -462,6 +476,8 @@ class LLMEngine:
                 [s.request.lora_adapter for s in output.scheduled], [s.num_new_tokens for s in output.scheduled],
                 self.runner.device)
             logits = self.runner.execute(batch, *state, lora_indices=lora_indices)
+            if self._draft is not None:  # its cache holds every position the target's does
+                self._draft.follow(batch)
             if self.kv_connector is not None:
                 self.kv_connector.after_step()
                 connector_output = self.kv_connector.finish_step(output)

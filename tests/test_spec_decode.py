@@ -16,7 +16,7 @@ from pagedpack import LLM, SamplingParams
 from pagedpack.engine_args import EngineArgs
 from pagedpack.models.tiny import tiny_model
 from pagedpack.runtime.spec_decode.config import SpeculativeConfig
-from pagedpack.runtime.spec_decode.cost import Acceptance, StepCost, keep_worthwhile
+from pagedpack.runtime.spec_decode.cost import Acceptance, StepCost, worthwhile_lengths
 from pagedpack.runtime.spec_decode.lookahead import Lookahead
 from pagedpack.runtime.spec_decode.ngram import propose_ngram
 from pagedpack.runtime.spec_decode.proposer import Proposer
@@ -97,20 +97,15 @@ def test_kept_drafts_give_the_most_expected_tokens_per_second(rates, lengths, in
     """Against every choice of draft lengths (each request's first ``k`` drafts), enumerated: the kept
     drafts' expected tokens per second (draft ``j`` accepted with ``rate ** j``) is the largest."""
     import itertools
-    from types import SimpleNamespace
-
-    requests = [SimpleNamespace(spec_token_ids=[7] * n, spec_lookahead=SimpleNamespace(
-        acceptance=SimpleNamespace(rate=rate))) for rate, n in zip(rates, lengths)]
-    drafted = [len(r.spec_token_ids) for r in requests]
 
     def tokens_per_second(kept):
         tokens = sum(1 + sum(r ** j for j in range(1, k + 1)) for r, k in zip(rates, kept))
         return tokens / (intercept + per_row * (len(rates) + sum(kept)))
 
-    keep_worthwhile(requests, _Line(intercept, per_row))
-    kept = [len(r.spec_token_ids) for r in requests]
-    assert all(k <= d for k, d in zip(kept, drafted))
-    best = max(tokens_per_second(c) for c in itertools.product(*(range(d + 1) for d in drafted)))
+    lengths = lengths[:len(rates)]
+    kept = worthwhile_lengths(rates, lengths, len(rates), _Line(intercept, per_row))
+    assert all(0 <= k <= n for k, n in zip(kept, lengths)) and len(kept) == len(lengths)
+    best = max(tokens_per_second(c) for c in itertools.product(*(range(n + 1) for n in lengths)))
     assert tokens_per_second(kept) >= best * (1 - 1e-9)
 
 
@@ -141,10 +136,12 @@ def test_speculative_config_takes_vllm_s_spelling_and_defaults():
     ({"num_speculative_tokens": 33}, "num_speculative_tokens: expected an int from 1 to 32, got 33"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
      "prompt_lookup_min: expected at most prompt_lookup_max=3, got 4"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "draft models are not implemented yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model: method 'draft_model' needs"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "speculative_config.model: only method"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob: expected a number from 0.0 to 1.0"),
     ({"method": "nonsense", "num_speculative_tokens": 2}, "method: expected one of .*, got .nonsense."),
-    ({"num_speculative_tokens": 2, "model": "x"}, "speculative_config.model: expected one of the fields"),
+    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+     "speculative_config.draft_tensor_parallel_size: expected one of the fields"),
     ("[1]", "speculative_config: expected a JSON object (a dict)"),
 ])
 def test_bad_speculative_configs_are_refused_naming_the_field(given, message):
@@ -322,6 +319,64 @@ def test_stop_strings_end_a_speculative_step_where_they_end_a_plain_one():
             want.text, want.token_ids, want.finish_reason, want.stop_reason)
         assert [lp.keys() for lp in got.logprobs] == [lp.keys() for lp in want.logprobs]
     assert oracle.stats.num_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def draft_case():
+    """A 2-layer target, its 20 greedy tokens per prompt run alone, and an LLM drafting with the target's
+    own weights on a pool small enough to preempt (12 blocks of 16 tokens for 6 requests of up to 120
+    tokens), a 48-token budget to chunk prompts."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    reference = snapshot(model)
+    prompts = random_prompts((1, 17, 40, 64, 100, 33), seed=5)
+    expected = {tuple(p): hf_greedy(reference, p, 20) for p in prompts}
+    config = {"method": "draft_model", "model": snapshot(model), "num_speculative_tokens": 3}
+    llm = LLM(snapshot(model), block_size=16, num_blocks=12, max_num_batched_tokens=48, speculative_config=config)
+    return model, prompts, expected, llm
+
+
+@settings(max_examples=6, deadline=None)
+@given(schedule=st.fixed_dictionaries(arrival_schedules(6)))
+def test_a_draft_model_s_proposals_are_accepted_and_the_tokens_are_the_target_s(draft_case, schedule):
+    """The target's own weights as the draft model: its greedy drafts are the target's tokens, so
+    nearly all are accepted (the draft's cache, followed and scratch-extended, holds what the target's
+    does) across arrival orders, aborts, chunked prefill and preemption; the tokens equal the model
+    run alone."""
+    _, prompts, expected, llm = draft_case
+    stats = llm.llm_engine.proposer.stats
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    assert_each_as_alone(llm, prompts, schedule["arrival"], schedule["aborted"],
+                         lambda i: SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                         [expected[tuple(p)] for p in prompts])
+    assert stats.num_accepted_tokens - accepted >= 0.9 * (stats.num_draft_tokens - drafted) > 0, stats
+
+
+def test_another_draft_model_changes_how_many_tokens_a_step_takes_not_which(draft_case, sampling_models):
+    """A draft of other weights (1 layer of another initialisation): greedy tokens are the target's,
+    and seeded sampled ones equal those of the target without speculation."""
+    model, prompts, expected, _ = draft_case
+    draft = tiny_model("llama", num_hidden_layers=1, seed=7)
+    llm = LLM(snapshot(model), block_size=16, num_blocks=64,
+              speculative_config={"model": draft, "num_speculative_tokens": 4})
+    assert llm.llm_engine.proposer.config.method == "draft_model"  # vLLM's inference from the model alone
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
+    assert llm.get_stats().spec_decode_num_draft_tokens > 0
+    params = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=12, top_k=30) for i in range(len(prompts))]
+    plain = LLM(snapshot(model), block_size=16, num_blocks=64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_draft_model_of_other_token_ids_is_refused_and_a_shorter_one_drafts_within_its_positions(draft_case):
+    model, prompts, expected, _ = draft_case
+    with pytest.raises(ValueError, match="speculative_config.model: .*a vocabulary of 258 tokens, got 300"):
+        LLM(snapshot(model), speculative_config={"model": tiny_model("llama", num_hidden_layers=1, vocab_size=300),
+                                                 "num_speculative_tokens": 4})
+    short = tiny_model("llama", num_hidden_layers=1, max_position_embeddings=64)  # drafts up to position 63
+    llm = LLM(snapshot(model), speculative_config={"model": short, "num_speculative_tokens": 4})
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
 
 
 def test_suffix_decoding_drafts_from_the_request_and_earlier_responses():

@@ -404,6 +404,20 @@ def build_rank_program(args: EngineArgs, rank: int) -> StepProgram:
     return ProgramBuilder(args, rank=rank).build()[0]
 
 
+def build_draft(args: EngineArgs) -> tuple[StepProgram, ModelDescription] | None:
+    """The program and description of ``args.speculative_config``'s draft model (method
+    ``draft_model``; else None), built as the target's is, with its dtype, target, device, block size,
+    step bounds (its ``max_model_len`` its own) and threads."""
+    config = args.speculative_config
+    if config is None or config.method != "draft_model":
+        return None
+    draft = EngineArgs(model=config.model, dtype=args.dtype, target=args.target, target_options=args.target_options,
+                       device=args.device, block_size=args.block_size,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       num_threads=args.num_threads, reserved_cpus=args.reserved_cpus)
+    return ProgramBuilder(draft).build()
+
+
 def max_model_len(args: EngineArgs, description: ModelDescription) -> int:
     """``args.max_model_len``, at most the model's limit, or the model's; ``ValueError`` naming it."""
     limit = description.max_model_len

@@ -13,14 +13,13 @@ MAX_CACHED_REQUESTS = 1_000_000  # suffix decoding: the most responses the globa
 
 # vLLM's methods pagedpack does not run yet, and why
 NOT_YET = {
-    "draft_model": "draft models are not implemented yet",
     "eagle": "EAGLE heads are not implemented yet",
     "eagle3": "EAGLE-3 heads are not implemented yet",
     "mtp": "MTP layers are not implemented yet",
     "medusa": "Medusa heads are not supported",
     "mlp_speculator": "MLP speculators are not supported",
 }
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
@@ -30,9 +29,12 @@ class SpeculativeConfig:
     ``method``: ``"ngram"`` (prompt lookup: the tokens that followed the earliest earlier occurrence
     of the request's longest suffix n-gram, :mod:`pagedpack.runtime.spec_decode.ngram`) or ``"suffix"``
     (suffix decoding over the request's prompt and output and the recent responses of all requests,
-    Arctic Inference's suffix trees, :mod:`pagedpack.runtime.spec_decode.suffix`).
+    Arctic Inference's suffix trees, :mod:`pagedpack.runtime.spec_decode.suffix`) or ``"draft_model"``
+    (a smaller model's greedy tokens, :mod:`pagedpack.runtime.spec_decode.draft_model`; the method when
+    only ``model`` is given, as vLLM infers it). ``model``: the draft model (a path or an alias, or in
+    Python a ``transformers`` model, as ``LLM``'s ``model``), ``draft_model`` only.
     ``num_speculative_tokens``: the most draft tokens per request per step (1 .. 32; required for
-    ``ngram``; ``suffix``: ``suffix_decoding_max_tree_depth`` if not given, capped at 32).
+    ``ngram`` and ``draft_model``; ``suffix``: ``suffix_decoding_max_tree_depth`` if not given, capped at 32).
     ``prompt_lookup_min`` / ``prompt_lookup_max`` (``ngram``): the n-gram lengths matched (1 .. 64;
     both 5 when neither is given, else the one given for both).
     ``suffix_decoding_max_tree_depth`` (24): the longest context matched and draft taken;
@@ -43,6 +45,7 @@ class SpeculativeConfig:
     and for a method vLLM has that pagedpack does not run (saying which are missing)."""
 
     method: str | None = None
+    model: object = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
@@ -53,12 +56,18 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method is None:
-            self.method = "ngram"
+            self.method = "ngram" if self.model is None else "draft_model"
         if self.method in NOT_YET:
             raise ValueError(f"speculative_config.method: {NOT_YET[self.method]}; expected one of {METHODS}, "
                              f"got {self.method!r}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r:.80}")
+        if self.method == "draft_model" and (self.model is None or self.model == ""):
+            raise ValueError(f"speculative_config.model: method 'draft_model' needs the draft model (a path, an alias "
+                             f"or a transformers model), got {self.model!r:.80}")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model: only method 'draft_model' takes a model; method "
+                             f"{self.method!r} got {self.model!r:.80}")
         _check_number("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1, MAX_TREE_DEPTH)
         _check_number("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0,
                       MAX_CACHED_REQUESTS)

@@ -6,7 +6,7 @@ instructions computes every row of a bf16 linear at full cost; 8 decoding stream
 GEMMs), a draft that is likely rejected costs more time than it is expected to save. The engine
 measures its decode steps (:class:`StepCost`: seconds against rows, a least-squares line refitted as
 steps come, older steps weighing less) and keeps each draft only if it raises the expected tokens
-per second of the next step (:func:`keep_worthwhile`):
+per second of the next step (:func:`worthwhile_lengths`):
 
 - a step of ``R`` rows takes ``T(R) = t0 + c * R`` seconds;
 - request ``i``'s draft token ``j`` (1-based) is kept with probability ``p_i ** j``, its acceptance
@@ -23,11 +23,6 @@ than profiled. Until the line is known (too few decode steps of different row co
 is kept, as without this module.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pagedpack.runtime.request import Request
 
 DECAY = 0.97  # per decode step measured: a step 100 steps back weighs 5 %
 MIN_WEIGHT = 8.0  # decode steps (weighted) before the line is trusted
@@ -82,27 +77,19 @@ class Acceptance:
         return self.accepted / self.tried
 
 
-def keep_worthwhile(requests: list[Request], cost: StepCost) -> None:
-    """Shorten the ``spec_token_ids`` of ``requests`` (the requests decoding next step, those with
-    drafts carrying an ``Acceptance`` as ``spec_lookahead.acceptance``) to the drafts worth their rows
-    (the module docstring); all kept while ``cost.per_row`` is unknown."""
+def worthwhile_lengths(rates: list[float], lengths: list[int], num_decoding: int, cost: StepCost) -> list[int]:
+    """How many of its ``lengths[i]`` draft tokens request ``i`` (acceptance rate ``rates[i]``) keeps in a
+    step of ``num_decoding`` decoding requests: those worth their rows (the module docstring); all
+    while ``cost.per_row`` is unknown."""
     if cost.per_row is None:
-        return
-    candidates = []
-    for i, request in enumerate(requests):
-        if request.spec_token_ids:
-            p = request.spec_lookahead.acceptance.rate
-            candidates += [(p ** j, i) for j in range(1, len(request.spec_token_ids) + 1)]
-    if not candidates:
-        return
-    candidates.sort(key=lambda c: -c[0])
-    rows = tokens = float(len(requests))
-    kept = [0] * len(requests)
+        return list(lengths)
+    candidates = sorted(((p ** j, i) for i, (p, n) in enumerate(zip(rates, lengths)) for j in range(1, n + 1)),
+                        key=lambda c: -c[0])
+    rows = tokens = float(num_decoding)
+    kept = [0] * len(lengths)
     for value, i in candidates:
         if value * cost.seconds(rows) <= cost.per_row * tokens:
             break
         kept[i] += 1
         rows, tokens = rows + 1, tokens + value
-    for request, n in zip(requests, kept):
-        if len(request.spec_token_ids) > n:
-            request.spec_token_ids = request.spec_token_ids[:n]
+    return kept
