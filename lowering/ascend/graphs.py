@@ -15,6 +15,22 @@ The names are vllm-ascend's ``cudagraph_mode`` values (vLLM's ``CUDAGraphMode``;
 Full decode graphs (both ACL graph modes) are what production runs in 2026: vllm-ascend removed
 its TorchAir graph mode (PR #4814, 2025-12, "aclgraph is stable and fast now") and captures ACL
 graphs (``torch.npu.NPUGraph``) of its decode steps, per batch size. Here:
+
+- a decode step (the bucket rule below) copies its padded metadata into the input tensors its
+  bucket's graph captured, refreshes FIA's host length lists and replays the graph. The graph is
+  the eager program (torch_npu's FIA with host lists, :data:`~pagedpack.lowering.ascend.lower.
+  HOST_LENGTH_INPUTS`), captured on the bucket's first step with ``auto_dispatch_capture=True``;
+- the refresh is one call per replay, not per layer: the KV lengths are read once
+  (``seq_lens.tolist()``) and ``NPUGraph.update`` gets them for every FIA call it recorded (one
+  dict for all of them, or one per call when sites differ: a windowed site's list carries its dummy
+  sequence, and FIA v2 names the argument ``actual_seq_kvlen``). torch_npu
+  then relaunches each call's task group on its update stream, the per-layer work vllm-ascend
+  measured at ~38 % of its main thread (RFC #13058), which no caller can avoid; the query lengths
+  of a padded decode bucket (``1 .. bucket``) never change and are not refreshed. A replay without
+  the refresh computes with the lengths of the capture's step (tested: the emulation then gives
+  the wrong logits);
+- every other step runs in pieces or the eager program (below).
+
 Off an NPU the graphs are captured and replayed by :mod:`pagedpack.kernels.npu_graph_emulation`.
 
 ``"decode_buckets"`` is the pattern production Ascend inference shipped until late 2025: vllm-ascend's
