@@ -528,10 +528,13 @@ class EngineArgs:
         parser.add_argument("--target-option", dest="target_options", action="append", default=[],
                             metavar="KEY=VALUE",
                             help="an option of the target's own, repeatable; --target ascend: graph_mode="
-                                 "aclgraph (default; decode steps replay an ACL graph captured per batch-size "
-                                 "bucket, prefill eager, as vllm-ascend runs), decode_buckets (a TorchAir graph "
-                                 "per bucket) or dynamic (one graph with dynamic shapes for every step); "
-                                 "graph_batch_sizes=1,2,4 (the buckets, default 1,2,4,8,16,32,64)")
+                                 "full_and_piecewise (default, as vllm-ascend: decode steps replay a full ACL "
+                                 "graph per batch-size bucket, other steps ACL-graph pieces per token bucket with "
+                                 "attention eager), full_decode_only (alias aclgraph: the others eager), eager, "
+                                 "decode_buckets (a TorchAir graph per bucket) or dynamic (one graph with dynamic "
+                                 "shapes for every step); graph_batch_sizes=1,2,4 (the decode buckets, default "
+                                 "1,2,4,8,16,32,64); graph_token_sizes=16,64 (the piecewise buckets, default "
+                                 "vLLM's 1,2,4,8,...,512)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":

@@ -6,6 +6,7 @@ graph), the others eagerly; the padded steps are compared with the reference tar
 project's own ops, unpadded) on the same batches.
 """
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_
             s.request.num_computed_tokens += s.num_new_tokens
 
 
-@pytest.mark.parametrize("mode", ["aclgraph", "decode_buckets"])
+@pytest.mark.parametrize("mode", ["full_decode_only", "decode_buckets"])
 def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, references, capture_once, monkeypatch,
                                                                     mode):
     """40 steps: prefills and a mixed step (eager), then decode batches of every size 1..37 in a
@@ -127,11 +128,12 @@ def test_decode_steps_of_1_to_37_sequences_run_one_graph_per_bucket(tnd_model, r
     used = sorted({next(b for b in DEFAULT_GRAPH_BATCH_SIZES if b >= size) for size in sizes})
     assert sorted(stats.buckets_compiled) == used and stats.graphs_compiled == len(used)
     assert (stats.graph_steps, stats.eager_steps) == (37, 3)
-    if mode == "aclgraph":
+    if mode == "full_decode_only":
         assert not recorded and sorted(program.run.captured) == used
         for captured in program.run.captured.values():  # each layer's FIA recorded as updatable
             assert len(captured.graph.updatable) == 2
-        assert f"aclgraph: {len(used)} graph(s) captured" in stats.describe() and "37 replays" in stats.describe()
+        assert f"full_decode_only: {len(used)} graph(s) captured" in stats.describe()
+        assert "37 replays" in stats.describe()
     else:
         assert len(recorded) == len(used)
         for gm in recorded:  # static shapes: no symbolic size among the graph's inputs
@@ -152,7 +154,7 @@ def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, capture_onc
 
     num_blocks, max_model_len = 16, 512
     program, runners = _runners(tnd_model, references, num_blocks, max_model_len,
-                                target_options={"graph_batch_sizes": [2]})
+                                target_options={"graph_mode": "aclgraph", "graph_batch_sizes": [2]})  # the alias
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
     requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(random_prompts([5, 150, 40, 260], seed=3))]
@@ -171,6 +173,99 @@ def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, capture_onc
     _run_steps(runners, decodes, kv, num_blocks, max_model_len, compare=compare)  # stale: the last refresh's
     assert (program.graphs.graphs_compiled, program.graphs.graph_steps) == (1, 4)
     assert len(mismatches) == 2, mismatches
+
+
+def _mixed_steps(requests, sizes, *, seed, max_chunk):
+    """One step per entry of ``sizes``: that many requests, each computing a chunk of at most
+    ``max_chunk`` of its prompt's remaining tokens (a prefill, or a chunk resuming one) or, once its
+    prompt is done, one decode token."""
+    rng, left = random.Random(seed), {r.request_id: len(r.prompt_token_ids) for r in requests}
+    steps = []
+    for size in sizes:
+        parts = []
+        for r in rng.sample(requests, size):
+            n = min(left[r.request_id], rng.randrange(1, max_chunk + 1)) if left[r.request_id] else 1
+            left[r.request_id] -= min(n, left[r.request_id])
+            parts.append((r, n))
+        steps.append(parts)
+    return steps
+
+
+PIECEWISE_TOKEN_SIZES = [16, 64, 128, 256, 512]
+
+
+def test_prefill_chunked_and_mixed_steps_of_1_to_37_sequences_run_in_pieces(tnd_model, references, capture_once):
+    """``full_and_piecewise``: 40 steps of 1..37 sequences (shuffled) mixing prefills, chunks resuming
+    a prefill and decodes. Each step that is not a uniform decode runs padded to its token bucket in
+    pieces: every piece is captured once per bucket used and replayed on every step of that bucket
+    (the first one included, as on an NPU, where a capture computes nothing); uniform decode steps
+    replay their full decode graph. Logits match the reference target on every step (the bf16
+    rule); blocks no request holds are never written (the padding sequence writes the padding block)."""
+    num_blocks, max_model_len = 96, 512
+    program, runners = _runners(tnd_model, references, num_blocks, max_model_len,
+                                target_options={"graph_token_sizes": PIECEWISE_TOKEN_SIZES})
+    for cache in runners["ascend"].kv_caches:
+        cache.fill_(float("nan"))
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=64, ignore_eos=True)) for i, p in
+                enumerate(random_prompts([random.Random(i).randrange(2, 200) for i in range(37)], seed=5))]
+    sizes = [37, 30, 20] + list(range(1, 38))
+    random.Random(1).shuffle(sizes)
+    steps = _mixed_steps(requests, sizes, seed=2, max_chunk=16)
+    _run_steps(runners, steps, kv, num_blocks, max_model_len)
+    full = [all(n == 1 for _, n in parts) and len(parts) <= max(DEFAULT_GRAPH_BATCH_SIZES) for parts in steps]
+    tokens = [sum(n for _, n in parts) for parts in steps]
+    buckets = Counter(next(b for b in PIECEWISE_TOKEN_SIZES if b >= t) for t, f in zip(tokens, full) if not f)
+    assert any(1 < n < len(r.prompt_token_ids) for parts in steps for r, n in parts), "no chunked prefill"
+    assert any({n == 1 for _, n in parts} == {True, False} for parts in steps), "no step mixed prefill and decode"
+    stats, pieces = program.graphs, program.run.pieces
+    assert len(pieces) == 3 and stats.piecewise_steps == sum(buckets.values()) >= 30 and len(buckets) >= 3
+    assert stats.graph_steps == sum(full) and stats.eager_steps == 0
+    assert stats.piece_captures == Counter({(p, b): 1 for p in pieces for b in buckets})
+    assert stats.piece_replays == Counter({(p, b): n for p in pieces for b, n in buckets.items()})
+    assert f"{len(pieces) * len(buckets)} piece graph(s) captured" in stats.describe()
+    held = {b for r in requests for b in r.block_ids}
+    for cache in runners["ascend"].kv_caches:
+        assert cache[[b for b in range(num_blocks) if b not in held]].isnan().all()
+        assert not cache[num_blocks].isnan().all(), "the padding block beyond the pool took the padding writes"
+
+
+def test_a_piece_replay_needs_this_steps_inputs(tnd_model, references, capture_once, monkeypatch):
+    """Prefill chunks of different requests in one token bucket: the first step captures each piece,
+    the later ones replay it. Without the per-replay update (this step's tensors copied into the
+    captured buffers) a replay recomputes the capture's step, and every later step's logits are
+    wrong; a replay given another shape or host argument than its capture's is refused."""
+    from pagedpack.lowering.ascend.graphs import PiecewiseGraphs
+
+    num_blocks, max_model_len = 16, 512
+    program, runners = _runners(tnd_model, references, num_blocks, max_model_len,
+                                target_options={"graph_token_sizes": [64]})
+    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
+    requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
+                for i, p in enumerate(random_prompts([90, 60, 120, 100], seed=4))]
+    mismatches = []
+
+    def compare(got, expected, exact):
+        try:
+            assert_within_own_error(got, expected, exact)
+        except AssertionError as err:
+            mismatches.append(err)
+
+    _run_steps(runners, [[(requests[0], 50), (requests[1], 10)]], kv, num_blocks, max_model_len)  # captures
+    monkeypatch.setattr(PiecewiseGraphs, "load", staticmethod(lambda captured, args: None))
+    _run_steps(runners, [[(requests[0], 40), (requests[2], 20)], [(requests[3], 60)], [(requests[1], 30)]], kv,
+               num_blocks, max_model_len, compare=compare)
+    assert program.graphs.piecewise_steps == 4 and set(program.graphs.piece_captures.values()) == {1}
+    assert len(mismatches) == 3, mismatches
+    monkeypatch.undo()
+    captured = next(iter(program.run.captured_pieces.values()))
+    wrong = [a[:-1] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 64 else a for a in captured.args]
+    with pytest.raises(RuntimeError, match="piecewise replay: captured shape \\(64"):
+        PiecewiseGraphs.load(captured, wrong)
+    ints = [i for i, a in enumerate(captured.args) if isinstance(a, int)]
+    if ints:
+        with pytest.raises(RuntimeError, match="piecewise replay: a host argument was 64 at capture, now 63"):
+            PiecewiseGraphs.load(captured, [63 if i in ints else a for i, a in enumerate(captured.args)])
 
 
 def test_the_capture_reads_no_device_value():
@@ -192,9 +287,10 @@ def test_the_capture_reads_no_device_value():
 
 
 def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
-    """The reference target, the replayed ACL graphs, the padded TorchAir decode graphs, the
-    dynamic graph mode and the ACL graphs with n-gram speculation (its verification steps eager, FIA's
-    ``actual_seq_qlen`` read off ``cu_seqlens_q``) each give the
+    """The reference target, the default full and piecewise ACL graphs, the full decode graphs alone,
+    the padded TorchAir decode graphs, the dynamic graph mode, no graphs and the default with n-gram
+    speculation (its verification steps in pieces, FIA's ``actual_seq_qlen`` read off
+    ``cu_seqlens_q``) each give the
     unmodified model's greedy tokens, a bf16 tie aside (the targets' attention sums in different
     orders: a 1-ulp bf16 difference picks the other side of a tie)."""
     reference = snapshot(tnd_model)
@@ -202,11 +298,14 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
     params = SamplingParams(temperature=0.0, max_tokens=12)
     tokens = {}
     for name, kwargs in (("reference", {}),
-                         ("aclgraph", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
+                         ("full_and_piecewise", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]})),
+                         ("full_decode_only", dict(target="ascend", target_options={"graph_mode": "full_decode_only",
+                                                                                    "graph_batch_sizes": [4, 8]})),
                          ("decode_buckets", dict(target="ascend", target_options={"graph_mode": "decode_buckets",
                                                                                   "graph_batch_sizes": [4, 8]})),
                          ("dynamic", dict(target="ascend", target_options={"graph_mode": "dynamic"})),
-                         # verification steps (1 + k query tokens a sequence) run eager, decode steps replay
+                         ("eager", dict(target="ascend", target_options={"graph_mode": "eager"})),
+                         # verification steps (1 + k query tokens a sequence) run in pieces, decode steps replay
                          ("speculative", dict(target="ascend", target_options={"graph_batch_sizes": [4, 8]},
                                               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 2}))):
@@ -215,8 +314,13 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
                                                                       params, use_tqdm=False)]
         if name == "speculative":
             assert llm.get_stats().spec_decode_num_accepted_tokens > 0
-        if name in ("aclgraph", "decode_buckets"):  # 5 decoding sequences run padded to 8, fewer padded to 4
-            assert llm.program.graphs.graph_steps > 0 and set(llm.program.graphs.buckets_compiled) <= {4, 8}
+        graphs = llm.program.graphs if name != "reference" else None
+        if name in ("full_and_piecewise", "full_decode_only", "decode_buckets"):  # 5 decoding sequences padded to 8
+            assert graphs.graph_steps > 0 and set(graphs.buckets_compiled) <= {4, 8}
+        if name in ("full_and_piecewise", "speculative"):  # every prefill (<= 256 tokens) in pieces
+            assert graphs.mode == "full_and_piecewise" and graphs.piecewise_steps > 0 and graphs.eager_steps == 0
+        if name == "eager":
+            assert graphs.eager_steps > 0 and graphs.graph_steps == graphs.piecewise_steps == 0
         if name == "dynamic":
             assert llm.program.graphs.eager_steps == 0 and llm.program.graphs.graph_steps > 0
     for prompt, *outputs in zip(prompts, *tokens.values()):
@@ -227,8 +331,8 @@ def test_every_graph_mode_gives_the_reference_tokens(tnd_model, capture_once):
 
 def test_a_model_with_sinks_and_sliding_windows_generates_the_reference_tokens_through_fia_v2():
     """A tiny gpt-oss (attention sinks on every layer, a 24-key window on the first, experts; bf16,
-    head_dim 128) on the default aclgraph mode: each site is FIA v2 with the sinks as its
-    learnable_sink (and the band with the dummy sequence on the windowed layer), the replays
+    head_dim 128) on the default full_and_piecewise mode (prefills in pieces): each site is FIA v2
+    with the sinks as its learnable_sink (and the band with the dummy sequence on the windowed layer), the replays
     refresh v2's ``actual_seq_kvlen``, and the tokens are the reference target's (the native CPU
     kernels' sinks and windows), a bf16 tie of the fp32 model aside. Not transformers' bf16 tokens:
     its eager attention takes gpt-oss's softmax in bf16, where both targets accumulate in fp32 (the
@@ -261,7 +365,7 @@ def test_a_model_with_sinks_and_sliding_windows_generates_the_reference_tokens_t
     fias = [n for n in llm.program.run.eager.graph.nodes if n.target == v2]
     assert [("learnable_sink" in n.kwargs, n.kwargs["sparse_mode"]) for n in fias] == [(True, 4), (True, 3)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert llm.program.graphs.graph_steps > 0
+    assert llm.program.graphs.graph_steps > 0 and llm.program.graphs.piecewise_steps > 0
     for prompt, output, tokens in zip(prompts, outputs, expected):
         assert_greedy_tokens_or_tie(exact, prompt, output.outputs[0].token_ids, tokens)
 
@@ -293,14 +397,20 @@ def test_functionalised_graph_writes_each_cache_back_once_from_the_scatter(tnd_m
     (dict(target_options={"graph_mode": "dynamic"}),
      "target_options: the reference target takes no options, got \\['graph_mode'\\]"),
     (dict(target="ascend", target_options={"graph_mode": "static"}),
-     "graph_mode: expected one of \\['aclgraph', 'decode_buckets', 'dynamic'\\]"),
+     "graph_mode: expected one of \\['full_and_piecewise', 'full_decode_only', 'eager', 'decode_buckets', "
+     "'dynamic'\\] \\(or \\['aclgraph'\\]\\)"),
     (dict(target="ascend", target_options={"graph_batch_sizes": [0, 4]}),
      "graph_batch_sizes: expected a non-empty list of ints in 1..40"),
     (dict(target="ascend", target_options={"graph_batch_sizes": []}), "graph_batch_sizes: expected a non-empty list"),
     (dict(target="ascend", target_options={"graph_mode": "dynamic", "graph_batch_sizes": [4]}),
-     "only the aclgraph and decode_buckets graph modes"),
+     "graph_batch_sizes: only the full_and_piecewise, full_decode_only, decode_buckets graph modes"),
+    (dict(target="ascend", target_options={"graph_token_sizes": [0, 16]}),
+     "graph_token_sizes: expected a non-empty list of ints in 1..65536"),
+    (dict(target="ascend", target_options={"graph_mode": "aclgraph", "graph_token_sizes": [16]}),
+     "graph_token_sizes: only the full_and_piecewise graph mode takes them, got graph_mode='full_decode_only'"),
     (dict(target="ascend", target_options={"graph_modes": "dynamic"}),
-     "target_options: the ascend target takes \\['graph_mode', 'graph_batch_sizes'\\], got \\['graph_modes'\\]"),
+     "target_options: the ascend target takes \\['graph_mode', 'graph_batch_sizes', 'graph_token_sizes'\\], got "
+     "\\['graph_modes'\\]"),
     (dict(target="ascend", target_options=["graph_mode"]), "target_options: the ascend target takes"),
 ])
 def test_graph_options_are_checked(kwargs, message):
@@ -319,8 +429,10 @@ def test_target_options_from_the_command_line():
             "--target-option", "graph_mode=decode_buckets"]
     args = EngineArgs.from_cli_args(parser.parse_args(argv))
     assert args.target_options == AscendOptions(graph_mode="decode_buckets", graph_batch_sizes=(2, 8))
+    assert AscendOptions(graph_mode="aclgraph") == AscendOptions(graph_mode="full_decode_only")  # the former name
     for bad, message in (("graph_batch_sizes=two", "--target-option: graph_batch_sizes: expected a tuple"),
-                         ("graph_mode", "expected KEY=VALUE with KEY one of \\['graph_batch_sizes', 'graph_mode'\\]"),
+                         ("graph_mode", "expected KEY=VALUE with KEY one of \\['graph_batch_sizes', 'graph_mode', "
+                                        "'graph_token_sizes'\\]"),
                          ("size=3", "the ascend target's options\\), got 'size=3'")):
         with pytest.raises(ValueError, match=message):
             EngineArgs.from_cli_args(parser.parse_args([*argv[:5], "--target-option", bad]))

@@ -315,9 +315,9 @@ def test_mixed_batch_matches_the_reference_target(tnd_model, capture_once, mixed
             runner.execute = lambda batch, *a, execute=execute, **k: steps.append(batch) or execute(batch, *a, **k)
         results = llm.generate(mixed_prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
         outputs[target] = [r.outputs[0].token_ids for r in results]
-        if target == "ascend":  # decode steps padded to their bucket's graph, the others eager
+        if target == "ascend":  # decode steps padded to their bucket's graph, the others in pieces
             graphs = llm.program.graphs
-            assert graphs.mode == "aclgraph" and graphs.graph_steps > 0 and graphs.eager_steps > 0
+            assert graphs.mode == "full_and_piecewise" and graphs.graph_steps > 0 and graphs.piecewise_steps > 0
             assert any(b not in (len(s.seq_lens) for s in steps) for b in graphs.buckets_compiled), "none padded"
     q_lens = [b.cu_seqlens_q.diff() for b in steps]
     cached = [b.seq_lens - q for b, q in zip(steps, q_lens)]
@@ -372,8 +372,9 @@ def test_cli_generate_on_the_ascend_target(tmp_path, capsys, monkeypatch):
     assert cli_main([*args, "--model", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "1 (0 failed)" in out
-    assert re.search(r"aclgraph: 1 graph\(s\) captured \(batch sizes 1\); 2 replays \(length refresh [0-9.]+ ms "
-                     r"and replay [0-9.]+ ms per replay\), 1 steps eagerly", out), out
+    assert re.search(r"full_and_piecewise: 1 graph\(s\) captured \(batch sizes 1\); 2 replays \(length refresh "
+                     r"[0-9.]+ ms and replay [0-9.]+ ms per replay\); 3 piece graph\(s\) captured \(token sizes "
+                     r"[0-9]+\), 1 steps in pieces, 0 steps eagerly", out), out
     assert cli_main([*args, "--model", str(tmp_path), "--target-option", "graph_mode=decode_buckets"]) == 0
     assert "decode_buckets: 1 graph(s) compiled (batch sizes 1); 2 steps ran in a compiled graph, 1 eagerly" in \
         capsys.readouterr().out  # (graph_mode=dynamic, and every mode's tokens: tests/test_ascend_graphs.py)

@@ -186,14 +186,18 @@ def test_the_onnx_target_serves_prompt_logprobs(source, reference, tmp_path):
     assert_prompt_logprobs(reference, prompt, out.prompt_logprobs, 3, atol=1e-4)
 
 
-def test_an_ascend_decode_step_with_prompt_rows_runs_eagerly():
+@pytest.mark.parametrize("mode", ["full_decode_only", "full_and_piecewise"])
+def test_an_ascend_decode_step_with_prompt_rows_runs_eagerly_or_in_pieces(mode):
     """A step of one-token chunks (``T == B``) that also returns a prompt row is not a decode
-    bucket's (whose padded logits are cut to ``B`` rows): it runs the eager program."""
+    bucket's (whose padded logits are cut to ``B`` rows): it runs the eager program, or in pieces
+    (whose logits are computed eagerly on the real rows) in the default graph mode."""
     llm = LLM(tiny_model("llama", dtype=torch.bfloat16, head_dim=128), target="ascend", block_size=128,
-              num_blocks=4, target_options={"graph_batch_sizes": [4]})
+              num_blocks=4, target_options={"graph_mode": mode, "graph_batch_sizes": [4]})
     runner = llm.llm_engine.runner
     batch = example_metadata([1, 1], [3, 5], block_size=128, num_blocks=4)
     rows = batch._replace(logits_indices=torch.tensor([0, 1, 0]))
     logits = runner.execute(rows)
     assert logits.shape[0] == 3 and torch.equal(logits[2], logits[0])
-    assert llm.program.graphs.graph_steps == 0 and llm.program.graphs.eager_steps == 1
+    graphs = llm.program.graphs
+    assert graphs.graph_steps == 0 and (graphs.eager_steps, graphs.piecewise_steps) == \
+        ((1, 0) if mode == "full_decode_only" else (0, 1))
