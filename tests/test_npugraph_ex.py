@@ -61,37 +61,74 @@ def _run_steps(execute) -> dict[str, torch.Tensor]:
     return logits
 
 
+def _exact(model) -> dict[str, torch.Tensor]:
+    """The fp32 copy of ``model`` run unmodified on each whole prompt: per step, the row of each
+    sequence's last token of that step (causal attention: a row depends on the tokens up to it)."""
+    fp32 = snapshot(model).float()
+    with torch.no_grad():
+        full = [fp32(torch.tensor([p])).logits[0] for p in random_prompts(PROMPT_LENS, seed=3)]
+    done, rows = [0] * len(PROMPT_LENS), {}
+    for name, parts in STEPS.items():
+        rows[name] = torch.stack([full[i][done[i] + n - 1] for i, n in parts])
+        for i, n in parts:
+            done[i] += n
+    return rows
+
+
 def _compiled(step, pre_pass):
     torch._dynamo.reset()  # every PagedStep shares forward's code: a fresh recompile budget per model
     return torch.compile(step, backend=npugraph_ex_emulation_backend, fullgraph=True,
                          options={"post_grad_custom_pre_pass": pre_pass})
 
 
-def _executor(step, compiled):
+def _executor(step, run):
+    """``run(*inputs, **host lengths)`` on caches of its own, as ``execute(metadata) -> logits``."""
     caches = [torch.zeros(shape, dtype=spec.dtype) for spec in step.rewritten.kv_cache_specs
               for shape in spec.cache_shapes(NUM_BLOCKS, BLOCK)]
 
     def execute(metadata):
         with torch.no_grad():
-            return compiled(*metadata, *caches, **step.host_lengths(metadata))
+            return run(*metadata, *caches, **step.host_lengths(metadata))
     return execute
 
 
-def _reference(model) -> dict[str, torch.Tensor]:
-    llm = LLM(model, target="reference", block_size=BLOCK, num_blocks=NUM_BLOCKS)
-    return _run_steps(llm.llm_engine.runner.execute)
+def _eager(step):
+    """The rewritten step graph on pagedpack's own ops, what the reference target runs (host lists unused)."""
+    return lambda *inputs, **host_lengths: step.rewritten(*inputs)
+
+
+@pytest.fixture(scope="module")
+def compiled_steps():
+    """Per family (built once): the bf16 model, its step, the pre-pass, the lowered graphs and
+    the compiled step's logits of every step of :data:`STEPS`."""
+    built = {}
+
+    def build(family):
+        if family not in built:
+            model = MODELS[family](torch.bfloat16)
+            step = paged_step(model)
+            pre_pass = PagedpackPrePass(max_num_tokens=8192, max_num_seqs=64, ops=emulated_ops())
+            graphs = []
+
+            def recording_pass(gm, example_inputs, config):
+                pre_pass(gm, example_inputs, config)
+                graphs.append(gm)
+            got = _run_steps(_executor(step, _compiled(step, recording_pass)))
+            built[family] = SimpleNamespace(model=model, step=step, pre_pass=pre_pass, graphs=graphs, got=got)
+        return built[family]
+    return build
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_pre_pass_gives_the_reference_targets_logits_on_every_step_kind(family):
-    model = MODELS[family](torch.bfloat16)
-    step = paged_step(model)
+def test_pre_pass_gives_the_reference_programs_logits_on_every_step_kind(family, compiled_steps):
+    """Against the rewritten step on pagedpack's own ops (the reference target's program) in bf16,
+    within its own error against the unmodified model in fp32."""
+    built = compiled_steps(family)
+    step, pre_pass = built.step, built.pre_pass
     assert step.report.ok and all(site.rewritten for site in step.report.sites)
-    pre_pass = PagedpackPrePass(max_num_tokens=8192, max_num_seqs=64, ops=emulated_ops())
-    got = _run_steps(_executor(step, _compiled(step, pre_pass)))
-    reference, exact = _reference(model), _reference(snapshot(model).float())
+    reference, exact = _run_steps(_executor(step, _eager(step))), _exact(built.model)
     for name in STEPS:
-        assert_within_own_error(got[name], reference[name], exact[name])
+        assert_within_own_error(built.got[name], reference[name], exact[name])
     assert len(pre_pass.reports) == len(STEPS) and all(r.ok for r in pre_pass.reports), pre_pass.reports
     report = pre_pass.reports[-1]
     assert len(report.sites) == len(step.report.sites) == 2, report.format()
@@ -101,34 +138,36 @@ def test_pre_pass_gives_the_reference_targets_logits_on_every_step_kind(family):
     assert v2 == (family == "gemma3"), report.summary
 
 
-def test_the_lowered_graph_holds_the_emulated_ascend_ops_and_no_pagedpack_op():
-    model = MODELS["llama"](torch.bfloat16)
-    step = paged_step(model)
-    graphs = []
-    pre_pass = PagedpackPrePass(max_num_tokens=8192, max_num_seqs=64, ops=emulated_ops())
+def test_llama_gives_the_reference_targets_logits(compiled_steps):
+    """The same steps through ``LLM(target="reference")`` itself (its CPU kernels)."""
+    built = compiled_steps("llama")
+    reference = _run_steps(LLM(built.model, target="reference", block_size=BLOCK,
+                               num_blocks=NUM_BLOCKS).llm_engine.runner.execute)
+    exact = _exact(built.model)
+    for name in STEPS:
+        assert_within_own_error(built.got[name], reference[name], exact[name])
 
-    def recording_pass(gm, example_inputs, config):
-        pre_pass(gm, example_inputs, config)
-        graphs.append(gm)
-    _run_steps(_executor(step, _compiled(step, recording_pass)))
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_the_lowered_graphs_hold_the_emulated_ascend_ops_and_no_pagedpack_op(family, compiled_steps):
     ops = emulated_ops()
-    for gm in graphs:
+    fia = ops.fused_infer_attention_score_v2_eager if family == "gemma3" else ops.fused_infer_attention_score_eager
+    for gm in compiled_steps(family).graphs:
         targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-        assert {ops.fused_infer_attention_score_eager, ops.scatter_nd_update} <= targets
+        assert {fia, ops.scatter_nd_update} <= targets
         assert not any(getattr(t, "namespace", None) == "pagedpack" for t in targets), targets
         assert torch.ops.higher_order.auto_functionalized_v2 not in targets
 
 
 def test_a_model_outside_fias_limits_compiles_and_runs_unlowered_with_the_refusal_reported():
     """fp32 is outside FIA's TND form (bf16): the pass refuses, the graph keeps the pagedpack ops."""
-    model = MODELS["llama"](torch.float32)
-    step = paged_step(model)
+    step = paged_step(MODELS["llama"](torch.float32))
     pre_pass = PagedpackPrePass(max_num_tokens=8192, max_num_seqs=64, ops=emulated_ops())
     got = _run_steps(_executor(step, _compiled(step, pre_pass)))
-    reference = _reference(model)
+    reference = _run_steps(_executor(step, _eager(step)))
     for name in STEPS:
         torch.testing.assert_close(got[name], reference[name], rtol=1e-5, atol=1e-5)
-    assert pre_pass.reports and not any(r.ok for r in pre_pass.reports)
+    assert len(pre_pass.reports) == len(STEPS) and not any(r.ok for r in pre_pass.reports)
     assert "bfloat16" in pre_pass.reports[0].refusal, pre_pass.reports[0].refusal
 
 
