@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ascend_schema import OP_PLUGIN_V2_14, assert_only_real_arguments
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 from transformers.modeling_outputs import CausalLMOutput
 
@@ -149,14 +150,18 @@ def test_llama_gives_the_reference_targets_logits(compiled_steps):
 
 
 @pytest.mark.parametrize("family", list(MODELS))
-def test_the_lowered_graphs_hold_the_emulated_ascend_ops_and_no_pagedpack_op(family, compiled_steps):
+def test_the_lowered_graphs_hold_torch_npu_2_14s_ops_and_no_pagedpack_op(family, compiled_steps):
     ops = emulated_ops()
     fia = ops.fused_infer_attention_score_v2_eager if family == "gemma3" else ops.fused_infer_attention_score_eager
-    for gm in compiled_steps(family).graphs:
+    graphs = compiled_steps(family).graphs
+    for gm in graphs:
         targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
         assert {fia, ops.scatter_nd_update} <= targets
         assert not any(getattr(t, "namespace", None) == "pagedpack" for t in targets), targets
         assert torch.ops.higher_order.auto_functionalized_v2 not in targets
+    real = OP_PLUGIN_V2_14["FIA_V2" if family == "gemma3" else "FIA"]  # torch_npu 2.14's schemas
+    assert_only_real_arguments(graphs, {fia: torch._C.parse_schema(real), ops.scatter_nd_update: torch._C.parse_schema(
+        OP_PLUGIN_V2_14["SCATTER_FUNCTIONAL"])})
 
 
 def test_a_model_outside_fias_limits_compiles_and_runs_unlowered_with_the_refusal_reported():
