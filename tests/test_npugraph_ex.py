@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ascend_schema import OP_PLUGIN_V2_14, assert_only_real_arguments
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 from transformers.modeling_outputs import CausalLMOutput
 
@@ -25,6 +24,7 @@ from pagedpack.runtime.request import Request
 from pagedpack.runtime.scheduler import ScheduledRequest
 
 from conftest import assert_within_own_error, random_prompts, snapshot
+from test_ascend_schema import OP_PLUGIN_V2_14, assert_only_real_arguments
 
 BLOCK, NUM_BLOCKS = 128, 16
 PROMPT_LENS = (38, 151, 201)
