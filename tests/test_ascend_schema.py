@@ -6,7 +6,7 @@ TorchAir's ``torch.ops.air.npu_fused_infer_attention_score`` and ``..._v2`` (Asc
 torch_npu's eager ``npu_fused_infer_attention_score`` (its function prototype in torch_npu's op
 documentation, ``torch_npu-npu_fused_infer_attention_score.md``) and
 ``npu_fused_infer_attention_score_v2`` (Ascend/op-plugin ``op_plugin/config/op_plugin_functions.yaml``
-as of 2026-08, the entry every torch_npu from 2.1 to the newest, 2.10, is generated from), and
+as of 2026-08, the entry every torch_npu from 2.1 to 2.10 is generated from; 2.14 re-checked at the end), and
 ``npu_scatter_nd_update_`` (as TorchAir's converter ``_npu_scatter_nd_update_.py`` quotes it),
 with its functional twin; for recurrent layers (vllm-ascend main @ 182b75ea, 2026-08-22), vllm-ascend's
 ``torch.ops._C_ascend.npu_causal_conv1d_custom`` and ``npu_recurrent_gated_delta_rule``
