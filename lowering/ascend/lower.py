@@ -272,15 +272,16 @@ def _site_shapes(gm: torch.fx.GraphModule, values: dict[Node, object]) -> tuple[
     return sites, [_attention_shape(node, values) for node in sites]
 
 
-def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
-    """One line for the pass report: what was lowered, to which ops."""
+def describe(shapes: list[AttentionShape], ops: AscendOps, functional: bool = False) -> str:
+    """One line for the pass report: what was lowered, to which ops (``functional``: the cache
+    writes of a functional graph, :attr:`AscendOps.scatter_nd_update`)."""
     kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
     windows = sorted({s.sliding_window for s in shapes if s.sliding_window is not None})
     band = f"; sparse_mode=4 band for sliding window(s) {windows}" if windows else ""
     v2 = sum(map(uses_fia_v2, shapes))
     v2 = f", {v2} through npu_fused_infer_attention_score_v2" if v2 else ""
     return (f"ascend lowering: {len(shapes)} site(s) -> npu_fused_infer_attention_score (TND, paged, sparse_mode=3"
-            f"{band}{v2}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
+            f"{band}{v2}) + {ops.scatter_nd_update if functional else ops.scatter_nd_update_} ({'; '.join(kinds)})")
 
 
 def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]:

@@ -186,24 +186,37 @@ class PagedpackPrePass:
                               "the graph, expected sites and one marker: compile the module paged_step() returns")
             return
         marker = markers[0]
-        saved = copy.deepcopy(gm.graph)
+        saved, buffers = copy.deepcopy(gm.graph), set(gm._buffers)
         ops = self.ops or _npu_ops_checked()
         try:  # AOT calls its compiler under its fake mode: the mask buffer must be a real tensor
             with unset_fake_temporarily():
                 shapes = lower_to_ascend(gm, example_inputs, ops=ops, bounds=self.bounds, eager=True,
                                          host_lengths=(list(marker.args[1]), list(marker.args[2])))
+            left = _pagedpack_ops_left(gm)
+            if left:  # e.g. a recurrent layer's ops, which this pass does not lower
+                raise AscendLoweringError(f"no Ascend lowering here for {left}")
         except AscendLoweringError as err:
             gm.graph = saved
+            for name in set(gm._buffers) - buffers:  # the mask, if a site was lowered before the refusal
+                del gm._buffers[name]
             gm.recompile()
             report.refusal = str(err)
             return
         marker.replace_all_uses_with(marker.args[0])
         gm.graph.erase_node(marker)
         gm.recompile()
-        report.summary = describe(shapes, ops)
+        report.summary = describe(shapes, ops, functional=True)
         report.sites = [f"site {i}: H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, {s.dtype}, "
                         f"block_size={s.block_size}" + (f", window={s.sliding_window}" if s.sliding_window else "")
                         for i, s in enumerate(shapes)]
+
+
+def _pagedpack_ops_left(gm: torch.fx.GraphModule) -> list[str]:
+    """The ``pagedpack`` ops of ``gm`` other than the marker, called directly or auto-functionalised."""
+    targets = (n.args[0] if n.target is torch.ops.higher_order.auto_functionalized_v2 else n.target
+               for n in gm.graph.nodes if n.op == "call_function")
+    return sorted({str(t) for t in targets if getattr(t, "namespace", None) == "pagedpack"
+                   and t is not torch.ops.pagedpack.step_host_lengths.default})
 
 
 def check_torch_npu_version(version: str) -> None:
