@@ -8,12 +8,6 @@ import types
 import pytest
 import torch
 import transformers as T
-from test_ascend_schema import (
-    C_ASCEND_CAUSAL_CONV,
-    C_ASCEND_RECURRENT_GATED_DELTA_RULE,
-    NPU_CHUNK_GATED_DELTA_RULE,
-    assert_only_real_arguments,
-)
 
 from pagedpack import LLM, SamplingParams
 from pagedpack.lowering.ascend.recurrent import emulated_recurrent_ops, violations
@@ -22,6 +16,12 @@ from pagedpack.lowering.targets import StepBounds
 from pagedpack.step.contract import StateSpec
 
 from conftest import assert_greedy_tokens_or_tie, greedy_alone, random_prompts
+from test_ascend_schema import (
+    C_ASCEND_CAUSAL_CONV,
+    C_ASCEND_RECURRENT_GATED_DELTA_RULE,
+    NPU_CHUNK_GATED_DELTA_RULE,
+    assert_only_real_arguments,
+)
 
 OPS = emulated_recurrent_ops()
 V, MAX_TOKENS = 258, 4

@@ -6,7 +6,7 @@ TorchAir's ``torch.ops.air.npu_fused_infer_attention_score`` and ``..._v2`` (Asc
 torch_npu's eager ``npu_fused_infer_attention_score`` (its function prototype in torch_npu's op
 documentation, ``torch_npu-npu_fused_infer_attention_score.md``) and
 ``npu_fused_infer_attention_score_v2`` (Ascend/op-plugin ``op_plugin/config/op_plugin_functions.yaml``
-as of 2026-08, the entry every torch_npu from 2.1 to the newest, 2.10, is generated from), and
+as of 2026-08, the entry every torch_npu from 2.1 to 2.10 is generated from; 2.14 re-checked at the end), and
 ``npu_scatter_nd_update_`` (as TorchAir's converter ``_npu_scatter_nd_update_.py`` quotes it),
 with its functional twin; for recurrent layers (vllm-ascend main @ 182b75ea, 2026-08-22), vllm-ascend's
 ``torch.ops._C_ascend.npu_causal_conv1d_custom`` and ``npu_recurrent_gated_delta_rule``
@@ -164,3 +164,100 @@ def assert_only_real_arguments(graphs, schemas) -> None:
         theirs = arguments(schema)
         for key in node.kwargs:
             assert key in theirs and theirs[key].kwarg_only, f"{node.target}: {key} is not a keyword of the real op"
+
+
+# torch_npu 2.14 (the newest release on the index in 2026-10): the entries of Ascend/op-plugin's
+# op_plugin/config/op_plugin_functions.yaml @ 517f2e7d (2026-08-21; its ``all_version`` runs v2.1 to
+# v2.15, and each entry below is generated for v2.14: ``[v2.1, newest]`` or ``all_version``), copied
+# verbatim from the ``custom`` section (the ``symint`` section repeats FIA and FIA v2 unchanged).
+# Against the copies above: the same arguments, types, defaults and returns; FIA's keywords come in
+# another order (keyword-only: no effect) and the scatters name their first argument ``self``, where
+# TorchAir's converter quotes ``input`` (positional, and passed positionally: no effect).
+OP_PLUGIN_V2_14 = {
+    # op_api: [v2.1, newest]
+    "FIA": (
+        'npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, '
+        'Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, '
+        'Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? '
+        'quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? '
+        'antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? '
+        'value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? '
+        'query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? '
+        'value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? '
+        'key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int '
+        'pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", int '
+        'num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, int '
+        'antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, bool softmax_lse_flag=False)'
+        ' -> (Tensor, Tensor)'
+    ),
+    # op_api: [v2.1, newest]
+    "FIA_V2": (
+        'npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? '
+        'query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? '
+        'actual_seq_qlen=None, SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? '
+        'dequant_scale_query=None, Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? '
+        'dequant_scale_value=None, Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, '
+        'Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? '
+        'learnable_sink=None, int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, int '
+        'pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", int sparse_mode=0, int '
+        'block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, int '
+        'inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, int? '
+        'value_dtype=None, int? query_rope_dtype=None, int? key_rope_dtype=None, int? '
+        'key_shared_prefix_dtype=None, int? value_shared_prefix_dtype=None, int? '
+        'dequant_scale_query_dtype=None, int? dequant_scale_key_dtype=None, int? '
+        'dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> '
+        '(Tensor, Tensor)'
+    ),
+    # op_api: all_version
+    "SCATTER": (
+        'npu_scatter_nd_update_(Tensor(a!) self, Tensor indices, Tensor updates) -> Tensor(a!)'
+    ),
+    # op_api: all_version
+    "SCATTER_FUNCTIONAL": (
+        'npu_scatter_nd_update(Tensor self, Tensor indices, Tensor updates) -> Tensor'
+    ),
+    # op_api: all_version
+    "CHUNK_GATED_DELTA_RULE": (
+        'npu_chunk_gated_delta_rule(Tensor query, Tensor key, Tensor value, *, Tensor? beta=None, Tensor? '
+        'initial_state=None, Tensor? actual_seq_lengths=None, float? scale=None, Tensor? g=None) -> (Tensor, '
+        'Tensor)'
+    ),
+}
+
+
+@pytest.mark.parametrize("name, emulated", [
+    ("FIA", emulated_ops().fused_infer_attention_score_eager),
+    ("FIA_V2", emulated_ops().fused_infer_attention_score_v2_eager),
+    ("SCATTER", emulated_ops().scatter_nd_update_),
+    ("SCATTER_FUNCTIONAL", emulated_ops().scatter_nd_update),
+    ("CHUNK_GATED_DELTA_RULE", emulated_recurrent_ops().chunk_gated_delta_rule),
+])
+def test_the_emulation_has_torch_npu_2_14s_signature(name, emulated):
+    """Each torch_npu op the lowering emits, against op-plugin's entry for v2.14: every keyword of
+    the emulated op has the real one's type, default and kind; positionals agree in number, type
+    and mutation annotation (their names are not part of a positional call); the returns agree."""
+    real = torch._C.parse_schema(OP_PLUGIN_V2_14[name])
+    ours = emulated._schema
+    theirs = arguments(real)
+    for arg in (a for a in ours.arguments if a.kwarg_only):
+        assert arg.name in theirs, f"{arg.name} is not an argument of torch_npu 2.14's op"
+        other = theirs[arg.name]
+        assert (str(arg.type), arg.default_value, other.kwarg_only) == (str(other.type), other.default_value, True)
+    positional = [(str(a.type), a.alias_info is None) for a in real.arguments if not a.kwarg_only]
+    assert [(str(a.type), a.alias_info is None) for a in ours.arguments if not a.kwarg_only] == positional
+    assert [str(r.type) for r in ours.returns] == [str(r.type) for r in real.returns]
+
+
+@pytest.mark.parametrize("name, earlier", [("FIA", NPU_FIA), ("FIA_V2", NPU_FIA_V2), ("SCATTER", NPU_SCATTER),
+                                           ("SCATTER_FUNCTIONAL", NPU_SCATTER_FUNCTIONAL),
+                                           ("CHUNK_GATED_DELTA_RULE", NPU_CHUNK_GATED_DELTA_RULE)])
+def test_torch_npu_2_14_changed_none_of_the_ops_since_the_copies_above(name, earlier):
+    """What changed from the schemas the lowering followed (2.1 to 2.10) to 2.14: no argument's
+    type, default or kind, no return; the only differences are the first positional's name
+    (``self``) and FIA's keyword order."""
+    def described(schema):
+        parsed = torch._C.parse_schema(schema)
+        keywords = {a.name: (str(a.type), a.default_value) for a in parsed.arguments if a.kwarg_only}
+        positionals = [(str(a.type), a.alias_info is None) for a in parsed.arguments if not a.kwarg_only]
+        return keywords, positionals, [str(r.type) for r in parsed.returns]
+    assert described(OP_PLUGIN_V2_14[name]) == described(earlier)

@@ -79,6 +79,7 @@ import pagedpack.kernels.ops  # noqa: F401  (registers torch.ops.pagedpack.*)
 from pagedpack.kernels.attention_params import PARAM_NAMES, AttentionParams, op_arguments
 from pagedpack.lowering.ascend.limits import (
     WINDOW_DUMMY_ROWS,
+    AscendLoweringError,
     AscendUnverifiedWarning,
     AttentionShape,
     check_supported,
@@ -105,12 +106,13 @@ class AscendOps:
     fused_infer_attention_score_v2: OpOverload  # the same two forms of FIA v2 (windows, sinks)
     fused_infer_attention_score_v2_eager: OpOverload
     scatter_nd_update_: OpOverload
+    scatter_nd_update: OpOverload  # its functional twin, for graphs that are already functional (post-grad)
 
     @property
     def namespaces(self) -> set[str]:
         return {op.namespace for op in (self.fused_infer_attention_score, self.fused_infer_attention_score_eager,
                                         self.fused_infer_attention_score_v2, self.fused_infer_attention_score_v2_eager,
-                                        self.scatter_nd_update_)}
+                                        self.scatter_nd_update_, self.scatter_nd_update)}
 
 
 class AscendUnavailableError(TargetUnavailableError):
@@ -192,7 +194,8 @@ def npu_ops() -> AscendOps:
                      torch.ops.npu.npu_fused_infer_attention_score.default,
                      torch.ops.air.npu_fused_infer_attention_score_v2.default,
                      torch.ops.npu.npu_fused_infer_attention_score_v2.default,
-                     torch.ops.npu.npu_scatter_nd_update_.default)
+                     torch.ops.npu.npu_scatter_nd_update_.default,
+                     torch.ops.npu.npu_scatter_nd_update.default)
 
 
 def emulated_ops() -> AscendOps:
@@ -202,7 +205,8 @@ def emulated_ops() -> AscendOps:
                      torch.ops.pagedpack_npu.npu_fused_infer_attention_score.default,
                      torch.ops.pagedpack_air.npu_fused_infer_attention_score_v2.default,
                      torch.ops.pagedpack_npu.npu_fused_infer_attention_score_v2.default,
-                     torch.ops.pagedpack_npu.npu_scatter_nd_update_.default)
+                     torch.ops.pagedpack_npu.npu_scatter_nd_update_.default,
+                     torch.ops.pagedpack_npu.npu_scatter_nd_update.default)
 
 
 def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -211,14 +215,19 @@ def compressed_causal_mask(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
-                    bounds: StepBounds, eager: bool = False) -> list[AttentionShape]:
+                    bounds: StepBounds, eager: bool = False, host_lengths: tuple | None = None) -> list[AttentionShape]:
     """Replace every ``pagedpack`` op of ``gm`` as the module docstring shows; returns each site's shape.
 
     ``example_inputs`` are inputs ``gm`` accepts (real or fake; only their shapes and dtypes are
     used, to read each site's heads, head sizes, dtype and block size). ``eager``: for running
     ``gm`` eagerly or in a captured ACL graph, with torch_npu's FIA and the lengths as host lists
     passed after the caches (:data:`HOST_LENGTH_INPUTS`, :func:`host_lengths`); otherwise
-    TorchAir's tensor-length form.
+    TorchAir's tensor-length form. ``host_lengths``: with ``eager``, the two lists already in the
+    graph (``(actual_seq_lengths, actual_seq_lengths_kv)``, lists of SymInt nodes or ints) instead
+    of new inputs: a post-grad graph cannot take new inputs (:mod:`pagedpack.lowering.ascend.npugraph_ex`).
+    A functional graph (AOT autograd's, post-grad) writes the caches through
+    ``auto_functionalized_v2(reshape_and_cache)``: those become :attr:`AscendOps.scatter_nd_update`
+    and a view back, whose result the graph's own ``copy_`` writes to the cache input.
     Raises :class:`pagedpack.lowering.ascend.limits.AscendLoweringError` (a ``ValueError``) if a
     site breaks a documented limit; ``gm`` is then unchanged.
     """
@@ -226,10 +235,12 @@ def lower_to_ascend(gm: torch.fx.GraphModule, example_inputs, *, ops: AscendOps,
     sites, shapes = _site_shapes(gm, values)
     for shape in shapes:
         check_supported(shape, bounds)
-    emit = _Emitter(gm, ops, values, eager)
+    emit = _Emitter(gm, ops, values, eager, host_lengths)
     for node in list(gm.graph.nodes):
         if node.target is torch.ops.pagedpack.reshape_and_cache.default:
             emit.cache_write(node)
+        elif _is_functional_cache_write(node):
+            emit.functional_cache_write(node)
     for node, shape in zip(sites, shapes):
         emit.attention(node, shape)
     gm.graph.lint()
@@ -250,20 +261,27 @@ def site_shapes(rewritten, *, block_size: int, device: torch.device | str = "cpu
     return _site_shapes(rewritten.graph_module, values)[1]
 
 
+def _is_functional_cache_write(node: Node) -> bool:
+    """``auto_functionalized_v2(pagedpack.reshape_and_cache, ...)``: the cache write after functionalisation."""
+    return (node.target is torch.ops.higher_order.auto_functionalized_v2
+            and node.args[0] is torch.ops.pagedpack.reshape_and_cache.default)
+
+
 def _site_shapes(gm: torch.fx.GraphModule, values: dict[Node, object]) -> tuple[list[Node], list[AttentionShape]]:
     sites = [n for n in gm.graph.nodes if n.target is torch.ops.pagedpack.paged_attention.default]
     return sites, [_attention_shape(node, values) for node in sites]
 
 
-def describe(shapes: list[AttentionShape], ops: AscendOps) -> str:
-    """One line for the pass report: what was lowered, to which ops."""
+def describe(shapes: list[AttentionShape], ops: AscendOps, functional: bool = False) -> str:
+    """One line for the pass report: what was lowered, to which ops (``functional``: the cache
+    writes of a functional graph, :attr:`AscendOps.scatter_nd_update`)."""
     kinds = sorted({f"H={s.num_heads}/Hkv={s.num_kv_heads}, D={s.head_dim}, block_size={s.block_size}" for s in shapes})
     windows = sorted({s.sliding_window for s in shapes if s.sliding_window is not None})
     band = f"; sparse_mode=4 band for sliding window(s) {windows}" if windows else ""
     v2 = sum(map(uses_fia_v2, shapes))
     v2 = f", {v2} through npu_fused_infer_attention_score_v2" if v2 else ""
     return (f"ascend lowering: {len(shapes)} site(s) -> npu_fused_infer_attention_score (TND, paged, sparse_mode=3"
-            f"{band}{v2}) + {ops.scatter_nd_update_} ({'; '.join(kinds)})")
+            f"{band}{v2}) + {ops.scatter_nd_update if functional else ops.scatter_nd_update_} ({'; '.join(kinds)})")
 
 
 def _fake_values(gm: torch.fx.GraphModule, example_inputs) -> dict[Node, object]:
@@ -323,8 +341,10 @@ def host_lengths(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> list[lis
 class _Emitter:
     """Inserts the Ascend ops; what all sites share (int64 lengths, the mask) is built once."""
 
-    def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object], eager: bool):
+    def __init__(self, gm: torch.fx.GraphModule, ops: AscendOps, values: dict[Node, object], eager: bool,
+                 host_lengths: tuple | None = None):
         self.gm, self.graph, self.ops, self.values, self.eager = gm, gm.graph, ops, values, eager
+        self.host_lengths = host_lengths
         self.fia = ops.fused_infer_attention_score_eager if eager else ops.fused_infer_attention_score
         self.fia_v2 = ops.fused_infer_attention_score_v2_eager if eager else ops.fused_infer_attention_score_v2
         self._shared: dict[tuple, Node] = {}
@@ -351,6 +371,34 @@ class _Emitter:
                     rows = self._call(aten._to_copy.default, rows, dtype=cache_val.dtype)
                 flat = self._call(aten.view.default, cache, [-1, *map(int, cache_val.shape[2:])])  # [slots, Hkv, D]
                 self._call(self.ops.scatter_nd_update_, flat, index, rows)
+        self.graph.erase_node(node)
+
+    def functional_cache_write(self, node: Node) -> None:
+        """``auto_functionalized_v2(reshape_and_cache, key, value, slot_mapping, _all_bases=[key_cache,
+        value_cache], ...)`` -> per cache ``view(scatter_nd_update(cache.view(-1, Hkv, D), slots[:, None],
+        rows), cache.shape)``, which replaces the node's updated-base outputs (``getitem(node, 1 + i)``).
+        The caches must be whole bases (no view of one: ``AscendLoweringError`` otherwise)."""
+        kwargs = node.kwargs
+        views = sorted(k for k in kwargs if k.endswith(("_size", "_stride", "_storage_offset", "_slice_dim")))
+        if views:
+            raise AscendLoweringError(f"{node.name}: the caches written are views of the inputs ({views}); "
+                                      "the lowering writes whole cache inputs only")
+        bases = kwargs["_all_bases"]
+        updated = {}
+        with self.graph.inserting_before(node):
+            index = self._call(aten.unsqueeze.default, kwargs["slot_mapping"], 1)  # [T, 1]
+            for rows, name in ((kwargs["key"], "key_cache"), (kwargs["value"], "value_cache")):
+                base_index = kwargs[f"_{name}_base_index"]
+                base, base_val = bases[base_index], bases[base_index].meta["val"]
+                if rows.meta["val"].dtype != base_val.dtype:  # the reference op casts to the cache dtype
+                    rows = self._call(aten._to_copy.default, rows, dtype=base_val.dtype)
+                flat = self._call(aten.view.default, base, [-1, *map(int, base_val.shape[2:])])
+                written = self._call(self.ops.scatter_nd_update, flat, index, rows)
+                updated[base_index] = self._call(aten.view.default, written, list(map(int, base_val.shape)))
+                updated[base_index].meta["val"] = self.values[updated[base_index]] = base_val
+        for user in list(node.users):  # getitem(node, 0) is the op's own (None) result
+            user.replace_all_uses_with(updated[user.args[1] - 1])
+            self.graph.erase_node(user)
         self.graph.erase_node(node)
 
     def attention(self, node: Node, shape: AttentionShape) -> None:
@@ -392,7 +440,7 @@ class _Emitter:
         metadata, or in the eager form the two host lists of :data:`HOST_LENGTH_INPUTS`; a windowed
         site's carry the dummy sequence (``T + 2`` rows, KV length 0)."""
         if self.eager:
-            ends, kv_lens = self._once(("host",), self._host_inputs)
+            ends, kv_lens = self._once(("host",), lambda: self.host_lengths or self._host_inputs())
             if windowed:
                 ends = self._once(("host_dummy_q",), lambda: self._call(operator.add, ends, [self._call(
                     operator.add, self._call(operator.getitem, ends, -1), WINDOW_DUMMY_ROWS)]))
