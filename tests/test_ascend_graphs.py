@@ -81,6 +81,16 @@ def _runners(tnd_model, references, num_blocks, max_model_len, **ascend):
     return llm.program, {"ascend": llm.llm_engine.runner, **references(num_blocks, max_model_len)}
 
 
+def _collect_mismatches(mismatches: list):
+    """A ``compare`` for :func:`_run_steps` that appends each mismatch to ``mismatches`` instead of raising."""
+    def compare(got, expected, exact):
+        try:
+            assert_within_own_error(got, expected, exact)
+        except AssertionError as err:
+            mismatches.append(err)
+    return compare
+
+
 def _run_steps(runners, steps, kv, num_blocks, max_model_len, *, compare=assert_within_own_error):
     """Run each step (``(request, new tokens)`` pairs) on every runner and ``compare`` the logits."""
     for parts in steps:
@@ -162,12 +172,7 @@ def test_a_replay_needs_this_steps_kv_lengths(tnd_model, references, capture_onc
     decodes = [[(r, 1) for r in requests[:2]], [(r, 1) for r in requests[2:]]]
     _run_steps(runners, prefill + decodes, kv, num_blocks, max_model_len)  # refreshed: every step compared
     mismatches = []
-
-    def compare(got, expected, exact):
-        try:
-            assert_within_own_error(got, expected, exact)
-        except AssertionError as err:
-            mismatches.append(err)
+    compare = _collect_mismatches(mismatches)
 
     monkeypatch.setattr(ACLGraphBuckets, "refresh", lambda self, captured, padded: None)
     _run_steps(runners, decodes, kv, num_blocks, max_model_len, compare=compare)  # stale: the last refresh's
@@ -244,12 +249,7 @@ def test_a_piece_replay_needs_this_steps_inputs(tnd_model, references, capture_o
     requests = [Request(str(i), p, SamplingParams(max_tokens=8, ignore_eos=True))
                 for i, p in enumerate(random_prompts([90, 60, 120, 100], seed=4))]
     mismatches = []
-
-    def compare(got, expected, exact):
-        try:
-            assert_within_own_error(got, expected, exact)
-        except AssertionError as err:
-            mismatches.append(err)
+    compare = _collect_mismatches(mismatches)
 
     _run_steps(runners, [[(requests[0], 50), (requests[1], 10)]], kv, num_blocks, max_model_len)  # captures
     monkeypatch.setattr(PiecewiseGraphs, "load", staticmethod(lambda captured, args: None))

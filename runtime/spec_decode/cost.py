@@ -25,7 +25,7 @@ is kept, as without this module.
 from __future__ import annotations
 
 DECAY = 0.97  # per decode step measured: a step 100 steps back weighs 5 %
-MIN_WEIGHT = 8.0  # decode steps (weighted) before the line is trusted
+MIN_WEIGHT = 24.0  # decode steps (weighted; 47 in a row) before the line is trusted
 MIN_ROW_SPREAD = 0.25  # rows**2: the weighted variance of the row counts needed to fit a slope
 PRIOR_TOKENS = 2.0  # an Acceptance starts as this many draft tokens at the engine-wide rate
 
