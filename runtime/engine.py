@@ -160,7 +160,6 @@ class LLMEngine:
                  draft_model: DraftModel | None = None):
         self.runner, self.scheduler, self.lora = runner, scheduler, lora_manager
         self.proposer = Proposer(speculative_config, draft_model) if speculative_config is not None else None
-        self._draft = draft_model
         # a KV connector's WORKER half (the scheduler holds its SCHEDULER half), driven around each step
         self.kv_connector = KVConnectorDriver(kv_connector, runner) if kv_connector is not None else None
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
@@ -457,8 +456,8 @@ class LLMEngine:
                 self.kv_connector.before_step(output)
             if output.blocks_to_copy:
                 self.runner.copy_blocks(output.blocks_to_copy)
-                if self._draft is not None:
-                    self._draft.copy_blocks(output.blocks_to_copy)
+                if self._draft_model is not None:
+                    self._draft_model.copy_blocks(output.blocks_to_copy)
             if output.states_to_copy:
                 self.runner.copy_states(output.states_to_copy)
             spans, prompt_logits_rows = prompt_rows(output.scheduled)
@@ -476,8 +475,8 @@ class LLMEngine:
                 [s.request.lora_adapter for s in output.scheduled], [s.num_new_tokens for s in output.scheduled],
                 self.runner.device)
             logits = self.runner.execute(batch, *state, lora_indices=lora_indices)
-            if self._draft is not None:  # its cache holds every position the target's does
-                self._draft.follow(batch)
+            if self._draft_model is not None:  # its cache holds every position the target's does
+                self._draft_model.follow(batch)
             if self.kv_connector is not None:
                 self.kv_connector.after_step()
                 connector_output = self.kv_connector.finish_step(output)
@@ -519,6 +518,11 @@ class LLMEngine:
         for observe in self.step_observers:
             observe(self)
         return outputs
+
+    @property
+    def _draft_model(self) -> DraftModel | None:
+        """The proposer's draft model (method ``draft_model``), None otherwise."""
+        return self.proposer.draft_model if self.proposer is not None else None
 
     def _next_bitmask(self, requests: list[Request]) -> StepBitmask | None:
         """The grammar bitmask of a speculative step's later position (None: no request constrained)."""
