@@ -20,7 +20,8 @@ class ReferenceTarget(Target):
     linears of a copy run on prepacked oneDNN weights (:meth:`lower`)."""
 
     name: str = "reference"
-    description: str = "the project's ops (pagedpack::reshape_and_cache, paged_attention), any device"
+    description: str = ("the project's ops (pagedpack::reshape_and_cache, paged_attention), any device; native CPU "
+                        "kernels on CPU")
     serves_pt2: bool = True
     formats: tuple[FileFormat, ...] = (pt2.FORMAT, tp.MANIFEST)
     supports_tensor_parallel: bool = True
