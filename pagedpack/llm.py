@@ -21,7 +21,7 @@ from pagedpack.runtime.memory import release_memory
 from pagedpack.runtime.outputs import merge
 from pagedpack.runtime.sampling import SamplingParams, normalize_sampling_params
 from pagedpack.runtime.tensor_parallel import TensorParallelRanks
-from pagedpack.step.contract import bytes_per_token, state_bytes_per_seq
+from pagedpack.step.contract import state_bytes_per_seq
 
 
 class LLM:
@@ -33,8 +33,9 @@ class LLM:
     Attributes: ``model`` (the ``transformers`` module, None when served from a file), ``rewritten`` (the
     :class:`~pagedpack.passes.pipeline.RewrittenModel`, None from a file), ``program`` (the
     :class:`~pagedpack.step.contract.StepProgram` the runner calls), ``description`` (eos ids, ``max_model_len``,
-    vocabulary, tokenizer), ``report`` (the pass report, None from a file), ``ranks`` (this process's
-    tensor-parallel rank and the other ranks' processes: :mod:`pagedpack.runtime.tensor_parallel`).
+    vocabulary, tokenizer), ``bytes_per_token`` (KV bytes a token takes over all cache pairs, a draft model's too),
+    ``report`` (the pass report, None from a file), ``ranks`` (this process's tensor-parallel rank and the other
+    ranks' processes: :mod:`pagedpack.runtime.tensor_parallel`).
 
     Memory and the compile cache: :mod:`pagedpack.compiler.program` (a program of the target's own lets the
     source model go; ``model`` and ``rewritten`` are then loaded and captured again on first use).
@@ -56,6 +57,8 @@ class LLM:
                 description.tokenizer = load_tokenizer(args.tokenizer)
             self.description, self.tokenizer, self.block_size = description, description.tokenizer, args.block_size
             self.vocab_size, self.max_model_len = description.vocab_size, max_model_len(args, description)
+            self._draft = build_draft(args)  # before the pool: its KV takes the pool's blocks too
+            self.bytes_per_token = self._kv_bytes_per_token()
             self.num_blocks = pool_num_blocks(args, bytes_per_token=self.bytes_per_token,
                                               max_model_len=self.max_model_len, plan=self.plan_memory)
             self.llm_engine = LLMEngine.build(
@@ -65,7 +68,7 @@ class LLM:
                 cpu_threads=CpuThreads(args.num_threads, args.reserved_cpus) if is_cpu(args.device) else None,
                 workers=self.ranks.workers, kv_events_config=events, kv_event_publisher=publisher,
                 kv_transfer_config=args.kv_transfer_config, model_stamp=self._builder.lowered.stamp,
-                lora_config=LoRAConfig.of(args), speculative_config=args.speculative_config, draft=build_draft(args))
+                lora_config=LoRAConfig.of(args), speculative_config=args.speculative_config, draft=self._draft)
         self._loop = EngineLoop(self.llm_engine)
         self._ids = itertools.count()
 
@@ -106,10 +109,8 @@ class LLM:
         """Forget every cached block nobody holds (vLLM's; KV events: ``AllBlocksCleared``); False while held."""
         return self.llm_engine.reset_prefix_cache()
 
-    @property
-    def bytes_per_token(self) -> int:
-        """KV-cache bytes one token takes over all cache pairs (a layer sharing an earlier layer's cache adds none)."""
-        return bytes_per_token(self.program.kv_cache_specs)
+    def _kv_bytes_per_token(self, kv_cache_dtype: str | None = None) -> int:
+        return sum(built.kv_bytes_per_token(kv_cache_dtype) for built in (self._builder, self._draft) if built)
 
     def export(self, path, *, format: str | None = None, tensor_parallel_size=None, **options) -> str:
         """Write the rewritten step program to ``path`` as ``format`` (a registered export format: ``"pt2"``, ``"onnx"``
@@ -133,13 +134,13 @@ class LLM:
         keep = args.keep_source_model if keep_source_model is None else keep_source_model
         if not isinstance(keep, bool):
             raise ValueError(f"keep_source_model: expected a bool or None, got {keep_source_model!r}")
-        per_token = self.bytes_per_token if kv_cache_dtype is None else bytes_per_token(
-            self._builder.kv_cache_specs(kv_cache_dtype))
-        return plan_memory(peak, bytes_per_token=per_token, memory=parse_bytes("memory", memory),
-                           block_size=self.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                           max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                           weight_bytes=self._builder.weight_bytes(keep),
-                           state_bytes_per_seq=state_bytes_per_seq(self.program))
+        return plan_memory(
+            peak, bytes_per_token=self._kv_bytes_per_token(kv_cache_dtype), memory=parse_bytes("memory", memory),
+            block_size=self.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
+            weight_bytes=self._builder.weight_bytes(keep),
+            state_bytes_per_seq=state_bytes_per_seq(self.program),
+            draft_bytes=self._draft.fixed_bytes(kv_cache_dtype) if self._draft else 0)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, stream: bool = False, lora_request=None):

@@ -83,7 +83,7 @@ class Stats:
     ``kv_blocks_used`` (owned by requests) + ``kv_blocks_cached_free`` (owned by nobody, cached:
     reusable by a hit) + ``kv_blocks_free`` (neither) == ``kv_blocks_total``; ``kv_blocks_cached``
     (owned or not); ``kv_blocks_peak_used``. KV memory: ``kv_cache_dtype`` (the caches' dtype name),
-    ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype);
+    ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype, a draft model's too);
     ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that. ``prefix_caching``: whether the prefix cache
     is on (off for a model with recurrent layers: their state is not cached with a prefix's blocks);
     ``state_slots_total`` / ``state_slots_used``: the recurrent-state slots (0 without such layers).
@@ -190,7 +190,8 @@ class LLMEngine:
         keeping blocks across processes (None: unknown); ``lora_config``: the adapter slots of a program
         rewritten with ``enable_lora`` (:mod:`pagedpack.runtime.lora`; None: one slot of rank 1, unused);
         ``speculative_config``: propose and verify draft tokens (:mod:`pagedpack.runtime.spec_decode`; None:
-        no speculation); ``draft``: its draft model's ``(program, description)`` (method ``draft_model``);
+        no speculation); ``draft``: its draft model (method ``draft_model``; its ``program`` and ``description``:
+        :class:`pagedpack.compiler.program.Draft`);
         ``ValueError`` naming it for a model with recurrent layers (their state cannot step back from a
         rejected draft yet) or with a KV connector, or naming ``speculative_config.model`` for a draft
         whose token ids are not the target's."""
@@ -225,10 +226,11 @@ class LLMEngine:
                               max_loras=lora.max_loras if lora_manager else 0)
         draft_model = None
         if draft is not None:
-            check_draft(description, draft[1])
-            draft_model = DraftModel(draft[0], num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                                     num_speculative_tokens=speculative_config.num_speculative_tokens, device=device,
-                                     cpu_threads=cpu_threads, max_positions=draft[1].max_model_len)
+            check_draft(description, draft.description)
+            draft_model = DraftModel(draft.program, num_blocks=num_blocks, block_size=block_size,
+                                     max_num_seqs=max_num_seqs, device=device, cpu_threads=cpu_threads,
+                                     scratch_per_seq=speculative_config.scratch_blocks_per_seq(block_size),
+                                     max_positions=draft.description.max_model_len)
         publisher = kv_event_publisher or make_publisher(kv_events_config)
         return cls(runner, scheduler, description=description, kv_event_publisher=publisher,
                    kv_connector=worker_connector, lora_manager=lora_manager, speculative_config=speculative_config,
@@ -378,8 +380,10 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         pool, prefix = kv.pool, kv.prefix_cache_stats
         cached_free = pool.num_cached_free_blocks
-        specs = self.runner.program.kv_cache_specs
-        per_block = bytes_per_token(specs) * self.runner.block_size
+        specs = self.runner.program.kv_cache_specs  # a draft model's KV takes the same blocks
+        per_token = bytes_per_token(specs) + (bytes_per_token(self._draft_model.runner.program.kv_cache_specs)
+                                              if self._draft_model is not None else 0)
+        per_block = per_token * self.runner.block_size
         return Stats(
             num_steps=self.stats.num_steps, num_batched_tokens=self.stats.num_batched_tokens,
             num_prompt_tokens_computed=self.stats.num_prompt_tokens_computed,

@@ -379,6 +379,34 @@ def test_a_draft_model_of_other_token_ids_is_refused_and_a_shorter_one_drafts_wi
     assert [o.outputs[0].token_ids for o in outputs] == [expected[tuple(p)] for p in prompts]
 
 
+def kv_bytes_per_token(config, itemsize: int = 4) -> int:
+    """K and V of one token over all layers of a Llama ``config`` (float32 caches)."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * itemsize
+
+
+def test_the_memory_plan_counts_the_draft_model_s_kv_weights_and_scratch(draft_case):
+    """The draft's KV takes the pool's blocks beside the target's: ``kv_cache_memory`` holds blocks of
+    both; a budget also pays the draft's weights (at least its parameters) and the scratch blocks of
+    ``max_num_seqs`` proposals (``ceil(k / block_size)`` blocks each)."""
+    model, *_ = draft_case
+    draft = tiny_model("llama", num_hidden_layers=1, seed=7)
+    per_token = kv_bytes_per_token(model.config) + kv_bytes_per_token(draft.config)
+    config = {"model": draft, "num_speculative_tokens": 20}
+    llm = LLM(snapshot(model), block_size=16, max_num_seqs=4, kv_cache_memory=100 * per_token * 16 + 5,
+              speculative_config=config)
+    assert llm.num_blocks == 100 and llm.bytes_per_token == per_token
+    assert llm.get_stats().kv_cache_bytes_per_block == per_token * 16
+    plain, budget = LLM(snapshot(model), block_size=16, max_num_seqs=4), 64 << 20
+    with_draft, without = llm.plan_memory(budget), plain.plan_memory(budget)
+    scratch = 4 * 2 * 16 * kv_bytes_per_token(draft.config)  # 2 blocks of 16 for 20 draft tokens, per sequence
+    params = sum(p.numel() * p.element_size() for p in draft.parameters())
+    assert with_draft.draft_bytes >= scratch + params and without.draft_bytes == 0
+    assert with_draft.num_blocks == (budget - with_draft.weight_bytes - with_draft.activation_bytes
+                                     - with_draft.draft_bytes) // (per_token * 16)
+    assert any(label == "draft model" for label, _ in with_draft.rows())
+
+
 def test_suffix_decoding_drafts_from_the_request_and_earlier_responses():
     """Suffix decoding (Arctic Inference's trees): a prompt asked again is answered from the global tree of
     earlier responses, which prompt lookup cannot see; the tokens stay the model's own."""

@@ -2,7 +2,7 @@
 
 A budget of ``memory`` bytes holds the weights, one step's activations and the KV pool:
 
-    memory >= weights + activation_peak(T, B) + state_bytes_per_seq * max_num_seqs
+    memory >= weights + activation_peak(T, B) + state_bytes_per_seq * max_num_seqs + draft_bytes
               + kv_bytes_per_token * block_size * num_blocks
 
 ``activation_peak`` is the sympy expression of :mod:`pagedpack.passes.activation_memory` (peak
@@ -12,9 +12,13 @@ has more than ``T = max_num_batched_tokens`` tokens or ``B = min(T, max_num_seqs
 the plan charges ``activation_peak`` there. A model with recurrent layers also holds a state slot per
 sequence (``state_bytes_per_seq``: its conv and SSM states, :class:`pagedpack.step.contract.StateSpec`),
 ``max_num_seqs`` of them, whatever their lengths; a state-space model without attention has no KV
-(its blocks are bookkeeping only: :func:`bookkeeping_blocks`). This is what vLLM does by profiling one dummy step
-of ``max_num_batched_tokens`` before sizing its pool (``gpu_memory_utilization``); here it is read
-off the graph instead of measured.
+(its blocks are bookkeeping only: :func:`bookkeeping_blocks`). With a draft model (speculative
+decoding), its KV takes the pool's blocks beside the target's (``kv_bytes_per_token`` is both
+models'), and its weights and proposal scratch blocks are ``draft_bytes``
+(:class:`pagedpack.compiler.program.Draft`; its steps run after the target's, so the target's
+``activation_peak`` is charged, not the sum). This is what vLLM does by profiling one dummy step of
+``max_num_batched_tokens`` before sizing its pool (``gpu_memory_utilization``); here it is read off
+the graph instead of measured.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class MemoryPlan:
         stops at :data:`MAX_TOKENS_SEARCHED`).
     concurrent_seqs: sequences of ``max_model_len`` tokens the pool holds at once (with recurrent
         state, at most ``max_num_seqs``: a slot each).
+    draft_bytes: a draft model's weights and proposal scratch (0 without one).
     """
 
     memory: int
@@ -65,6 +70,7 @@ class MemoryPlan:
     largest_batched_tokens: int
     concurrent_seqs: int
     state_bytes_per_seq: int = 0
+    draft_bytes: int = 0
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -84,6 +90,8 @@ class MemoryPlan:
             *([("recurrent state", f"{self.state_bytes_per_seq} bytes per sequence, a slot for each of max_num_seqs = "
                                    f"{self.max_num_seqs}: {_mib(self.state_bytes_per_seq * self.max_num_seqs)}")]
               if self.state_bytes_per_seq else []),
+            *([("draft model", f"{_mib(self.draft_bytes)}: its weights and proposal scratch blocks (its KV, in the "
+                               f"KV bytes, takes the pool's blocks)")] if self.draft_bytes else []),
             ("activation peak(T, B)", str(self.peak.expr)),
             ("activation peak", f"{_mib(self.activation_bytes)} at T = max_num_batched_tokens = "
                                 f"{self.max_num_batched_tokens}, B = {num_seqs}"),
@@ -97,11 +105,12 @@ class MemoryPlan:
 
 def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, block_size: int,
                 max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, weight_bytes: int,
-                state_bytes_per_seq: int = 0) -> MemoryPlan:
+                state_bytes_per_seq: int = 0, draft_bytes: int = 0) -> MemoryPlan:
     """The :class:`MemoryPlan` of a rewritten model whose step graph has activation peak ``peak``
     (:func:`pagedpack.passes.activation_memory.activation_peak`), whose KV cache takes
     ``bytes_per_token`` and whose recurrent state ``state_bytes_per_seq``, under a budget of
-    ``memory`` bytes with ``weight_bytes`` of weights resident (:func:`resident_weight_bytes`).
+    ``memory`` bytes with ``weight_bytes`` of weights resident (:func:`resident_weight_bytes`) and
+    ``draft_bytes`` of a draft model's (the module docstring).
     ``ValueError`` for a non-positive size."""
     for name, value in (("memory", memory), ("block_size", block_size), ("max_num_batched_tokens",
                         max_num_batched_tokens), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
@@ -110,7 +119,7 @@ def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, bloc
     per_token = bytes_per_token
     per_block = per_token * block_size
     activation = peak.bytes(max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
-    fixed = weight_bytes + state_bytes_per_seq * max_num_seqs
+    fixed = weight_bytes + state_bytes_per_seq * max_num_seqs + draft_bytes
     if per_block:
         num_blocks = (memory - fixed - activation) // per_block
     else:
@@ -131,7 +140,7 @@ def plan_memory(peak: ActivationPeak, *, bytes_per_token: int, memory: int, bloc
     if state_bytes_per_seq:  # a sequence also needs one of the max_num_seqs state slots
         seqs = min(seqs, max_num_seqs)
     return MemoryPlan(memory, weight_bytes, per_token, block_size, max_num_batched_tokens, max_num_seqs,
-                      max_model_len, peak, activation, num_blocks, largest, seqs, state_bytes_per_seq)
+                      max_model_len, peak, activation, num_blocks, largest, seqs, state_bytes_per_seq, draft_bytes)
 
 
 def bookkeeping_blocks(block_size: int, max_model_len: int, max_num_seqs: int) -> int:

@@ -35,7 +35,7 @@ from pagedpack.engine_args import EngineArgs
 from pagedpack.inputs import KV_CACHE_DTYPES, check_kv_cache_dtype
 from pagedpack.lowering.targets import export_format_for, format_of, get_target, tensor_parallel_format
 from pagedpack.passes.graph_attrs import own_attrs
-from pagedpack.step.contract import ModelDescription, StepProgram
+from pagedpack.step.contract import ModelDescription, StepProgram, bytes_per_token
 
 # The stages of a build, each a value made by one stage function from the one before:
 # Source -> SourceModel (load_model) -> RewrittenStep (rewrite_model; shard) -> Lowered (lower).
@@ -274,6 +274,11 @@ class ProgramBuilder:
         program.kv_cache_specs = self.kv_cache_specs(self.args.kv_cache_dtype)
         return program, program.description
 
+    def kv_bytes_per_token(self, kv_cache_dtype: str | None = None) -> int:
+        """KV-cache bytes per token of the program as built (``kv_cache_dtype``: in that dtype instead)."""
+        specs = self.lowered.program.kv_cache_specs if kv_cache_dtype is None else self.kv_cache_specs(kv_cache_dtype)
+        return bytes_per_token(specs)
+
     def kv_cache_specs(self, kv_cache_dtype: str) -> list:
         """The program's KV cache specs with caches of ``kv_cache_dtype`` (a name as
         ``EngineArgs.kv_cache_dtype``); ``ValueError`` naming the option if the target does not run
@@ -404,18 +409,35 @@ def build_rank_program(args: EngineArgs, rank: int) -> StepProgram:
     return ProgramBuilder(args, rank=rank).build()[0]
 
 
-def build_draft(args: EngineArgs) -> tuple[StepProgram, ModelDescription] | None:
-    """The program and description of ``args.speculative_config``'s draft model (method
-    ``draft_model``; else None), built as the target's is, with its dtype, target, device, block size,
-    step bounds (its ``max_model_len`` its own) and threads."""
+class Draft(ProgramBuilder):
+    """``args.speculative_config``'s draft model (method ``draft_model``), built as the target's program
+    is, with its dtype, KV cache dtype, target, device, block size, step bounds (its ``max_model_len``
+    its own) and threads: its ``program`` and ``description``, and what it adds to the target's memory
+    (its KV takes the pool's blocks beside the target's: :meth:`kv_bytes_per_token`; its weights and
+    proposal scratch are fixed: :meth:`fixed_bytes`)."""
+
+    def __init__(self, args: EngineArgs):
+        self.config = args.speculative_config
+        super().__init__(EngineArgs(
+            model=self.config.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, target=args.target,
+            target_options=args.target_options, device=args.device, block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            num_threads=args.num_threads, reserved_cpus=args.reserved_cpus))
+        self.program, self.description = self.build()
+
+    def fixed_bytes(self, kv_cache_dtype: str | None = None) -> int:
+        """Bytes the draft holds whatever the pool: its weights as served and the scratch blocks of
+        ``max_num_seqs`` proposals (:mod:`pagedpack.runtime.spec_decode.draft_model`), their KV in
+        ``kv_cache_dtype`` (None: as built)."""
+        block_size = self.args.block_size
+        scratch_tokens = self.args.max_num_seqs * self.config.scratch_blocks_per_seq(block_size) * block_size
+        return (self.weight_bytes(False) or 0) + scratch_tokens * self.kv_bytes_per_token(kv_cache_dtype)
+
+
+def build_draft(args: EngineArgs) -> Draft | None:
+    """``args``' draft model (:class:`Draft`), None unless ``speculative_config``'s method is ``draft_model``."""
     config = args.speculative_config
-    if config is None or config.method != "draft_model":
-        return None
-    draft = EngineArgs(model=config.model, dtype=args.dtype, target=args.target, target_options=args.target_options,
-                       device=args.device, block_size=args.block_size,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       num_threads=args.num_threads, reserved_cpus=args.reserved_cpus)
-    return ProgramBuilder(draft).build()
+    return Draft(args) if config is not None and config.method == "draft_model" else None
 
 
 def max_model_len(args: EngineArgs, description: ModelDescription) -> int:

@@ -1,6 +1,7 @@
 """``speculative_config``: vLLM's ``SpeculativeConfig`` fields that pagedpack runs, with vLLM's defaults."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagedpack.inputs import parse_config
@@ -92,6 +93,11 @@ class SpeculativeConfig:
     def parse(cls, value) -> "SpeculativeConfig | None":
         """A config from JSON text (the command line's), a dict, or a config; None passes."""
         return parse_config(cls, value, "speculative_config")
+
+    def scratch_blocks_per_seq(self, block_size: int) -> int:
+        """Blocks of ``block_size`` tokens a draft model's proposal writes past what its sequence
+        holds (:mod:`~pagedpack.runtime.spec_decode.draft_model`): ``ceil(num_speculative_tokens / block_size)``."""
+        return math.ceil(self.num_speculative_tokens / block_size)
 
 
 def _check_number(name: str, value, low, high, kind: type = int) -> None:

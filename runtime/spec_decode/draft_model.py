@@ -35,15 +35,15 @@ if TYPE_CHECKING:
 
 class DraftModel:
     """The draft ``program`` (a :class:`~pagedpack.step.contract.StepProgram`) and its KV cache: the
-    target's ``num_blocks`` blocks of ``block_size`` tokens plus scratch for ``max_num_seqs`` proposals
-    of ``num_speculative_tokens`` (the module docstring), on ``device``, stepped with ``cpu_threads``.
-    A request gets no draft token past the draft's ``max_positions`` (None: no limit), as vLLM stops
-    drafting past the draft model's length."""
+    target's ``num_blocks`` blocks of ``block_size`` tokens plus ``scratch_per_seq`` blocks for each of
+    ``max_num_seqs`` proposals (``SpeculativeConfig.scratch_blocks_per_seq``; the module docstring), on
+    ``device``, stepped with ``cpu_threads``. A request gets no draft token past the draft's
+    ``max_positions`` (None: no limit), as vLLM stops drafting past the draft model's length."""
 
-    def __init__(self, program, *, num_blocks: int, block_size: int, max_num_seqs: int, num_speculative_tokens: int,
-                 device, cpu_threads=None, max_positions: int | None = None):
+    def __init__(self, program, *, num_blocks: int, block_size: int, max_num_seqs: int, scratch_per_seq: int, device,
+                 cpu_threads=None, max_positions: int | None = None):
         self.num_blocks, self.block_size, self.max_positions = num_blocks, block_size, max_positions
-        self.scratch_per_seq = math.ceil(num_speculative_tokens / block_size)
+        self.scratch_per_seq = scratch_per_seq
         self.runner = ModelRunner(program, num_blocks=num_blocks + max_num_seqs * self.scratch_per_seq,
                                   block_size=block_size, device=device, cpu_threads=cpu_threads)
 
