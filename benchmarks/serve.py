@@ -17,14 +17,16 @@ object: per engine, sampling and point the request throughput, output tokens/s, 
 latency p50/p99 (ms), and pagedpack's ratios to vLLM (throughput: higher is better for pagedpack;
 latency: lower is). Start at a 1-minute load below 0.8 (reported as ``load_1min``); the client shares
 the cores. ``--repeats N`` runs the engines N times, alternating which goes first, and reports each
-figure's median over the N runs (and every run's value).
+figure's median over the N runs (and every run's value). ``--speculative-config JSON`` (vLLM's spelling,
+given to both servers) runs each engine twice, without and with it (``pagedpack+spec``, ``vllm+spec``),
+and reports each engine's ``spec_over_off`` ratios beside pagedpack's over vLLM's, with and without.
 
 vLLM's server is started as a module (``../shared/bench/SETUP.md`` section 6: the wheel's ``vllm``
 script fails) with Intel OpenMP preloaded and no reserved core, its best configuration on 2 cores.
 
 ``python benchmarks/serve.py [--model smollm2-135m] [--dtype float32] [--rates 0.5,1,2,inf]
   [--concurrency 1,4,16,64] [--sampling greedy,t1] [--workload random] [--client vllm]
-  [--vllm-venv PEERS/vllm] [--repeats 1]``
+  [--vllm-venv PEERS/vllm] [--repeats 1] [--speculative-config '{"method": "ngram", ...}']``
 """
 from __future__ import annotations
 
@@ -48,22 +50,22 @@ SAMPLING = {"greedy": {"temperature": 0.0}, "t1": {"temperature": 1.0}, "t0.7_p0
 BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench"
 
 
-def _pagedpack(model_dir: str, args):
+def _pagedpack(model_dir: str, args, spec: list[str]):
     def command(port):
         return pagedpack_serve_command(model_dir, "--dtype", args.dtype, "--served-model-name", "bench",
                                        "--no-enable-prefix-caching", "--max-model-len", "2048",
-                                       "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", port=port)
+                                       "--kv-cache-memory", f"{KV_CACHE_GIB}GiB", *spec, port=port)
 
     return command, {}
 
 
-def _vllm(model_dir: str, args):
+def _vllm(model_dir: str, args, spec: list[str]):
     venv = Path(args.vllm_venv)
 
     def command(port):
         return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-                "--no-enable-prefix-caching", "--served-model-name", "bench"]
+                "--no-enable-prefix-caching", "--served-model-name", "bench", *spec]
 
     env = {"LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -89,7 +91,10 @@ def _vllm_client(url: str, model_dir: str, rate: float, concurrency: int | None,
                    "--result-filename", "result.json",
                    *(["--max-concurrency", str(concurrency)] if concurrency else []),
                    *(x for k, v in sampling.items() for x in (f"--{k.replace('_', '-')}", str(v)))]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # the platform named: vllm-cpu's version string does not say cpu once vllm_cli.py renames it, and vLLM's
+        # default platform then loads the AVX-512 kernels (SIGILL on an AVX2 host)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                       env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
         result = json.loads((Path(folder) / "result.json").read_text())
     return {"completed": result["completed"], "failed": result.get("failed", args.num - result["completed"]),
             "duration_s": round(result["duration"], 2), "request_throughput": round(result["request_throughput"], 3),
@@ -118,6 +123,8 @@ def main() -> None:
     parser.add_argument("--engines", default="pagedpack,vllm", help="which to run, in this order")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every engine, the order alternating; figures are the runs' medians")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="each engine also runs with this speculative_config (vLLM's spelling)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats: expected a positive count, got {args.repeats}")
@@ -148,21 +155,24 @@ def main() -> None:
                                                                   sampling=SAMPLING[name]))
         return out
 
-    engines = {"pagedpack": _pagedpack}
-    if args.vllm_venv:
-        engines["vllm"] = _vllm
-    order = [e for e in args.engines.split(",") if e in engines]
+    makers = {"pagedpack": _pagedpack, **({"vllm": _vllm} if args.vllm_venv else {})}
+    spec = ["--speculative-config", args.speculative_config] if args.speculative_config else []
+    engines = {f"{name}{suffix}": (make, flags) for name, make in makers.items() if name in args.engines.split(",")
+               for suffix, flags in [("", []), *([("+spec", spec)] if spec else [])]}
+    order = list(engines)
     runs: dict[str, list[dict]] = {name: [] for name in order}
     for repeat in range(args.repeats):
         for name in order if repeat % 2 == 0 else order[::-1]:
-            command, env = engines[name](model_dir, args)
+            make, flags = engines[name]
+            command, env = make(model_dir, args, flags)
             with tempfile.TemporaryDirectory() as folder, \
                     RemoteServer(command, log_path=Path(folder) / f"{name}.log", env=env, start_s=600) as server:
                 runs[name].append(measure(server.url))
             print(json.dumps({name: runs[name][-1], "repeat": repeat}), flush=True)
     results = {name: _medians(done) for name, done in runs.items()}
     report = {"model": args.model, "dtype": args.dtype, "num": args.num, "workload": args.workload,
-              "client": args.client, "repeats": args.repeats, "results": results, "load_1min": load,
+              "client": args.client, "repeats": args.repeats, "speculative_config": args.speculative_config,
+              "results": results, "load_1min": load,
               "cpus": os.cpu_count(), "machine": platform.machine(), "cpu": cpu_model()}
     if args.workload == "w1":
         report["output_tokens"] = [args.min_tokens, args.max_tokens]
@@ -170,13 +180,20 @@ def main() -> None:
         report["input_len"], report["output_len"] = args.input_len, args.output_len
     if args.repeats > 1:
         report["every_run"] = runs
-    if "vllm" in results and "pagedpack" in results:
-        report["pagedpack_over_vllm"] = {
-            point: {key: _ratio(results["pagedpack"][point][key], results["vllm"][point][key])
-                    for key in ("output_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p99",
-                                "itl_ms_p50", "itl_ms_p99")}
-            for point in results["pagedpack"]}
+    for suffix in ("", "+spec"):
+        if f"vllm{suffix}" in results and f"pagedpack{suffix}" in results:
+            report[f"pagedpack_over_vllm{suffix}"] = _ratios(results[f"pagedpack{suffix}"], results[f"vllm{suffix}"])
+    for name in makers:
+        if f"{name}+spec" in results and name in results:
+            report[f"{name}_spec_over_off"] = _ratios(results[f"{name}+spec"], results[name])
     print(json.dumps(report, indent=2))
+
+
+def _ratios(results: dict, base: dict) -> dict:
+    """Per point, ``results``' throughput and latency figures over ``base``'s."""
+    return {point: {key: _ratio(results[point][key], base[point][key])
+                    for key in ("output_tokens_per_s", "request_throughput", "ttft_ms_p50", "ttft_ms_p99",
+                                "itl_ms_p50", "itl_ms_p99")} for point in results}
 
 
 def _medians(runs: list[dict]) -> dict:
