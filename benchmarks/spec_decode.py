@@ -1,17 +1,17 @@
 """What speculative decoding buys in decode tokens/s: pagedpack and, when given, vLLM CPU, on the same
 model and token ids.
 
-SmolLM2-135M (the ``smollm2-135m`` alias: the Instruct checkpoint), bfloat16, on two workloads of 8
-prompts each: ``grounded``, chat prompts whose answer copies a 200-400 token passage of the prompt
-(repeat a paragraph of ``english_text()``, fix a named typo in one, rename a variable in or repeat a
-stdlib function's source), and ``open``, W1's lengths (``PROMPT_LENS``) cut from ``english_text()``
-and continued freely. Each workload runs 1-stream (one request per ``generate`` call, one after the
-other) and 8-stream (the 8 requests in one call), greedy and sampled (temperature 1, request ``i``
-seeded ``SEED + i``), ``--max-tokens`` (128) with ``ignore_eos``, prefix caching off (the runs
-repeat prompts). Per cell: ``tok_s``, the output tokens over the wall time of the calls (best of
-``--runs`` after one warm-up), ``ratio_vs_off``, and ``copied_4grams``, the share of output tokens that
-end a 4-gram seen before in the prompt or output (what prompt lookup can draft: greedy SmolLM2-135M
-also loops on open-ended text, so that share is not 0 there).
+SmolLM2-135M (the ``smollm2-135m`` alias: the Instruct checkpoint), bfloat16, on two workloads of 8 prompts
+each: ``grounded``, chat prompts whose answer copies a 200-400 token passage of the prompt (repeat a paragraph
+of ``english_text()``, fix a named typo in one, rename a variable in or repeat a stdlib function's source),
+and ``open``, W1's lengths (``PROMPT_LENS``) cut from ``english_text()`` and continued freely. Each workload
+runs 1-stream (one request per ``generate`` call, one after the other) and 8-stream (the 8 requests in one
+call), greedy and sampled (temperature 1, request ``i`` seeded ``SEED + i``), ``--max-tokens`` (128) with
+``ignore_eos``, prefix caching off (the runs repeat prompts). Per cell: ``tok_s``, the output tokens over the
+wall time of the calls (best of ``--runs`` after one warm-up; pagedpack's configurations are built together
+and their runs alternate), ``ratio_vs_off``, and ``copied_4grams``, the share of output tokens that end a
+4-gram seen before in the prompt or output (what prompt lookup can draft: greedy SmolLM2-135M also loops on
+open-ended text, so that share is not 0 there).
 
 Configurations (:data:`CONFIGS`, vLLM's ``speculative_config`` spelling): ``off``; ``ngram`` (prompt
 lookup, 4 draft tokens from 2- to 4-gram matches); ``suffix``, skipped with a note where the engine
@@ -158,44 +158,66 @@ def timed_calls(llm, ids: list, params: list, streams: int) -> tuple[float, list
     return time.perf_counter() - start, outs
 
 
-def run_config(llm, sampling_params, prompts: dict, args, counters=None, show=False) -> dict:
-    """The cells of one engine (vLLM's or pagedpack's ``LLM`` and ``SamplingParams``) per workload, stream
-    count and sampling: ``decode_tok_s``, the tokens after each request's first over the time the calls
-    take beyond the same calls with ``max_tokens=1`` (the prompts' prefill and first token, timed once per
-    workload and stream count), and ``tok_s`` over the whole calls; ``counters(llm)``: the speculation
-    counters (their growth per cell). The engine is warmed up once, on the first cell's calls. A cell whose
-    requests the engine refuses (``ValueError``, ``NotImplementedError``): ``skipped``, why."""
-    rows, warm = {}, False
+def best_of(engines: dict, ids: list, params: list, streams: int, runs: int) -> dict:
+    """Per engine name: the fastest of ``runs`` timed calls (:func:`timed_calls`) as ``(seconds, outputs)``, or
+    the error it raised (``ValueError``, ``NotImplementedError``: it refuses the requests). The runs alternate
+    between the engines (in order, then reversed), so that a drift in the host's speed falls on all alike."""
+    best, names = {}, list(engines)
+    for run in range(runs):
+        for name in names if run % 2 == 0 else names[::-1]:
+            if isinstance(best.get(name), Exception):
+                continue
+            try:
+                timed = timed_calls(engines[name][0], ids, params, streams)
+            except (ValueError, NotImplementedError) as err:
+                best[name] = err
+                continue
+            if name not in best or timed[0] < best[name][0]:
+                best[name] = timed
+    return best
+
+
+def run_configs(engines: dict, sampling_params, prompts: dict, args, show=False) -> dict:
+    """Per engine of ``engines`` (name -> ``(llm, counters)``: vLLM's or pagedpack's ``LLM``, and None or a
+    function of it giving its speculation counters), the cells per workload, stream count and sampling:
+    ``decode_tok_s``, the tokens after each request's first over the time the calls take beyond the same calls
+    with ``max_tokens=1`` (the prompts' prefill and first token, timed once per workload and stream count), and
+    ``tok_s`` over the whole calls, with the counters' growth over the cell. Each cell's runs alternate between
+    the engines (:func:`best_of`). Each engine is warmed up once, on the first cell's calls. A cell whose
+    requests an engine refuses: ``skipped``, why."""
+    rows, warm = {name: {} for name in engines}, set()
     for workload, streams in itertools.product(args.workloads, args.streams):
         ids = [{"prompt_token_ids": p} for p in prompts[workload]]
         first = [sampling_params(temperature=0.0, max_tokens=1, ignore_eos=True) for _ in ids]
-        if not warm:
-            timed_calls(llm, ids, first, streams)
-            warm = True
-        prefill = min(timed_calls(llm, ids, first, streams)[0] for _ in range(args.runs))
+        for name in set(engines) - warm:
+            timed_calls(engines[name][0], ids, first, streams)
+            warm.add(name)
+        prefill = best_of(engines, ids, first, streams, args.runs)
         for mode in ("greedy", "sampled"):
             params = [sampling_params(temperature=0.0 if mode == "greedy" else 1.0,
                                       seed=SEED + i if mode == "sampled" else None,
                                       max_tokens=args.max_tokens, ignore_eos=True) for i in range(len(ids))]
-            cell, before = f"{workload}/{streams}-stream/{mode}", counters(llm) if counters else {}
-            try:
-                best, outs = min((timed_calls(llm, ids, params, streams) for _ in range(args.runs)),
-                                 key=lambda r: r[0])
-            except (ValueError, NotImplementedError) as err:
-                rows[cell] = {"skipped": f"{type(err).__name__}: {err}"}
-                continue
-            out_ids = [o.outputs[0].token_ids if o.outputs else [] for o in outs]
-            tokens, errors = sum(map(len, out_ids)), sorted({str(e) for o in outs if (e := getattr(o, "error", None))})
-            row = rows[cell] = {"decode_tok_s": round((tokens - len(ids)) / (best - prefill), 1),
-                                "tok_s": round(tokens / best, 1), "best_s": round(best, 3),
-                                "prefill_s": round(prefill, 3), "tokens": tokens,
-                                "copied_4grams": round(sum(map(copied, prompts[workload], out_ids)) / len(outs), 3),
-                                **({"errors": errors} if errors else {})}
-            if counters:
-                row |= spec_delta(before, counters(llm))
-            if show and mode == "greedy" and streams == args.streams[0]:
-                for o in outs:
-                    print(f"--- {workload}: {o.outputs[0].text if o.outputs else None!r}", file=sys.stderr)
+            cell = f"{workload}/{streams}-stream/{mode}"
+            before = {name: counters(llm) if counters else {} for name, (llm, counters) in engines.items()}
+            for name, found in best_of(engines, ids, params, streams, args.runs).items():
+                if isinstance(found, Exception):
+                    rows[name][cell] = {"skipped": f"{type(found).__name__}: {found}"}
+                    continue
+                (best, outs), (llm, counters) = found, engines[name]
+                out_ids = [o.outputs[0].token_ids if o.outputs else [] for o in outs]
+                tokens = sum(map(len, out_ids))
+                errors = sorted({str(e) for o in outs if (e := getattr(o, "error", None))})
+                row = rows[name][cell] = {
+                    "decode_tok_s": round((tokens - len(ids)) / (best - prefill[name][0]), 1),
+                    "tok_s": round(tokens / best, 1), "best_s": round(best, 3),
+                    "prefill_s": round(prefill[name][0], 3), "tokens": tokens,
+                    "copied_4grams": round(sum(map(copied, prompts[workload], out_ids)) / len(outs), 3),
+                    **({"errors": errors} if errors else {})}
+                if counters:
+                    row |= spec_delta(before[name], counters(llm))
+                if show and name == next(iter(engines)) and mode == "greedy" and streams == args.streams[0]:
+                    for o in outs:
+                        print(f"--- {workload}: {o.outputs[0].text if o.outputs else None!r}", file=sys.stderr)
     return rows
 
 
@@ -217,11 +239,13 @@ def spec_counters(llm) -> dict:
 
 
 def pagedpack_side(args, model_dir: str, prompts: dict) -> dict:
+    """Every configuration's engine built first, then their cells measured side by side (:func:`run_configs`)."""
     from pagedpack import LLM, SamplingParams
 
-    configs = {}
+    configs, engines = {}, {}
     for name in args.configs:
         spec = CONFIGS[name]
+        configs[name] = {"config": spec}
         try:
             llm = LLM(model_dir, dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=max(args.streams),
                       max_model_len=2048, num_threads=args.num_threads,
@@ -229,11 +253,11 @@ def pagedpack_side(args, model_dir: str, prompts: dict) -> dict:
         except (TypeError, ValueError) as err:  # no speculative_config, or not this method
             if spec is None:
                 raise
-            configs[name] = {"config": spec, "skipped": f"{type(err).__name__}: {err}"}
+            configs[name]["skipped"] = f"{type(err).__name__}: {err}"
             continue
-        configs[name] = {"config": spec, "rows": run_config(llm, SamplingParams, prompts, args,
-                                                            spec_counters if spec else None, args.show and not configs)}
-        del llm
+        engines[name] = (llm, spec_counters if spec else None)
+    for name, rows in run_configs(engines, SamplingParams, prompts, args, args.show).items():
+        configs[name]["rows"] = rows
     return with_ratios(configs)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import CONFIGS, run_config  # noqa: E402  (after the path: spec_decode.py imports no pagedpack at top)
+from spec_decode import CONFIGS, run_configs  # noqa: E402  (after the path: spec_decode.py imports no pagedpack at top)
 
 
 def spec_counters(llm) -> dict:
@@ -46,8 +46,8 @@ def main() -> None:
                 raise
             configs[name] = {"config": spec, "refused": f"{type(err).__name__}: {err}"}
         else:
-            configs[name] = {"config": spec, "rows": run_config(llm, SamplingParams, prompts, args,
-                                                                spec_counters if spec else None)}
+            engines = {name: (llm, spec_counters if spec else None)}  # one at a time: each takes its KV space
+            configs[name] = {"config": spec, "rows": run_configs(engines, SamplingParams, prompts, args)[name]}
             del llm
             gc.collect()
         print(json.dumps({"configs": configs, "version": vllm.__version__}), flush=True)  # the configurations so far

@@ -83,7 +83,7 @@ class Stats:
     ``kv_blocks_used`` (owned by requests) + ``kv_blocks_cached_free`` (owned by nobody, cached:
     reusable by a hit) + ``kv_blocks_free`` (neither) == ``kv_blocks_total``; ``kv_blocks_cached``
     (owned or not); ``kv_blocks_peak_used``. KV memory: ``kv_cache_dtype`` (the caches' dtype name),
-    ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype, a draft model's too);
+    ``kv_cache_bytes_per_block`` (K and V of one block over all layers, in that dtype; both with a draft model's);
     ``kv_cache_bytes_used`` = ``kv_blocks_used`` x that. ``prefix_caching``: whether the prefix cache
     is on (off for a model with recurrent layers: their state is not cached with a prefix's blocks);
     ``state_slots_total`` / ``state_slots_used``: the recurrent-state slots (0 without such layers).
@@ -380,10 +380,9 @@ class LLMEngine:
         kv = self.scheduler.kv_cache_manager
         pool, prefix = kv.pool, kv.prefix_cache_stats
         cached_free = pool.num_cached_free_blocks
-        specs = self.runner.program.kv_cache_specs  # a draft model's KV takes the same blocks
-        per_token = bytes_per_token(specs) + (bytes_per_token(self._draft_model.runner.program.kv_cache_specs)
-                                              if self._draft_model is not None else 0)
-        per_block = per_token * self.runner.block_size
+        programs = [self.runner.program] + ([self._draft_model.runner.program] if self._draft_model else [])
+        per_block = sum(bytes_per_token(p.kv_cache_specs) for p in programs) * self.runner.block_size  # both's KV
+        dtypes = sorted({str(s.dtype).removeprefix("torch.") for p in programs for s in p.kv_cache_specs})
         return Stats(
             num_steps=self.stats.num_steps, num_batched_tokens=self.stats.num_batched_tokens,
             num_prompt_tokens_computed=self.stats.num_prompt_tokens_computed,
@@ -392,7 +391,7 @@ class LLMEngine:
             kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_blocks, kv_blocks_cached_free=cached_free,
             kv_blocks_free=pool.num_free_blocks - cached_free, kv_blocks_peak_used=pool.peak_used_blocks,
-            kv_cache_dtype=", ".join(sorted({str(s.dtype).removeprefix("torch.") for s in specs})),
+            kv_cache_dtype=", ".join(dtypes),
             kv_cache_bytes_per_block=per_block, kv_cache_bytes_used=per_block * pool.num_used_blocks,
             prefix_caching=kv.enable_prefix_caching, state_slots_total=kv.num_state_slots,
             state_slots_used=kv.num_state_slots - kv.num_free_state_slots,

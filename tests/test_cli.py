@@ -133,6 +133,22 @@ def test_plan_prints_the_memory_plan(cli):
         assert f"{ratio:.2f}x" in text
 
 
+def test_plan_s_dtype_table_says_n_a_where_auto_holds_no_block():
+    """A budget where the model's own dtype fits no block but bfloat16 fits one: no ``nanx`` ratio."""
+    from rich.console import Console
+
+    from pagedpack.cli.commands import _kv_capacity
+
+    llm = LLM("tiny", num_blocks=8, max_model_len=512)
+    plan = llm.plan_memory("64MiB", keep_source_model=False)
+    memory = plan.weight_bytes + plan.activation_bytes + 12 * 1024  # auto: 16 KiB a block; bfloat16: 8 KiB
+    console = Console(record=True, width=200)
+    console.print(_kv_capacity(llm, memory))
+    text = " ".join(console.export_text().split())
+    assert "│ auto │ 1024 │ 0 │ 0 │" in text and "│ bfloat16 │ 512 │ 1 │ 16 │" in text, text
+    assert "nan" not in text and "n/a (auto: none)" in text
+
+
 def test_plan_rejects_a_bad_budget_before_loading(refused):
     code, stderr = refused("plan", "--model", "tiny", "--memory", "a lot")
     assert code == 2 and "--memory: expected a positive number of bytes" in stderr

@@ -102,7 +102,7 @@ def test_the_plan_adds_up(llm):
 def test_memory_budget_sizes_the_pool(llm):
     sized = LLM("tiny", memory_budget="64MiB")
     assert sized.num_blocks == llm.plan_memory("64MiB").num_blocks > 0
-    with pytest.raises(ValueError, match="memory_budget: .* leave no room for the KV pool"):
+    with pytest.raises(ValueError, match="memory_budget: .* leave no room for a block of the KV pool"):
         LLM("tiny", memory_budget="3MiB")
     with pytest.raises(ValueError, match="expected at most one of them, got num_blocks, memory_budget"):
         LLM("tiny", num_blocks=8, memory_budget="1GiB")

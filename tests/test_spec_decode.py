@@ -140,6 +140,9 @@ def test_speculative_config_takes_vllm_s_spelling_and_defaults():
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "speculative_config.model: only method"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "min_token_prob: expected a number from 0.0 to 1.0"),
     ({"method": "nonsense", "num_speculative_tokens": 2}, "method: expected one of .*, got .nonsense."),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, "method: expected one of .*, got .'ngram'."),
+    ({"model": 5, "num_speculative_tokens": 2}, "speculative_config.model: expected a path, an alias or a "
+                                                "transformers model, got 5"),
     ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
      "speculative_config.draft_tensor_parallel_size: expected one of the fields"),
     ("[1]", "speculative_config: expected a JSON object (a dict)"),
@@ -405,6 +408,18 @@ def test_the_memory_plan_counts_the_draft_model_s_kv_weights_and_scratch(draft_c
     assert with_draft.num_blocks == (budget - with_draft.weight_bytes - with_draft.activation_bytes
                                      - with_draft.draft_bytes) // (per_token * 16)
     assert any(label == "draft model" for label, _ in with_draft.rows())
+    small = with_draft.weight_bytes + with_draft.activation_bytes + with_draft.draft_bytes // 2  # no block fits
+    with pytest.raises(ValueError, match=f"memory_budget: .*draft model's weights and scratch blocks "
+                                         f"\\({with_draft.draft_bytes} bytes\\)"):
+        LLM(snapshot(model), block_size=16, max_num_seqs=4, memory_budget=small, speculative_config=config)
+
+
+def test_a_draft_model_that_cannot_be_loaded_is_named_as_the_draft(tmp_path):
+    """What fails building the draft says it is ``speculative_config.model``, not the target's ``model``."""
+    (tmp_path / "empty").write_bytes(b"")
+    for given in (str(tmp_path / "missing"), str(tmp_path / "empty")):
+        with pytest.raises(ValueError, match="^speculative_config.model: "):
+            LLM("tiny", speculative_config={"model": given, "num_speculative_tokens": 2})
 
 
 def test_suffix_decoding_drafts_from_the_request_and_earlier_responses():

@@ -449,9 +449,9 @@ def _kv_capacity(llm: LLM, memory: int) -> Table:
             plan = llm.plan_memory(memory, keep_source_model=False, kv_cache_dtype=name)
         except ValueError:  # a dtype the target does not take
             continue
-        ratio = plan.kv_pool_tokens / base.kv_pool_tokens if base.kv_pool_tokens else float("nan")
+        ratio = f"{plan.kv_pool_tokens / base.kv_pool_tokens:.2f}x" if base.kv_pool_tokens else "n/a (auto: none)"
         table.add_row(name, str(plan.kv_bytes_per_token), str(max(0, plan.num_blocks)), str(plan.kv_pool_tokens),
-                      str(plan.concurrent_seqs), f"{ratio:.2f}x")
+                      str(plan.concurrent_seqs), ratio)
     return table
 
 

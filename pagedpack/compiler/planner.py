@@ -205,10 +205,16 @@ def pool_num_blocks(args, *, bytes_per_token: int, max_model_len: int, plan) -> 
     elif args.memory_budget is not None:
         memory_plan = plan(args.memory_budget)
         if memory_plan.num_blocks < 1:
-            raise ValueError(f"memory_budget: {memory_plan.memory} bytes leave no room for the KV pool after the "
-                             f"weights ({memory_plan.weight_bytes} bytes) and one step's activation peak at "
-                             f"max_num_batched_tokens={memory_plan.max_num_batched_tokens} "
-                             f"({memory_plan.activation_bytes} bytes)")
+            held = [f"the weights ({memory_plan.weight_bytes} bytes)",
+                    f"one step's activation peak at max_num_batched_tokens={memory_plan.max_num_batched_tokens} "
+                    f"({memory_plan.activation_bytes} bytes)"]
+            if memory_plan.state_bytes_per_seq:
+                held.append(f"the recurrent state of max_num_seqs={memory_plan.max_num_seqs} sequences "
+                            f"({memory_plan.state_bytes_per_seq * memory_plan.max_num_seqs} bytes)")
+            if memory_plan.draft_bytes:
+                held.append(f"the draft model's weights and scratch blocks ({memory_plan.draft_bytes} bytes)")
+            raise ValueError(f"memory_budget: {memory_plan.memory} bytes leave no room for a block of the KV pool "
+                             f"({memory_plan.kv_bytes_per_token * block_size} bytes) after {', '.join(held)}")
         num_blocks = memory_plan.num_blocks
     elif not bytes_per_block:
         num_blocks = bookkeeping_blocks(block_size, max_model_len, args.max_num_seqs)

@@ -418,12 +418,15 @@ class Draft(ProgramBuilder):
 
     def __init__(self, args: EngineArgs):
         self.config = args.speculative_config
-        super().__init__(EngineArgs(
-            model=self.config.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, target=args.target,
-            target_options=args.target_options, device=args.device, block_size=args.block_size,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            num_threads=args.num_threads, reserved_cpus=args.reserved_cpus))
-        self.program, self.description = self.build()
+        try:  # what fails here is the draft's: said so
+            super().__init__(EngineArgs(
+                model=self.config.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, target=args.target,
+                target_options=args.target_options, device=args.device, block_size=args.block_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                num_threads=args.num_threads, reserved_cpus=args.reserved_cpus))
+            self.program, self.description = self.build()
+        except (ValueError, OSError) as err:
+            raise ValueError(f"speculative_config.model: {str(err).removeprefix('model: ')}") from err
 
     def fixed_bytes(self, kv_cache_dtype: str | None = None) -> int:
         """Bytes the draft holds whatever the pool: its weights as served and the scratch blocks of

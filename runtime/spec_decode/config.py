@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+
+import torch
 
 from pagedpack.inputs import parse_config
 
@@ -58,6 +61,11 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is None:
             self.method = "ngram" if self.model is None else "draft_model"
+        if not isinstance(self.method, str):
+            raise ValueError(f"speculative_config.method: expected one of {METHODS}, got {self.method!r:.80}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike, torch.nn.Module)):
+            raise ValueError(f"speculative_config.model: expected a path, an alias or a transformers model, got "
+                             f"{self.model!r:.80}")
         if self.method in NOT_YET:
             raise ValueError(f"speculative_config.method: {NOT_YET[self.method]}; expected one of {METHODS}, "
                              f"got {self.method!r}")
