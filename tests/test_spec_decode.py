@@ -417,9 +417,9 @@ def test_the_memory_plan_counts_the_draft_model_s_kv_weights_and_scratch(draft_c
 def test_a_draft_model_that_cannot_be_loaded_is_named_as_the_draft(tmp_path):
     """What fails building the draft says it is ``speculative_config.model``, not the target's ``model``."""
     (tmp_path / "empty").write_bytes(b"")
-    for given in (str(tmp_path / "missing"), str(tmp_path / "empty")):
+    for path in (str(tmp_path / "missing"), str(tmp_path / "empty")):
         with pytest.raises(ValueError, match="^speculative_config.model: "):
-            LLM("tiny", speculative_config={"model": given, "num_speculative_tokens": 2})
+            LLM("tiny", speculative_config={"model": path, "num_speculative_tokens": 2})
 
 
 def test_suffix_decoding_drafts_from_the_request_and_earlier_responses():
