@@ -5,7 +5,8 @@ libraries (paths from :mod:`torch.utils.cpp_extension`) into a shared library re
 ``torch.ops.pagedpack_cpu.{paged_attention, reshape_and_cache}`` (``paged_attention_cpu.cpp``, its
 prefill path in ``flash_prefill_cpu.cpp``),
 ``{rms_norm, fused_add_rms_norm}`` (``rms_norm_cpu.cpp``), ``rotate_half_rope`` (``rotary_cpu.cpp``) and
-``silu_and_mul`` (``silu_and_mul_cpu.cpp``), which the CPU lowering calls, the recurrent ops'
+``silu_and_mul`` (``silu_and_mul_cpu.cpp``) and ``{bf16_linear_pack, bf16_linear}``
+(``linear_bf16_cpu.cpp``), which the CPU lowering calls, the recurrent ops'
 kernels (``recurrent_cpu.cpp``: ``causal_conv1d_varlen``, ``gated_delta_rule_varlen`` (lightning
 attention's too, without the delta term), ``selective_scan_varlen``, which
 :mod:`pagedpack.kernels.recurrent` calls) and the LoRA ops' (``lora_cpu.cpp``: ``lora_shrink``,
@@ -43,7 +44,7 @@ from pagedpack.host.child_process import die_with_parent
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "rms_norm_cpu.cpp",
                                       "rotary_cpu.cpp", "silu_and_mul_cpu.cpp", "recurrent_cpu.cpp",
-                                      "lora_cpu.cpp")]
+                                      "lora_cpu.cpp", "linear_bf16_cpu.cpp")]
 _HEADERS = sorted(_CSRC.glob("*.h"))
 _ISA_FLAGS = {  # torch.backends.cpu.get_cpu_capability() -> flags selecting ATen's Vectorized<float> width
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],

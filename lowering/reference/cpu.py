@@ -2,7 +2,8 @@
 
 On the CPU, :func:`cpu_step` copies a step graph (parameters shared) and in the copy
 
-* runs fp32 and bf16 linears as oneDNN GEMMs on weights prepacked once
+* runs fp32 and bf16 linears as GEMMs on weights prepacked once, oneDNN's (bf16 on a CPU where
+  oneDNN has no bf16 kernels: the native one)
   (:func:`pagedpack.lowering.reference.cpu_linear.prepack_linears`);
 * computes each gated MLP's ``silu(gate) * up`` or ``gelu_tanh(gate) * up`` in one native kernel
   (:func:`pagedpack.lowering.reference.cpu_activation.fuse_gated_activations`);
@@ -46,8 +47,7 @@ from pagedpack.host.devices import is_cpu
 from pagedpack.kernels.lora import NATIVE_LORA_DTYPES
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_activation import fuse_gated_activations
-from pagedpack.lowering.reference.cpu_linear import available as onednn_available
-from pagedpack.lowering.reference.cpu_linear import prepack_linears
+from pagedpack.lowering.reference.cpu_linear import native_linears_as_f_linear, prepack_linears
 from pagedpack.lowering.reference.cpu_mlp import CHUNK_ROWS, chunk_mlps
 from pagedpack.lowering.reference.cpu_norm import fuse_rms_norms
 from pagedpack.lowering.reference.cpu_qkv import fuse_qkv_rope_cache
@@ -111,7 +111,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     lowered = torch.fx.GraphModule(gm, graph)
     strip_export_checks(lowered)  # a loaded .pt2's guards and asserts: the runner builds the inputs
     conversions = drop_noop_conversions(lowered)
-    linears = prepack_linears(lowered) if onednn_available(device) else 0
+    linears = prepack_linears(lowered)
     activations = fuse_gated_activations(lowered)  # before the chunking: the fused call joins the MLP's region
     mlps = chunk_mlps(lowered, CHUNK_ROWS)
     rotary = fuse_rotary(lowered)
@@ -123,7 +123,7 @@ def cpu_step(gm: torch.fx.GraphModule, kv_cache_specs, device: torch.device | st
     views = collapse_view_chains(lowered)
     if not any((linears, activations, mlps, rotary, norms, kernels, qkv, views)):
         return gm, None
-    done = (f"{linears} linears as oneDNN GEMMs on weights prepacked once, "
+    done = (f"{linears} linears as GEMMs on weights prepacked once, "
             f"{activations} silu / gelu_tanh(gate) * up fused, {mlps} MLPs run {CHUNK_ROWS} token rows at a time, "
             f"{rotary} rotary embeddings fused, "
             f"{norms} RMSNorms as native kernels ({fused_adds} with their residual add), "
@@ -157,12 +157,16 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     caches += example_lora_inputs(lora_specs, q_lens)  # random adapters in some sequences' slots
     results = []
     # a tensor-parallel rank's graphs without their all-reduces: the other ranks would not join them
-    for which, program in (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered))):
-        try:
-            with torch.no_grad():
-                results.append(program(*inputs, *(c.clone() for c in caches)))
-        except Exception as err:  # noqa: BLE001 -- whatever fails, the graph is served as it was
-            return f"was not checked: the example step fails on {which} ({type(err).__name__}: {str(err)[:160]})"
+    with native_linears_as_f_linear(lowered) as linear_excess:
+        for which, program in (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered))):
+            try:
+                with torch.no_grad():
+                    results.append(program(*inputs, *(c.clone() for c in caches)))
+            except Exception as err:  # noqa: BLE001 -- whatever fails, the graph is served as it was
+                return f"was not checked: the example step fails on {which} ({type(err).__name__}: {str(err)[:160]})"
+    if linear_excess and max(linear_excess) > 1:
+        return (f"has a native bf16 linear off its F.linear by {max(linear_excess):.3g} times the bound of two "
+                f"fp32 sums rounded to bf16 on an example step")
     expected, got = results
     if got.shape != expected.shape:
         return f"returns logits of shape {tuple(got.shape)}, expected {tuple(expected.shape)}"

@@ -43,11 +43,17 @@ _LAST_DIM = frozenset({aten.slice.Tensor, aten.split.Tensor, aten.split_with_siz
 ROW_LOCAL = LINEARS | _ELEMENTWISE | _LAST_DIM | {operator.getitem}
 
 
-def _row_local_targets() -> frozenset:
-    """:data:`ROW_LOCAL` and, with the native kernels, their elementwise ``silu_and_mul`` and
-    ``gelu_tanh_and_mul`` (:mod:`pagedpack.lowering.reference.cpu_activation`)."""
+def _linear_targets() -> frozenset:
+    """:data:`LINEARS` and, with the native kernels, their ``bf16_linear`` (``weight`` its packed panels)."""
     native = native_ops()
-    return ROW_LOCAL if native is None else ROW_LOCAL | set(gated_activation_kernels(native))
+    return LINEARS if native is None else LINEARS | {native.bf16_linear.default}
+
+
+def _row_local_targets() -> frozenset:
+    """:data:`ROW_LOCAL` and, with the native kernels, their linear and their elementwise ``silu_and_mul``
+    and ``gelu_tanh_and_mul`` (:mod:`pagedpack.lowering.reference.cpu_activation`)."""
+    native = native_ops()
+    return ROW_LOCAL if native is None else ROW_LOCAL | _linear_targets() | set(gated_activation_kernels(native))
 
 
 class RowChunked(torch.nn.Module):
@@ -77,9 +83,9 @@ class RowChunked(torch.nn.Module):
 def chunk_mlps(graph_module: torch.fx.GraphModule, rows: int = CHUNK_ROWS) -> int:
     """Replace each MLP region of ``graph_module`` (module docstring) by a ``call_module`` of a
     :class:`RowChunked` submodule holding it; returns how many were replaced."""
-    graph, replaced = graph_module.graph, 0
+    graph, replaced, linears = graph_module.graph, 0, _linear_targets()
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in LINEARS:
+        if node.op != "call_function" or node.target not in linears:
             continue
         found = _region(graph_module, node)
         if found is None:
@@ -98,20 +104,20 @@ def _region(gm: torch.fx.GraphModule, down: torch.fx.Node) -> tuple[torch.fx.Nod
     """``(x, nodes in graph order, down last)`` of the MLP region ending at ``down``, or None. The
     walk back from ``down`` stops at the inputs of the other linears it meets (the up projections),
     which must all be the same tensor ``x``."""
-    members, entry, todo, row_local = {down}, None, [down], _row_local_targets()
+    members, entry, todo, row_local, linears = {down}, None, [down], _row_local_targets(), _linear_targets()
     while todo:
         node = todo.pop()
-        if node.target in LINEARS and not _constant_weights(gm, node):
+        if node.target in linears and not _constant_weights(gm, node):
             return None  # a weight computed from activations: it mixes rows
         for arg in node.all_input_nodes:
-            if node.target in LINEARS and arg.op == "get_attr" and arg is not node.args[0]:
+            if node.target in linears and arg.op == "get_attr" and arg is not node.args[0]:
                 continue  # its weight or bias
             if arg in members:
                 continue
             elif arg.op == "get_attr":
                 if not _is_constant(gm, arg):
                     return None  # a tensor with rows of its own
-            elif node is not down and node.target in LINEARS:
+            elif node is not down and node.target in linears:
                 if entry not in (None, arg):
                     return None  # up projections of different inputs
                 entry = arg

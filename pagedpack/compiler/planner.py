@@ -84,7 +84,7 @@ class MemoryPlan:
         return [
             ("memory budget", _mib(self.memory)),
             ("weights", f"{_mib(self.weight_bytes)} resident while serving (on the CPU the step program's: "
-                        f"its linears as oneDNN-prepacked copies)"),
+                        f"its linears on prepacked copies)"),
             ("KV bytes", f"{self.kv_bytes_per_token * tokens} ({self.kv_bytes_per_token} bytes per token, "
                          f"{_mib(self.kv_bytes_per_token * self.block_size)} per block of {self.block_size})"),
             *([("recurrent state", f"{self.state_bytes_per_seq} bytes per sequence, a slot for each of max_num_seqs = "
