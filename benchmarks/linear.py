@@ -31,9 +31,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common import load_1min
 from pagedpack.kernels.native import native_ops
 from pagedpack.lowering.reference.cpu_linear import packable_dtypes
+
+from common import load_1min
 
 # (K, N) of each linear, by name.
 MODELS = {

@@ -216,12 +216,12 @@ def test_native_bf16_linear_at_a_models_shapes_and_row_counts():
 
 @pytest.mark.skipif(native_ops() is None, reason="no native CPU kernels (no C++ compiler)")
 @pytest.mark.parametrize("call, message", [
-    (lambda ops, p: ops.bf16_linear_pack(torch.ones(4, 8)), "weight: expected a bfloat16 tensor [N, K], got Float"),
-    (lambda ops, p: ops.bf16_linear(torch.ones(2, 8), p, None, 20), "x: expected a bfloat16 tensor [..., 8], got Float"),
-    (lambda ops, p: ops.bf16_linear(torch.ones(2, 9).bfloat16(), p, None, 20), "x: expected a bfloat16 tensor [..., 8]"),
-    (lambda ops, p: ops.bf16_linear(torch.ones(2, 8).bfloat16(), p, None, 99), "out_features: expected a count in"),
-    (lambda ops, p: ops.bf16_linear(torch.ones(2, 8).bfloat16(), p.float(), None, 20), "packed: expected"),
-    (lambda ops, p: ops.bf16_linear(torch.ones(2, 8).bfloat16(), p, torch.ones(3).bfloat16(), 20),
+    (lambda o, p: o.bf16_linear_pack(torch.ones(4, 8)), "weight: expected a bfloat16 tensor [N, K], got Float"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 8), p, None, 20), "x: expected a bfloat16 tensor [..., 8], got Float"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 9).bfloat16(), p, None, 20), "x: expected a bfloat16 tensor [..., 8]"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p, None, 99), "out_features: expected a count in"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p.float(), None, 20), "packed: expected"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p, torch.ones(3).bfloat16(), 20),
      "bias: expected a bfloat16 tensor [20]"),
 ])
 def test_native_bf16_linear_refuses_what_it_does_not_compute(call, message):

@@ -158,7 +158,8 @@ def _check(reference: torch.fx.GraphModule, lowered: torch.fx.GraphModule, kv_ca
     results = []
     # a tensor-parallel rank's graphs without their all-reduces: the other ranks would not join them
     with native_linears_as_f_linear(lowered) as linear_excess:
-        for which, program in (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered))):
+        programs = (("the graph itself", local_graph(reference)), ("the lowered copy", local_graph(lowered)))
+        for which, program in programs:
             try:
                 with torch.no_grad():
                     results.append(program(*inputs, *(c.clone() for c in caches)))

@@ -185,7 +185,7 @@ def native_linears_as_f_linear(graph_module: torch.fx.GraphModule) -> Iterator[l
 
     for module in graph_module.modules() if native is not None else ():
         if isinstance(module, torch.fx.GraphModule):
-            nodes = [n for n in module.graph.nodes if n.op == "call_function" and n.target is native.bf16_linear.default]
+            nodes = [n for n in module.graph.nodes if n.target is native.bf16_linear.default]
             for node in nodes:
                 node.target = checked_bf16_linear
             if nodes:
