@@ -257,6 +257,11 @@ def test_the_bf16_excess_accepts_another_summation_order_and_flags_a_wrong_gemm(
     wrong = weight.clone()
     wrong[:, 7] += 1  # one weight column off
     assert cpu_linear.bf16_linear_excess(F.linear(x, wrong), x, weight, None) > 10
+    nan = F.linear(x, weight)
+    nan[3, 5] = float("nan")  # a NaN where F.linear has none: off; where it has one too: equal
+    assert cpu_linear.bf16_linear_excess(nan, x, weight, None) == float("inf")
+    x[2, 0] = float("inf")
+    assert cpu_linear.bf16_linear_excess(ops.bf16_linear(x, packed, None, 576), x, weight, None) <= 1
 
 
 @pytest.mark.skipif(not NATIVE_BF16, reason="oneDNN has bf16 kernels for this CPU (or no native kernels)")

@@ -22,8 +22,10 @@ the native kernel instead (``kernels/csrc/linear_bf16_cpu.cpp``)::
 
 on ``packed = torch.ops.pagedpack_cpu.bf16_linear_pack(weight)`` (panels of 16 columns of W^T, bf16,
 the weight's size): exact bf16 products summed in fp32 and rounded once, as oneDNN's bf16 inner
-product, at 60-118 GFLOP/s on those two cores from 5 rows up, 1.2-1.8x ``F.linear``'s speed at one
-row, 4-6.5x from 5 rows (``benchmarks/linear.py --dtype bfloat16``; docs/cpu-kernels.md).
+product. ``benchmarks/linear.py --quick --dtype bfloat16`` (AMD EPYC, AVX2, 2 threads, load 0.42): 0.31
+of ``F.linear``'s time at decode row counts and 0.17 at prefill ones (geometric means over SmolLM2's and
+W1's shapes; 110-122 GFLOP/s from 256 rows), 0.53-0.73 at one row, but 1.1-1.2x at one row on the
+narrow k/v projections, which a served step merges into the qkv GEMM (docs/cpu-kernels.md).
 
 Measured with ``benchmarks/linear.py`` (2 threads on an AMD EPYC with AVX-512, torch 2.13, load
 0.77 at the start): time of oneDNN on the packed weight over ``F.linear``'s (MKL sgemm),
@@ -158,11 +160,16 @@ def bf16_linear_excess(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """How far ``got`` is from ``F.linear(x, weight, bias)`` in bf16, over what two fp32 sums of the exact
     products, each rounded once to bf16, may differ by: a bf16 step of the result (2**-7 of it: both
     round) plus ``K`` fp32 rounding steps of the products' absolute sum each. At most 1 when ``got`` is
-    such a sum; a wrong GEMM is off by the result's own size."""
-    expected = F.linear(x, weight, bias).float()
+    such a sum; a wrong GEMM is off by the result's own size. Equal values (infinities too) and NaN where
+    ``F.linear`` has NaN count 0; a NaN or infinity elsewhere, infinite."""
+    if not got.numel():
+        return 0.0
+    got, expected = got.float(), F.linear(x, weight, bias).float()
     magnitude = F.linear(x.float().abs(), weight.float().abs(), None if bias is None else bias.float().abs())
     bound = 2.0 ** -7 * expected.abs() + 2 * weight.shape[1] * 2.0 ** -24 * magnitude + 1e-30
-    return ((got.float() - expected).abs() / bound).max().item() if got.numel() else 0.0
+    agree = (got == expected) | (got.isnan() & expected.isnan())
+    excess = ((got - expected).abs() / bound).nan_to_num(nan=float("inf"))
+    return torch.where(agree, 0.0, excess).max().item()
 
 
 @contextlib.contextmanager
