@@ -220,6 +220,7 @@ def test_native_bf16_linear_at_a_models_shapes_and_row_counts():
     (lambda o, p: o.bf16_linear(torch.ones(2, 8), p, None, 20), "x: expected a bfloat16 tensor [..., 8], got Float"),
     (lambda o, p: o.bf16_linear(torch.ones(2, 9).bfloat16(), p, None, 20), "x: expected a bfloat16 tensor [..., 8]"),
     (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p, None, 99), "out_features: expected a count in"),
+    (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p[:0], None, -5), "expected a count in (-1, 0] for 0"),
     (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p.float(), None, 20), "packed: expected"),
     (lambda o, p: o.bf16_linear(torch.ones(2, 8).bfloat16(), p, torch.ones(3).bfloat16(), 20),
      "bias: expected a bfloat16 tensor [20]"),

@@ -89,9 +89,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
                     "bf16_linear: packed: expected bf16_linear_pack's contiguous bfloat16 [P, K, ", kCols, "], got ",
                     packed.scalar_type(), " ", packed.sizes());
   const int64_t K = packed.size(1), panels = packed.size(0);
-  TORCH_CHECK_VALUE(out_features > (panels - 1) * kCols && out_features <= panels * kCols, "bf16_linear: ",
-                    "out_features: expected a count in (", (panels - 1) * kCols, ", ", panels * kCols,
-                    "] for ", panels, " panels, got ", out_features);
+  TORCH_CHECK_VALUE(out_features >= 0 && out_features > (panels - 1) * kCols && out_features <= panels * kCols,
+                    "bf16_linear: out_features: expected a count in (", std::max<int64_t>(-1, (panels - 1) * kCols),
+                    ", ", panels * kCols, "] for ", panels, " panels, got ", out_features);
   TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) == K, "bf16_linear: x: ",
                     "expected a bfloat16 tensor [..., ", K, "], got ", x.scalar_type(), " ", x.sizes());
   at::Tensor bias_f;  // fp32, padded to whole panels
