@@ -156,15 +156,17 @@ def unpack_bf16_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(panels * cols, k)[:out_features]
 
 
-def bf16_linear_excess(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+def bf16_linear_excess(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       expected: torch.Tensor | None = None) -> float:
     """How far ``got`` is from ``F.linear(x, weight, bias)`` in bf16, over what two fp32 sums of the exact
     products, each rounded once to bf16, may differ by: a bf16 step of the result (2**-7 of it: both
     round) plus ``K`` fp32 rounding steps of the products' absolute sum each. At most 1 when ``got`` is
     such a sum; a wrong GEMM is off by the result's own size. Equal values (infinities too) and NaN where
-    ``F.linear`` has NaN count 0; a NaN or infinity elsewhere, infinite."""
+    ``F.linear`` has NaN count 0; a NaN or infinity elsewhere, infinite. ``expected``: that ``F.linear``
+    result where the caller has it."""
     if not got.numel():
         return 0.0
-    got, expected = got.float(), F.linear(x, weight, bias).float()
+    got, expected = got.float(), (F.linear(x, weight, bias) if expected is None else expected).float()
     magnitude = F.linear(x.float().abs(), weight.float().abs(), None if bias is None else bias.float().abs())
     bound = 2.0 ** -7 * expected.abs() + 2 * weight.shape[1] * 2.0 ** -24 * magnitude + 1e-30
     agree = (got == expected) | (got.isnan() & expected.isnan())
@@ -187,8 +189,9 @@ def native_linears_as_f_linear(graph_module: torch.fx.GraphModule) -> Iterator[l
 
     def checked_bf16_linear(x, packed, bias, out_features):
         weight = unpack_bf16_weight(packed, out_features)
-        excess.append(bf16_linear_excess(native.bf16_linear(x, packed, bias, out_features), x, weight, bias))
-        return F.linear(x, weight, bias)
+        expected = F.linear(x, weight, bias)
+        excess.append(bf16_linear_excess(native.bf16_linear(x, packed, bias, out_features), x, weight, bias, expected))
+        return expected
 
     for module in graph_module.modules() if native is not None else ():
         if isinstance(module, torch.fx.GraphModule):
