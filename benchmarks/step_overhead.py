@@ -9,8 +9,9 @@ kernels' time (attention, cache writes, norms, rotary, activation: ``pagedpack_c
 ``pagedpack::`` ops), leaving metadata, scheduling, sampling, output processing and the step
 program's Python and ATen calls. A kernel's time is its call's whole time, the ATen calls it
 makes included; kernels called by another kernel count once, in their caller. Default model: the
-built-in tiny one. Prints one JSON object with the top ops by self time. Run:
-``python benchmarks/step_overhead.py [--model M]``.
+built-in tiny one; ``--dtype`` as ``LLM``'s (the native bf16 GEMM, ``pagedpack_cpu::bf16_linear``, counts as
+a GEMM). Prints one JSON object with the top ops by self time. Run:
+``python benchmarks/step_overhead.py [--model M] [--dtype bfloat16] [--num-seqs N]``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pagedpack.kernels.native import status
 from common import load_1min
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_mkl_linear",
-            "mkl::_mkl_linear")
+            "mkl::_mkl_linear", "pagedpack_cpu::bf16_linear")
 NATIVE_PREFIXES = ("pagedpack_cpu::", "pagedpack::")
 
 
@@ -57,10 +58,11 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     args = parser.parse_args()
     load = load_1min()
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, dtype=args.dtype)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 4, ignore_eos=True)
     for i in range(args.num_seqs):
@@ -83,7 +85,7 @@ def main() -> None:
     step_ms = statistics.median(times) * 1e3
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     print(json.dumps({
-        "model": args.model, "num_seqs": args.num_seqs, "context_len": args.prompt_len,
+        "model": args.model, "dtype": args.dtype, "num_seqs": args.num_seqs, "context_len": args.prompt_len,
         "step_ms": round(step_ms, 3), "gemm_ms": round(gemm_ms, 3), "fixed_overhead_ms": round(step_ms - gemm_ms, 3),
         "native_kernels_ms": round(native_ms, 3), "outside_kernels_ms": round(step_ms - gemm_ms - native_ms, 3),
         "top_self_ms_per_step": {e.key: round(e.self_cpu_time_total / 1e3 / args.steps, 3) for e in top},
