@@ -94,10 +94,14 @@ def test_generate_n_completions_and_a_kv_plot(cli, tmp_path):
     assert image.shape[:2] == (int(FIGURE_SIZE[1] * DPI), int(FIGURE_SIZE[0] * DPI))
 
 
-def test_prefix_caching_can_be_turned_off(cli):
-    result = cli("generate", "--model", "tiny", "--max-tokens", "2", "--no-enable-prefix-caching")
+def test_the_summary_says_prefix_caching_is_off_and_what_speculation_took(cli):
+    result = cli("generate", "--model", "tiny", "--max-tokens", "8", "--no-enable-prefix-caching", "--no-chat-template",
+                 "--prompt", "a b c a b c a b c", "--speculative-config", '{"num_speculative_tokens": 3}')
     assert result.returncode == 0, result.stderr
     assert re.search(r"prefix cache\s*│\s*off\s*│", result.stdout), result.stdout
+    row = re.sub(r"[\s│]+", " ", result.stdout[result.stdout.index("speculative decoding"):])
+    assert re.match(r"speculative decoding ngram, up to 3 draft tokens per request and step \(5-gram prompt lookup\): "
+                    r"\d+ of \d+ draft tokens accepted", row), row
 
 
 @pytest.mark.parametrize("args, message", [

@@ -89,6 +89,7 @@ def server(tmp_path_factory, kept):
     log = remote.log
     assert remote.process.returncode == 0 and "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     assert "timeout graceful shutdown exceeded" in log  # the never-read stream was still there to cancel
+    assert "pagedpack: speculative decoding: ngram, up to" in log  # said at start-up
 
 
 def _unread_stream(port: int, body: dict) -> socket.socket:

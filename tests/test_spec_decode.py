@@ -128,6 +128,8 @@ def test_speculative_config_takes_vllm_s_spelling_and_defaults():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 4}).prompt_lookup_min == 4
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
+    described = SpeculativeConfig.parse({"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    assert described.describe() == "ngram, up to 4 draft tokens per request and step (2- to 4-gram prompt lookup)"
 
 
 @pytest.mark.parametrize("given, message", [

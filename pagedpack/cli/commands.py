@@ -395,6 +395,11 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
                       f"a contiguous {sequences} x max_len={llm.max_model_len} preallocation takes "
                       f"{_mib(contiguous)} ({100 * used / contiguous:.1f}% of that used)"),
     ]
+    if engine.proposer is not None:
+        drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+        share = f" ({100 * accepted / drafted:.0f}%)" if drafted else ""
+        rows.append(("speculative decoding",
+                     f"{engine.proposer.config.describe()}: {accepted} of {drafted} draft tokens accepted{share}"))
     graphs = getattr(llm.program, "graphs", None)
     if graphs is not None:
         rows.append(("graph mode", graphs.describe()))

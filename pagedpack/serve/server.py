@@ -105,6 +105,9 @@ def serve(llm: LLM, config: ServingConfig, options: ServerOptions) -> int:
                          max_model_len=llm.max_model_len)
     if notice is not None:  # serving.max_model_len: the tokens the pool holds
         print(f"pagedpack: {notice}", file=sys.stderr, flush=True)
+    proposer = llm.llm_engine.proposer
+    if proposer is not None:
+        print(f"pagedpack: speculative decoding: {proposer.config.describe()}", file=sys.stderr, flush=True)
     connector = llm.llm_engine.scheduler.connector
     if connector is not None:
         print(f"pagedpack: KV connector {connector.describe()}", file=sys.stderr, flush=True)

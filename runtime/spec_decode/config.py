@@ -102,6 +102,16 @@ class SpeculativeConfig:
         """A config from JSON text (the command line's), a dict, or a config; None passes."""
         return parse_config(cls, value, "speculative_config")
 
+    def describe(self) -> str:
+        """One line for people: the method, its draft length and what it matches."""
+        model = self.model if isinstance(self.model, (str, os.PathLike)) else type(self.model).__name__
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        matched = {"ngram": f"{low if low == high else f'{low}- to {high}'}-gram prompt lookup",
+                   "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}",
+                   "draft_model": f"draft model {model}"}
+        return (f"{self.method}, up to {self.num_speculative_tokens} draft tokens per request and step "
+                f"({matched[self.method]})")
+
     def scratch_blocks_per_seq(self, block_size: int) -> int:
         """Blocks of ``block_size`` tokens a draft model's proposal writes past what its sequence
         holds (:mod:`~pagedpack.runtime.spec_decode.draft_model`): ``ceil(num_speculative_tokens / block_size)``."""
