@@ -1,12 +1,12 @@
 """Which draft tokens are worth their verification rows: a step's measured cost against each draft's
 chance of being accepted (on the host, after each step).
 
-A verification row is not free. Where a step's time grows with its rows (a CPU without bf16 GEMM
-instructions computes every row of a bf16 linear at full cost; 8 decoding streams already fill the
-GEMMs), a draft that is likely rejected costs more time than it is expected to save. The engine
-measures its decode steps (:class:`StepCost`: seconds against rows, a least-squares line refitted as
-steps come, older steps weighing less) and keeps each draft only if it raises the expected tokens
-per second of the next step (:func:`worthwhile_lengths`):
+A verification row is not free. Where a step's time grows with its rows (a CPU's GEMMs are
+compute-bound from a few rows: SmolLM2-135M in bf16 on 2 AVX2 cores from about 6, so 8 decoding
+streams already fill them), a draft that is likely rejected costs more time than it is expected to
+save. The engine measures its decode steps (:class:`StepCost`: seconds against rows, a least-squares
+line refitted as steps come, older steps weighing less) and keeps each draft only if it raises the
+expected tokens per second of the next step (:func:`worthwhile_lengths`):
 
 - a step of ``R`` rows takes ``T(R) = t0 + c * R`` seconds;
 - request ``i``'s draft token ``j`` (1-based) is kept with probability ``p_i ** j``, its acceptance
