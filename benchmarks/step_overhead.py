@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="LLM's (default: the model's)")
     args = parser.parse_args()
     load = load_1min()
 

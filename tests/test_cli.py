@@ -95,9 +95,11 @@ def test_generate_n_completions_and_a_kv_plot(cli, tmp_path):
 
 
 def test_the_summary_says_prefix_caching_is_off_and_what_speculation_took(cli):
+    """... and text of the user's (a prompt with rich's markup in it) is printed as it is, not parsed."""
     result = cli("generate", "--model", "tiny", "--max-tokens", "8", "--no-enable-prefix-caching", "--no-chat-template",
-                 "--prompt", "a b c a b c a b c", "--speculative-config", '{"num_speculative_tokens": 3}')
+                 "--prompt", "a [/] [bold]c a [/] [bold]c", "--speculative-config", '{"num_speculative_tokens": 3}')
     assert result.returncode == 0, result.stderr
+    assert "prompt: 'a [/] [bold]c a [/] [bold]c'" in result.stdout, result.stdout
     assert re.search(r"prefix cache\s*│\s*off\s*│", result.stdout), result.stdout
     row = re.sub(r"[\s│]+", " ", result.stdout[result.stdout.index("speculative decoding"):])
     assert re.match(r"speculative decoding ngram, up to 3 draft tokens per request and step \(5-gram prompt lookup\): "

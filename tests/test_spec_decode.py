@@ -130,6 +130,8 @@ def test_speculative_config_takes_vllm_s_spelling_and_defaults():
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2}).prompt_lookup_max == 2
     described = SpeculativeConfig.parse({"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     assert described.describe() == "ngram, up to 4 draft tokens per request and step (2- to 4-gram prompt lookup)"
+    drawn = SpeculativeConfig(model="/m/[/]\x1b[31m\n", num_speculative_tokens=2).describe()  # escaped for a terminal
+    assert drawn.endswith("(draft model '/m/[/]\\x1b[31m\\n')") and "\x1b" not in drawn and "\n" not in drawn
 
 
 @pytest.mark.parametrize("given, message", [

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pagedpack.chat import has_chat_template, render
@@ -214,7 +215,7 @@ def _generate(args) -> int:
     tp_size = llm.engine_args.tensor_parallel_size
     where += f", {tp_size} tensor-parallel ranks (gloo)" if tp_size > 1 else ""
     builtin = args.model in (DEFAULT_MODEL, TINY_ALIAS)
-    console.print(f"[bold]model:[/bold] {args.model}"
+    console.print(f"[bold]model:[/bold] {escape(str(args.model))}"
                   + (" (built-in, random weights: the text is noise by design)" if builtin else "")
                   + f"  [bold]target:[/bold] {llm.target}{where}")
     chat = args.chat_template and has_chat_template(llm.tokenizer)
@@ -234,7 +235,8 @@ def _generate(args) -> int:
             console.print(f"--kv-plot-step {step}: the run had {timeline.num_steps} steps; showing the busiest")
             step = None
         shown = draw_kv_timeline(timeline, args.kv_plot, step)
-        console.print(f"[bold]KV plot:[/bold] {args.kv_plot} ({timeline.num_steps} steps; blocks of step {shown})")
+        console.print(f"[bold]KV plot:[/bold] {escape(str(args.kv_plot))} ({timeline.num_steps} steps; "
+                      f"blocks of step {shown})")
     return 1 if all(o.error for o in outputs) else 0
 
 
@@ -255,9 +257,10 @@ def _stream(console: Console, deltas, prompts: dict[tuple, str], n: int) -> list
                 shown[current] = 0
                 out = whole[current[0]]
                 console.rule(f"request {current[0]}" + (f", completion {current[1]}" if n > 1 else ""))
-                console.print(f"[bold]prompt:[/bold] {prompts.get(tuple(out.prompt_token_ids), out.prompt)!r}")
+                prompt = prompts.get(tuple(out.prompt_token_ids), out.prompt)
+                console.print(f"[bold]prompt:[/bold] {escape(repr(prompt))}")
                 if current[1] is None:
-                    console.print(f"[red]error:[/red] {out.error}")
+                    console.print(f"[red]error:[/red] {escape(str(out.error))}")
                     current = None
                     continue
             completion = next(c for c in whole[current[0]].outputs if c.index == current[1])
@@ -404,7 +407,7 @@ def _summary(llm: LLM, outputs, elapsed: float) -> Table:
     if graphs is not None:
         rows.append(("graph mode", graphs.describe()))
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, escape(value))  # text, not markup: model paths, prompts and errors are the user's
     return table
 
 
@@ -430,9 +433,9 @@ def _plan(args) -> int:
         raise ValueError(f"{', '.join(sized)}: pagedpack plan sizes the KV pool from --memory; drop them")
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, num_blocks=1, memory_budget=None,
                                                         kv_cache_memory=None, keep_source_model=True))
-    table = Table(title=f"memory plan: {args.model} ({llm.target} target)", show_header=False)
+    table = Table(title=f"memory plan: {escape(str(args.model))} ({llm.target} target)", show_header=False)
     for key, value in llm.plan_memory(memory, keep_source_model=False).rows():  # as `generate` would serve
-        table.add_row(key, value)
+        table.add_row(key, escape(value))
     Console().print(table)
     Console().print(_kv_capacity(llm, memory))
     return 0

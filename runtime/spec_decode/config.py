@@ -104,7 +104,8 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for people: the method, its draft length and what it matches."""
-        model = self.model if isinstance(self.model, (str, os.PathLike)) else type(self.model).__name__
+        # a path as repr shows: its control characters escaped, never sent to a terminal as they are
+        model = repr(os.fspath(self.model)) if isinstance(self.model, (str, os.PathLike)) else type(self.model).__name__
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         matched = {"ngram": f"{low if low == high else f'{low}- to {high}'}-gram prompt lookup",
                    "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}",
