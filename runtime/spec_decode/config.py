@@ -104,14 +104,15 @@ class SpeculativeConfig:
 
     def describe(self) -> str:
         """One line for people: the method, its draft length and what it matches."""
-        # a path as repr shows: its control characters escaped, never sent to a terminal as they are
-        model = repr(os.fspath(self.model)) if isinstance(self.model, (str, os.PathLike)) else type(self.model).__name__
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        matched = {"ngram": f"{low if low == high else f'{low}- to {high}'}-gram prompt lookup",
-                   "suffix": f"suffix trees of depth {self.suffix_decoding_max_tree_depth}",
-                   "draft_model": f"draft model {model}"}
-        return (f"{self.method}, up to {self.num_speculative_tokens} draft tokens per request and step "
-                f"({matched[self.method]})")
+        if self.method == "ngram":
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            matched = f"{low if low == high else f'{low}- to {high}'}-gram prompt lookup"
+        elif self.method == "suffix":
+            matched = f"suffix trees of depth {self.suffix_decoding_max_tree_depth}"
+        else:  # a path as repr shows it: its control characters escaped, never sent to a terminal as they are
+            path = isinstance(self.model, (str, os.PathLike))
+            matched = f"draft model {repr(os.fspath(self.model)) if path else type(self.model).__name__}"
+        return f"{self.method}, up to {self.num_speculative_tokens} draft tokens per request and step ({matched})"
 
     def scratch_blocks_per_seq(self, block_size: int) -> int:
         """Blocks of ``block_size`` tokens a draft model's proposal writes past what its sequence
